@@ -1,0 +1,239 @@
+"""Configuration dataclasses, validated on construction.
+
+Everything a run depends on is one of these frozen dataclasses, so a run directory can
+record it whole (`dataclasses.asdict`) and two runs can be compared field by field.
+
+Model presets and their sources:
+- GPT-2 (Radford et al. 2019, "Language Models are Unsupervised Multitask Learners",
+  Table 2; vocabulary 50257 and context 1024 from the released `hparams.json`).
+- GPT-3 (Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1; context
+  2048, d_ff = 4 d_model, GPT-2 vocabulary). Table 2.1 lists GPT-3 XL (1.3B) with 24 heads
+  of 128, which does not multiply to d_model 2048; we use 16 heads of 128 as public
+  re-implementations do (EleutherAI GPT-Neo 1.3B). GPT-3 13B's d_model 5140 likewise
+  does not equal 40 heads x 128; we use 5120 (as Megatron-LM's GPT-3 13B recipe does).
+- BERT (Devlin et al. 2019, "BERT: Pre-training of Deep Bidirectional Transformers",
+  Section 3: Base L=12 H=768 A=12, Large L=24 H=1024 A=16; vocabulary 30522, 512
+  positions and 2 segment types from the released `bert_config.json`).
+- `gpt-tiny` and `bert-tiny` are shardemu's own test sizes: 8 heads and a vocabulary of
+  512 so that every tensor axis up to 8 divides them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+Family = Literal["gpt", "bert"]
+OptimizerName = Literal["adamw", "lamb"]
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the setting and how to fix it."""
+
+
+def _require_positive(owner: str, **values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Transformer dimensions. Symbols: L layers, d embed, A heads, d_ff mlp, V vocab."""
+
+    name: str
+    family: Family
+    vocab_size: int
+    num_layers: int
+    embed_dim: int
+    num_heads: int
+    mlp_dim: int
+    max_positions: int
+    type_vocab_size: int = 2  # BERT segment types; unused by GPT
+    layer_norm_eps: float = 1e-5
+    gelu_approximate: bool = True  # GPT-2 uses the tanh form; BERT the exact erf form
+    init_std: float = 0.02
+    param_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.family not in ("gpt", "bert"):
+            raise ConfigError(f"ModelConfig.family must be 'gpt' or 'bert', got {self.family!r}")
+        _require_positive(
+            "ModelConfig",
+            vocab_size=self.vocab_size,
+            num_layers=self.num_layers,
+            embed_dim=self.embed_dim,
+            num_heads=self.num_heads,
+            mlp_dim=self.mlp_dim,
+            max_positions=self.max_positions,
+            type_vocab_size=self.type_vocab_size,
+        )
+        if self.embed_dim % self.num_heads:
+            raise ConfigError(
+                f"ModelConfig.embed_dim={self.embed_dim} is not divisible by "
+                f"num_heads={self.num_heads}; pick heads that divide the embedding width"
+            )
+        if self.param_dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(
+                f"ModelConfig.param_dtype must be float32, bfloat16 or float16, "
+                f"got {self.param_dtype!r}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    def replace(self, **changes: object) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def pad_vocab(self, multiple: int) -> ModelConfig:
+        """Round the vocabulary up to a multiple, as Megatron-LM's
+        `--make-vocab-size-divisible-by` does, so a vocab-parallel embedding divides."""
+        _require_positive("pad_vocab", multiple=multiple)
+        padded = -(-self.vocab_size // multiple) * multiple
+        return self.replace(vocab_size=padded)
+
+
+def _gpt(name: str, layers: int, d: int, heads: int, ctx: int = 2048) -> ModelConfig:
+    return ModelConfig(
+        name=name,
+        family="gpt",
+        vocab_size=50257,
+        num_layers=layers,
+        embed_dim=d,
+        num_heads=heads,
+        mlp_dim=4 * d,
+        max_positions=ctx,
+    )
+
+
+def _bert(name: str, layers: int, d: int, heads: int) -> ModelConfig:
+    return ModelConfig(
+        name=name,
+        family="bert",
+        vocab_size=30522,
+        num_layers=layers,
+        embed_dim=d,
+        num_heads=heads,
+        mlp_dim=4 * d,
+        max_positions=512,
+        layer_norm_eps=1e-12,
+        gelu_approximate=False,
+    )
+
+
+PRESETS: dict[str, ModelConfig] = {
+    c.name: c
+    for c in (
+        ModelConfig("gpt-tiny", "gpt", 512, 2, 64, 8, 256, 128),
+        _gpt("gpt2-small", 12, 768, 12, ctx=1024),
+        _gpt("gpt2-medium", 24, 1024, 16, ctx=1024),
+        _gpt("gpt2-large", 36, 1280, 20, ctx=1024),
+        _gpt("gpt2-xl", 48, 1600, 25, ctx=1024),
+        _gpt("gpt3-1.3b", 24, 2048, 16),
+        _gpt("gpt3-13b", 40, 5120, 40),
+        _gpt("gpt3-175b", 96, 12288, 96),
+        ModelConfig(
+            "bert-tiny", "bert", 512, 2, 64, 8, 256, 128, layer_norm_eps=1e-12,
+            gelu_approximate=False,
+        ),
+        _bert("bert-base", 12, 768, 12),
+        _bert("bert-large", 24, 1024, 16),
+    )
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """The preset called `name`, or an error listing the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        known = ", ".join(PRESETS)
+        raise ConfigError(f"unknown model {name!r}; known presets: {known}") from None
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How a model is decomposed (MISSION.md, IPU-POD section): `pipe` pipeline stages,
+    `tensor` shards, `replica` data-parallel replicas. Devices used = pipe*tensor*replica."""
+
+    pipe: int = 1
+    tensor: int = 1
+    replica: int = 1
+
+    def __post_init__(self) -> None:
+        _require_positive("Parallelism", pipe=self.pipe, tensor=self.tensor, replica=self.replica)
+
+    @property
+    def num_devices(self) -> int:
+        return self.pipe * self.tensor * self.replica
+
+    def axis_sizes(self) -> dict[str, int]:
+        return {"pipe": self.pipe, "tensor": self.tensor, "replica": self.replica}
+
+    @classmethod
+    def parse(cls, text: str) -> Parallelism:
+        """Parse `pipe=P,tensor=T,replica=R` (any subset; missing axes are 1)."""
+        sizes: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if not sep or key not in ("pipe", "tensor", "replica"):
+                raise ConfigError(
+                    f"bad mesh item {part!r} in {text!r}; expected pipe=P,tensor=T,replica=R"
+                )
+            if key in sizes:
+                raise ConfigError(f"mesh axis {key!r} given twice in {text!r}")
+            try:
+                sizes[key] = int(value)
+            except ValueError:
+                raise ConfigError(
+                    f"mesh axis {key!r} needs an integer size, got {value!r} in {text!r}"
+                ) from None
+        return cls(**sizes)
+
+    def __str__(self) -> str:
+        return f"pipe={self.pipe},tensor={self.tensor},replica={self.replica}"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. `batch` is the global batch (sequences per step, all replicas)."""
+
+    steps: int = 20
+    batch: int = 8
+    seq: int = 64
+    seed: int = 0
+    optimizer: OptimizerName = "adamw"
+    learning_rate: float = 3e-3
+    warmup_steps: int = 0
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require_positive("TrainConfig", steps=self.steps, batch=self.batch, seq=self.seq)
+        if self.optimizer not in ("adamw", "lamb"):
+            raise ConfigError(f"optimizer must be 'adamw' or 'lamb', got {self.optimizer!r}")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"learning_rate must be positive, got {self.learning_rate}")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
+            raise ConfigError(
+                "warmup_steps and weight_decay must be >= 0 and grad_clip > 0, got "
+                f"{self.warmup_steps}, {self.weight_decay}, {self.grad_clip}"
+            )
+
+    def check_fits(self, model: ModelConfig, parallelism: Parallelism) -> None:
+        """Refuse settings the model or mesh cannot take, before anything compiles."""
+        if self.seq > model.max_positions:
+            raise ConfigError(
+                f"--seq {self.seq} exceeds {model.name}'s {model.max_positions} positions; "
+                f"use --seq <= {model.max_positions}"
+            )
+        if model.family == "bert" and self.seq < 8:
+            raise ConfigError(f"BERT sentence pairs need --seq >= 8, got {self.seq}")
+        if self.batch % parallelism.replica:
+            raise ConfigError(
+                f"global --batch {self.batch} is not divisible by replica={parallelism.replica}; "
+                f"use a multiple of {parallelism.replica}"
+            )

@@ -1,0 +1,54 @@
+"""The device mesh with named axes `pipe`, `tensor`, `replica`.
+
+The physical order puts `tensor` innermost (adjacent devices) and `pipe` outermost,
+following Megatron-LM's rank order (tensor-parallel ranks fastest, pipeline ranks
+slowest; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters", Section 3.3): tensor parallelism exchanges the most data, so it gets the
+closest links. Axis types are `Auto` so GSPMD propagates shardings from the parameter
+and activation annotations; the returned object is a plain `jax.sharding.Mesh`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from shardemu.config import Parallelism
+from shardemu.devices import DeviceError
+
+PIPE = "pipe"
+TENSOR = "tensor"
+REPLICA = "replica"
+AXIS_NAMES: tuple[str, str, str] = (PIPE, REPLICA, TENSOR)
+
+
+def make_mesh(
+    pipe: int = 1,
+    tensor: int = 1,
+    replica: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A `Mesh` of shape (pipe, replica, tensor) over `devices` (default: all of JAX's).
+
+    The mesh must use every given device exactly once; pass `devices=jax.devices()[:k]`
+    to build a mesh over a subset.
+    """
+    par = Parallelism(pipe=pipe, tensor=tensor, replica=replica)
+    devs = list(jax.devices() if devices is None else devices)
+    if par.num_devices != len(devs):
+        raise DeviceError(
+            f"mesh {par} needs {par.num_devices} device(s) but {len(devs)} were given; "
+            f"change the mesh so pipe*tensor*replica = {len(devs)}, or start with "
+            f"{par.num_devices} devices (shardemu.use_virtual_devices({par.num_devices}) "
+            f"or --devices {par.num_devices})"
+        )
+    grid = np.array(devs, dtype=object).reshape(pipe, replica, tensor)
+    return Mesh(grid, AXIS_NAMES, axis_types=(AxisType.Auto,) * len(AXIS_NAMES))
+
+
+def mesh_from(par: Parallelism, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """`make_mesh` from a `Parallelism`."""
+    return make_mesh(par.pipe, par.tensor, par.replica, devices=devices)

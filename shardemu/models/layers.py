@@ -1,0 +1,132 @@
+"""Transformer building blocks with logical axis names on every parameter.
+
+Shapes use one letter per dimension: b batch, s sequence (q query / k key positions),
+d embed, h heads, k head_dim, f mlp. Parameters carry `nn.LogicallyPartitioned`
+metadata, so `jax.eval_shape(module.init, ...)` yields every parameter's logical axes
+without allocating it; `shardemu.sharding` maps those names to mesh axes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from shardemu.config import ModelConfig
+from shardemu.sharding import constrain
+
+Init = Callable[..., jax.Array]
+
+ACT_BSD = ("batch", "sequence", "embed")
+ACT_BSHK = ("batch", "sequence", "heads", "head_dim")
+ACT_BSF = ("batch", "sequence", "mlp")
+
+
+def normal(std: float, axes: tuple[str, ...]) -> Init:
+    return nn.with_logical_partitioning(nn.initializers.normal(std), axes)
+
+
+def zeros(axes: tuple[str, ...]) -> Init:
+    return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
+
+
+def ones(axes: tuple[str, ...]) -> Init:
+    return nn.with_logical_partitioning(nn.initializers.ones_init(), axes)
+
+
+def dense(
+    cfg: ModelConfig,
+    features: int | tuple[int, ...],
+    kernel_axes: tuple[str, ...],
+    name: str,
+    in_axes: int | tuple[int, ...] = -1,
+    std: float | None = None,
+) -> nn.DenseGeneral:
+    """A DenseGeneral whose kernel is named `kernel_axes` and whose bias is named by the
+    output part of them."""
+    n_out = 1 if isinstance(features, int) else len(features)
+    return nn.DenseGeneral(
+        features,
+        axis=in_axes,
+        kernel_init=normal(cfg.init_std if std is None else std, kernel_axes),
+        bias_init=zeros(kernel_axes[-n_out:]),
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        name=name,
+    )
+
+
+def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(
+        epsilon=cfg.layer_norm_eps,
+        scale_init=ones(("embed",)),
+        bias_init=zeros(("embed",)),
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        name=name,
+    )
+
+
+def embed(cfg: ModelConfig, rows: int, row_axis: str, name: str) -> nn.Embed:
+    return nn.Embed(
+        rows,
+        cfg.embed_dim,
+        embedding_init=normal(cfg.init_std, (row_axis, "embed")),
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        name=name,
+    )
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention (Vaswani et al. 2017), Megatron-sharded: Q, K, V are
+    column-parallel over heads, the output projection row-parallel over heads."""
+
+    cfg: ModelConfig
+    out_std: float
+
+    @nn.compact
+    def __call__(self, x_bsd: jax.Array, mask_bqk: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        hk = (cfg.num_heads, cfg.head_dim)
+        qkv_axes = ("embed", "heads", "head_dim")
+        q_bshk = constrain(dense(cfg, hk, qkv_axes, "query")(x_bsd), ACT_BSHK)
+        k_bshk = constrain(dense(cfg, hk, qkv_axes, "key")(x_bsd), ACT_BSHK)
+        v_bshk = constrain(dense(cfg, hk, qkv_axes, "value")(x_bsd), ACT_BSHK)
+        scores_bhqk = jnp.einsum("bqhk,bshk->bhqs", q_bshk, k_bshk) / jnp.sqrt(cfg.head_dim)
+        scores_bhqk = jnp.where(mask_bqk[:, None], scores_bhqk, jnp.finfo(scores_bhqk.dtype).min)
+        probs_bhqk = jax.nn.softmax(scores_bhqk.astype(jnp.float32), axis=-1)
+        ctx_bshk = constrain(jnp.einsum("bhqs,bshk->bqhk", probs_bhqk, v_bshk), ACT_BSHK)
+        out = dense(
+            cfg, cfg.embed_dim, ("heads", "head_dim", "embed"), "out", (-2, -1), self.out_std
+        )
+        return constrain(out(ctx_bshk), ACT_BSD)
+
+
+class Mlp(nn.Module):
+    """d -> d_ff -> d with GELU; column-parallel then row-parallel over `mlp`."""
+
+    cfg: ModelConfig
+    out_std: float
+
+    @nn.compact
+    def __call__(self, x_bsd: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        h_bsf = dense(cfg, cfg.mlp_dim, ("embed", "mlp"), "fc_in")(x_bsd)
+        h_bsf = constrain(nn.gelu(h_bsf, approximate=cfg.gelu_approximate), ACT_BSF)
+        out = dense(cfg, cfg.embed_dim, ("mlp", "embed"), "fc_out", std=self.out_std)
+        return constrain(out(h_bsf), ACT_BSD)
+
+
+def layer_stack(block: type[nn.Module], cfg: ModelConfig, name: str) -> nn.Module:
+    """`cfg.num_layers` copies of `block`, parameters stacked on a leading `layers` axis
+    and applied with `nn.scan` (one traced body, whatever the depth). The block is
+    called as `block(x, mask) -> (x, None)`."""
+    scanned = nn.scan(
+        block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast,),
+        length=cfg.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+    return scanned(cfg, name=name)

@@ -1,0 +1,263 @@
+"""Logical axis names -> mesh axes: one rules table, resolved strictly.
+
+Models name every parameter and key activation dimension with a logical axis:
+
+    batch     examples in the global batch           embed     model width d
+    sequence  token positions of an activation       heads     attention heads A
+    head_dim  width of one head d/A                  mlp       feed-forward width d_ff
+    vocab     vocabulary rows V                      layers    stacked transformer layers L
+    position  rows of a learned position table       segment   rows of BERT's segment table
+    classes   outputs of a small classifier head     embed_out second width of a d x d matrix
+
+A rules table maps each logical name to a mesh axis (or None: replicated). The default,
+`megatron_rules()`, is Megatron-LM tensor parallelism (Shoeybi et al. 2019, "Megatron-LM",
+Section 3): the embedding is vocab-parallel, QKV and the first MLP matrix are
+column-parallel (split on heads / mlp), the attention output and second MLP matrix are
+row-parallel (split on their input heads / mlp), and the batch is split over `replica`.
+
+Resolution is strict, unlike flax's and t5x's: an unknown logical name, a mesh axis used
+twice in one tensor, or an axis that does not divide a dimension is an error naming the
+parameter, the dimension, the sizes and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+LogicalAxes = tuple[str | None, ...]
+
+
+class ShardingError(ValueError):
+    """A rules table cannot shard a tensor as asked; the message says what to change."""
+
+
+def megatron_rules() -> Rules:
+    """Megatron-style tensor parallelism over `tensor`, data parallelism over `replica`."""
+    return (
+        ("batch", "replica"),
+        ("sequence", None),
+        ("embed", None),
+        ("embed_out", None),
+        ("heads", "tensor"),
+        ("head_dim", None),
+        ("mlp", "tensor"),
+        ("vocab", "tensor"),
+        ("layers", None),
+        ("position", None),
+        ("segment", None),
+        ("classes", None),
+    )
+
+
+# What to suggest when a dimension does not divide, by logical name.
+_FIX_HINTS = {
+    "vocab": "pad the vocabulary (--pad-vocab 128, or ModelConfig.pad_vocab(128))",
+    "heads": "use a model whose head count the axis divides",
+    "mlp": "use a model whose MLP width the axis divides",
+    "batch": "use a global --batch that is a multiple of the axis size",
+}
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def validate_rules(rules: Rules, mesh_axis_names: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """Check a rules table and return it as a dict; duplicates and unknown axes raise."""
+    table: dict[str, tuple[str, ...]] = {}
+    for logical, axes in rules:
+        if logical in table:
+            raise ShardingError(
+                f"rules table maps logical axis {logical!r} twice; keep one entry per name"
+            )
+        for axis in _as_tuple(axes):
+            if axis not in mesh_axis_names:
+                raise ShardingError(
+                    f"rule {logical!r} -> {axes!r} names mesh axis {axis!r}, "
+                    f"but the mesh has only {tuple(mesh_axis_names)}"
+                )
+        table[logical] = _as_tuple(axes)
+    return table
+
+
+def logical_to_spec(
+    logical_axes: LogicalAxes, rules: Rules, what: str = "tensor"
+) -> PartitionSpec:
+    """The PartitionSpec for one tensor's logical axes (no size checks)."""
+    table = dict((name, _as_tuple(axes)) for name, axes in rules)
+    used: dict[str, str] = {}
+    entries: list[MeshAxes] = []
+    for name in logical_axes:
+        if name is None:
+            entries.append(None)
+            continue
+        if name not in table:
+            raise ShardingError(
+                f"{what}: logical axis {name!r} has no rule; add ({name!r}, mesh_axis or None) "
+                f"to the rules table (known: {', '.join(table)})"
+            )
+        mesh_axes = table[name]
+        for axis in mesh_axes:
+            if axis in used:
+                raise ShardingError(
+                    f"{what}: mesh axis {axis!r} would shard both {used[axis]!r} and {name!r}; "
+                    f"a mesh axis can split only one dimension of a tensor; change one rule"
+                )
+            used[axis] = name
+        entries.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return PartitionSpec(*entries)
+
+
+def check_divisible(
+    what: str,
+    shape: Sequence[int],
+    logical_axes: LogicalAxes,
+    spec: PartitionSpec,
+    axis_sizes: Mapping[str, int],
+) -> None:
+    """Raise if a sharded dimension is not divisible by its mesh axes' total size."""
+    for dim, (size, name, axes) in enumerate(zip(shape, logical_axes, spec, strict=True)):
+        n = math.prod(axis_sizes[a] for a in _as_tuple(axes))
+        if size % n:
+            hint = _FIX_HINTS.get(name or "", f"change the rule for {name!r}")
+            raise ShardingError(
+                f"{what}: dimension {dim} ({name!r}, size {size}) is not divisible by mesh "
+                f"axis {axes!r} (size {n}); {hint}, or choose a mesh axis size dividing {size}"
+            )
+
+
+def path_str(path: tuple) -> str:
+    """'blocks/attn/query/kernel' for a pytree key path."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def resolve_specs(
+    shapes: object,
+    logical: object,
+    rules: Rules,
+    axis_sizes: Mapping[str, int],
+) -> object:
+    """A PartitionSpec per leaf of `shapes` (arrays or ShapeDtypeStructs), with `logical`
+    the matching tree of logical-axis tuples. Checks every rule and every divisibility."""
+    validate_rules(rules, tuple(axis_sizes))
+
+    def one(path: tuple, shape_leaf: jax.ShapeDtypeStruct, axes: LogicalAxes) -> PartitionSpec:
+        what = f"parameter {path_str(path)!r} {tuple(shape_leaf.shape)}"
+        if len(axes) != len(shape_leaf.shape):
+            raise ShardingError(f"{what}: has {len(axes)} logical axes {axes}, expected rank")
+        spec = logical_to_spec(axes, rules, what)
+        check_divisible(what, shape_leaf.shape, axes, spec, axis_sizes)
+        return spec
+
+    return jax.tree_util.tree_map_with_path(one, shapes, logical, is_leaf=_is_axes)
+
+
+def _is_axes(x: object) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def named_shardings(mesh: Mesh, specs: object) -> object:
+    """`NamedSharding(mesh, spec)` for every spec in a tree."""
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+
+# ---- activations ---------------------------------------------------------------------
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+    "shardemu_activation_rules", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    """While tracing inside this context, `constrain` pins activations to the mesh."""
+    validate_rules(rules, mesh.axis_names)
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
+    """Annotate an activation with its logical axes; a no-op outside `activation_rules`."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    spec = logical_to_spec(logical_axes, rules, f"activation {logical_axes}")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+# ---- the parameter table -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamRow:
+    """One parameter as sharded: what `shardemu describe` prints."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    logical_axes: LogicalAxes
+    spec: PartitionSpec
+    bytes_per_device: int
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.shape)
+
+    def to_json(self) -> dict:
+        return {
+            "path": self.path,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "logical_axes": list(self.logical_axes),
+            "spec": [list(_as_tuple(a)) if isinstance(a, tuple) else a for a in self.spec],
+            "bytes_per_device": self.bytes_per_device,
+        }
+
+
+def shard_shape(shape: Sequence[int], spec: PartitionSpec, axis_sizes: Mapping[str, int]):
+    """The per-device block shape of an evenly sharded array."""
+    padded = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return tuple(
+        size // math.prod(axis_sizes[a] for a in _as_tuple(axes))
+        for size, axes in zip(shape, padded, strict=True)
+    )
+
+
+def param_table(
+    shapes: object, logical: object, specs: object, axis_sizes: Mapping[str, int]
+) -> list[ParamRow]:
+    """Rows for every parameter, in tree order."""
+    rows = []
+    flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    flat_logical = jax.tree.leaves(logical, is_leaf=_is_axes)
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    for (path, leaf), axes, spec in zip(flat_shapes, flat_logical, flat_specs, strict=True):
+        block = shard_shape(leaf.shape, spec, axis_sizes)
+        rows.append(
+            ParamRow(
+                path=path_str(path),
+                shape=tuple(leaf.shape),
+                dtype=str(leaf.dtype),
+                logical_axes=axes,
+                spec=spec,
+                bytes_per_device=math.prod(block) * leaf.dtype.itemsize,
+            )
+        )
+    return rows
