@@ -1,9 +1,11 @@
 """A deterministic synthetic corpus with learnable structure; nothing is downloaded.
 
 Text is a mixture of `topics` sparse Markov chains over the word ids: under topic t a
-word w is followed by one of `branching` successors `succ[t, w, :]`, uniformly. A model
-that learns the chains reaches a per-token loss near ln(branching) (1.39 nats for 4),
-far below the ln(V) it starts from, so the loss falls visibly within tens of steps.
+word w is followed by one of `branching` successors `succ[t, w, :]`, uniformly. The
+successors are drawn from a Zipf distribution over words (p(rank r) ~ 1/r^zipf, as word
+frequencies in natural text roughly are), so a model first learns word frequencies (the
+loss falls within tens of steps from ln(V)) and then the chains themselves, which bring
+the per-token loss towards ln(branching) (1.39 nats for 4).
 
 BERT pairs follow Devlin et al. 2019, Section 3.1 and Appendix A.1: [CLS] A [SEP] B [SEP];
 half the time B continues A's chain (IsNext, label 0), otherwise B comes from another
@@ -24,7 +26,14 @@ FIRST_WORD = 4  # ids below this are special tokens
 
 
 class SyntheticCorpus:
-    def __init__(self, vocab_size: int, seed: int = 0, topics: int = 8, branching: int = 4):
+    def __init__(
+        self,
+        vocab_size: int,
+        seed: int = 0,
+        topics: int = 8,
+        branching: int = 4,
+        zipf: float = 1.1,
+    ):
         if vocab_size < FIRST_WORD + branching:
             raise ValueError(
                 f"vocab_size {vocab_size} is too small for a synthetic corpus; "
@@ -35,7 +44,11 @@ class SyntheticCorpus:
         self.topics = topics
         self.branching = branching
         table_rng = np.random.default_rng([seed, 0xC0])
-        self.succ = table_rng.integers(FIRST_WORD, vocab_size, size=(topics, vocab_size, branching))
+        words = table_rng.permutation(np.arange(FIRST_WORD, vocab_size))
+        freq = 1.0 / np.arange(1, len(words) + 1) ** zipf
+        self.succ = table_rng.choice(
+            words, size=(topics, vocab_size, branching), p=freq / freq.sum()
+        )
 
     def _rng(self, step: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, step])

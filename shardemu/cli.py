@@ -1,0 +1,168 @@
+"""The `shardemu` command: `run`, `demo`, `describe`.
+
+Virtual devices must be requested before JAX starts its backend, so `run` sets them up
+first thing, before anything touches a device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from shardemu.config import ConfigError, Parallelism, TrainConfig, get_preset
+from shardemu.devices import DeviceError, use_virtual_devices
+from shardemu.sharding import ShardingError
+
+_USER_ERRORS = (ConfigError, ShardingError, DeviceError, FileExistsError)
+console = Console(stderr=True)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="preset name, e.g. gpt-tiny, gpt2-small, bert-base")
+    p.add_argument(
+        "--pad-vocab",
+        type=int,
+        default=None,
+        metavar="M",
+        help="round the vocabulary up to a multiple of M (Megatron's vocab padding)",
+    )
+
+
+def _model_config(args: argparse.Namespace):
+    cfg = get_preset(args.model)
+    return cfg.pad_vocab(args.pad_vocab) if args.pad_vocab else cfg
+
+
+def _run_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    p.add_argument("--devices", type=int, default=None, help="virtual CPU devices (default: the mesh size)")
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--batch", type=int, default=defaults.batch, help="global batch (all replicas)")
+    p.add_argument("--seq", type=int, default=defaults.seq, help="sequence length")
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--optimizer", choices=("adamw", "lamb"), default=defaults.optimizer)
+    p.add_argument("--lr", type=float, default=defaults.learning_rate, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=defaults.warmup_steps, help="warm-up steps")
+    p.add_argument("--out", default=None, help="run directory (default runs/<model>-<timestamp>)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardemu", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="train a model for real on a mesh of virtual devices")
+    _model_args(run)
+    run.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R (missing axes are 1)")
+    _run_args(run, TrainConfig())
+
+    demo = sub.add_parser("demo", help="a short gpt-tiny run on 8 virtual devices (tensor=2, replica=4)")
+    demo.add_argument("--steps", type=int, default=30)
+    demo.add_argument("--out", default=None, help="run directory (default runs/demo-<timestamp>)")
+
+    describe = sub.add_parser("describe", help="every parameter's shape, logical axes, spec and bytes per device")
+    _model_args(describe)
+    describe.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R")
+    describe.add_argument("--json", action="store_true", help="emit JSON instead of a table")
+    return parser
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    par = Parallelism.parse(args.mesh)
+    use_virtual_devices(args.devices or par.num_devices)
+    from shardemu.runner import fmt_value, train  # after the device count is fixed
+
+    train_cfg = TrainConfig(
+        steps=args.steps,
+        batch=args.batch,
+        seq=args.seq,
+        seed=args.seed,
+        optimizer=args.optimizer,
+        learning_rate=args.lr,
+        warmup_steps=args.warmup,
+    )
+    model_cfg = _model_config(args)
+    console.print(f"[bold]shardemu run[/] {model_cfg.name} on mesh {par}: compiling ...")
+    with Progress(
+        TextColumn("step {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("train", total=train_cfg.steps, loss="-")
+
+        def on_step(record: dict[str, Any]) -> None:
+            progress.update(task, advance=1, loss=f"{record['loss']:.4f}")
+
+        result = train(model_cfg, par, train_cfg, out=args.out, on_step=on_step)
+    table = Table(title=f"shardemu run: {model_cfg.name}", show_header=False)
+    for key, value in result.summary.items():
+        table.add_row(key, fmt_value(value))
+    Console().print(table)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from shardemu.tracking import default_run_dir
+
+    demo = argparse.Namespace(
+        model="gpt-tiny",
+        pad_vocab=None,
+        mesh="tensor=2,replica=4",
+        devices=8,
+        steps=args.steps,
+        batch=16,
+        seq=64,
+        seed=0,
+        optimizer="adamw",
+        lr=TrainConfig.learning_rate,
+        warmup=0,
+        out=args.out or default_run_dir("demo"),
+    )
+    cmd_run(demo)
+
+
+def cmd_describe(args: argparse.Namespace) -> None:
+    from shardemu.describe import describe
+
+    report = describe(_model_config(args), Parallelism.parse(args.mesh))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    table = Table(title=f"{report['model']} on mesh {report['mesh']}  (- = replicated)")
+    table.add_column("path", no_wrap=True)
+    for col in ("shape", "logical axes", "spec"):
+        table.add_column(col)
+    table.add_column("bytes/device", justify="right")
+    for row in report["params"]:
+        table.add_row(
+            row["path"],
+            "x".join(map(str, row["shape"])),
+            " ".join(row["logical_axes"]),
+            " ".join("-" if a is None else "+".join(a) if isinstance(a, list) else a for a in row["spec"]),
+            f"{row['bytes_per_device']:,}",
+        )
+    out = Console()
+    out.print(table)
+    for key in ("param_count", "param_bytes", "bytes_per_device"):
+        out.print(f"{key}: {report[key]:,}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"run": cmd_run, "demo": cmd_demo, "describe": cmd_describe}[args.command]
+    try:
+        handler(args)
+    except _USER_ERRORS as err:
+        console.print(f"[bold red]error:[/] {err}", highlight=False)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

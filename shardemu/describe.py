@@ -1,0 +1,35 @@
+"""What a model looks like on a mesh, computed from shapes alone (nothing allocated).
+
+`describe` works for any preset at any mesh size because it needs only the mesh's axis
+sizes, not its devices: GPT-3 175B on 256 devices is described in about a second.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardemu.config import ModelConfig, Parallelism
+from shardemu.engine import require_no_pipeline
+from shardemu.models import Model, param_bytes, param_count
+from shardemu.sharding import Rules, megatron_rules, param_table, resolve_specs
+
+
+def describe(model_cfg: ModelConfig, par: Parallelism, rules: Rules | None = None) -> dict[str, Any]:
+    """Every parameter's path, shape, logical axes, PartitionSpec and bytes per device,
+    with totals; the JSON that `shardemu describe --json` prints."""
+    require_no_pipeline(par)
+    rules = megatron_rules() if rules is None else rules
+    shapes, logical = Model(model_cfg).abstract_params()
+    axis_sizes = par.axis_sizes()
+    specs = resolve_specs(shapes, logical, rules, axis_sizes)
+    rows = param_table(shapes, logical, specs, axis_sizes)
+    return {
+        "model": model_cfg.name,
+        "mesh": str(par),
+        "devices": par.num_devices,
+        "param_count": param_count(shapes),
+        "param_bytes": param_bytes(shapes),
+        "bytes_per_device": sum(r.bytes_per_device for r in rows),
+        "rules": [[name, axes] for name, axes in rules],
+        "params": [r.to_json() for r in rows],
+    }

@@ -1,0 +1,132 @@
+"""A training run end to end: mesh, engine, data, steps, run directory, summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from shardemu.config import ModelConfig, Parallelism, TrainConfig
+from shardemu.data import SyntheticCorpus
+from shardemu.engine import Trainer
+from shardemu.mesh import mesh_from
+from shardemu.models import Model, param_bytes, param_count
+from shardemu.sharding import Rules
+from shardemu.tracking import RunDir, default_run_dir
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    losses: list[float]
+    summary: dict[str, Any]
+
+
+def bytes_per_device(abstract_tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        for x in jax.tree.leaves(abstract_tree)
+    )
+
+
+def train(
+    model_cfg: ModelConfig,
+    par: Parallelism,
+    train_cfg: TrainConfig,
+    out: str | Path | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    rules: Rules | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+) -> RunResult:
+    """Train `model_cfg` on a `par` mesh for `train_cfg.steps` steps and record the run."""
+    mesh = mesh_from(par, devices)
+    model = Model(model_cfg)
+    trainer = Trainer(model, mesh, train_cfg, rules)
+    params_abs, opt_abs, _ = trainer.abstract_inputs()
+    run = RunDir(out or default_run_dir(model_cfg.name))
+    tokens_per_step = train_cfg.batch * train_cfg.seq
+    run.write_config(
+        {
+            "model": dataclasses.asdict(model_cfg),
+            "parallelism": dataclasses.asdict(par),
+            "train": dataclasses.asdict(train_cfg),
+            "rules": [[name, axes] for name, axes in trainer.rules],
+            "param_count": param_count(trainer.param_shapes),
+            "param_bytes": param_bytes(trainer.param_shapes),
+            "param_bytes_per_device": bytes_per_device(params_abs),
+            "opt_state_bytes_per_device": bytes_per_device(opt_abs),
+            "device_count": mesh.size,
+            "platform": mesh.devices.flat[0].platform,
+            "devices": [str(d) for d in mesh.devices.flat],
+            "tokens_per_step": tokens_per_step,
+        }
+    )
+    t0 = time.perf_counter()
+    trainer.compiled()
+    compile_s = time.perf_counter() - t0
+    params, opt_state = trainer.init(train_cfg.seed)
+    corpus = SyntheticCorpus(model_cfg.vocab_size, seed=train_cfg.seed)
+    losses, times = [], []
+    try:
+        for step in range(train_cfg.steps):
+            batch = model.batch(corpus, step, train_cfg.batch, train_cfg.seq)
+            t0 = time.perf_counter()
+            result = trainer.step(params, opt_state, batch)
+            loss = float(result.loss)  # waits for the step to finish
+            elapsed = time.perf_counter() - t0
+            params, opt_state = result.params, result.opt_state
+            losses.append(loss)
+            times.append(elapsed)
+            record = {
+                "step": step,
+                "loss": loss,
+                "grad_norm": float(result.grad_norm),
+                "step_time_s": elapsed,
+                "tokens": tokens_per_step,
+            }
+            run.log_step(record)
+            if on_step is not None:
+                on_step(record)
+        median_s = statistics.median(times)
+        summary = {
+            "model": model_cfg.name,
+            "mesh": str(par),
+            "devices": mesh.size,
+            "param_count": param_count(trainer.param_shapes),
+            "param_bytes_per_device": bytes_per_device(params_abs),
+            "opt_state_bytes_per_device": bytes_per_device(opt_abs),
+            "steps": train_cfg.steps,
+            "global_batch": train_cfg.batch,
+            "seq": train_cfg.seq,
+            "first_loss": losses[0],
+            "final_loss": losses[-1],
+            "compile_s": compile_s,
+            "median_step_s": median_s,
+            "tokens_per_s": tokens_per_step / median_s,
+            "run_dir": str(run.path),
+        }
+        run.write_summary(summary_markdown(summary))
+    finally:
+        run.close()
+    return RunResult(run.path, losses, summary)
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    rows = "\n".join(f"| {key} | {fmt_value(value)} |" for key, value in summary.items())
+    return f"# shardemu run: {summary['model']}\n\n| field | value |\n|---|---|\n{rows}\n"
+
+
+def fmt_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)

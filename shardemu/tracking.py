@@ -1,0 +1,71 @@
+"""Run directories: every setting and every step's metrics, written as the run goes.
+
+Layout (DESIGN.md, "A run directory"): `config.json` (written before the first step),
+`metrics.jsonl` (one line per step, flushed each step, so a crashed run keeps what it
+did), `summary.md` (written at the end).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+_VERSIONED = ("shardemu", "jax", "jaxlib", "flax", "optax", "numpy", "chex")
+
+
+def versions() -> dict[str, str]:
+    """Versions of Python and of the packages a result depends on."""
+    out = {"python": platform.python_version()}
+    for pkg in _VERSIONED:
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def default_run_dir(name: str, root: str | Path = "runs") -> Path:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    return Path(root) / f"{name}-{stamp}"
+
+
+class RunDir:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if self.path.exists() and any(self.path.iterdir()):
+            raise FileExistsError(
+                f"run directory {self.path} already exists and is not empty; "
+                f"choose another --out or remove it"
+            )
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._metrics = (self.path / "metrics.jsonl").open("a", encoding="utf-8")
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        record = {
+            "created": dt.datetime.now(dt.UTC).isoformat(),
+            "argv": sys.argv,
+            "versions": versions(),
+            **config,
+        }
+        (self.path / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    def log_step(self, metrics: dict[str, Any]) -> None:
+        self._metrics.write(json.dumps(metrics) + "\n")
+        self._metrics.flush()
+
+    def write_summary(self, markdown: str) -> None:
+        (self.path / "summary.md").write_text(markdown)
+
+    def close(self) -> None:
+        self._metrics.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The per-step records of a run directory."""
+    lines = (Path(path) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
