@@ -24,7 +24,9 @@ console = Console(stderr=True)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="preset name, e.g. gpt-tiny, gpt2-small, bert-base")
+    p.add_argument(
+        "--model", required=True, help="preset name, e.g. gpt-tiny, gpt2-small, bert-base"
+    )
     p.add_argument(
         "--pad-vocab",
         type=int,
@@ -40,7 +42,9 @@ def _model_config(args: argparse.Namespace):
 
 
 def _run_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
-    p.add_argument("--devices", type=int, default=None, help="virtual CPU devices (default: the mesh size)")
+    p.add_argument(
+        "--devices", type=int, default=None, help="virtual CPU devices (default: the mesh size)"
+    )
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--batch", type=int, default=defaults.batch, help="global batch (all replicas)")
     p.add_argument("--seq", type=int, default=defaults.seq, help="sequence length")
@@ -60,11 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R (missing axes are 1)")
     _run_args(run, TrainConfig())
 
-    demo = sub.add_parser("demo", help="a short gpt-tiny run on 8 virtual devices (tensor=2, replica=4)")
+    demo = sub.add_parser(
+        "demo", help="a short gpt-tiny run on 8 virtual devices (tensor=2, replica=4)"
+    )
     demo.add_argument("--steps", type=int, default=30)
     demo.add_argument("--out", default=None, help="run directory (default runs/demo-<timestamp>)")
 
-    describe = sub.add_parser("describe", help="every parameter's shape, logical axes, spec and bytes per device")
+    describe = sub.add_parser(
+        "describe", help="every parameter's shape, logical axes, spec and bytes per device"
+    )
     _model_args(describe)
     describe.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R")
     describe.add_argument("--json", action="store_true", help="emit JSON instead of a table")
@@ -144,7 +152,9 @@ def cmd_describe(args: argparse.Namespace) -> None:
             row["path"],
             "x".join(map(str, row["shape"])),
             " ".join(row["logical_axes"]),
-            " ".join("-" if a is None else "+".join(a) if isinstance(a, list) else a for a in row["spec"]),
+            " ".join(
+                "-" if a is None else "+".join(a) if isinstance(a, list) else a for a in row["spec"]
+            ),
             f"{row['bytes_per_device']:,}",
         )
     out = Console()
@@ -159,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         handler(args)
     except _USER_ERRORS as err:
-        console.print(f"[bold red]error:[/] {err}", highlight=False)
+        console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         return 2
     return 0
 

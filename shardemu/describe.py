@@ -14,7 +14,9 @@ from shardemu.models import Model, param_bytes, param_count
 from shardemu.sharding import Rules, megatron_rules, param_table, resolve_specs
 
 
-def describe(model_cfg: ModelConfig, par: Parallelism, rules: Rules | None = None) -> dict[str, Any]:
+def describe(
+    model_cfg: ModelConfig, par: Parallelism, rules: Rules | None = None
+) -> dict[str, Any]:
     """Every parameter's path, shape, logical axes, PartitionSpec and bytes per device,
     with totals; the JSON that `shardemu describe --json` prints."""
     require_no_pipeline(par)

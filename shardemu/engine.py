@@ -66,7 +66,9 @@ class Trainer:
         axis_sizes = dict(mesh.shape)
 
         self.param_shapes, self.param_logical = model.abstract_params()
-        self.param_specs = resolve_specs(self.param_shapes, self.param_logical, self.rules, axis_sizes)
+        self.param_specs = resolve_specs(
+            self.param_shapes, self.param_logical, self.rules, axis_sizes
+        )
         self.param_shardings = named_shardings(mesh, self.param_specs)
 
         self.tx = make_optimizer(train, self.param_shapes, self.param_logical)

@@ -47,7 +47,9 @@ def scale_by_layerwise_trust_ratio(stacked: object) -> optax.GradientTransformat
     return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
 
 
-def make_optimizer(cfg: TrainConfig, params: object, logical: object) -> optax.GradientTransformation:
+def make_optimizer(
+    cfg: TrainConfig, params: object, logical: object
+) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW or LAMB with a linear warm-up to a constant rate.
 
     `params` (arrays or shapes) and `logical` (their logical axes) fix the tree structure

@@ -91,9 +91,7 @@ def validate_rules(rules: Rules, mesh_axis_names: Sequence[str]) -> dict[str, tu
     return table
 
 
-def logical_to_spec(
-    logical_axes: LogicalAxes, rules: Rules, what: str = "tensor"
-) -> PartitionSpec:
+def logical_to_spec(logical_axes: LogicalAxes, rules: Rules, what: str = "tensor") -> PartitionSpec:
     """The PartitionSpec for one tensor's logical axes (no size checks)."""
     table = dict((name, _as_tuple(axes)) for name, axes in rules)
     used: dict[str, str] = {}
@@ -115,7 +113,9 @@ def logical_to_spec(
                     f"a mesh axis can split only one dimension of a tensor; change one rule"
                 )
             used[axis] = name
-        entries.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+        entries.append(
+            None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
+        )
     return PartitionSpec(*entries)
 
 
@@ -149,18 +149,29 @@ def resolve_specs(
     axis_sizes: Mapping[str, int],
 ) -> object:
     """A PartitionSpec per leaf of `shapes` (arrays or ShapeDtypeStructs), with `logical`
-    the matching tree of logical-axis tuples. Checks every rule and every divisibility."""
+    the matching tree of logical-axis tuples. Checks every rule and every divisibility,
+    and reports all parameters that fail in one error, so they can be fixed at once."""
     validate_rules(rules, tuple(axis_sizes))
+    problems: list[str] = []
 
     def one(path: tuple, shape_leaf: jax.ShapeDtypeStruct, axes: LogicalAxes) -> PartitionSpec:
         what = f"parameter {path_str(path)!r} {tuple(shape_leaf.shape)}"
         if len(axes) != len(shape_leaf.shape):
             raise ShardingError(f"{what}: has {len(axes)} logical axes {axes}, expected rank")
         spec = logical_to_spec(axes, rules, what)
-        check_divisible(what, shape_leaf.shape, axes, spec, axis_sizes)
+        try:
+            check_divisible(what, shape_leaf.shape, axes, spec, axis_sizes)
+        except ShardingError as err:
+            problems.append(str(err))
         return spec
 
-    return jax.tree_util.tree_map_with_path(one, shapes, logical, is_leaf=_is_axes)
+    specs = jax.tree_util.tree_map_with_path(one, shapes, logical, is_leaf=_is_axes)
+    if len(problems) == 1:
+        raise ShardingError(problems[0])
+    if problems:
+        listed = "\n  ".join(problems)
+        raise ShardingError(f"{len(problems)} parameters cannot be sharded:\n  {listed}")
+    return specs
 
 
 def _is_axes(x: object) -> bool:

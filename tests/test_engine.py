@@ -54,7 +54,9 @@ def reference(tiny_model, tiny_train):
 @pytest.mark.parametrize(("tensor", "replica"), MESHES, ids=[f"t{t}r{r}" for t, r in MESHES])
 def test_sharded_equals_single_device(tiny_model, tiny_train, reference, tensor, replica):
     devices = jax.devices()[: tensor * replica]
-    trainer = Trainer(tiny_model, make_mesh(tensor=tensor, replica=replica, devices=devices), tiny_train)
+    trainer = Trainer(
+        tiny_model, make_mesh(tensor=tensor, replica=replica, devices=devices), tiny_train
+    )
     if (tensor, replica) == (2, 4):  # sharded random init equals single-device init
         params, opt_state = trainer.init(tiny_train.seed)
         chex.assert_trees_all_equal(jax.device_get(params), reference["init"])

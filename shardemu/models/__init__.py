@@ -41,7 +41,9 @@ class Model:
     module: nn.Module = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "module", GPT(self.cfg) if self.cfg.family == "gpt" else BERT(self.cfg))
+        object.__setattr__(
+            self, "module", GPT(self.cfg) if self.cfg.family == "gpt" else BERT(self.cfg)
+        )
 
     @property
     def batch_axes(self) -> dict[str, LogicalAxes]:
@@ -52,7 +54,9 @@ class Model:
         fn: Callable = gpt_loss if self.cfg.family == "gpt" else bert_loss
         return fn(self.module, params, batch)
 
-    def batch(self, corpus: SyntheticCorpus, step: int, size: int, seq: int) -> dict[str, np.ndarray]:
+    def batch(
+        self, corpus: SyntheticCorpus, step: int, size: int, seq: int
+    ) -> dict[str, np.ndarray]:
         if self.cfg.family == "gpt":
             return corpus.gpt_batch(step, size, seq)
         return corpus.bert_batch(step, size, seq)

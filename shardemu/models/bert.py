@@ -35,7 +35,9 @@ class BertLayer(nn.Module):
     @nn.compact
     def __call__(self, x_bsd: jax.Array, mask_bqk: jax.Array) -> tuple[jax.Array, None]:
         cfg = self.cfg
-        x_bsd = layer_norm(cfg, "attn_ln")(x_bsd + SelfAttention(cfg, cfg.init_std, name="attn")(x_bsd, mask_bqk))
+        x_bsd = layer_norm(cfg, "attn_ln")(
+            x_bsd + SelfAttention(cfg, cfg.init_std, name="attn")(x_bsd, mask_bqk)
+        )
         x_bsd = layer_norm(cfg, "mlp_ln")(x_bsd + Mlp(cfg, cfg.init_std, name="mlp")(x_bsd))
         return constrain(x_bsd, ACT_BSD), None
 
@@ -53,19 +55,25 @@ class BERT(nn.Module):
         word = embed(cfg, cfg.vocab_size, "vocab", "word_embeddings")
         x_bsd = (
             word(tokens_bs)
-            + embed(cfg, cfg.max_positions, "position", "position_embeddings")(jnp.arange(seq))[None]
+            + embed(cfg, cfg.max_positions, "position", "position_embeddings")(jnp.arange(seq))[
+                None
+            ]
             + embed(cfg, cfg.type_vocab_size, "segment", "token_type_embeddings")(segments_bs)
         )
         x_bsd = constrain(layer_norm(cfg, "embeddings_ln")(x_bsd), ACT_BSD)
         keys_bqk = attention_mask_bs.astype(bool)[:, None, :]
         x_bsd, _ = layer_stack(BertLayer, cfg, "layers")(x_bsd, keys_bqk)
 
-        pooled_bd = jnp.tanh(dense(cfg, cfg.embed_dim, ("embed", "embed_out"), "pooler")(x_bsd[:, 0]))
+        pooled_bd = jnp.tanh(
+            dense(cfg, cfg.embed_dim, ("embed", "embed_out"), "pooler")(x_bsd[:, 0])
+        )
         nsp_b2 = dense(cfg, 2, ("embed", "classes"), "nsp")(pooled_bd)
 
         h_bsd = dense(cfg, cfg.embed_dim, ("embed", "embed_out"), "mlm_transform")(x_bsd)
         h_bsd = layer_norm(cfg, "mlm_ln")(nn.gelu(h_bsd, approximate=cfg.gelu_approximate))
-        bias_v = self.param("mlm_bias", zeros(("vocab",)), (cfg.vocab_size,), jnp.dtype(cfg.param_dtype))
+        bias_v = self.param(
+            "mlm_bias", zeros(("vocab",)), (cfg.vocab_size,), jnp.dtype(cfg.param_dtype)
+        )
         mlm_bsv = word.attend(h_bsd) + bias_v
         return constrain(mlm_bsv, ("batch", "sequence", "vocab")), nsp_b2
 

@@ -28,7 +28,9 @@ class GPTBlock(nn.Module):
     def __call__(self, x_bsd: jax.Array, mask_bqk: jax.Array) -> tuple[jax.Array, None]:
         cfg = self.cfg
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        x_bsd = x_bsd + SelfAttention(cfg, out_std, name="attn")(layer_norm(cfg, "ln_1")(x_bsd), mask_bqk)
+        x_bsd = x_bsd + SelfAttention(cfg, out_std, name="attn")(
+            layer_norm(cfg, "ln_1")(x_bsd), mask_bqk
+        )
         x_bsd = x_bsd + Mlp(cfg, out_std, name="mlp")(layer_norm(cfg, "ln_2")(x_bsd))
         return constrain(x_bsd, ACT_BSD), None
 

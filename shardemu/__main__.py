@@ -1,0 +1,5 @@
+import sys
+
+from shardemu.cli import main
+
+sys.exit(main())

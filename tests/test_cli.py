@@ -1,0 +1,79 @@
+"""The `shardemu` command as a user types it, in fresh processes (each sets its own
+virtual device count): sharded and single-device loss curves agree, runs write their
+directories, bad input gives one clear line and exit status 2, never a traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shardemu.tracking import read_metrics
+
+
+def shardemu(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shardemu.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "bert-tiny"])
+def test_sharded_and_single_device_runs_agree(model, tmp_path):
+    common = ["run", "--model", model, "--steps", "5", "--seed", "0"]
+    sharded = shardemu(*common, "--mesh", "tensor=2,replica=4", "--out", str(tmp_path / "a"))
+    single = shardemu(
+        *common, "--mesh", "tensor=1,replica=1", "--devices", "1", "--out", str(tmp_path / "b")
+    )
+    assert sharded.returncode == 0, sharded.stderr
+    assert single.returncode == 0, single.stderr
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [r["step"] for r in a] == list(range(5))
+    for ra, rb in zip(a, b, strict=True):
+        assert abs(ra["loss"] - rb["loss"]) <= 1e-4 * abs(rb["loss"])
+    assert a[-1]["loss"] < a[0]["loss"] - 0.2  # it learns
+
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["device_count"] == 8 and config["parallelism"] == {
+        "pipe": 1,
+        "tensor": 2,
+        "replica": 4,
+    }
+    assert config["param_count"] > 0 and config["param_bytes"] == 4 * config["param_count"]
+    assert {"jax", "flax", "optax"} <= set(config["versions"])
+    assert config["train"]["batch"] == 8 and config["model"]["name"] == model
+    assert (tmp_path / "a" / "summary.md").read_text().startswith("# shardemu run")
+
+
+@pytest.mark.parametrize(
+    ("model", "count"),
+    [("gpt2-small", 124439808), ("bert-base", 110106428), ("bert-large", 336226108)],
+)
+def test_describe_json_reports_reference_counts(model, count):
+    out = shardemu("describe", "--model", model, "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["param_count"] == count
+    assert report["bytes_per_device"] == report["param_bytes"] == 4 * count
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["run", "--model", "gpt-tiny", "--mesh", "tensor=2,replica=2", "--devices", "8"],
+            "needs 4 device(s) but 8 were given",
+        ),
+        (["run", "--model", "gpt-9000"], "unknown model 'gpt-9000'"),
+        (["run", "--model", "gpt-tiny", "--mesh", "pipe=2"], "not yet supported"),
+        (["describe", "--model", "gpt2-small", "--mesh", "tensor=8"], "--pad-vocab"),
+        (
+            ["run", "--model", "gpt-tiny", "--mesh", "replica=4", "--batch", "6"],
+            "--batch 6 is not divisible by replica=4",
+        ),
+    ],
+)
+def test_bad_input_is_one_clear_error(args, message):
+    out = shardemu(*args)
+    assert out.returncode == 2
+    assert message in " ".join(out.stderr.split())
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,51 @@
+"""Virtual devices and the mesh: shapes, axis names, and the errors users will hit."""
+
+import jax
+import pytest
+from jax.sharding import AxisType, Mesh
+
+from shardemu.config import ConfigError, Parallelism
+from shardemu.devices import DeviceError, use_virtual_devices
+from shardemu.mesh import make_mesh
+
+
+def test_mesh_has_named_axes_over_all_devices():
+    mesh = make_mesh(tensor=2, replica=4)
+    assert isinstance(mesh, Mesh)
+    assert dict(mesh.shape) == {"pipe": 1, "replica": 4, "tensor": 2}
+    assert set(mesh.devices.flat) == set(jax.devices())
+    assert all(t == AxisType.Auto for t in mesh.axis_types)
+
+
+def test_tensor_is_the_innermost_axis():
+    mesh = make_mesh(tensor=2, replica=4)
+    ids = [[d.id for d in row] for row in mesh.devices[0]]
+    assert ids[0] == [jax.devices()[0].id, jax.devices()[1].id]  # neighbours share tensor
+
+
+def test_mesh_over_a_subset():
+    assert make_mesh(tensor=2, devices=jax.devices()[:2]).size == 2
+
+
+def test_mesh_size_mismatch_names_both_numbers():
+    with pytest.raises(DeviceError, match=r"needs 4 device\(s\) but 8 were given"):
+        make_mesh(tensor=2, replica=2)
+
+
+def test_virtual_devices_cannot_change_after_start():
+    assert len(use_virtual_devices(8)) == 8  # same count: fine
+    with pytest.raises(DeviceError, match="already started with 8 CPU device"):
+        use_virtual_devices(4)
+
+
+def test_mesh_strings_parse_and_bad_ones_explain():
+    assert Parallelism.parse("pipe=2,tensor=4,replica=8").num_devices == 64
+    assert Parallelism.parse("tensor=2") == Parallelism(tensor=2)
+    for bad, msg in [
+        ("tensr=2", "bad mesh item"),
+        ("tensor=x", "integer"),
+        ("tensor=2,tensor=2", "twice"),
+        ("replica=0", "positive"),
+    ]:
+        with pytest.raises(ConfigError, match=msg):
+            Parallelism.parse(bad)

@@ -1,0 +1,142 @@
+"""The rules table: golden specs for GPT and BERT on a tensor=2 x replica=4 mesh, and
+the specific errors for conflicts, unknown names and non-dividing axes."""
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from shardemu.config import Parallelism, get_preset
+from shardemu.describe import describe
+from shardemu.sharding import (
+    ShardingError,
+    logical_to_spec,
+    megatron_rules,
+    resolve_specs,
+    validate_rules,
+)
+
+MESH_2x4 = Parallelism(tensor=2, replica=4)
+T = "tensor"
+
+# Megatron: vocab-parallel embedding, column-parallel QKV / fc_in, row-parallel out / fc_out.
+BLOCK_SPECS = {
+    "attn/query/kernel": P(None, None, T, None),
+    "attn/key/kernel": P(None, None, T, None),
+    "attn/value/kernel": P(None, None, T, None),
+    "attn/query/bias": P(None, T, None),
+    "attn/key/bias": P(None, T, None),
+    "attn/value/bias": P(None, T, None),
+    "attn/out/kernel": P(None, T, None, None),
+    "attn/out/bias": P(None, None),
+    "mlp/fc_in/kernel": P(None, None, T),
+    "mlp/fc_in/bias": P(None, T),
+    "mlp/fc_out/kernel": P(None, T, None),
+    "mlp/fc_out/bias": P(None, None),
+}
+LN = {"scale": P(None), "bias": P(None)}
+STACKED_LN = {"scale": P(None, None), "bias": P(None, None)}
+
+GPT_SPECS = {
+    "wte/embedding": P(T, None),
+    "wpe/embedding": P(None, None),
+    **{f"blocks/{k}": v for k, v in BLOCK_SPECS.items()},
+    **{f"blocks/{ln}/{k}": v for ln in ("ln_1", "ln_2") for k, v in STACKED_LN.items()},
+    **{f"ln_f/{k}": v for k, v in LN.items()},
+}
+BERT_SPECS = {
+    "word_embeddings/embedding": P(T, None),
+    "position_embeddings/embedding": P(None, None),
+    "token_type_embeddings/embedding": P(None, None),
+    **{f"embeddings_ln/{k}": v for k, v in LN.items()},
+    **{f"layers/{k}": v for k, v in BLOCK_SPECS.items()},
+    **{f"layers/{ln}/{k}": v for ln in ("attn_ln", "mlp_ln") for k, v in STACKED_LN.items()},
+    "pooler/kernel": P(None, None),
+    "pooler/bias": P(None),
+    "nsp/kernel": P(None, None),
+    "nsp/bias": P(None),
+    "mlm_transform/kernel": P(None, None),
+    "mlm_transform/bias": P(None),
+    **{f"mlm_ln/{k}": v for k, v in LN.items()},
+    "mlm_bias": P(T),
+}
+
+
+def spec_table(model: str) -> dict[str, P]:
+    report = describe(get_preset(model), MESH_2x4)
+    return {row["path"]: P(*row["spec"]) for row in report["params"]}
+
+
+@pytest.mark.parametrize(("model", "golden"), [("gpt-tiny", GPT_SPECS), ("bert-tiny", BERT_SPECS)])
+def test_megatron_specs_on_2x4_mesh(model, golden):
+    assert spec_table(model) == golden
+
+
+def test_bytes_per_device_follow_the_specs():
+    report = describe(get_preset("gpt-tiny"), MESH_2x4)
+    rows = {r["path"]: r for r in report["params"]}
+    # wte 512 x 64 float32 split in two over tensor; wpe 128 x 64 replicated.
+    assert rows["wte/embedding"]["bytes_per_device"] == 512 * 64 * 4 // 2
+    assert rows["wpe/embedding"]["bytes_per_device"] == 128 * 64 * 4
+    assert report["bytes_per_device"] == sum(r["bytes_per_device"] for r in rows.values())
+    assert report["bytes_per_device"] < report["param_bytes"]
+
+
+def test_batch_goes_over_replica():
+    assert logical_to_spec(("batch", "sequence", "embed"), megatron_rules()) == P(
+        "replica", None, None
+    )
+
+
+def test_non_dividing_axis_names_parameter_dimension_and_sizes():
+    # gpt2-small has 12 heads: tensor=8 does not divide them (its vocab is padded here,
+    # so the heads are the only failure).
+    cfg = get_preset("gpt2-small").pad_vocab(128)
+    with pytest.raises(ShardingError) as err:
+        describe(cfg, Parallelism(tensor=8))
+    msg = str(err.value)
+    assert "parameter 'blocks/attn/key/bias' (12, 12, 64): dimension 1 ('heads', size 12)" in msg
+    assert "'tensor' (size 8)" in msg
+
+
+def test_every_failing_parameter_is_reported_at_once():
+    with pytest.raises(ShardingError) as err:
+        describe(get_preset("gpt2-small"), Parallelism(tensor=8))
+    msg = str(err.value)
+    assert msg.startswith("8 parameters cannot be sharded")  # q,k,v kernels+biases, out, wte
+    assert "'wte/embedding'" in msg and "--pad-vocab" in msg
+    assert "'blocks/attn/out/kernel'" in msg
+
+
+def test_unpadded_vocab_suggests_padding():
+    with pytest.raises(ShardingError, match=r"'vocab', size 50257.*--pad-vocab"):
+        describe(get_preset("gpt2-small"), Parallelism(tensor=2))
+    assert describe(get_preset("gpt2-small").pad_vocab(128), Parallelism(tensor=2))
+
+
+def test_one_mesh_axis_cannot_shard_two_dimensions():
+    rules = (("embed", "tensor"), ("mlp", "tensor"))
+    with pytest.raises(ShardingError, match="would shard both 'embed' and 'mlp'"):
+        logical_to_spec(("embed", "mlp"), rules)
+
+
+def test_unknown_logical_axis_is_an_error():
+    with pytest.raises(ShardingError, match="'experts' has no rule"):
+        logical_to_spec(("experts",), megatron_rules())
+
+
+def test_rules_table_is_validated():
+    with pytest.raises(ShardingError, match="maps logical axis 'embed' twice"):
+        validate_rules((("embed", None), ("embed", "tensor")), ("pipe", "replica", "tensor"))
+    with pytest.raises(ShardingError, match="names mesh axis 'model'"):
+        validate_rules((("mlp", "model"),), ("pipe", "replica", "tensor"))
+
+
+def test_multi_axis_rule_divides_by_the_product():
+    import jax
+
+    shapes = {"w": jax.ShapeDtypeStruct((12, 6), "float32")}
+    logical = {"w": ("mlp", "embed")}
+    rules = (("mlp", ("tensor", "replica")), ("embed", None))
+    specs = resolve_specs(shapes, logical, rules, {"pipe": 1, "tensor": 2, "replica": 3})
+    assert specs == {"w": P(("tensor", "replica"), None)}
+    with pytest.raises(ShardingError, match="size 8"):
+        resolve_specs(shapes, logical, rules, {"pipe": 1, "tensor": 2, "replica": 4})
