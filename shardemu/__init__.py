@@ -1,0 +1,71 @@
+"""shardemu: run large-model training recipes for real on virtual JAX devices.
+
+The public API. Typical use, before anything touches a JAX device:
+
+    import shardemu
+    shardemu.use_virtual_devices(8)
+    mesh = shardemu.make_mesh(tensor=2, replica=4)       # a plain jax.sharding.Mesh
+    model = shardemu.Model(shardemu.get_preset("gpt-tiny"))
+    trainer = shardemu.Trainer(model, mesh, shardemu.TrainConfig())
+"""
+
+from shardemu.config import (
+    PRESETS,
+    ConfigError,
+    ModelConfig,
+    Parallelism,
+    TrainConfig,
+    get_preset,
+)
+from shardemu.data import SyntheticCorpus
+from shardemu.describe import describe
+from shardemu.devices import DeviceError, use_virtual_devices
+from shardemu.engine import StepResult, Trainer
+from shardemu.mesh import AXIS_NAMES, PIPE, REPLICA, TENSOR, make_mesh
+from shardemu.models import Model, param_bytes, param_count
+from shardemu.optim import make_optimizer
+from shardemu.runner import RunResult, train
+from shardemu.sharding import (
+    ShardingError,
+    activation_rules,
+    constrain,
+    logical_to_spec,
+    megatron_rules,
+    named_shardings,
+    param_table,
+    resolve_specs,
+)
+
+__all__ = [
+    "AXIS_NAMES",
+    "PIPE",
+    "PRESETS",
+    "REPLICA",
+    "TENSOR",
+    "ConfigError",
+    "DeviceError",
+    "Model",
+    "ModelConfig",
+    "Parallelism",
+    "RunResult",
+    "ShardingError",
+    "StepResult",
+    "SyntheticCorpus",
+    "TrainConfig",
+    "Trainer",
+    "activation_rules",
+    "constrain",
+    "describe",
+    "get_preset",
+    "logical_to_spec",
+    "make_mesh",
+    "make_optimizer",
+    "megatron_rules",
+    "named_shardings",
+    "param_bytes",
+    "param_count",
+    "param_table",
+    "resolve_specs",
+    "train",
+    "use_virtual_devices",
+]
