@@ -115,24 +115,21 @@ def cmd_run(args: argparse.Namespace) -> None:
     Console().print(table)
 
 
-def cmd_demo(args: argparse.Namespace) -> None:
+def demo_argv(steps: int, out: str | None) -> list[str]:
+    """The `shardemu run` command line the demo stands for."""
     from shardemu.tracking import default_run_dir
 
-    demo = argparse.Namespace(
-        model="gpt-tiny",
-        pad_vocab=None,
-        mesh="tensor=2,replica=4",
-        devices=8,
-        steps=args.steps,
-        batch=16,
-        seq=64,
-        seed=0,
-        optimizer="adamw",
-        lr=TrainConfig.learning_rate,
-        warmup=0,
-        out=args.out or default_run_dir("demo"),
-    )
-    cmd_run(demo)
+    return [
+        "run", "--model", "gpt-tiny", "--mesh", "tensor=2,replica=4", "--devices", "8",
+        "--steps", str(steps), "--batch", "16", "--seq", "64", "--seed", "0",
+        "--out", str(out or default_run_dir("demo")),
+    ]  # fmt: skip
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    argv = demo_argv(args.steps, args.out)
+    console.print(f"[dim]demo = shardemu {' '.join(argv)}[/]", highlight=False, soft_wrap=True)
+    cmd_run(build_parser().parse_args(argv))
 
 
 def cmd_describe(args: argparse.Namespace) -> None:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from shardemu import Parallelism, describe, get_preset
 from shardemu.tracking import read_metrics
 
 
@@ -41,6 +42,9 @@ def test_sharded_and_single_device_runs_agree(model, tmp_path):
     assert config["param_count"] > 0 and config["param_bytes"] == 4 * config["param_count"]
     assert {"jax", "flax", "optax"} <= set(config["versions"])
     assert config["train"]["batch"] == 8 and config["model"]["name"] == model
+    # bytes per device: JAX's NamedSharding.shard_shape (run) vs our rules table (describe)
+    described = describe(get_preset(model), Parallelism(tensor=2, replica=4))
+    assert config["param_bytes_per_device"] == described["bytes_per_device"]
     assert (tmp_path / "a" / "summary.md").read_text().startswith("# shardemu run")
 
 

@@ -89,6 +89,9 @@ def test_params_are_sharded_as_the_rules_say(tiny_model, tiny_train):
     emb = params["wte" if tiny_model.cfg.family == "gpt" else "word_embeddings"]["embedding"]
     vocab, width = emb.shape
     assert {s.data.shape for s in emb.addressable_shards} == {(vocab // 2, width)}
+    # AdamW's moments are sharded exactly like the parameters they track.
+    adam = trainer.opt_shardings[1][0]
+    assert adam.mu == trainer.param_shardings and adam.nu == trainer.param_shardings
 
 
 def test_pipe_axis_is_refused_until_pipelines_land(tiny_model, tiny_train):

@@ -1,7 +1,12 @@
 """The rules table: golden specs for GPT and BERT on a tensor=2 x replica=4 mesh, and
 the specific errors for conflicts, unknown names and non-dividing axes."""
 
+import math
+
+import jax
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 from shardemu.config import Parallelism, get_preset
@@ -10,7 +15,9 @@ from shardemu.sharding import (
     ShardingError,
     logical_to_spec,
     megatron_rules,
+    param_table,
     resolve_specs,
+    shard_shape,
     validate_rules,
 )
 
@@ -131,8 +138,6 @@ def test_rules_table_is_validated():
 
 
 def test_multi_axis_rule_divides_by_the_product():
-    import jax
-
     shapes = {"w": jax.ShapeDtypeStruct((12, 6), "float32")}
     logical = {"w": ("mlp", "embed")}
     rules = (("mlp", ("tensor", "replica")), ("embed", None))
@@ -140,3 +145,29 @@ def test_multi_axis_rule_divides_by_the_product():
     assert specs == {"w": P(("tensor", "replica"), None)}
     with pytest.raises(ShardingError, match="size 8"):
         resolve_specs(shapes, logical, rules, {"pipe": 1, "tensor": 2, "replica": 4})
+
+
+@given(
+    dims=st.lists(st.integers(1, 48), min_size=1, max_size=4),
+    tensor=st.sampled_from([1, 2, 3, 4, 8]),
+    replica=st.sampled_from([1, 2, 4, 6]),
+)
+def test_resolution_succeeds_exactly_when_shards_tile_the_array(dims, tensor, replica):
+    names = ("batch", "heads", "embed", "mlp")[: len(dims)]  # replica, tensor, -, tensor
+    if "mlp" in names:  # heads and mlp both map to tensor: keep one per tensor
+        names = names[:1] + ("head_dim",) + names[2:]
+    shapes = {"w": jax.ShapeDtypeStruct(tuple(dims), "float32")}
+    sizes = {"pipe": 1, "tensor": tensor, "replica": replica}
+    spec = logical_to_spec(names, megatron_rules())
+    splits = [1 if a is None else sizes[a] for a in spec]
+    divisible = all(d % n == 0 for d, n in zip(dims, splits, strict=True))
+    try:
+        specs = resolve_specs(shapes, {"w": names}, megatron_rules(), sizes)
+    except ShardingError:
+        assert not divisible
+        return
+    assert divisible
+    block = shard_shape(dims, specs["w"], sizes)
+    assert [b * n for b, n in zip(block, splits, strict=True)] == dims
+    row = param_table(shapes, {"w": names}, specs, sizes)[0]
+    assert row.bytes_per_device * math.prod(splits) == 4 * math.prod(dims)
