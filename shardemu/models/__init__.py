@@ -1,13 +1,20 @@
 """GPT and BERT behind one interface: module, loss, data and the logical axes of both.
 
-Engines (resident now; pipelined, phased and streaming later) see only `Model`, so the
-same training code serves both families.
+Engines (resident, pipelined; phased and streaming later) see only `Model`, so the same
+training code serves both families. A model is three parts an engine may run apart:
+`embed(params, batch) -> (x, mask)`, `apply_layers(layer_params, x, mask) -> x` over any
+number of stacked layers (a pipeline stage runs its slice), and `head` + loss.
+
+Losses are (sum, count) terms: the loss is sum_i sums_i / counts_i. An engine that
+splits a batch (microbatches, gradient accumulation) sums the chunks' `sums` and
+divides by the counts of the whole batch, which gives exactly the big batch's gradient
+even for BERT, whose masked-LM mean is over a data-dependent number of tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -16,11 +23,13 @@ import numpy as np
 
 from shardemu.config import ModelConfig
 from shardemu.data import SyntheticCorpus
-from shardemu.models.bert import BERT, bert_loss
-from shardemu.models.gpt import GPT, gpt_loss
+from shardemu.models.bert import BERT, BertLayer, bert_loss_counts, bert_loss_sums
+from shardemu.models.gpt import GPT, GPTBlock, gpt_loss_counts, gpt_loss_sums
+from shardemu.models.layers import layer_stack
 from shardemu.sharding import LogicalAxes
 
 Batch = dict[str, jax.Array]
+LossTerms = tuple[jax.Array, ...]
 
 _BATCH_AXES: dict[str, dict[str, LogicalAxes]] = {
     "gpt": {"tokens": ("batch", "sequence"), "targets": ("batch", "sequence")},
@@ -35,35 +44,74 @@ _BATCH_AXES: dict[str, dict[str, LogicalAxes]] = {
 }
 
 
+def normalise(sums: LossTerms, counts: LossTerms) -> jax.Array:
+    """The loss from its (sum, count) terms."""
+    return sum(s / c for s, c in zip(sums, counts, strict=True))
+
+
 @dataclass(frozen=True)
 class Model:
     cfg: ModelConfig
     module: nn.Module = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "module", GPT(self.cfg) if self.cfg.family == "gpt" else BERT(self.cfg)
-        )
+        object.__setattr__(self, "module", GPT(self.cfg) if self.gpt else BERT(self.cfg))
+
+    @property
+    def gpt(self) -> bool:
+        return self.cfg.family == "gpt"
+
+    @property
+    def stack_key(self) -> str:
+        """The parameter subtree holding the stacked layers."""
+        return "blocks" if self.gpt else "layers"
 
     @property
     def batch_axes(self) -> dict[str, LogicalAxes]:
         """Logical axes of every array in a training batch."""
         return _BATCH_AXES[self.cfg.family]
 
-    def loss(self, params: dict, batch: Batch) -> jax.Array:
-        fn: Callable = gpt_loss if self.cfg.family == "gpt" else bert_loss
-        return fn(self.module, params, batch)
+    def _inputs(self, batch: Batch) -> tuple[jax.Array, ...]:
+        if self.gpt:
+            return (batch["tokens"],)
+        return batch["tokens"], batch["segments"], batch["attention_mask"]
+
+    def embed(self, params: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        """Activations [b, s, d] and attention mask ([1, s, s] causal or [b, 1, s] keys)."""
+        return self.module.apply({"params": params}, *self._inputs(batch), method="embed")
+
+    def apply_layers(self, layer_params: dict, x_bsd: jax.Array, mask: jax.Array) -> jax.Array:
+        """Run the layers stacked in `layer_params` (however many) over `x_bsd`."""
+        length = jax.tree.leaves(layer_params)[0].shape[0]
+        stack = layer_stack(GPTBlock if self.gpt else BertLayer, self.cfg, length=length)
+        return stack.apply({"params": layer_params}, x_bsd, mask)[0]
+
+    def head(self, params: dict, x_bsd: jax.Array) -> Any:
+        return self.module.apply({"params": params}, x_bsd, method="head")
+
+    def loss_sums(self, outputs: Any, batch: Batch) -> LossTerms:
+        return (gpt_loss_sums if self.gpt else bert_loss_sums)(outputs, batch)
+
+    def loss_counts(self, batch: Batch) -> LossTerms:
+        return (gpt_loss_counts if self.gpt else bert_loss_counts)(batch)
+
+    def loss(self, params: dict, batch: Batch, counts: LossTerms | None = None) -> jax.Array:
+        """The training loss; `counts` (default: this batch's) normalises the sums."""
+        x_bsd, mask = self.embed(params, batch)
+        x_bsd = self.apply_layers(params[self.stack_key], x_bsd, mask)
+        sums = self.loss_sums(self.head(params, x_bsd), batch)
+        return normalise(sums, self.loss_counts(batch) if counts is None else counts)
 
     def batch(
         self, corpus: SyntheticCorpus, step: int, size: int, seq: int
     ) -> dict[str, np.ndarray]:
-        if self.cfg.family == "gpt":
+        if self.gpt:
             return corpus.gpt_batch(step, size, seq)
         return corpus.bert_batch(step, size, seq)
 
     def _init_inputs(self) -> tuple[jax.Array, ...]:
         ids = jnp.zeros((1, min(8, self.cfg.max_positions)), jnp.int32)
-        return (ids,) if self.cfg.family == "gpt" else (ids, ids, jnp.ones_like(ids))
+        return (ids,) if self.gpt else (ids, ids, jnp.ones_like(ids))
 
     def _boxed_params(self, rng: jax.Array) -> dict:
         return self.module.init(rng, *self._init_inputs())["params"]

@@ -6,6 +6,8 @@ with a padding mask, a tanh pooler on [CLS], a next-sentence classifier, and a
 masked-LM head (dense + GELU + LayerNorm, decoder tied to the token embedding, plus an
 output bias). Names follow the reference `BertForPreTraining` so counts compare one to
 one: BERT-Base 110,106,428 and BERT-Large 336,226,108 parameters with these heads.
+
+Like GPT, the model is `embed`, the layer stack `layers`, and `head`.
 """
 
 from __future__ import annotations
@@ -35,9 +37,8 @@ class BertLayer(nn.Module):
     @nn.compact
     def __call__(self, x_bsd: jax.Array, mask_bqk: jax.Array) -> tuple[jax.Array, None]:
         cfg = self.cfg
-        x_bsd = layer_norm(cfg, "attn_ln")(
-            x_bsd + SelfAttention(cfg, cfg.init_std, name="attn")(x_bsd, mask_bqk)
-        )
+        attn = SelfAttention(cfg, cfg.init_std, name="attn")
+        x_bsd = layer_norm(cfg, "attn_ln")(x_bsd + attn(x_bsd, mask_bqk))
         x_bsd = layer_norm(cfg, "mlp_ln")(x_bsd + Mlp(cfg, cfg.init_std, name="mlp")(x_bsd))
         return constrain(x_bsd, ACT_BSD), None
 
@@ -45,51 +46,64 @@ class BertLayer(nn.Module):
 class BERT(nn.Module):
     cfg: ModelConfig
 
-    @nn.compact
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.word_embeddings = embed(cfg, cfg.vocab_size, "vocab")
+        self.position_embeddings = embed(cfg, cfg.max_positions, "position")
+        self.token_type_embeddings = embed(cfg, cfg.type_vocab_size, "segment")
+        self.embeddings_ln = layer_norm(cfg)
+        self.layers = layer_stack(BertLayer, cfg)
+        self.pooler = dense(cfg, cfg.embed_dim, ("embed", "embed_out"))
+        self.nsp = dense(cfg, 2, ("embed", "classes"))
+        self.mlm_transform = dense(cfg, cfg.embed_dim, ("embed", "embed_out"))
+        self.mlm_ln = layer_norm(cfg)
+        self.mlm_bias = self.param(
+            "mlm_bias", zeros(("vocab",)), (cfg.vocab_size,), jnp.dtype(cfg.param_dtype)
+        )
+
+    def embed(
+        self, tokens_bs: jax.Array, segments_bs: jax.Array, attention_mask_bs: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """Ids [b, s] -> activations [b, s, d] and the key padding mask [b, 1, s]."""
+        seq = tokens_bs.shape[1]
+        x_bsd = (
+            self.word_embeddings(tokens_bs)
+            + self.position_embeddings(jnp.arange(seq))[None]
+            + self.token_type_embeddings(segments_bs)
+        )
+        x_bsd = constrain(self.embeddings_ln(x_bsd), ACT_BSD)
+        return x_bsd, attention_mask_bs.astype(bool)[:, None, :]
+
+    def head(self, x_bsd: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Activations -> masked-LM logits [b, s, V] and next-sentence logits [b, 2]."""
+        nsp_b2 = self.nsp(jnp.tanh(self.pooler(x_bsd[:, 0])))
+        h_bsd = nn.gelu(self.mlm_transform(x_bsd), approximate=self.cfg.gelu_approximate)
+        mlm_bsv = self.word_embeddings.attend(self.mlm_ln(h_bsd)) + self.mlm_bias
+        return constrain(mlm_bsv, ("batch", "sequence", "vocab")), nsp_b2
+
     def __call__(
         self, tokens_bs: jax.Array, segments_bs: jax.Array, attention_mask_bs: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
-        """Returns masked-LM logits [b, s, V] and next-sentence logits [b, 2]."""
-        cfg = self.cfg
-        seq = tokens_bs.shape[1]
-        word = embed(cfg, cfg.vocab_size, "vocab", "word_embeddings")
-        x_bsd = (
-            word(tokens_bs)
-            + embed(cfg, cfg.max_positions, "position", "position_embeddings")(jnp.arange(seq))[
-                None
-            ]
-            + embed(cfg, cfg.type_vocab_size, "segment", "token_type_embeddings")(segments_bs)
-        )
-        x_bsd = constrain(layer_norm(cfg, "embeddings_ln")(x_bsd), ACT_BSD)
-        keys_bqk = attention_mask_bs.astype(bool)[:, None, :]
-        x_bsd, _ = layer_stack(BertLayer, cfg, "layers")(x_bsd, keys_bqk)
-
-        pooled_bd = jnp.tanh(
-            dense(cfg, cfg.embed_dim, ("embed", "embed_out"), "pooler")(x_bsd[:, 0])
-        )
-        nsp_b2 = dense(cfg, 2, ("embed", "classes"), "nsp")(pooled_bd)
-
-        h_bsd = dense(cfg, cfg.embed_dim, ("embed", "embed_out"), "mlm_transform")(x_bsd)
-        h_bsd = layer_norm(cfg, "mlm_ln")(nn.gelu(h_bsd, approximate=cfg.gelu_approximate))
-        bias_v = self.param(
-            "mlm_bias", zeros(("vocab",)), (cfg.vocab_size,), jnp.dtype(cfg.param_dtype)
-        )
-        mlm_bsv = word.attend(h_bsd) + bias_v
-        return constrain(mlm_bsv, ("batch", "sequence", "vocab")), nsp_b2
+        x_bsd, mask = self.embed(tokens_bs, segments_bs, attention_mask_bs)
+        x_bsd, _ = self.layers(x_bsd, mask)
+        return self.head(x_bsd)
 
 
-def bert_loss(module: BERT, params: dict, batch: dict[str, jax.Array]) -> jax.Array:
-    """Masked-LM cross-entropy averaged over masked positions, plus next-sentence
-    cross-entropy averaged over pairs (the sum BERT pre-training minimises)."""
-    mlm_bsv, nsp_b2 = module.apply(
-        {"params": params}, batch["tokens"], batch["segments"], batch["attention_mask"]
-    )
+def bert_loss_sums(
+    outputs: tuple[jax.Array, jax.Array], batch: dict[str, jax.Array]
+) -> tuple[jax.Array, ...]:
+    """Summed masked-LM cross-entropy over masked positions and summed next-sentence
+    cross-entropy; divided by `bert_loss_counts` they give BERT's pre-training loss."""
+    mlm_bsv, nsp_b2 = outputs
     ce_bs = optax.softmax_cross_entropy_with_integer_labels(
         mlm_bsv.astype(jnp.float32), batch["mlm_targets"]
     )
-    w_bs = batch["mlm_weights"].astype(jnp.float32)
-    mlm = (ce_bs * w_bs).sum() / jnp.maximum(w_bs.sum(), 1.0)
-    nsp = optax.softmax_cross_entropy_with_integer_labels(
+    nsp_b = optax.softmax_cross_entropy_with_integer_labels(
         nsp_b2.astype(jnp.float32), batch["next_sentence"]
-    ).mean()
-    return mlm + nsp
+    )
+    return (ce_bs * batch["mlm_weights"]).sum(), nsp_b.sum()
+
+
+def bert_loss_counts(batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
+    masked = jnp.maximum(batch["mlm_weights"].astype(jnp.float32).sum(), 1.0)
+    return masked, jnp.asarray(batch["next_sentence"].size, jnp.float32)

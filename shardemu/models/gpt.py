@@ -5,6 +5,9 @@ projection tied to the token embedding. Residual projections start at std
 0.02 / sqrt(2 L), as GPT-2 scales them. Parameter names follow the GPT-2 release
 (wte, wpe, ln_f) so counts compare one to one with the reference: GPT-2 small has
 124,439,808 parameters.
+
+The model is three parts so that engines can run them apart: `embed` (tokens ->
+activations and mask), the layer stack `blocks`, and `head` (activations -> logits).
 """
 
 from __future__ import annotations
@@ -28,9 +31,8 @@ class GPTBlock(nn.Module):
     def __call__(self, x_bsd: jax.Array, mask_bqk: jax.Array) -> tuple[jax.Array, None]:
         cfg = self.cfg
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        x_bsd = x_bsd + SelfAttention(cfg, out_std, name="attn")(
-            layer_norm(cfg, "ln_1")(x_bsd), mask_bqk
-        )
+        attn = SelfAttention(cfg, out_std, name="attn")
+        x_bsd = x_bsd + attn(layer_norm(cfg, "ln_1")(x_bsd), mask_bqk)
         x_bsd = x_bsd + Mlp(cfg, out_std, name="mlp")(layer_norm(cfg, "ln_2")(x_bsd))
         return constrain(x_bsd, ACT_BSD), None
 
@@ -38,24 +40,37 @@ class GPTBlock(nn.Module):
 class GPT(nn.Module):
     cfg: ModelConfig
 
-    @nn.compact
-    def __call__(self, tokens_bs: jax.Array) -> jax.Array:
-        """Token ids [b, s] -> next-token logits [b, s, V]."""
+    def setup(self) -> None:
         cfg = self.cfg
+        self.wte = embed(cfg, cfg.vocab_size, "vocab")
+        self.wpe = embed(cfg, cfg.max_positions, "position")
+        self.blocks = layer_stack(GPTBlock, cfg)
+        self.ln_f = layer_norm(cfg)
+
+    def embed(self, tokens_bs: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Token ids [b, s] -> activations [b, s, d] and the causal mask [1, s, s]."""
         seq = tokens_bs.shape[1]
-        wte = embed(cfg, cfg.vocab_size, "vocab", "wte")
-        wpe = embed(cfg, cfg.max_positions, "position", "wpe")
-        x_bsd = constrain(wte(tokens_bs) + wpe(jnp.arange(seq))[None], ACT_BSD)
-        causal_bqk = jnp.tril(jnp.ones((1, seq, seq), dtype=bool))
-        x_bsd, _ = layer_stack(GPTBlock, cfg, "blocks")(x_bsd, causal_bqk)
-        x_bsd = layer_norm(cfg, "ln_f")(x_bsd)
-        return constrain(wte.attend(x_bsd), ("batch", "sequence", "vocab"))
+        x_bsd = constrain(self.wte(tokens_bs) + self.wpe(jnp.arange(seq))[None], ACT_BSD)
+        return x_bsd, jnp.tril(jnp.ones((1, seq, seq), dtype=bool))
+
+    def head(self, x_bsd: jax.Array) -> jax.Array:
+        """Activations [b, s, d] -> next-token logits [b, s, V] (tied to wte)."""
+        logits = self.wte.attend(self.ln_f(x_bsd))
+        return constrain(logits, ("batch", "sequence", "vocab"))
+
+    def __call__(self, tokens_bs: jax.Array) -> jax.Array:
+        x_bsd, mask = self.embed(tokens_bs)
+        x_bsd, _ = self.blocks(x_bsd, mask)
+        return self.head(x_bsd)
 
 
-def gpt_loss(module: GPT, params: dict, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean causal-LM cross-entropy over every position of the global batch."""
-    logits_bsv = module.apply({"params": params}, batch["tokens"])
+def gpt_loss_sums(logits_bsv: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
+    """Summed causal-LM cross-entropy; its count is every position (`gpt_loss_counts`)."""
     ce_bs = optax.softmax_cross_entropy_with_integer_labels(
         logits_bsv.astype(jnp.float32), batch["targets"]
     )
-    return ce_bs.mean()
+    return (ce_bs.sum(),)
+
+
+def gpt_loss_counts(batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
+    return (jnp.asarray(batch["targets"].size, jnp.float32),)

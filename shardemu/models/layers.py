@@ -40,7 +40,7 @@ def dense(
     cfg: ModelConfig,
     features: int | tuple[int, ...],
     kernel_axes: tuple[str, ...],
-    name: str,
+    name: str | None = None,
     in_axes: int | tuple[int, ...] = -1,
     std: float | None = None,
 ) -> nn.DenseGeneral:
@@ -57,7 +57,7 @@ def dense(
     )
 
 
-def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
+def layer_norm(cfg: ModelConfig, name: str | None = None) -> nn.LayerNorm:
     return nn.LayerNorm(
         epsilon=cfg.layer_norm_eps,
         scale_init=ones(("embed",)),
@@ -67,7 +67,7 @@ def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
     )
 
 
-def embed(cfg: ModelConfig, rows: int, row_axis: str, name: str) -> nn.Embed:
+def embed(cfg: ModelConfig, rows: int, row_axis: str, name: str | None = None) -> nn.Embed:
     return nn.Embed(
         rows,
         cfg.embed_dim,
@@ -117,16 +117,19 @@ class Mlp(nn.Module):
         return constrain(out(h_bsf), ACT_BSD)
 
 
-def layer_stack(block: type[nn.Module], cfg: ModelConfig, name: str) -> nn.Module:
-    """`cfg.num_layers` copies of `block`, parameters stacked on a leading `layers` axis
-    and applied with `nn.scan` (one traced body, whatever the depth). The block is
-    called as `block(x, mask) -> (x, None)`."""
+def layer_stack(
+    block: type[nn.Module], cfg: ModelConfig, length: int | None = None, name: str | None = None
+) -> nn.Module:
+    """`length` (default `cfg.num_layers`) copies of `block`, parameters stacked on a
+    leading `layers` axis and applied with `nn.scan` (one traced body, whatever the
+    depth). The block is called as `block(x, mask) -> (x, None)`. A pipeline stage is a
+    stack of its own length applied to its slice of the stacked parameters."""
     scanned = nn.scan(
         block,
         variable_axes={"params": 0},
         split_rngs={"params": True},
         in_axes=(nn.broadcast,),
-        length=cfg.num_layers,
+        length=cfg.num_layers if length is None else length,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
     return scanned(cfg, name=name)
