@@ -1,0 +1,192 @@
+"""Pipeline schedules as data: who runs what, when.
+
+Each device (pipeline stage) runs an ordered program of forward (F) and backward (B)
+operations on microbatches; `simulate` places them in time with unit durations under
+the pipeline's dependencies (F of virtual stage j needs F of j-1 for that microbatch; B
+of j needs B of j+1, and the last virtual stage's B needs its own F). Everything else
+(bubble, activations held, transfers) is read off the resulting slot list, so the
+formulas below are checks, not inputs:
+
+- GPipe (Huang et al. 2019): all forwards, then all backwards. Bubble (p-1)/(m+p-1),
+  each stage holds m microbatches of activations.
+- 1F1B (PipeDream-Flush; Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN
+  Training"): p-s-1 warm-up forwards on stage s, then one forward one backward. Same
+  bubble, but stage s holds at most min(p-s, m) microbatches.
+- Interleaved 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model
+  Training on GPU Clusters", Section 2.2.2): each device holds v model chunks (virtual
+  stages s, s+p, ...); ops take 1/v of the time, bubble (p-1)/(v m + p - 1). Needs m
+  divisible by p (Megatron-LM's requirement).
+
+Symbols: p stages (devices), m microbatches, v virtual stages (chunks) per device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+from shardemu.config import ConfigError
+
+Kind = Literal["F", "B"]
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One operation: at `time` (in op durations), `stage` (device) runs `kind` for
+    `microbatch` on its model chunk `chunk` (virtual stage chunk * p + stage)."""
+
+    time: int
+    stage: int
+    microbatch: int
+    kind: Kind
+    chunk: int = 0
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    stages: int
+    microbatches: int
+    virtual: int
+    slots: tuple[Slot, ...]
+
+    @cached_property
+    def makespan(self) -> int:
+        """Time slots from the first op to the last."""
+        return 1 + max(s.time for s in self.slots)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of each device's time (every device does 2 m v ops)."""
+        busy = 2 * self.microbatches * self.virtual
+        return 1 - busy / self.makespan
+
+    def peak_activations(self, stage: int) -> float:
+        """Most microbatches' activations `stage` holds at once (F done, B not yet), in
+        units of a whole stage's activations (a chunk holds 1/v of them)."""
+        held = peak = 0
+        for slot in sorted(self.slots, key=lambda s: s.time):
+            if slot.stage == stage:
+                held += 1 if slot.kind == "F" else -1
+                peak = max(peak, held)
+        return peak / self.virtual
+
+    @property
+    def p2p_transfers(self) -> int:
+        """Point-to-point sends between devices: each F but the last virtual stage's
+        sends activations on, each B but the first's sends gradients back."""
+        last = self.stages * self.virtual - 1
+        return (
+            sum(
+                1
+                for s in self.slots
+                if (s.kind == "F" and self.virtual_stage(s) < last)
+                or (s.kind == "B" and self.virtual_stage(s) > 0)
+            )
+            if self.stages > 1
+            else 0
+        )
+
+    def virtual_stage(self, slot: Slot) -> int:
+        return slot.chunk * self.stages + slot.stage
+
+    def table(self) -> list[list[str]]:
+        """A [stage][time] grid of 'F3', 'B0', ... ('' for idle), for printing."""
+        grid = [[""] * self.makespan for _ in range(self.stages)]
+        for s in self.slots:
+            tag = f"{s.kind}{s.microbatch}" + (f".{s.chunk}" if self.virtual > 1 else "")
+            grid[s.stage][s.time] = tag
+        return grid
+
+
+Op = tuple[Kind, int, int]  # (kind, microbatch, chunk)
+
+
+def _programs(name: str, p: int, m: int, v: int) -> list[list[Op]]:
+    if name == "gpipe":
+        return [
+            [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in reversed(range(m))]
+            for _ in range(p)
+        ]
+    if name == "1f1b":
+        v = 1
+    # 1F1B and interleaved: Megatron-LM's order (schedules.py,
+    # forward_backward_pipelining_with_interleaving): the k-th forward on a device is
+    # microbatch (k // (p v)) p + k % p of chunk (k // p) % v; backwards visit chunks in
+    # reverse. Warm-up: (p - s - 1) * 2 + (v - 1) * p forwards (p - s - 1 when v = 1).
+    total = m * v
+
+    def fwd(k: int) -> Op:
+        group, within = divmod(k, p * v)
+        return ("F", group * p + within % p, (within // p) % v)
+
+    def bwd(k: int) -> Op:
+        group, within = divmod(k, p * v)
+        return ("B", group * p + within % p, v - 1 - (within // p) % v)
+
+    programs = []
+    for s in range(p):
+        warm = min(total, (p - s - 1) * 2 + (v - 1) * p if v > 1 else p - s - 1)
+        ops = [fwd(k) for k in range(warm)]
+        for k in range(total - warm):
+            ops += [fwd(warm + k), bwd(k)]
+        ops += [bwd(k) for k in range(total - warm, total)]
+        programs.append(ops)
+    return programs
+
+
+def simulate(programs: list[list[Op]], p: int, v: int) -> list[Slot]:
+    """Place each device's program in time: an op starts at the first time step after
+    its dependencies finished and its device's previous op ended."""
+    last_virtual = p * v - 1
+    done: dict[tuple[Kind, int, int], int] = {}  # (kind, microbatch, virtual stage) -> end
+    pointers = [0] * p
+    free_at = [0] * p
+    slots: list[Slot] = []
+    remaining = sum(len(prog) for prog in programs)
+    time = 0
+    while remaining:
+        finished_now = []
+        for s in range(p):
+            if pointers[s] == len(programs[s]) or free_at[s] > time:
+                continue
+            kind, mb, chunk = programs[s][pointers[s]]
+            j = chunk * p + s
+            if kind == "F":
+                deps = [("F", mb, j - 1)] if j > 0 else []
+            else:
+                deps = [("F", mb, j)] + ([("B", mb, j + 1)] if j < last_virtual else [])
+            if all(done.get(d, time + 1) <= time for d in deps):
+                slots.append(Slot(time, s, mb, kind, chunk))
+                finished_now.append(((kind, mb, j), time + 1))
+                free_at[s] = time + 1
+                pointers[s] += 1
+                remaining -= 1
+        done.update(finished_now)
+        time += 1
+        if time > 10 * (sum(len(prog) for prog in programs) + p):
+            raise RuntimeError("pipeline schedule deadlocked: a program order is invalid")
+    return slots
+
+
+def make_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """The schedule `name` for p stages, m microbatches and v chunks per device."""
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if stages < 1 or microbatches < 1 or virtual < 1:
+        raise ConfigError(
+            f"schedule needs positive stages, microbatches and virtual stages, got "
+            f"{stages}, {microbatches}, {virtual}"
+        )
+    if name != "interleaved" and virtual != 1:
+        raise ConfigError(f"{name} has one chunk per device; virtual stages need 'interleaved'")
+    if name == "interleaved" and microbatches % stages:
+        fix = stages * -(-microbatches // stages)
+        raise ConfigError(
+            f"interleaved 1F1B needs microbatches divisible by stages (Megatron-LM's rule), "
+            f"got m={microbatches}, p={stages}; use --microbatches {fix}"
+        )
+    slots = simulate(_programs(name, stages, microbatches, virtual), stages, virtual)
+    return Schedule(name, stages, microbatches, virtual, tuple(slots))
