@@ -207,12 +207,16 @@ class Parallelism:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training run. `batch` is the global batch (sequences per step, all replicas)."""
+    """One training run. `batch` is the global batch (sequences per step, all replicas):
+    batch = microbatch size * microbatches * replica * grad_accum (the source material's
+    b * r, times accumulation steps)."""
 
     steps: int = 20
     batch: int = 8
     seq: int = 64
     seed: int = 0
+    microbatches: int = 1
+    grad_accum: int = 1
     optimizer: OptimizerName = "adamw"
     learning_rate: float = 3e-3
     warmup_steps: int = 0
@@ -220,7 +224,14 @@ class TrainConfig:
     grad_clip: float = 1.0
 
     def __post_init__(self) -> None:
-        _require_positive("TrainConfig", steps=self.steps, batch=self.batch, seq=self.seq)
+        _require_positive(
+            "TrainConfig",
+            steps=self.steps,
+            batch=self.batch,
+            seq=self.seq,
+            microbatches=self.microbatches,
+            grad_accum=self.grad_accum,
+        )
         if self.optimizer not in ("adamw", "lamb"):
             raise ConfigError(f"optimizer must be 'adamw' or 'lamb', got {self.optimizer!r}")
         if self.learning_rate <= 0:
@@ -245,3 +256,14 @@ class TrainConfig:
                 f"global --batch {self.batch} is not divisible by replica={parallelism.replica}; "
                 f"use a multiple of {parallelism.replica}"
             )
+        split = parallelism.replica * self.microbatches * self.grad_accum
+        if self.batch % split:
+            raise ConfigError(
+                f"global --batch {self.batch} is not divisible by replica * microbatches * "
+                f"grad_accum = {parallelism.replica} * {self.microbatches} * {self.grad_accum}"
+                f" = {split}; use a multiple of {split}"
+            )
+
+    def microbatch_size(self, parallelism: Parallelism) -> int:
+        """Sequences per microbatch per replica (the b of b * r)."""
+        return self.batch // (parallelism.replica * self.microbatches * self.grad_accum)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from shardemu.config import ModelConfig, Parallelism
-from shardemu.engine import require_no_pipeline
 from shardemu.models import Model, param_bytes, param_count
 from shardemu.sharding import Rules, megatron_rules, param_table, resolve_specs
 
@@ -19,7 +18,6 @@ def describe(
 ) -> dict[str, Any]:
     """Every parameter's path, shape, logical axes, PartitionSpec and bytes per device,
     with totals; the JSON that `shardemu describe --json` prints."""
-    require_no_pipeline(par)
     rules = megatron_rules() if rules is None else rules
     shapes, logical = Model(model_cfg).abstract_params()
     axis_sizes = par.axis_sizes()

@@ -1,8 +1,11 @@
-"""The resident engine: all parameters and optimizer state live on the devices, sharded
+"""The training engine: all parameters and optimizer state live on the devices, sharded
 by the rules table; one `jax.jit` step runs forward, backward and the optax update.
 
-This is the reference every later engine (pipelined, phased, streaming) must agree with:
-on a 1-device mesh it *is* plain single-device `jax.jit`.
+With pipe > 1 (or microbatches > 1) the layers run as a GPipe pipeline over the `pipe`
+axis (`parallel/pipeline.py`); with grad_accum > 1 the batch is processed in chunks whose
+gradients add up to the whole batch's (`parallel/microbatch.py`). On a 1-device mesh
+with neither, the step *is* plain single-device `jax.jit`: the reference every engine
+must agree with.
 """
 
 from __future__ import annotations
@@ -11,13 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardemu.config import ConfigError, Parallelism, TrainConfig
+from shardemu.config import Parallelism, TrainConfig
 from shardemu.models import Model
 from shardemu.optim import make_optimizer
+from shardemu.parallel.microbatch import accumulate
+from shardemu.parallel.pipeline import pipelined_loss_sums
 from shardemu.sharding import (
     Rules,
     activation_rules,
@@ -33,16 +39,6 @@ def parallelism_of(mesh: Mesh) -> Parallelism:
     return Parallelism(**{name: int(size) for name, size in mesh.shape.items()})
 
 
-def require_no_pipeline(par: Parallelism) -> None:
-    """Pipeline stages are not built yet; say so instead of silently replicating."""
-    if par.pipe > 1:
-        raise ConfigError(
-            f"pipe={par.pipe}: pipeline stages over the `pipe` axis are not yet supported "
-            f"(they come with the pipeline issue); use pipe=1 and spread the devices over "
-            f"tensor and replica"
-        )
-
-
 @dataclass
 class StepResult:
     params: Any
@@ -50,6 +46,7 @@ class StepResult:
     loss: jax.Array
     grad_norm: jax.Array
     grads: Any | None
+    order: jax.Array  # pipeline order [grad_accum, m + p - 1, p] (microbatch ids, -1 idle)
 
 
 class Trainer:
@@ -59,9 +56,9 @@ class Trainer:
         self, model: Model, mesh: Mesh, train: TrainConfig, rules: Rules | None = None
     ) -> None:
         par = parallelism_of(mesh)
-        require_no_pipeline(par)
         train.check_fits(model.cfg, par)
-        self.model, self.mesh, self.train = model, mesh, train
+        self.model, self.mesh, self.train, self.par = model, mesh, train, par
+        self.pipelined = par.pipe > 1 or train.microbatches > 1
         self.rules = megatron_rules() if rules is None else rules
         axis_sizes = dict(mesh.shape)
 
@@ -124,12 +121,29 @@ class Trainer:
         }
         return params, opt_state, batch
 
+    def _loss_sums(self, params: Any, batch: dict) -> tuple[tuple[jax.Array, ...], jax.Array]:
+        if self.pipelined:
+            return pipelined_loss_sums(
+                self.model,
+                self.param_logical,
+                params,
+                batch,
+                self.par.pipe,
+                self.train.microbatches,
+            )
+        return self.model.forward_sums(params, batch), jnp.zeros((1, 1), jnp.int32)
+
     def _step_fn(self, params: Any, opt_state: Any, batch: dict, keep_grads: bool):
         with activation_rules(self.mesh, self.rules):
-            loss, grads = jax.value_and_grad(self.model.loss)(params, batch)
+            counts = self.model.loss_counts(batch)
+            loss, grads, order = accumulate(
+                self._loss_sums, counts, params, batch, self.train.grad_accum
+            )
         updates, opt_state = self.tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, loss, optax.tree.norm(grads), grads if keep_grads else None
+        grad_norm = optax.tree.norm(grads)
+        order = order.reshape(self.train.grad_accum, *order.shape[-2:])
+        return params, opt_state, loss, grad_norm, grads if keep_grads else None, order
 
     def compiled(self, keep_grads: bool = False) -> jax.stages.Compiled:
         """The step, lowered and compiled ahead of time over `abstract_inputs()`; compiled
@@ -149,6 +163,7 @@ class Trainer:
                 r,
                 r,
                 self.param_shardings if keep_grads else None,
+                r,
             ),
             donate_argnums=(0, 1),
         )

@@ -95,12 +95,15 @@ class Model:
     def loss_counts(self, batch: Batch) -> LossTerms:
         return (gpt_loss_counts if self.gpt else bert_loss_counts)(batch)
 
-    def loss(self, params: dict, batch: Batch, counts: LossTerms | None = None) -> jax.Array:
-        """The training loss; `counts` (default: this batch's) normalises the sums."""
+    def forward_sums(self, params: dict, batch: Batch) -> LossTerms:
+        """Embed, all layers, head: the summed loss terms of `batch`."""
         x_bsd, mask = self.embed(params, batch)
         x_bsd = self.apply_layers(params[self.stack_key], x_bsd, mask)
-        sums = self.loss_sums(self.head(params, x_bsd), batch)
-        return normalise(sums, self.loss_counts(batch) if counts is None else counts)
+        return self.loss_sums(self.head(params, x_bsd), batch)
+
+    def loss(self, params: dict, batch: Batch) -> jax.Array:
+        """The training loss of one batch."""
+        return normalise(self.forward_sums(params, batch), self.loss_counts(batch))
 
     def batch(
         self, corpus: SyntheticCorpus, step: int, size: int, seq: int
