@@ -1,0 +1,131 @@
+"""Pipeline parallelism executed for real: GPipe over `pipe` (with tensor and replica
+sharding inside each stage), microbatches and gradient accumulation all give the loss,
+gradients and parameters of plain single-device jax.jit on the same global batch; the
+executed order is the schedule module's GPipe order."""
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+
+from shardemu.config import ConfigError, TrainConfig, get_preset
+from shardemu.data import SyntheticCorpus
+from shardemu.engine import Trainer
+from shardemu.mesh import make_mesh
+from shardemu.models import Model
+from shardemu.optim import make_optimizer
+from shardemu.parallel.schedule import make_schedule
+from shardemu.sharding import ShardingError
+
+MESHES = [
+    (2, 1, 1),
+    (4, 1, 1),
+    (2, 2, 1),
+    (2, 1, 2),
+    (2, 2, 2),
+    (4, 1, 2),
+]  # (pipe, tensor, replica)
+CASES = [(*mesh, m, 1) for mesh in MESHES for m in (1, 2, 4)]
+CASES += [(1, 1, 1, 1, 2), (2, 1, 2, 2, 2), (2, 2, 2, 1, 2)]  # gradient accumulation
+STEPS = 3
+TRAIN = TrainConfig(batch=16, seq=16, seed=0)
+
+
+@pytest.fixture(scope="module", params=["gpt-tiny", "bert-tiny"])
+def model(request) -> Model:
+    return Model(get_preset(request.param).replace(num_layers=4))  # 4 layers: up to 4 stages
+
+
+def batches(model):
+    corpus = SyntheticCorpus(model.cfg.vocab_size, seed=TRAIN.seed)
+    return [model.batch(corpus, s, TRAIN.batch, TRAIN.seq) for s in range(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Plain single-device jax.jit, no shardings, whole batch at once."""
+    params = jax.jit(model.init_params)(jax.random.key(TRAIN.seed))
+    tx = make_optimizer(TRAIN, *model.abstract_params())
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(model.loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    init, opt_state, losses, first_grads = jax.device_get(params), tx.init(params), [], None
+    for batch in batches(model):
+        params, opt_state, loss, grads = step(params, opt_state, batch)
+        losses.append(float(loss))
+        first_grads = jax.device_get(grads) if first_grads is None else first_grads
+    return {"init": init, "losses": losses, "grads": first_grads, "final": jax.device_get(params)}
+
+
+@pytest.mark.parametrize(
+    ("pipe", "tensor", "replica", "microbatches", "accum"),
+    CASES,
+    ids=[f"p{p}t{t}r{r}-m{m}-k{k}" for p, t, r, m, k in CASES],
+)
+def test_pipelined_equals_single_device(
+    model, reference, pipe, tensor, replica, microbatches, accum
+):
+    train = TrainConfig(
+        batch=TRAIN.batch,
+        seq=TRAIN.seq,
+        seed=TRAIN.seed,
+        microbatches=microbatches,
+        grad_accum=accum,
+    )
+    devices = jax.devices()[: pipe * tensor * replica]
+    trainer = Trainer(model, make_mesh(pipe, tensor, replica, devices=devices), train)
+    params = jax.device_put(reference["init"], trainer.param_shardings)
+    opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.opt_shardings)(params)
+    for step, batch in enumerate(batches(model)):
+        result = trainer.step(params, opt_state, batch, keep_grads=True)
+        params, opt_state = result.params, result.opt_state
+        np.testing.assert_allclose(float(result.loss), reference["losses"][step], rtol=1e-5)
+        if step == 0:
+            chex.assert_trees_all_close(
+                jax.device_get(result.grads), reference["grads"], rtol=1e-4, atol=1e-6
+            )
+    # tolerance on parameters: see tests/test_engine.py (Adam near |g| ~ eps)
+    atol = 1e-2 * train.learning_rate
+    chex.assert_trees_all_close(jax.device_get(params), reference["final"], rtol=1e-4, atol=atol)
+
+    if pipe * microbatches > 1:  # the executed order is GPipe's forward wavefront
+        sched = make_schedule("gpipe", pipe, microbatches)
+        expected = np.full((pipe + microbatches - 1, pipe), -1)
+        for slot in sched.slots:
+            if slot.kind == "F":
+                expected[slot.time, slot.stage] = slot.microbatch
+        for executed in np.asarray(result.order):  # one per accumulation step
+            np.testing.assert_array_equal(executed, expected)
+
+
+def test_stage_parameters_live_on_their_pipe_slice(model):
+    trainer = Trainer(model, make_mesh(pipe=4, tensor=1, replica=2), TRAIN)
+    params = jax.device_put(
+        jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), trainer.param_shapes),
+        trainer.param_shardings,
+    )
+    kernel = params[model.stack_key]["mlp"]["fc_in"]["kernel"]  # [L=4, d, f]
+    for shard in kernel.addressable_shards:
+        stage = trainer.mesh.devices.tolist()  # [pipe][replica][tensor]
+        pipe_index = next(i for i, plane in enumerate(stage) if shard.device in np.ravel(plane))
+        assert shard.index[0] == slice(pipe_index, pipe_index + 1)  # layer s on stage s
+
+
+def test_uneven_stages_are_refused(model):
+    with pytest.raises(
+        ShardingError, match=r"'layers', size 4\) is not divisible by mesh axis 'pipe' \(size 8\)"
+    ):
+        Trainer(model, make_mesh(pipe=8), TRAIN)
+
+
+def test_batch_must_split_into_microbatches_and_accumulation(model):
+    bad = TrainConfig(batch=16, seq=16, microbatches=4, grad_accum=4)
+    with pytest.raises(
+        ConfigError, match="replica \\* microbatches \\* grad_accum = 2 \\* 4 \\* 4 = 32"
+    ):
+        Trainer(model, make_mesh(pipe=2, tensor=2, replica=2), bad)
