@@ -49,6 +49,18 @@ def _run_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     p.add_argument("--batch", type=int, default=defaults.batch, help="global batch (all replicas)")
     p.add_argument("--seq", type=int, default=defaults.seq, help="sequence length")
     p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=defaults.microbatches,
+        help="microbatches per step, run as a GPipe pipeline over the pipe axis",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=defaults.grad_accum,
+        help="gradient accumulation steps (global batch = b * M * replica * K)",
+    )
     p.add_argument("--optimizer", choices=("adamw", "lamb"), default=defaults.optimizer)
     p.add_argument("--lr", type=float, default=defaults.learning_rate, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=defaults.warmup_steps, help="warm-up steps")
@@ -89,6 +101,8 @@ def cmd_run(args: argparse.Namespace) -> None:
         batch=args.batch,
         seq=args.seq,
         seed=args.seed,
+        microbatches=args.microbatches,
+        grad_accum=args.grad_accum,
         optimizer=args.optimizer,
         learning_rate=args.lr,
         warmup_steps=args.warmup,

@@ -15,7 +15,7 @@ Model presets and their sources:
   Section 3: Base L=12 H=768 A=12, Large L=24 H=1024 A=16; vocabulary 30522, 512
   positions and 2 segment types from the released `bert_config.json`).
 - `gpt-tiny` and `bert-tiny` are shardemu's own test sizes: 8 heads and a vocabulary of
-  512 so that every tensor axis up to 8 divides them.
+  512 so that every tensor axis up to 8 divides them, 4 layers for up to 4 stages.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def _bert(name: str, layers: int, d: int, heads: int) -> ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     c.name: c
     for c in (
-        ModelConfig("gpt-tiny", "gpt", 512, 2, 64, 8, 256, 128),
+        ModelConfig("gpt-tiny", "gpt", 512, 4, 64, 8, 256, 128),
         _gpt("gpt2-small", 12, 768, 12, ctx=1024),
         _gpt("gpt2-medium", 24, 1024, 16, ctx=1024),
         _gpt("gpt2-large", 36, 1280, 20, ctx=1024),
@@ -138,7 +138,7 @@ PRESETS: dict[str, ModelConfig] = {
             "bert-tiny",
             "bert",
             512,
-            2,
+            4,
             64,
             8,
             256,

@@ -18,6 +18,8 @@ from shardemu.data import SyntheticCorpus
 from shardemu.engine import Trainer
 from shardemu.mesh import mesh_from
 from shardemu.models import Model, param_bytes, param_count
+from shardemu.parallel.pipeline import stage_plan, transfer_bytes
+from shardemu.parallel.schedule import make_schedule
 from shardemu.sharding import Rules
 from shardemu.tracking import RunDir, default_run_dir
 
@@ -53,6 +55,8 @@ def train(
     params_abs, opt_abs, _ = trainer.abstract_inputs()
     run = RunDir(out or default_run_dir(model_cfg.name))
     tokens_per_step = train_cfg.batch * train_cfg.seq
+    bubble = make_schedule("gpipe", par.pipe, train_cfg.microbatches).bubble_fraction
+    pipe_bytes = transfer_bytes(model, train_cfg, par)
     run.write_config(
         {
             "model": dataclasses.asdict(model_cfg),
@@ -67,6 +71,9 @@ def train(
             "platform": mesh.devices.flat[0].platform,
             "devices": [str(d) for d in mesh.devices.flat],
             "tokens_per_step": tokens_per_step,
+            "microbatch_size": train_cfg.microbatch_size(par),
+            "schedule": "gpipe",
+            "stage_plan": stage_plan(model, trainer.param_shapes, par.pipe),
         }
     )
     t0 = time.perf_counter()
@@ -91,6 +98,8 @@ def train(
                 "grad_norm": float(result.grad_norm),
                 "step_time_s": elapsed,
                 "tokens": tokens_per_step,
+                "bubble_fraction": bubble,
+                "pipe_bytes": pipe_bytes,
             }
             run.log_step(record)
             if on_step is not None:
@@ -106,6 +115,9 @@ def train(
             "steps": train_cfg.steps,
             "global_batch": train_cfg.batch,
             "seq": train_cfg.seq,
+            "microbatches": train_cfg.microbatches,
+            "grad_accum": train_cfg.grad_accum,
+            "bubble_fraction": bubble,
             "first_loss": losses[0],
             "final_loss": losses[-1],
             "compile_s": compile_s,

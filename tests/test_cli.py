@@ -49,6 +49,38 @@ def test_sharded_and_single_device_runs_agree(model, tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("model", "mesh", "microbatches"),
+    [("gpt-tiny", "pipe=2,tensor=2,replica=2", "4"), ("bert-tiny", "pipe=4,replica=2", "2")],
+)
+def test_pipelined_run_agrees_with_single_device(model, mesh, microbatches, tmp_path):
+    common = ["run", "--model", model, "--steps", "5", "--seed", "0"]
+    piped = shardemu(
+        *common, "--mesh", mesh, "--microbatches", microbatches, "--out", str(tmp_path / "p")
+    )
+    single = shardemu(
+        *common,
+        "--mesh",
+        "pipe=1,tensor=1,replica=1",
+        "--devices",
+        "1",
+        "--out",
+        str(tmp_path / "s"),
+    )
+    assert piped.returncode == 0, piped.stderr
+    assert single.returncode == 0, single.stderr
+    a, b = read_metrics(tmp_path / "p"), read_metrics(tmp_path / "s")
+    for ra, rb in zip(a, b, strict=True):
+        assert abs(ra["loss"] - rb["loss"]) <= 1e-4 * abs(rb["loss"])
+    pipe, m = int(mesh.split(",")[0].split("=")[1]), int(microbatches)
+    assert a[0]["bubble_fraction"] == pytest.approx((pipe - 1) / (m + pipe - 1))
+    assert a[0]["pipe_bytes"] > 0 and b[0]["pipe_bytes"] == 0 and b[0]["bubble_fraction"] == 0
+    plan = json.loads((tmp_path / "p" / "config.json").read_text())["stage_plan"]
+    assert [s["layers"] for s in plan] == [
+        [i * 4 // pipe, (i + 1) * 4 // pipe] for i in range(pipe)
+    ]
+
+
+@pytest.mark.parametrize(
     ("model", "count"),
     [("gpt2-small", 124439808), ("bert-base", 110106428), ("bert-large", 336226108)],
 )
@@ -68,7 +100,10 @@ def test_describe_json_reports_reference_counts(model, count):
             "needs 4 device(s) but 8 were given",
         ),
         (["run", "--model", "gpt-9000"], "unknown model 'gpt-9000'"),
-        (["run", "--model", "gpt-tiny", "--mesh", "pipe=2"], "not yet supported"),
+        (
+            ["run", "--model", "gpt-tiny", "--mesh", "pipe=3"],
+            "('layers', size 4) is not divisible by mesh axis 'pipe' (size 3)",
+        ),
         (["describe", "--model", "gpt2-small", "--mesh", "tensor=8"], "--pad-vocab"),
         (
             ["run", "--model", "gpt-tiny", "--mesh", "replica=4", "--batch", "6"],

@@ -94,11 +94,6 @@ def test_params_are_sharded_as_the_rules_say(tiny_model, tiny_train):
     assert adam.mu == trainer.param_shardings and adam.nu == trainer.param_shardings
 
 
-def test_pipe_axis_is_refused_until_pipelines_land(tiny_model, tiny_train):
-    with pytest.raises(ConfigError, match="pipe=2.*not yet supported"):
-        Trainer(tiny_model, make_mesh(pipe=2, tensor=2, replica=2), tiny_train)
-
-
 def test_batch_not_divisible_by_replica_is_refused(tiny_model):
     with pytest.raises(ConfigError, match="--batch 6 is not divisible by replica=4"):
         Trainer(tiny_model, make_mesh(tensor=2, replica=4), TrainConfig(batch=6, seq=16))

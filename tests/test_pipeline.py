@@ -34,7 +34,7 @@ TRAIN = TrainConfig(batch=16, seq=16, seed=0)
 
 @pytest.fixture(scope="module", params=["gpt-tiny", "bert-tiny"])
 def model(request) -> Model:
-    return Model(get_preset(request.param).replace(num_layers=4))  # 4 layers: up to 4 stages
+    return Model(get_preset(request.param))
 
 
 def batches(model):

@@ -24,23 +24,25 @@ from shardemu.sharding import (
 MESH_2x4 = Parallelism(tensor=2, replica=4)
 T = "tensor"
 
-# Megatron: vocab-parallel embedding, column-parallel QKV / fc_in, row-parallel out / fc_out.
+# Megatron: vocab-parallel embedding, column-parallel QKV / fc_in, row-parallel out / fc_out;
+# stacked layers split over pipe (contiguous blocks of layers = pipeline stages).
+L = "pipe"
 BLOCK_SPECS = {
-    "attn/query/kernel": P(None, None, T, None),
-    "attn/key/kernel": P(None, None, T, None),
-    "attn/value/kernel": P(None, None, T, None),
-    "attn/query/bias": P(None, T, None),
-    "attn/key/bias": P(None, T, None),
-    "attn/value/bias": P(None, T, None),
-    "attn/out/kernel": P(None, T, None, None),
-    "attn/out/bias": P(None, None),
-    "mlp/fc_in/kernel": P(None, None, T),
-    "mlp/fc_in/bias": P(None, T),
-    "mlp/fc_out/kernel": P(None, T, None),
-    "mlp/fc_out/bias": P(None, None),
+    "attn/query/kernel": P(L, None, T, None),
+    "attn/key/kernel": P(L, None, T, None),
+    "attn/value/kernel": P(L, None, T, None),
+    "attn/query/bias": P(L, T, None),
+    "attn/key/bias": P(L, T, None),
+    "attn/value/bias": P(L, T, None),
+    "attn/out/kernel": P(L, T, None, None),
+    "attn/out/bias": P(L, None),
+    "mlp/fc_in/kernel": P(L, None, T),
+    "mlp/fc_in/bias": P(L, T),
+    "mlp/fc_out/kernel": P(L, T, None),
+    "mlp/fc_out/bias": P(L, None),
 }
 LN = {"scale": P(None), "bias": P(None)}
-STACKED_LN = {"scale": P(None, None), "bias": P(None, None)}
+STACKED_LN = {"scale": P(L, None), "bias": P(L, None)}
 
 GPT_SPECS = {
     "wte/embedding": P(T, None),

@@ -21,13 +21,16 @@ over `pipe` (Megatron-LM likewise keeps the tied embedding on the first and last
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from shardemu.config import Parallelism, TrainConfig
 from shardemu.models import Model
 from shardemu.parallel.microbatch import merge, split
+from shardemu.parallel.schedule import make_schedule
 from shardemu.sharding import constrain
 
 BUF_AXES = ("stages", "batch", "sequence", "embed")
@@ -98,3 +101,38 @@ def pipelined_loss_sums(
     y_mbsd, order = gpipe(model, stage_params, split(x_bsd, microbatches), mask, stages)
     outputs = model.head(params, merge(y_mbsd))
     return model.loss_sums(outputs, batch), order
+
+
+def stage_plan(model: Model, shapes: Any, stages: int) -> list[dict[str, Any]]:
+    """Per stage: its layers [start, end), parameters and bytes (all tensor shards).
+    Embedding and head parameters are replicated on every stage (`shared_params`)."""
+    stack = jax.tree.leaves(shapes[model.stack_key])
+    layers = stack[0].shape[0]
+    per_layer = sum(math.prod(x.shape[1:]) for x in stack)
+    per_layer_bytes = sum(math.prod(x.shape[1:]) * x.dtype.itemsize for x in stack)
+    shared = [x for k, v in shapes.items() if k != model.stack_key for x in jax.tree.leaves(v)]
+    shared_params = sum(math.prod(x.shape) for x in shared)
+    shared_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in shared)
+    n = layers // stages
+    return [
+        {
+            "stage": s,
+            "layers": [s * n, (s + 1) * n],
+            "layer_params": n * per_layer,
+            "shared_params": shared_params,
+            "param_bytes": n * per_layer_bytes + shared_bytes,
+        }
+        for s in range(stages)
+    ]
+
+
+def transfer_bytes(model: Model, train: TrainConfig, par: Parallelism) -> int:
+    """Bytes sent between pipeline stages per step, all devices: each point-to-point
+    transfer of the GPipe schedule (activations forward, their gradients backward) moves
+    one microbatch's activations [b, s, d]; every tensor device of a stage holds a full
+    copy (activations are replicated over `tensor` between layers) and sends it, in every
+    replica and accumulation step."""
+    sched = make_schedule("gpipe", par.pipe, train.microbatches)
+    itemsize = jnp.dtype(model.cfg.param_dtype).itemsize
+    activation = train.microbatch_size(par) * train.seq * model.cfg.embed_dim * itemsize
+    return sched.p2p_transfers * activation * par.tensor * par.replica * train.grad_accum
