@@ -1,9 +1,12 @@
 """Emulation overhead: step time on 8-device meshes relative to one device.
 
 For a small GPT and a small BERT at the same global batch, every mesh runs the same
-training step (same losses, as tests/test_engine.py shows); this measures what sharding
-over virtual CPU devices costs in wall time. All meshes are measured in one process, so
-ratios compare like with like; absolute times depend on this machine and its load.
+training step (same losses, as tests/test_engine.py and tests/test_pipeline.py show);
+this measures what sharding over virtual CPU devices costs in wall time, tensor and
+replica meshes and pipelined (GPipe) ones. `flops ratio` is XLA's executed FLOPs summed
+over devices divided by the single-device step's: it shows repeated work. All meshes
+are measured in one process, so ratios compare like with like; absolute times depend on
+this machine and its load.
 
     python benchmarks/overhead.py [--steps 10] [--out benchmarks/results/overhead.json]
 """
@@ -11,6 +14,7 @@ ratios compare like with like; absolute times depend on this machine and its loa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -43,15 +47,27 @@ MODELS = [
         gelu_approximate=False,
     ),
 ]
-MESHES = [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)]  # (tensor, replica); (1, 1) is the baseline
+# (pipe, tensor, replica, microbatches); the first is the single-device baseline
+MESHES = [
+    (1, 1, 1, 1),
+    (1, 1, 8, 1),
+    (1, 2, 4, 1),
+    (1, 4, 2, 1),
+    (1, 8, 1, 1),
+    (2, 2, 2, 4),
+    (2, 1, 4, 2),
+    (4, 1, 2, 4),
+    (4, 2, 1, 4),
+]
 
 
-def time_steps(model: Model, tensor: int, replica: int, train: TrainConfig, steps: int) -> dict:
-    devices = jax.devices()[: tensor * replica]
-    trainer = Trainer(model, make_mesh(tensor=tensor, replica=replica, devices=devices), train)
+def time_steps(model: Model, mesh: tuple[int, int, int], train: TrainConfig, steps: int) -> dict:
+    devices = jax.devices()[: mesh[0] * mesh[1] * mesh[2]]
+    trainer = Trainer(model, make_mesh(*mesh, devices=devices), train)
     t0 = time.perf_counter()
-    trainer.compiled()
+    compiled = trainer.compiled()
     compile_s = time.perf_counter() - t0
+    flops_per_device = compiled.cost_analysis()["flops"]
     params, opt_state = trainer.init(train.seed)
     corpus = SyntheticCorpus(model.cfg.vocab_size, seed=train.seed)
     times, losses = [], []
@@ -63,7 +79,12 @@ def time_steps(model: Model, tensor: int, replica: int, train: TrainConfig, step
         if step >= 2:
             times.append(time.perf_counter() - t0)
         params, opt_state = result.params, result.opt_state
-    return {"median_step_s": statistics.median(times), "compile_s": compile_s, "losses": losses}
+    return {
+        "median_step_s": statistics.median(times),
+        "compile_s": compile_s,
+        "losses": losses,
+        "flops_per_device": flops_per_device,
+    }
 
 
 def main() -> None:
@@ -79,17 +100,24 @@ def main() -> None:
     for cfg in MODELS:
         model = Model(cfg)
         base = None
-        for tensor, replica in MESHES:
-            r = time_steps(model, tensor, replica, train, args.steps)
+        for pipe, tensor, replica, micro in MESHES:
+            train = dataclasses.replace(train, microbatches=micro)
+            r = time_steps(model, (pipe, tensor, replica), train, args.steps)
             base = base or r
+            devices = pipe * tensor * replica
             rows.append(
                 {
                     "model": cfg.name,
+                    "pipe": pipe,
                     "tensor": tensor,
                     "replica": replica,
-                    "devices": tensor * replica,
+                    "microbatches": micro,
+                    "devices": devices,
                     "median_step_s": r["median_step_s"],
                     "ratio_to_single_device": r["median_step_s"] / base["median_step_s"],
+                    # executed FLOPs, all devices, over the single-device step's: > 1 is
+                    # work the mesh repeats (bubble iterations, replicated embedding/head)
+                    "flops_ratio": r["flops_per_device"] * devices / base["flops_per_device"],
                     "compile_s": r["compile_s"],
                     "max_loss_rel_diff": max(
                         abs(a - b) / abs(b)
@@ -101,21 +129,26 @@ def main() -> None:
     table = Table(
         title=f"step time relative to 1 device (global batch {args.batch}, seq {args.seq})"
     )
-    for col in (
+    cols = (
         "model",
-        "mesh (t x r)",
-        "median step s",
+        "p x t x r",
+        "M",
+        "step s",
         "ratio",
+        "flops ratio",
         "compile s",
-        "max loss rel diff",
-    ):
+        "loss rel diff",
+    )
+    for col in cols:
         table.add_column(col, justify="left" if col == "model" else "right", no_wrap=True)
     for row in rows:
         table.add_row(
             row["model"],
-            f"{row['tensor']} x {row['replica']}",
+            f"{row['pipe']} x {row['tensor']} x {row['replica']}",
+            str(row["microbatches"]),
             f"{row['median_step_s']:.4f}",
             f"{row['ratio_to_single_device']:.2f}",
+            f"{row['flops_ratio']:.2f}",
             f"{row['compile_s']:.1f}",
             f"{row['max_loss_rel_diff']:.1e}",
         )
