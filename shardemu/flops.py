@@ -1,0 +1,79 @@
+"""Analytic FLOP counts of transformer training, per operation, so counts compose.
+
+Symbols: B sequences, s sequence length, T = B s tokens, d model width, f MLP width,
+A heads, k = d / A head width, V vocabulary, L layers.
+
+A matrix product [m, k] x [k, n] costs 2 m k n FLOPs (a multiply and an add per
+multiply-accumulate); its backward pass costs twice that (gradients with respect to
+both operands), so a training step without recomputation costs 3x the forward matmuls
+(Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Section 2.1 and Table 1).
+Elementwise work (LayerNorm, softmax, GELU, biases) is not counted: it is O(T d), small
+next to O(T d^2) for real model widths, and XLA's count of it depends on fusion.
+
+Cross-checks (tests/test_flops.py): for GPT with f = 4d, the sum below equals Narayanan
+et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters", Section
+5.1), 72 B s L d^2 (1 + s / (6 d) + V / (12 L d)) without recomputation; and it agrees
+with XLA's `compiled.cost_analysis()["flops"]` of the real forward and backward pass
+within 2%. XLA counts a while-loop body once, whatever its trip count, so a scanned
+stack of L layers reports one layer: compare per layer, or multiply.
+"""
+
+from __future__ import annotations
+
+from shardemu.config import ModelConfig
+
+
+def matmul(m: int, k: int, n: int) -> int:
+    """FLOPs of [m, k] x [k, n]."""
+    return 2 * m * k * n
+
+
+def layer_forward(cfg: ModelConfig, batch: int, seq: int) -> dict[str, int]:
+    """One transformer layer's forward matmuls, by operation."""
+    tokens, d, f = batch * seq, cfg.embed_dim, cfg.mlp_dim
+    heads, k = cfg.num_heads, cfg.head_dim
+    return {
+        "qkv": 3 * matmul(tokens, d, d),
+        "attn_scores": batch * heads * matmul(seq, k, seq),  # Q K^T, all s x s scores
+        "attn_context": batch * heads * matmul(seq, seq, k),  # probs V
+        "attn_out": matmul(tokens, d, d),
+        "mlp_in": matmul(tokens, d, f),
+        "mlp_out": matmul(tokens, f, d),
+    }
+
+
+def head_forward(cfg: ModelConfig, batch: int, seq: int) -> dict[str, int]:
+    """The output head's forward matmuls (the embedding lookup is a gather: 0 FLOPs)."""
+    tokens, d, vocab = batch * seq, cfg.embed_dim, cfg.vocab_size
+    if cfg.family == "gpt":
+        return {"logits": matmul(tokens, d, vocab)}
+    return {
+        "mlm_transform": matmul(tokens, d, d),
+        "logits": matmul(tokens, d, vocab),
+        "pooler": matmul(batch, d, d),
+        "nsp": matmul(batch, d, 2),
+    }
+
+
+def forward(cfg: ModelConfig, batch: int, seq: int) -> int:
+    """Forward FLOPs of the whole model on B sequences of length s."""
+    layers = cfg.num_layers * sum(layer_forward(cfg, batch, seq).values())
+    return layers + sum(head_forward(cfg, batch, seq).values())
+
+
+def training_step(cfg: ModelConfig, batch: int, seq: int, recompute: bool = False) -> int:
+    """Forward + backward FLOPs of one step (`model_flops`); with full recomputation the
+    layers' forward runs twice (Narayanan et al. 2021: 4x instead of 3x forward)."""
+    flops = 3 * forward(cfg, batch, seq)
+    if recompute:
+        flops += cfg.num_layers * sum(layer_forward(cfg, batch, seq).values())
+    return flops
+
+
+def narayanan_gpt(cfg: ModelConfig, batch: int, seq: int) -> float:
+    """Narayanan et al. 2021's closed form without recomputation (needs f = 4 d):
+    72 B s L d^2 (1 + s / (6 d) + V / (12 L d))."""
+    d, layers = cfg.embed_dim, cfg.num_layers
+    return (
+        72 * batch * seq * layers * d**2 * (1 + seq / (6 * d) + cfg.vocab_size / (12 * layers * d))
+    )
