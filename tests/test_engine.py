@@ -52,7 +52,9 @@ def reference(tiny_model, tiny_train):
 
 
 @pytest.mark.parametrize(("tensor", "replica"), MESHES, ids=[f"t{t}r{r}" for t, r in MESHES])
-def test_sharded_equals_single_device(tiny_model, tiny_train, reference, tensor, replica):
+def test_sharded_equals_single_device(
+    tiny_model, tiny_train, reference, tensor, replica, assert_params_close
+):
     devices = jax.devices()[: tensor * replica]
     trainer = Trainer(
         tiny_model, make_mesh(tensor=tensor, replica=replica, devices=devices), tiny_train
@@ -72,12 +74,7 @@ def test_sharded_equals_single_device(tiny_model, tiny_train, reference, tensor,
             chex.assert_trees_all_close(
                 jax.device_get(result.grads), reference["grads"], rtol=1e-4, atol=1e-6
             )
-    # Adam's update lr * m / (sqrt(v) + eps) is ~lr * sign(g) for any |g| >> eps, but for
-    # the few elements with |g| near eps = 1e-8 a float32 rounding difference in g (sums
-    # reordered by sharding) moves the update by a fraction of lr. So parameters agree to
-    # a small fraction of lr; a sharding bug moves them by ~lr or breaks the grads above.
-    atol = 1e-2 * tiny_train.learning_rate
-    chex.assert_trees_all_close(jax.device_get(params), reference["final"], rtol=1e-4, atol=atol)
+    assert_params_close(jax.device_get(params), reference["final"], tiny_train.learning_rate)
 
 
 def test_params_are_sharded_as_the_rules_say(tiny_model, tiny_train):
