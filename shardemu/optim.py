@@ -48,12 +48,13 @@ def scale_by_layerwise_trust_ratio(stacked: object) -> optax.GradientTransformat
 
 
 def make_optimizer(
-    cfg: TrainConfig, params: object, logical: object
+    cfg: TrainConfig, params: object, logical: object, clip: bool = True
 ) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW or LAMB with a linear warm-up to a constant rate.
 
     `params` (arrays or shapes) and `logical` (their logical axes) fix the tree structure
-    for the weight-decay mask and LAMB's per-layer trust ratio."""
+    for the weight-decay mask and LAMB's per-layer trust ratio. `clip=False` leaves out
+    the clipping, for engines that update in pieces and clip with `clip_by_norm`."""
     lr = (
         optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
         if cfg.warmup_steps
@@ -74,4 +75,15 @@ def make_optimizer(
             scale_by_layerwise_trust_ratio(stacked),
             optax.scale_by_learning_rate(lr),
         )
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), opt)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), opt) if clip else opt
+
+
+def clip_by_norm(grads: object, global_norm: jax.Array, max_norm: float) -> object:
+    """`optax.clip_by_global_norm` with the norm of *all* gradients given: the same
+    arithmetic, for engines that hold only part of the gradients at a time."""
+    return jax.tree.map(
+        lambda g: jnp.where(
+            global_norm < max_norm, g, (g / global_norm.astype(g.dtype)) * max_norm
+        ),
+        grads,
+    )

@@ -1,0 +1,99 @@
+"""Memory tiers: the device tier (per device, in HBM / in-processor memory) and the host
+tier (streaming memory: IPU-M2000 DDR, Cerebras MemoryX, host DRAM).
+
+Host-tier arrays are real JAX arrays whose sharding has `memory_kind="pinned_host"`;
+bringing one in is a real `jax.device_put` to `memory_kind="device"` (both kinds exist
+on the CPU backend, and the same calls move real bytes on GPUs and TPUs). Each tier
+tracks what it holds per device, its high-water mark, and refuses to exceed its
+capacity; every transfer is recorded in the ledger with its bytes over all devices.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from shardemu.ledger import Carries, Event, Ledger
+
+
+class CapacityError(RuntimeError):
+    """A tier cannot hold what a phase needs; the message names both and the fix."""
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded arrays (its largest shard)."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
+
+
+def bytes_all_devices(tree: Any) -> int:
+    """Bytes summed over every device holding a copy or a shard."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize * len(x.sharding.device_set)
+        for x in jax.tree.leaves(tree)
+    )
+
+
+def with_memory_kind(shardings: Any, kind: str) -> Any:
+    return jax.tree.map(
+        lambda s: s.with_memory_kind(kind),
+        shardings,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+
+
+class Tier:
+    """What a tier holds, by name, in bytes per device, against a capacity."""
+
+    def __init__(self, name: str, capacity_bytes: int | None) -> None:
+        self.name = name
+        self.capacity = capacity_bytes
+        self.held: dict[str, int] = {}
+        self.high_water = 0
+
+    @property
+    def used(self) -> int:
+        return sum(self.held.values())
+
+    def admit(self, key: str, nbytes: int, phase: str) -> None:
+        if self.capacity is not None and self.used + nbytes > self.capacity:
+            raise CapacityError(
+                f"phase {phase!r}: the {self.name} tier needs {self.used + nbytes:,} bytes per "
+                f"device ({nbytes:,} for {key!r} on top of {self.used:,} held) but its "
+                f"capacity is {self.capacity:,}; use more phases (--phases), more tensor or "
+                f"replica sharding (--rts), or a larger --device-memory"
+            )
+        self.held[key] = nbytes
+        self.high_water = max(self.high_water, self.used)
+
+    def release(self, key: str) -> None:
+        del self.held[key]
+
+
+class Streamer:
+    """Moves trees between the host tier and the device tier, for real, and records it."""
+
+    def __init__(self, ledger: Ledger, device: Tier, host: Tier) -> None:
+        self.ledger, self.device, self.host = ledger, device, host
+        self.step = 0
+
+    def to_device(self, key: str, tree: Any, shardings: Any, phase: str, carries: Carries) -> Any:
+        out = jax.device_put(tree, with_memory_kind(shardings, "device"))
+        self.device.admit(key, bytes_per_device(out), phase)
+        self._record(phase, "h2d", carries, out)
+        return out
+
+    def to_host(self, tree: Any, shardings: Any, phase: str, carries: Carries) -> Any:
+        out = jax.device_put(tree, with_memory_kind(shardings, "pinned_host"))
+        self._record(phase, "d2h", carries, out)
+        return out
+
+    def _record(self, phase: str, kind: str, carries: Carries, tree: Any) -> None:
+        devices = len(jax.tree.leaves(tree)[0].sharding.device_set)
+        self.ledger.record(
+            Event(self.step, phase, kind, carries, bytes_all_devices(tree), devices=devices)
+        )
