@@ -54,8 +54,9 @@ def run_phased(model, reference, phases, tensor=2, replica=4, device_memory=None
     corpus = SyntheticCorpus(model.cfg.vocab_size, seed=TRAIN.seed)
     losses = []
     for s in range(STEPS):
-        state, loss = trainer.step(state, model.batch(corpus, s, TRAIN.batch, TRAIN.seq))
-        losses.append(loss)
+        result = trainer.step(state, model.batch(corpus, s, TRAIN.batch, TRAIN.seq))
+        state = result.state
+        losses.append(result.loss)
         assert trainer.device.held == {}  # nothing is left in the device tier
     return trainer, state, losses
 
@@ -96,3 +97,11 @@ def test_device_tier_capacity_is_respected_and_enforced(model, reference):
 def test_phases_must_divide_layers(model):
     with pytest.raises(ConfigError, match="--phases 3 does not divide the model's 4 layers"):
         PhasedTrainer(model, make_mesh(tensor=2, replica=4), TRAIN, phases=3)
+
+
+def test_ledger_flops_add_up_the_same_for_any_phase_count(model, reference):
+    """Per-phase FLOPs are one compiled layer times the phase's layers, so one phase of 4
+    layers and four phases of 1 count the same work."""
+    one = run_phased(model, reference, phases=1)[0].ledger.step_totals(0)["flops"]
+    four = run_phased(model, reference, phases=4)[0].ledger.step_totals(0)["flops"]
+    assert one == pytest.approx(four, rel=1e-6) and one > 0

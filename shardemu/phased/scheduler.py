@@ -18,8 +18,12 @@ asynchronous, so the transfer overlaps the computation (the prefetch the source 
 hides behind compute). Every transfer is a real `device_put` between memory kinds and
 is recorded in the ledger.
 
+Only phase-boundary activations are kept, so each phase's backward recomputes its
+forward (XLA's vjp of the phase): executed `flops` exceed `model_flops` by about one
+forward of the layers, as with full recomputation (Narayanan et al. 2021).
+
 Not yet here (issue #4 continues): replicated tensor sharding (rts), activation offload
-and recomputation, the optimizer on device, pipe > 1, and abstract mode.
+and the keep-everything policy, the optimizer on device, pipe > 1, and abstract mode.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardemu.config import ConfigError, TrainConfig
 from shardemu.engine import Trainer
-from shardemu.ledger import Ledger
+from shardemu.ledger import Event, Ledger
 from shardemu.models import Model, normalise
 from shardemu.optim import clip_by_norm, make_optimizer
 from shardemu.phased.tiers import Streamer, Tier, with_memory_kind
@@ -61,6 +65,13 @@ class PhasedState:
     layers: list[Any]  # per phase: stacked layer parameters [L/N, ...]
     opt_shared: Any
     opt_layers: list[Any]
+
+
+@dataclass
+class PhasedResult:
+    state: PhasedState
+    loss: float
+    grad_norm: float
 
 
 class PhasedTrainer:
@@ -98,6 +109,7 @@ class PhasedTrainer:
         self._opt_layers_host = self._opt_host(self.tx_layers, layer_shapes, self.layer_shardings)
         self._opt_shared_host = self._opt_host(self.tx_shared, shared_shapes, self.shared_shardings)
         self.ledger = Ledger()
+        self._flop_cache: dict[str, float] = {}
         self.device = Tier("device", device_memory)
         self.host = Tier("host", None)
         self.stream = Streamer(self.ledger, self.device, self.host)
@@ -184,13 +196,36 @@ class PhasedTrainer:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def step(self, state: PhasedState, batch: dict[str, np.ndarray]) -> tuple[PhasedState, float]:
+    def _flops(self, name: str, fn: Any, *args: Any) -> float:
+        """Executed FLOPs of `fn` on `args`, all devices, from XLA's cost analysis of
+        the compiled function; compiled once per name and reused (identical layers)."""
+        if name not in self._flop_cache:
+            abstract = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), args
+            )
+            per_device = fn.lower(*abstract).compile().cost_analysis()["flops"]
+            self._flop_cache[name] = per_device * self.mesh.size
+        return self._flop_cache[name]
+
+    def _compute(self, phase: str, flops: float) -> None:
+        self.ledger.record(
+            Event(self.stream.step, phase, "compute", "", flops=flops, devices=self.mesh.size)
+        )
+
+    def _layer_flops(self, kind: str, fn: Any, weights: Any, *rest: Any) -> float:
+        """A phase's FLOPs as (its layers) x (one compiled layer): XLA's cost analysis
+        counts a scan body once, so a multi-layer phase cannot be counted whole."""
+        one = jax.tree.map(lambda w: w[:1], weights)
+        return self._flops(kind, fn, one, *rest) * jax.tree.leaves(weights)[0].shape[0]
+
+    def step(self, state: PhasedState, batch: dict[str, np.ndarray]) -> PhasedResult:
         stream, n = self.stream, len(self.slices)
         batch = self.base.put_batch(batch)
         shared = stream.to_device(
             "shared", state.shared, self.shared_shardings, "shared", "weights"
         )
         x, mask = self._embed(shared, batch)
+        self._compute("embed", self._flops("embed", self._embed, shared, batch))
         boundary = [x]
         fetch = lambda i, tag: stream.to_device(  # noqa: E731
             f"weights[{i}]", state.layers[i], self.layer_shardings, f"{tag}{i}", "weights"
@@ -199,8 +234,12 @@ class PhasedTrainer:
         for i in range(n):
             if i + 1 < n:
                 fetched[i + 1] = fetch(i + 1, "fwd")  # prefetch: overlaps phase i's compute
-            boundary.append(self._layers_fwd(fetched.pop(i), boundary[-1], mask))
+            weights = fetched.pop(i)
+            flops = self._layer_flops("fwd", self._layers_fwd, weights, boundary[-1], mask)
+            boundary.append(self._layers_fwd(weights, boundary[-1], mask))
+            self._compute(f"fwd{i}", flops)
             self.device.release(f"weights[{i}]")
+        self._compute("head", self._flops("head", self._head, shared, boundary[-1], batch))
         loss, (g_shared, g_x) = self._head(shared, boundary.pop(), batch)
 
         host_grads: list[Any] = [None] * n
@@ -208,9 +247,13 @@ class PhasedTrainer:
         for i in reversed(range(n)):
             if i > 0:
                 fetched[i - 1] = fetch(i - 1, "bwd")
-            g_w, g_x = self._layers_bwd(fetched.pop(i), boundary.pop(), mask, g_x)
+            weights, x_i = fetched.pop(i), boundary.pop()
+            flops = self._layer_flops("bwd", self._layers_bwd, weights, x_i, mask, g_x)
+            g_w, g_x = self._layers_bwd(weights, x_i, mask, g_x)
+            self._compute(f"bwd{i}", flops)
             host_grads[i] = stream.to_host(g_w, self.layer_shardings, f"bwd{i}", "gradients")
             self.device.release(f"weights[{i}]")
+        self._compute("bwd-embed", self._flops("embed_bwd", self._embed_bwd, shared, batch, g_x))
         g_shared = jax.tree.map(jnp.add, g_shared, self._embed_bwd(shared, batch, g_x))
         host_g_shared = stream.to_host(g_shared, self.shared_shardings, "bwd-shared", "gradients")
         self.device.release("shared")
@@ -226,4 +269,5 @@ class PhasedTrainer:
             host_g_shared, state.opt_shared, state.shared, norm
         )
         stream.step += 1
-        return PhasedState(shared_w, layers, opt_shared, opt_layers), float(loss)
+        new_state = PhasedState(shared_w, layers, opt_shared, opt_layers)
+        return PhasedResult(new_state, float(loss), float(norm))
