@@ -15,11 +15,19 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from shardemu.config import ConfigError, Parallelism, TrainConfig, get_preset
+from shardemu.config import (
+    ConfigError,
+    ModelConfig,
+    Parallelism,
+    PhasedConfig,
+    TrainConfig,
+    get_preset,
+)
 from shardemu.devices import DeviceError, use_virtual_devices
+from shardemu.phased.tiers import CapacityError
 from shardemu.sharding import ShardingError
 
-_USER_ERRORS = (ConfigError, ShardingError, DeviceError, FileExistsError)
+_USER_ERRORS = (ConfigError, ShardingError, DeviceError, FileExistsError, CapacityError)
 console = Console(stderr=True)
 
 
@@ -65,6 +73,13 @@ def _run_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     p.add_argument("--lr", type=float, default=defaults.learning_rate, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=defaults.warmup_steps, help="warm-up steps")
     p.add_argument("--out", default=None, help="run directory (default runs/<model>-<timestamp>)")
+    p.add_argument(
+        "--phased", action="store_true", help="weights in the host tier, streamed per phase"
+    )
+    p.add_argument("--phases", type=int, default=None, help="phases (default: one per layer)")
+    p.add_argument(
+        "--device-memory", type=int, default=None, metavar="BYTES", help="device tier capacity"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,7 +137,14 @@ def cmd_run(args: argparse.Namespace) -> None:
         def on_step(record: dict[str, Any]) -> None:
             progress.update(task, advance=1, loss=f"{record['loss']:.4f}")
 
-        result = train(model_cfg, par, train_cfg, out=args.out, on_step=on_step)
+        result = train(
+            model_cfg,
+            par,
+            train_cfg,
+            out=args.out,
+            on_step=on_step,
+            phased=_phased(args, model_cfg),
+        )
     table = Table(title=f"shardemu run: {model_cfg.name}", show_header=False)
     for key, value in result.summary.items():
         table.add_row(key, fmt_value(value))
@@ -138,6 +160,14 @@ def demo_argv(steps: int, out: str | None) -> list[str]:
         "--steps", str(steps), "--batch", "16", "--seq", "64", "--seed", "0",
         "--out", str(out or default_run_dir("demo")),
     ]  # fmt: skip
+
+
+def _phased(args: argparse.Namespace, model_cfg: ModelConfig) -> PhasedConfig | None:
+    if not args.phased:
+        if args.phases is not None or args.device_memory is not None:
+            raise ConfigError("--phases and --device-memory need --phased")
+        return None
+    return PhasedConfig(args.phases or model_cfg.num_layers, args.device_memory)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:

@@ -267,3 +267,17 @@ class TrainConfig:
     def microbatch_size(self, parallelism: Parallelism) -> int:
         """Sequences per microbatch per replica (the b of b * r)."""
         return self.batch // (parallelism.replica * self.microbatches * self.grad_accum)
+
+
+@dataclass(frozen=True)
+class PhasedConfig:
+    """Phased execution: `phases` phases of layers whose weights live in the host tier;
+    `device_memory` caps the device tier (bytes per device; None: unbounded)."""
+
+    phases: int = 1
+    device_memory: int | None = None
+
+    def __post_init__(self) -> None:
+        _require_positive("PhasedConfig", phases=self.phases)
+        if self.device_memory is not None and self.device_memory < 1:
+            raise ConfigError(f"--device-memory must be positive, got {self.device_memory}")

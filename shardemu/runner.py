@@ -13,13 +13,15 @@ from typing import Any
 
 import jax
 
-from shardemu.config import ModelConfig, Parallelism, TrainConfig
+from shardemu import flops
+from shardemu.config import ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.data import SyntheticCorpus
 from shardemu.engine import Trainer
 from shardemu.mesh import mesh_from
 from shardemu.models import Model, param_bytes, param_count
 from shardemu.parallel.pipeline import stage_plan, transfer_bytes
 from shardemu.parallel.schedule import make_schedule
+from shardemu.phased.scheduler import PhasedTrainer
 from shardemu.sharding import Rules
 from shardemu.tracking import RunDir, default_run_dir
 
@@ -47,11 +49,18 @@ def train(
     devices: Sequence[jax.Device] | None = None,
     rules: Rules | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
+    phased: PhasedConfig | None = None,
 ) -> RunResult:
-    """Train `model_cfg` on a `par` mesh for `train_cfg.steps` steps and record the run."""
+    """Train `model_cfg` on a `par` mesh for `train_cfg.steps` steps and record the run;
+    with `phased`, weights live in the host tier and stream in phase by phase."""
     mesh = mesh_from(par, devices)
     model = Model(model_cfg)
     trainer = Trainer(model, mesh, train_cfg, rules)
+    phased_trainer = (
+        PhasedTrainer(model, mesh, train_cfg, phased.phases, phased.device_memory, rules)
+        if phased
+        else None
+    )
     params_abs, opt_abs, _ = trainer.abstract_inputs()
     run = RunDir(out or default_run_dir(model_cfg.name))
     tokens_per_step = train_cfg.batch * train_cfg.seq
@@ -74,32 +83,49 @@ def train(
             "microbatch_size": train_cfg.microbatch_size(par),
             "schedule": "gpipe",
             "stage_plan": stage_plan(model, trainer.param_shapes, par.pipe),
+            "phased": dataclasses.asdict(phased) if phased else None,
+            "phase_plan": [list(s) for s in phased_trainer.slices] if phased_trainer else None,
         }
     )
+    model_flops = flops.training_step(model_cfg, train_cfg.batch, train_cfg.seq)
     t0 = time.perf_counter()
-    trainer.compiled()
+    if phased_trainer is None:
+        trainer.compiled()
+        params, opt_state = trainer.init(train_cfg.seed)
+    else:  # phased pieces compile on first use: step 0's time includes compilation
+        init = jax.jit(model.init_params, out_shardings=trainer.param_shardings)
+        state = phased_trainer.init(init(jax.random.key(train_cfg.seed)))
     compile_s = time.perf_counter() - t0
-    params, opt_state = trainer.init(train_cfg.seed)
     corpus = SyntheticCorpus(model_cfg.vocab_size, seed=train_cfg.seed)
     losses, times = [], []
     try:
         for step in range(train_cfg.steps):
             batch = model.batch(corpus, step, train_cfg.batch, train_cfg.seq)
             t0 = time.perf_counter()
-            result = trainer.step(params, opt_state, batch)
-            loss = float(result.loss)  # waits for the step to finish
+            if phased_trainer is None:
+                result = trainer.step(params, opt_state, batch)
+                loss = float(result.loss)  # waits for the step to finish
+                params, opt_state = result.params, result.opt_state
+                extra: dict[str, Any] = {}
+            else:
+                presult = phased_trainer.step(state, batch)
+                state, loss = presult.state, presult.loss
+                extra = phased_trainer.ledger.step_totals(step)
             elapsed = time.perf_counter() - t0
-            params, opt_state = result.params, result.opt_state
             losses.append(loss)
             times.append(elapsed)
             record = {
                 "step": step,
                 "loss": loss,
-                "grad_norm": float(result.grad_norm),
+                "grad_norm": float(
+                    result.grad_norm if phased_trainer is None else presult.grad_norm
+                ),
                 "step_time_s": elapsed,
                 "tokens": tokens_per_step,
                 "bubble_fraction": bubble,
                 "pipe_bytes": pipe_bytes,
+                "model_flops": model_flops,
+                **extra,
             }
             run.log_step(record)
             if on_step is not None:
@@ -126,6 +152,8 @@ def train(
             "run_dir": str(run.path),
         }
         run.write_summary(summary_markdown(summary))
+        if phased_trainer is not None:
+            phased_trainer.ledger.write(run.path / "ledger.json")
     finally:
         run.close()
     return RunResult(run.path, losses, summary)

@@ -18,10 +18,40 @@ def shardemu(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+COMMON = ["--steps", "5", "--seed", "0"]
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """`shardemu run --model M --mesh tensor=2,replica=4 --steps 5 --seed 0`, once per M."""
+    cache = {}
+
+    def get(model):
+        if model not in cache:
+            out = tmp_path_factory.mktemp(model) / "run"
+            cache[model] = (
+                shardemu(
+                    "run",
+                    "--model",
+                    model,
+                    *COMMON,
+                    "--mesh",
+                    "tensor=2,replica=4",
+                    "--out",
+                    str(out),
+                ),
+                out,
+            )
+        return cache[model]
+
+    return get
+
+
 @pytest.mark.parametrize("model", ["gpt-tiny", "bert-tiny"])
-def test_sharded_and_single_device_runs_agree(model, tmp_path):
-    common = ["run", "--model", model, "--steps", "5", "--seed", "0"]
-    sharded = shardemu(*common, "--mesh", "tensor=2,replica=4", "--out", str(tmp_path / "a"))
+def test_sharded_and_single_device_runs_agree(model, tmp_path, sharded_run):
+    common = ["run", "--model", model, *COMMON]
+    sharded, sharded_dir = sharded_run(model)
+    (tmp_path / "a").symlink_to(sharded_dir)
     single = shardemu(
         *common, "--mesh", "tensor=1,replica=1", "--devices", "1", "--out", str(tmp_path / "b")
     )
@@ -46,6 +76,29 @@ def test_sharded_and_single_device_runs_agree(model, tmp_path):
     described = describe(get_preset(model), Parallelism(tensor=2, replica=4))
     assert config["param_bytes_per_device"] == described["bytes_per_device"]
     assert (tmp_path / "a" / "summary.md").read_text().startswith("# shardemu run")
+
+
+def test_phased_run_agrees_with_resident_and_records_the_ledger(tmp_path, sharded_run):
+    resident, resident_dir = sharded_run("gpt-tiny")
+    args = ["--mesh", "tensor=2,replica=4", "--phased", "--phases", "2", "--out", str(tmp_path)]
+    phased = shardemu("run", "--model", "gpt-tiny", *COMMON, *args)
+    assert phased.returncode == 0, phased.stderr
+    a, b = read_metrics(tmp_path), read_metrics(resident_dir)
+    for ra, rb in zip(a, b, strict=True):
+        assert abs(ra["loss"] - rb["loss"]) <= 1e-4 * abs(rb["loss"])
+    fields = {
+        "flops",
+        "model_flops",
+        "bytes_h2d",
+        "bytes_d2h",
+        "bytes_collective",
+        "bytes_h2d_weights",
+    }
+    assert fields <= set(a[0])
+    assert a[0]["flops"] > a[0]["model_flops"] > 0  # each phase's backward recomputes it
+    ledger = json.loads((tmp_path / "ledger.json").read_text())
+    h2d = sum(e["bytes"] for e in ledger if e["step"] == 0 and e["kind"] == "h2d")
+    assert h2d == a[0]["bytes_h2d"] > 0
 
 
 @pytest.mark.parametrize(

@@ -64,8 +64,8 @@ class Tier:
             raise CapacityError(
                 f"phase {phase!r}: the {self.name} tier needs {self.used + nbytes:,} bytes per "
                 f"device ({nbytes:,} for {key!r} on top of {self.used:,} held) but its "
-                f"capacity is {self.capacity:,}; use more phases (--phases), more tensor or "
-                f"replica sharding (--rts), or a larger --device-memory"
+                f"capacity is {self.capacity:,}; use more phases (--phases), more tensor "
+                f"sharding, or a larger --device-memory"
             )
         self.held[key] = nbytes
         self.high_water = max(self.high_water, self.used)
