@@ -60,3 +60,36 @@ def assert_params_close():
         assert outliers <= 1e-4 * diff.size, f"{outliers} of {diff.size} params differ > 0.01 lr"
 
     return check
+
+
+@pytest.fixture(scope="session")
+def single_device_reference():
+    return _single_device_reference
+
+
+def _single_device_reference(model: Model, train: TrainConfig, steps: int) -> dict:
+    """The witness every engine is compared with: plain `jax.jit` on the default device,
+    no shardings, no Trainer, whole batch at once. Returns the initial parameters, the
+    loss of every step, the first step's gradients and the final parameters."""
+    import optax
+
+    from shardemu.data import SyntheticCorpus
+    from shardemu.optim import make_optimizer
+
+    params = jax.jit(model.init_params)(jax.random.key(train.seed))
+    tx = make_optimizer(train, *model.abstract_params())
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(model.loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    corpus = SyntheticCorpus(model.cfg.vocab_size, seed=train.seed)
+    init, opt_state, losses, first_grads = jax.device_get(params), tx.init(params), [], None
+    for s in range(steps):
+        batch = model.batch(corpus, s, train.batch, train.seq)
+        params, opt_state, loss, grads = step(params, opt_state, batch)
+        losses.append(float(loss))
+        first_grads = jax.device_get(grads) if first_grads is None else first_grads
+    return {"init": init, "losses": losses, "grads": first_grads, "final": jax.device_get(params)}

@@ -9,14 +9,12 @@ three AdamW steps, to float32 tolerance.
 import chex
 import jax
 import numpy as np
-import optax
 import pytest
 
 from shardemu.config import ConfigError, TrainConfig
 from shardemu.data import SyntheticCorpus
 from shardemu.engine import Trainer
 from shardemu.mesh import make_mesh
-from shardemu.optim import make_optimizer
 
 MESHES = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4), (4, 2), (8, 1), (1, 8)]
 STEPS = 3
@@ -28,27 +26,8 @@ def batches(model, train):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model, tiny_train):
-    """Plain single-device jax.jit: initial params, step-0 loss and grads, final params."""
-    model = tiny_model
-    params = jax.jit(model.init_params)(jax.random.key(tiny_train.seed))
-    shapes, logical = model.abstract_params()
-    tx = make_optimizer(tiny_train, shapes, logical)
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(model.loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, grads
-
-    init = jax.device_get(params)
-    opt_state = tx.init(params)
-    losses, first_grads = [], None
-    for batch in batches(model, tiny_train):
-        params, opt_state, loss, grads = step(params, opt_state, batch)
-        losses.append(float(loss))
-        first_grads = jax.device_get(grads) if first_grads is None else first_grads
-    return {"init": init, "losses": losses, "grads": first_grads, "final": jax.device_get(params)}
+def reference(tiny_model, tiny_train, single_device_reference):
+    return single_device_reference(tiny_model, tiny_train, STEPS)
 
 
 @pytest.mark.parametrize(("tensor", "replica"), MESHES, ids=[f"t{t}r{r}" for t, r in MESHES])

@@ -5,7 +5,6 @@ Runs are cached per (model, phases) so each configuration compiles once."""
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 from shardemu.config import ConfigError, Parallelism, TrainConfig, get_preset
@@ -13,7 +12,6 @@ from shardemu.data import SyntheticCorpus
 from shardemu.describe import describe
 from shardemu.mesh import make_mesh
 from shardemu.models import Model
-from shardemu.optim import make_optimizer
 from shardemu.phased.scheduler import PhasedTrainer
 from shardemu.phased.tiers import CapacityError
 
@@ -28,23 +26,8 @@ def model(request) -> Model:
 
 
 @pytest.fixture(scope="module")
-def reference(model):
-    params = jax.jit(model.init_params)(jax.random.key(TRAIN.seed))
-    tx = make_optimizer(TRAIN, *model.abstract_params())
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(model.loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    corpus = SyntheticCorpus(model.cfg.vocab_size, seed=TRAIN.seed)
-    init, opt_state, losses = jax.device_get(params), tx.init(params), []
-    for s in range(STEPS):
-        batch = model.batch(corpus, s, TRAIN.batch, TRAIN.seq)
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(float(loss))
-    return {"init": init, "losses": losses, "final": jax.device_get(params)}
+def reference(model, single_device_reference):
+    return single_device_reference(model, TRAIN, STEPS)
 
 
 def run_phased(model, init, phases, device_memory=CAPACITY):

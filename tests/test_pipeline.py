@@ -6,7 +6,6 @@ executed order is the schedule module's GPipe order."""
 import chex
 import jax
 import numpy as np
-import optax
 import pytest
 
 from shardemu.config import ConfigError, TrainConfig, get_preset
@@ -14,7 +13,6 @@ from shardemu.data import SyntheticCorpus
 from shardemu.engine import Trainer
 from shardemu.mesh import make_mesh
 from shardemu.models import Model
-from shardemu.optim import make_optimizer
 from shardemu.parallel.schedule import make_schedule
 from shardemu.sharding import ShardingError
 
@@ -43,23 +41,8 @@ def batches(model):
 
 
 @pytest.fixture(scope="module")
-def reference(model):
-    """Plain single-device jax.jit, no shardings, whole batch at once."""
-    params = jax.jit(model.init_params)(jax.random.key(TRAIN.seed))
-    tx = make_optimizer(TRAIN, *model.abstract_params())
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(model.loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, grads
-
-    init, opt_state, losses, first_grads = jax.device_get(params), tx.init(params), [], None
-    for batch in batches(model):
-        params, opt_state, loss, grads = step(params, opt_state, batch)
-        losses.append(float(loss))
-        first_grads = jax.device_get(grads) if first_grads is None else first_grads
-    return {"init": init, "losses": losses, "grads": first_grads, "final": jax.device_get(params)}
+def reference(model, single_device_reference):
+    return single_device_reference(model, TRAIN, STEPS)
 
 
 @pytest.mark.parametrize(
