@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ from shardemu.models import Model, param_bytes, param_count
 from shardemu.parallel.pipeline import stage_plan, transfer_bytes
 from shardemu.parallel.schedule import make_schedule
 from shardemu.phased.scheduler import PhasedTrainer
+from shardemu.phased.tiers import bytes_per_device
 from shardemu.sharding import Rules
 from shardemu.tracking import RunDir, default_run_dir
 
@@ -31,14 +31,6 @@ class RunResult:
     run_dir: Path
     losses: list[float]
     summary: dict[str, Any]
-
-
-def bytes_per_device(abstract_tree: Any) -> int:
-    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
-    return sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-        for x in jax.tree.leaves(abstract_tree)
-    )
 
 
 def train(

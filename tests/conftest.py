@@ -93,3 +93,31 @@ def _single_device_reference(model: Model, train: TrainConfig, steps: int) -> di
         losses.append(float(loss))
         first_grads = jax.device_get(grads) if first_grads is None else first_grads
     return {"init": init, "losses": losses, "grads": first_grads, "final": jax.device_get(params)}
+
+
+@pytest.fixture(scope="session")
+def train_and_compare(assert_params_close):
+    """Step `trainer` from (params, opt_state) through the reference's batches, checking
+    every loss, the first step's gradients and the final parameters; returns the last
+    StepResult."""
+    import chex
+    import numpy as np
+
+    from shardemu.data import SyntheticCorpus
+
+    def run(trainer, params, opt_state, reference: dict):
+        model, train = trainer.model, trainer.train
+        corpus = SyntheticCorpus(model.cfg.vocab_size, seed=train.seed)
+        for step, want in enumerate(reference["losses"]):
+            batch = model.batch(corpus, step, train.batch, train.seq)
+            result = trainer.step(params, opt_state, batch, keep_grads=True)
+            params, opt_state = result.params, result.opt_state
+            np.testing.assert_allclose(float(result.loss), want, rtol=1e-5)
+            if step == 0:
+                chex.assert_trees_all_close(
+                    jax.device_get(result.grads), reference["grads"], rtol=1e-4, atol=1e-6
+                )
+        assert_params_close(jax.device_get(params), reference["final"], train.learning_rate)
+        return result
+
+    return run

@@ -12,17 +12,11 @@ import numpy as np
 import pytest
 
 from shardemu.config import ConfigError, TrainConfig
-from shardemu.data import SyntheticCorpus
 from shardemu.engine import Trainer
 from shardemu.mesh import make_mesh
 
 MESHES = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4), (4, 2), (8, 1), (1, 8)]
 STEPS = 3
-
-
-def batches(model, train):
-    corpus = SyntheticCorpus(model.cfg.vocab_size, seed=train.seed)
-    return [model.batch(corpus, s, train.batch, train.seq) for s in range(STEPS)]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +26,7 @@ def reference(tiny_model, tiny_train, single_device_reference):
 
 @pytest.mark.parametrize(("tensor", "replica"), MESHES, ids=[f"t{t}r{r}" for t, r in MESHES])
 def test_sharded_equals_single_device(
-    tiny_model, tiny_train, reference, tensor, replica, assert_params_close
+    tiny_model, tiny_train, reference, tensor, replica, train_and_compare
 ):
     devices = jax.devices()[: tensor * replica]
     trainer = Trainer(
@@ -45,15 +39,7 @@ def test_sharded_equals_single_device(
         params = jax.device_put(reference["init"], trainer.param_shardings)
         opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.opt_shardings)(params)
 
-    for step, batch in enumerate(batches(tiny_model, tiny_train)):
-        result = trainer.step(params, opt_state, batch, keep_grads=True)
-        params, opt_state = result.params, result.opt_state
-        np.testing.assert_allclose(float(result.loss), reference["losses"][step], rtol=1e-5)
-        if step == 0:
-            chex.assert_trees_all_close(
-                jax.device_get(result.grads), reference["grads"], rtol=1e-4, atol=1e-6
-            )
-    assert_params_close(jax.device_get(params), reference["final"], tiny_train.learning_rate)
+    train_and_compare(trainer, params, opt_state, reference)
 
 
 def test_params_are_sharded_as_the_rules_say(tiny_model, tiny_train):

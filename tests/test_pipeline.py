@@ -3,13 +3,11 @@ sharding inside each stage), microbatches and gradient accumulation all give the
 gradients and parameters of plain single-device jax.jit on the same global batch; the
 executed order is the schedule module's GPipe order."""
 
-import chex
 import jax
 import numpy as np
 import pytest
 
 from shardemu.config import ConfigError, TrainConfig, get_preset
-from shardemu.data import SyntheticCorpus
 from shardemu.engine import Trainer
 from shardemu.mesh import make_mesh
 from shardemu.models import Model
@@ -35,11 +33,6 @@ def model(request) -> Model:
     return Model(get_preset(request.param))
 
 
-def batches(model):
-    corpus = SyntheticCorpus(model.cfg.vocab_size, seed=TRAIN.seed)
-    return [model.batch(corpus, s, TRAIN.batch, TRAIN.seq) for s in range(STEPS)]
-
-
 @pytest.fixture(scope="module")
 def reference(model, single_device_reference):
     return single_device_reference(model, TRAIN, STEPS)
@@ -51,7 +44,7 @@ def reference(model, single_device_reference):
     ids=[f"p{p}t{t}r{r}-m{m}-k{k}" for p, t, r, m, k in CASES],
 )
 def test_pipelined_equals_single_device(
-    model, reference, pipe, tensor, replica, microbatches, accum, assert_params_close
+    model, reference, pipe, tensor, replica, microbatches, accum, train_and_compare
 ):
     train = TrainConfig(
         batch=TRAIN.batch,
@@ -64,15 +57,7 @@ def test_pipelined_equals_single_device(
     trainer = Trainer(model, make_mesh(pipe, tensor, replica, devices=devices), train)
     params = jax.device_put(reference["init"], trainer.param_shardings)
     opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.opt_shardings)(params)
-    for step, batch in enumerate(batches(model)):
-        result = trainer.step(params, opt_state, batch, keep_grads=True)
-        params, opt_state = result.params, result.opt_state
-        np.testing.assert_allclose(float(result.loss), reference["losses"][step], rtol=1e-5)
-        if step == 0:
-            chex.assert_trees_all_close(
-                jax.device_get(result.grads), reference["grads"], rtol=1e-4, atol=1e-6
-            )
-    assert_params_close(jax.device_get(params), reference["final"], train.learning_rate)
+    result = train_and_compare(trainer, params, opt_state, reference)
 
     if pipe * microbatches > 1:  # the executed order is GPipe's forward wavefront
         sched = make_schedule("gpipe", pipe, microbatches)
