@@ -97,11 +97,12 @@ def train(
             if phased_trainer is None:
                 result = trainer.step(params, opt_state, batch)
                 loss = float(result.loss)  # waits for the step to finish
+                grad_norm = float(result.grad_norm)
                 params, opt_state = result.params, result.opt_state
                 extra: dict[str, Any] = {}
             else:
                 presult = phased_trainer.step(state, batch)
-                state, loss = presult.state, presult.loss
+                state, loss, grad_norm = presult.state, presult.loss, presult.grad_norm
                 extra = phased_trainer.ledger.step_totals(step)
             elapsed = time.perf_counter() - t0
             losses.append(loss)
@@ -109,9 +110,7 @@ def train(
             record = {
                 "step": step,
                 "loss": loss,
-                "grad_norm": float(
-                    result.grad_norm if phased_trainer is None else presult.grad_norm
-                ),
+                "grad_norm": grad_norm,
                 "step_time_s": elapsed,
                 "tokens": tokens_per_step,
                 "bubble_fraction": bubble,

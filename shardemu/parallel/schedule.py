@@ -92,14 +92,6 @@ class Schedule:
     def virtual_stage(self, slot: Slot) -> int:
         return slot.chunk * self.stages + slot.stage
 
-    def table(self) -> list[list[str]]:
-        """A [stage][time] grid of 'F3', 'B0', ... ('' for idle), for printing."""
-        grid = [[""] * self.makespan for _ in range(self.stages)]
-        for s in self.slots:
-            tag = f"{s.kind}{s.microbatch}" + (f".{s.chunk}" if self.virtual > 1 else "")
-            grid[s.stage][s.time] = tag
-        return grid
-
 
 Op = tuple[Kind, int, int]  # (kind, microbatch, chunk)
 

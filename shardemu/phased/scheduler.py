@@ -111,8 +111,7 @@ class PhasedTrainer:
         self.ledger = Ledger()
         self._flop_cache: dict[str, float] = {}
         self.device = Tier("device", device_memory)
-        self.host = Tier("host", None)
-        self.stream = Streamer(self.ledger, self.device, self.host)
+        self.stream = Streamer(self.ledger, self.device)
         self._compile()
 
     # ---- state -------------------------------------------------------------------------

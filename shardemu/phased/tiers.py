@@ -3,9 +3,10 @@ tier (streaming memory: IPU-M2000 DDR, Cerebras MemoryX, host DRAM).
 
 Host-tier arrays are real JAX arrays whose sharding has `memory_kind="pinned_host"`;
 bringing one in is a real `jax.device_put` to `memory_kind="device"` (both kinds exist
-on the CPU backend, and the same calls move real bytes on GPUs and TPUs). Each tier
-tracks what it holds per device, its high-water mark, and refuses to exceed its
-capacity; every transfer is recorded in the ledger with its bytes over all devices.
+on the CPU backend, and the same calls move real bytes on GPUs and TPUs). The device
+tier tracks what it holds per device, its high-water mark, and refuses to exceed its
+capacity (host-tier capacity is not tracked yet); every transfer is recorded in the
+ledger with its bytes over all devices.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ class Tier:
 class Streamer:
     """Moves trees between the host tier and the device tier, for real, and records it."""
 
-    def __init__(self, ledger: Ledger, device: Tier, host: Tier) -> None:
-        self.ledger, self.device, self.host = ledger, device, host
+    def __init__(self, ledger: Ledger, device: Tier) -> None:
+        self.ledger, self.device = ledger, device
         self.step = 0
 
     def to_device(self, key: str, tree: Any, shardings: Any, phase: str, carries: Carries) -> Any:
