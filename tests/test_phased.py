@@ -7,11 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from shardemu.config import ConfigError, Parallelism, TrainConfig, get_preset
+from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.data import SyntheticCorpus
 from shardemu.describe import describe
 from shardemu.mesh import make_mesh
-from shardemu.models import Model
 from shardemu.phased.scheduler import PhasedTrainer
 from shardemu.phased.tiers import CapacityError
 
@@ -20,14 +19,9 @@ STEPS = 3
 CAPACITY = 10**7  # bytes per device: every run below must stay within it
 
 
-@pytest.fixture(scope="module", params=["gpt-tiny", "bert-tiny"])
-def model(request) -> Model:
-    return Model(get_preset(request.param))
-
-
 @pytest.fixture(scope="module")
-def reference(model, single_device_reference):
-    return single_device_reference(model, TRAIN, STEPS)
+def reference(tiny_model, single_device_reference):
+    return single_device_reference(tiny_model, TRAIN, STEPS)
 
 
 def run_phased(model, init, phases, device_memory=CAPACITY):
@@ -44,12 +38,12 @@ def run_phased(model, init, phases, device_memory=CAPACITY):
 
 
 @pytest.fixture(scope="module")
-def runs(model, reference):
+def runs(tiny_model, reference):
     cache = {}
 
     def get(phases):
         if phases not in cache:
-            cache[phases] = run_phased(model, reference["init"], phases)
+            cache[phases] = run_phased(tiny_model, reference["init"], phases)
         return cache[phases]
 
     return get
@@ -65,10 +59,10 @@ def test_phased_equals_single_device(reference, runs, phases, assert_params_clos
     assert 0 < trainer.device.high_water <= CAPACITY
 
 
-def test_ledger_bytes_equal_the_shards_that_moved(model, runs):
+def test_ledger_bytes_equal_the_shards_that_moved(tiny_model, runs):
     trainer = runs(2)[0]
-    rows = describe(model.cfg, Parallelism(tensor=2, replica=4))["params"]
-    devices, stack = 8, model.stack_key + "/"
+    rows = describe(tiny_model.cfg, Parallelism(tensor=2, replica=4))["params"]
+    devices, stack = 8, tiny_model.stack_key + "/"
     layer_bytes = devices * sum(r["bytes_per_device"] for r in rows if r["path"].startswith(stack))
     shared_bytes = devices * sum(
         r["bytes_per_device"] for r in rows if not r["path"].startswith(stack)
@@ -88,11 +82,11 @@ def test_ledger_flops_add_up_the_same_for_any_phase_count(runs):
     assert one == pytest.approx(four, rel=1e-6) and one > 0
 
 
-def test_a_plan_that_does_not_fit_is_refused(model, reference):
+def test_a_plan_that_does_not_fit_is_refused(tiny_model, reference):
     with pytest.raises(CapacityError, match=r"phase 'shared'.*capacity is 1,000"):
-        run_phased(model, reference["init"], phases=4, device_memory=1000)
+        run_phased(tiny_model, reference["init"], phases=4, device_memory=1000)
 
 
-def test_phases_must_divide_layers(model):
+def test_phases_must_divide_layers(tiny_model):
     with pytest.raises(ConfigError, match="--phases 3 does not divide the model's 4 layers"):
-        PhasedTrainer(model, make_mesh(tensor=2, replica=4), TRAIN, phases=3)
+        PhasedTrainer(tiny_model, make_mesh(tensor=2, replica=4), TRAIN, phases=3)

@@ -7,10 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from shardemu.config import ConfigError, TrainConfig, get_preset
+from shardemu.config import ConfigError, TrainConfig
 from shardemu.engine import Trainer
 from shardemu.mesh import make_mesh
-from shardemu.models import Model
 from shardemu.parallel.schedule import make_schedule
 from shardemu.sharding import ShardingError
 
@@ -28,14 +27,9 @@ STEPS = 3
 TRAIN = TrainConfig(batch=16, seq=16, seed=0)
 
 
-@pytest.fixture(scope="module", params=["gpt-tiny", "bert-tiny"])
-def model(request) -> Model:
-    return Model(get_preset(request.param))
-
-
 @pytest.fixture(scope="module")
-def reference(model, single_device_reference):
-    return single_device_reference(model, TRAIN, STEPS)
+def reference(tiny_model, single_device_reference):
+    return single_device_reference(tiny_model, TRAIN, STEPS)
 
 
 @pytest.mark.parametrize(
@@ -44,7 +38,7 @@ def reference(model, single_device_reference):
     ids=[f"p{p}t{t}r{r}-m{m}-k{k}" for p, t, r, m, k in CASES],
 )
 def test_pipelined_equals_single_device(
-    model, reference, pipe, tensor, replica, microbatches, accum, train_and_compare
+    tiny_model, reference, pipe, tensor, replica, microbatches, accum, train_and_compare
 ):
     train = TrainConfig(
         batch=TRAIN.batch,
@@ -54,7 +48,7 @@ def test_pipelined_equals_single_device(
         grad_accum=accum,
     )
     devices = jax.devices()[: pipe * tensor * replica]
-    trainer = Trainer(model, make_mesh(pipe, tensor, replica, devices=devices), train)
+    trainer = Trainer(tiny_model, make_mesh(pipe, tensor, replica, devices=devices), train)
     params = jax.device_put(reference["init"], trainer.param_shardings)
     opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.opt_shardings)(params)
     result = train_and_compare(trainer, params, opt_state, reference)
@@ -69,29 +63,29 @@ def test_pipelined_equals_single_device(
             np.testing.assert_array_equal(executed, expected)
 
 
-def test_stage_parameters_live_on_their_pipe_slice(model):
-    trainer = Trainer(model, make_mesh(pipe=4, tensor=1, replica=2), TRAIN)
+def test_stage_parameters_live_on_their_pipe_slice(tiny_model):
+    trainer = Trainer(tiny_model, make_mesh(pipe=4, tensor=1, replica=2), TRAIN)
     params = jax.device_put(
         jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), trainer.param_shapes),
         trainer.param_shardings,
     )
-    kernel = params[model.stack_key]["mlp"]["fc_in"]["kernel"]  # [L=4, d, f]
+    kernel = params[tiny_model.stack_key]["mlp"]["fc_in"]["kernel"]  # [L=4, d, f]
     for shard in kernel.addressable_shards:
         stage = trainer.mesh.devices.tolist()  # [pipe][replica][tensor]
         pipe_index = next(i for i, plane in enumerate(stage) if shard.device in np.ravel(plane))
         assert shard.index[0] == slice(pipe_index, pipe_index + 1)  # layer s on stage s
 
 
-def test_uneven_stages_are_refused(model):
+def test_uneven_stages_are_refused(tiny_model):
     with pytest.raises(
         ShardingError, match=r"'layers', size 4\) is not divisible by mesh axis 'pipe' \(size 8\)"
     ):
-        Trainer(model, make_mesh(pipe=8), TRAIN)
+        Trainer(tiny_model, make_mesh(pipe=8), TRAIN)
 
 
-def test_batch_must_split_into_microbatches_and_accumulation(model):
+def test_batch_must_split_into_microbatches_and_accumulation(tiny_model):
     bad = TrainConfig(batch=16, seq=16, microbatches=4, grad_accum=4)
     with pytest.raises(
         ConfigError, match="replica \\* microbatches \\* grad_accum = 2 \\* 4 \\* 4 = 32"
     ):
-        Trainer(model, make_mesh(pipe=2, tensor=2, replica=2), bad)
+        Trainer(tiny_model, make_mesh(pipe=2, tensor=2, replica=2), bad)
