@@ -269,15 +269,63 @@ class TrainConfig:
         return self.batch // (parallelism.replica * self.microbatches * self.grad_accum)
 
 
+ActivationPolicy = Literal["keep", "offload", "recompute"]
+OptimizerPlace = Literal["host", "device"]
+
+
 @dataclass(frozen=True)
 class PhasedConfig:
-    """Phased execution: `phases` phases of layers whose weights live in the host tier;
-    `device_memory` caps the device tier (bytes per device; None: unbounded)."""
+    """Phased execution (MISSION.md, "Phased execution"; `shardemu/phased/`).
 
-    phases: int = 1
+    phases         phases of layers, or None: the fewest that fit `device_memory`
+                   (all layers, one a phase, when that is None too)
+    device_memory  device-tier capacity in bytes per device (None: unbounded)
+    rts            replicated tensor sharding: each replica stores 1/rts of every weight
+                   and a phase all-gathers the rest over `replica` before it runs
+    rts_optimizer  rts' for the optimizer state: 1, rts, or the replica size
+                   (None: the same as rts)
+    activations    what a phase's backward gets from its forward: `recompute` keeps the
+                   phase's input on device and recomputes the rest; `offload` sends that
+                   input to the host tier and back; `keep` keeps everything the backward
+                   needs (the weights it used included) on device, so nothing is
+                   recomputed and weights come in once
+    optimizer_on   `host`: the update runs in the host tier where the state lives (the
+                   MemoryX arrangement); `device`: weights, state and gradients stream
+                   in, the update runs on the device, weights and state stream out
+    """
+
+    phases: int | None = None
     device_memory: int | None = None
+    rts: int = 1
+    rts_optimizer: int | None = None
+    activations: ActivationPolicy = "recompute"
+    optimizer_on: OptimizerPlace = "host"
 
     def __post_init__(self) -> None:
-        _require_positive("PhasedConfig", phases=self.phases)
+        if self.phases is not None:
+            _require_positive("PhasedConfig", phases=self.phases)
+        _require_positive("PhasedConfig", rts=self.rts)
+        if self.rts_optimizer is not None:
+            _require_positive("PhasedConfig", rts_optimizer=self.rts_optimizer)
         if self.device_memory is not None and self.device_memory < 1:
             raise ConfigError(f"--device-memory must be positive, got {self.device_memory}")
+        if self.activations not in ("keep", "offload", "recompute"):
+            raise ConfigError(
+                f"--activations must be keep, offload or recompute, got {self.activations!r}"
+            )
+        if self.optimizer_on not in ("host", "device"):
+            raise ConfigError(f"--optimizer-on must be host or device, got {self.optimizer_on!r}")
+
+    @property
+    def rts_opt(self) -> int:
+        return self.rts if self.rts_optimizer is None else self.rts_optimizer
+
+    def check_mesh(self, parallelism: Parallelism) -> None:
+        r = parallelism.replica
+        if r % self.rts:
+            raise ConfigError(f"--rts {self.rts} does not divide replica={r}; use a divisor of {r}")
+        if self.rts_opt not in (1, self.rts, r):
+            raise ConfigError(
+                f"--rts-optimizer {self.rts_opt} must be 1, --rts ({self.rts}) or the replica "
+                f"size ({r})"
+            )

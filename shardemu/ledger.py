@@ -3,8 +3,11 @@
 An event records where it happened (step, phase), what it was (`kind`: h2d, d2h,
 collective or compute), what it carried (weights, gradients, activations,
 optimizer_state), over which mesh axis, on how many devices, and its bytes (summed over
-those devices) and FLOPs (summed over those devices). Per-step totals are what
-`metrics.jsonl` reports; the event list is what `ledger.json` holds.
+those devices) and FLOPs (summed over those devices). A collective also names its `op`
+and `group` size, and its bytes are those its devices send (`collectives.py`); a compute
+event names the tier it ran in (`on`) and how many of its FLOPs recompute a forward pass
+(`recompute_flops`). Per-step totals are what `metrics.jsonl` reports; the event list is
+what `ledger.json` holds.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, Literal
 
 Kind = Literal["h2d", "d2h", "collective", "compute"]
 Carries = Literal["weights", "gradients", "activations", "optimizer_state", ""]
+Where = Literal["device", "host"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,10 @@ class Event:
     flops: float = 0.0
     axis: str | None = None
     devices: int = 1
+    op: str = ""
+    group: int = 1
+    on: Where = "device"
+    recompute_flops: float = 0.0
 
 
 class Ledger:
@@ -40,10 +48,13 @@ class Ledger:
         self.events.append(event)
 
     def step_totals(self, step: int) -> dict[str, Any]:
-        """The metrics of one step: `flops`, `bytes_h2d`, `bytes_d2h`,
+        """The metrics of one step: `flops` (executed), `model_flops` (forward and
+        backward without recomputation or the optimizer, as in model FLOPs utilisation:
+        Chowdhery et al. 2022, "PaLM", Appendix B), `bytes_h2d`, `bytes_d2h`,
         `bytes_h2d_weights`, `bytes_d2h_gradients` and `bytes_collective` by mesh axis."""
         totals: dict[str, Any] = {
             "flops": 0.0,
+            "model_flops": 0.0,
             "bytes_h2d": 0,
             "bytes_d2h": 0,
             "bytes_h2d_weights": 0,
@@ -54,6 +65,8 @@ class Ledger:
             if e.step != step:
                 continue
             totals["flops"] += e.flops
+            if e.kind == "compute" and e.carries != "optimizer_state":
+                totals["model_flops"] += e.flops - e.recompute_flops
             if e.kind in ("h2d", "d2h"):
                 totals[f"bytes_{e.kind}"] += e.bytes
             if e.kind == "h2d" and e.carries == "weights":

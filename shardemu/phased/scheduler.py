@@ -1,67 +1,78 @@
-"""Phased execution: weights live in the host tier, each phase streams its shards in,
+"""Phased execution: weights live in the host tier; each phase streams its shards in,
 runs, and lets them go (MISSION.md, "Phased execution"; Cerebras weight streaming).
 
-A step, for phases 0..N-1 of L/N layers each:
+A step, for phases 0..N-1 of L/N layers each, spread over the pipeline stages in order:
 
-    shared (embedding + head) weights   host -> device once, kept for the step
-    forward  phase i = 0..N-1           weights_i host -> device, x_{i+1} = layers_i(x_i)
-                                        (boundary activations x_i are kept on device)
-    head                                loss and d loss / d x_N
-    backward phase i = N-1..0           weights_i host -> device again, vjp gives
-                                        grads_i and d loss / d x_i; grads_i device -> host
-    update                              in the host tier, where the optimizer state
-                                        lives (the MemoryX arrangement), clipped by the
-                                        norm of all phases' gradients
+    shared weights (embedding, head)   host -> device, to the first stage (and the last)
+    forward  phase i = 0..N-1          weights_i host -> device (the next phase's are
+                                       requested before this one runs: a real prefetch,
+                                       since JAX dispatch is asynchronous), all-gathered
+                                       over `replica` when rts > 1, x_{i+1} = layers_i(x_i);
+                                       between stages x moves point to point over `pipe`
+    head                               loss and d loss / d x_N
+    backward phase i = N-1..0          by the activation policy (`PhasedConfig`):
+                                       recompute / offload: weights_i come in again and
+                                       the phase's vjp recomputes its forward from x_i
+                                       (kept on device, or brought back from the host);
+                                       keep: the forward's residuals are still on device;
+                                       gradients leave reduced over `replica` (scattered
+                                       to the stored 1/rts shards), then device -> host
+    update                             clipped by the global gradient norm; in the host
+                                       tier, or on the device with weights, state and
+                                       gradients streamed in and out (`optimizer_on`)
 
-The next phase's weights are requested before the current phase runs: JAX dispatch is
-asynchronous, so the transfer overlaps the computation (the prefetch the source material
-hides behind compute). Every transfer is a real `device_put` between memory kinds and
-is recorded in the ledger.
-
-Only phase-boundary activations are kept, so each phase's backward recomputes its
-forward (XLA's vjp of the phase): executed `flops` exceed `model_flops` by about one
-forward of the layers, as with full recomputation (Narayanan et al. 2021).
-
-Not yet here (issue #4 continues): replicated tensor sharding (rts), activation offload
-and the keep-everything policy, the optimizer on device, pipe > 1, and abstract mode.
+Every transfer, collective and computation goes through an `Executor`: real arrays in
+real mode, shapes in abstract mode (`shardemu plan`), one code path. Each pipeline stage
+has its own device tier, which refuses to exceed `device_memory`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from shardemu.config import ConfigError, TrainConfig
-from shardemu.engine import Trainer
-from shardemu.ledger import Event, Ledger
-from shardemu.models import Model, normalise
-from shardemu.optim import clip_by_norm, make_optimizer
-from shardemu.phased.tiers import Streamer, Tier, with_memory_kind
-from shardemu.sharding import Rules, activation_rules
+from shardemu.config import ConfigError, PhasedConfig, TrainConfig
+from shardemu.engine import parallelism_of
+from shardemu.ledger import Ledger
+from shardemu.models import Model
+from shardemu.optim import make_optimizer
+from shardemu.phased.executor import Executor, one_layer
+from shardemu.phased.stage import (
+    AXIS_LABELS,
+    Stage,
+    make_specs,
+    stage_meshes,
+    stage_rules,
+)
+from shardemu.phased.tiers import CapacityError, Tier, bytes_per_device, with_memory_kind
+from shardemu.sharding import Rules, megatron_rules, resolve_specs
 
 
-def phase_slices(num_layers: int, phases: int) -> list[tuple[int, int]]:
-    """[start, end) layers of each phase; phases must divide the layers evenly."""
-    if phases < 1 or num_layers % phases:
+def phase_slices(num_layers: int, phases: int, stages: int = 1) -> list[tuple[int, int]]:
+    """[start, end) layers of each phase: equal phases, a whole number per stage."""
+    if phases < 1 or num_layers % phases or phases % stages:
         raise ConfigError(
-            f"--phases {phases} does not divide the model's {num_layers} layers; use a "
-            f"divisor of {num_layers}"
+            f"--phases {phases} must divide the model's {num_layers} layers and be a multiple "
+            f"of pipe={stages}; use one of {valid_phase_counts(num_layers, stages)}"
         )
     n = num_layers // phases
     return [(i * n, (i + 1) * n) for i in range(phases)]
+
+
+def valid_phase_counts(num_layers: int, stages: int) -> list[int]:
+    return [n for n in range(stages, num_layers + 1, stages) if num_layers % n == 0]
 
 
 @dataclass
 class PhasedState:
     """Everything a phased run keeps between steps, all in the host tier."""
 
-    shared: Any  # embedding and head parameters
+    shared: Any  # embedding and head parameters (on the first stage's host memory)
     layers: list[Any]  # per phase: stacked layer parameters [L/N, ...]
     opt_shared: Any
     opt_layers: list[Any]
@@ -80,70 +91,176 @@ class PhasedTrainer:
         model: Model,
         mesh: Mesh,
         train: TrainConfig,
-        phases: int,
-        device_memory: int | None = None,
+        cfg: PhasedConfig,
         rules: Rules | None = None,
     ) -> None:
-        self.base = Trainer(model, mesh, train, rules)  # shardings, batch placement
-        if self.base.pipelined or train.grad_accum > 1:
+        par = parallelism_of(mesh)
+        train.check_fits(model.cfg, par)
+        cfg.check_mesh(par)
+        if train.microbatches > 1 or train.grad_accum > 1:
             raise ConfigError(
-                "phased execution does not yet combine with pipe > 1, --microbatches or "
-                "--grad-accum; use pipe=1 and one microbatch"
+                "phased execution runs the whole batch through each phase, so its weights "
+                "stream in once per step; --microbatches and --grad-accum must stay 1"
             )
-        self.model, self.mesh, self.train = model, mesh, train
-        self.slices = phase_slices(model.cfg.num_layers, phases)
-        key = model.stack_key
-        self.key = key
-        shapes, logical = self.base.param_shapes, self.base.param_logical
-        self.shared_shardings = {k: v for k, v in self.base.param_shardings.items() if k != key}
-        self.layer_shardings = self.base.param_shardings[key]
-        lo, hi = self.slices[0]
-        self.layer_shapes = layer_shapes = jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct((hi - lo, *s.shape[1:]), s.dtype), shapes[key]
+        self.model, self.train, self.cfg, self.par = model, train, cfg, par
+        self.rules = stage_rules(megatron_rules() if rules is None else rules)
+        meshes = stage_meshes(mesh, cfg.rts)
+        sizes = dict(meshes[0].shape)
+        self.key = key = model.stack_key
+        shapes, logical = model.abstract_params()
+        one = jax.tree.map(lambda s: jax.ShapeDtypeStruct((1, *s.shape[1:]), s.dtype), shapes[key])
+        shared = {k: v for k, v in shapes.items() if k != key}
+        shared_logical = {k: v for k, v in logical.items() if k != key}
+        self.shared_shapes, self.layer_shape_one = shared, one
+        specs = make_specs(
+            resolve_specs(one, logical[key], self.rules, sizes),
+            one,
+            resolve_specs(shared, shared_logical, self.rules, sizes),
+            shared,
+            self.rules,
+            sizes,
+            cfg,
+            model,
         )
-        self.shared_shapes = shared_shapes = {k: v for k, v in shapes.items() if k != key}
-        self.tx_layers = make_optimizer(train, layer_shapes, logical[key], clip=False)
-        self.tx_shared = make_optimizer(
-            train, shared_shapes, {k: v for k, v in logical.items() if k != key}, clip=False
+        self.tx_layers = make_optimizer(train, one, logical[key], clip=False)
+        self.tx_shared = make_optimizer(train, shared, shared_logical, clip=False)
+        opt_shapes = (
+            jax.eval_shape(self.tx_layers.init, one),
+            jax.eval_shape(self.tx_shared.init, shared),
         )
-        self._opt_layers_host = self._opt_host(self.tx_layers, layer_shapes, self.layer_shardings)
-        self._opt_shared_host = self._opt_host(self.tx_shared, shared_shapes, self.shared_shardings)
+        self.stages = [
+            Stage(
+                s, m, specs, self.rules, model, train, self.tx_layers, self.tx_shared, *opt_shapes
+            )
+            for s, m in enumerate(meshes)
+        ]
         self.ledger = Ledger()
-        self._flop_cache: dict[str, float] = {}
-        self.device = Tier("device", device_memory)
-        self.stream = Streamer(self.ledger, self.device)
-        self._compile()
+        self._counts: dict = {}
+        self.tiers = [Tier(f"device (stage {s})", cfg.device_memory) for s in range(par.pipe)]
+        self.executor = Executor(
+            self.ledger, self.tiers, AXIS_LABELS, real=True, cache=self._counts
+        )
+        phases = cfg.phases or self._fewest_phases_that_fit()
+        self.slices = phase_slices(model.cfg.num_layers, phases, par.pipe)
+
+    # ---- the plan ------------------------------------------------------------------------
+
+    @property
+    def layers_per_phase(self) -> int:
+        lo, hi = self.slices[0]
+        return hi - lo
+
+    def stage_of(self, phase: int) -> Stage:
+        return self.stages[phase * self.par.pipe // len(self.slices)]
+
+    def _dry_run(self, slices: list[tuple[int, int]]) -> tuple[Ledger, list[Tier], list[dict]]:
+        """One step in abstract mode with `slices`: what it moves, computes and holds."""
+        saved = self.slices
+        self.slices = slices
+        try:
+            ledger = Ledger()
+            tiers = [Tier(t.name, None) for t in self.tiers]
+            ex = Executor(ledger, tiers, AXIS_LABELS, real=False, cache=self._counts)
+            *_, rows = self._execute(ex, self.abstract_state(), self._abstract_batches())
+            return ledger, tiers, rows
+        finally:
+            self.slices = saved
+
+    def _fewest_phases_that_fit(self) -> int:
+        """The largest phases whose step fits the device tier (all layers, one per phase,
+        when there is no capacity): tried in abstract mode, fewest phases first."""
+        layers, pipe = self.model.cfg.num_layers, self.par.pipe
+        counts = valid_phase_counts(layers, pipe)
+        if self.cfg.device_memory is None:
+            return counts[-1]
+        peaks = {}
+        for n in counts:
+            _, tiers, _ = self._dry_run(phase_slices(layers, n, pipe))
+            peaks[n] = max(t.high_water for t in tiers)
+            if peaks[n] <= self.cfg.device_memory:
+                return n
+        raise CapacityError(
+            f"no phase count fits --device-memory {self.cfg.device_memory:,}: even {counts[-1]} "
+            f"phases of one layer need {peaks[counts[-1]]:,} bytes per device; raise "
+            f"--device-memory, add tensor sharding, use --rts, or --activations recompute"
+        )
+
+    def plan(self) -> dict[str, Any]:
+        """The phase plan as data: per phase its stage, layers, weight bytes per device
+        (stored and gathered), activation bytes kept for its backward, how often its
+        weights come in and what it writes back; with the device tiers' peak and the
+        per-step ledger totals, from one abstract step."""
+        ledger, tiers, rows = self._dry_run(self.slices)
+        state = self.abstract_state()
+        return {
+            "phases": len(self.slices),
+            "layers_per_phase": self.layers_per_phase,
+            "rts": self.cfg.rts,
+            "rts_optimizer": self.cfg.rts_opt,
+            "activations": self.cfg.activations,
+            "optimizer_on": self.cfg.optimizer_on,
+            "device_memory": self.cfg.device_memory,
+            "device_high_water": max(t.high_water for t in tiers),
+            "host_bytes_per_device": {
+                "weights": bytes_per_device([state.shared, state.layers]),
+                "optimizer_state": bytes_per_device([state.opt_shared, state.opt_layers]),
+            },
+            "per_phase": rows,
+            "step_totals": ledger.step_totals(0),
+        }
 
     # ---- state -------------------------------------------------------------------------
 
     def init(self, params: Any) -> PhasedState:
         """Split parameters into phases and place them, with fresh optimizer state, in
-        the host tier."""
+        the host tier of the stage that runs them."""
+        first = self.stages[0]
         host = lambda tree, sh: jax.device_put(tree, with_memory_kind(sh, "pinned_host"))  # noqa: E731
-        shared = host({k: v for k, v in params.items() if k != self.key}, self.shared_shardings)
+        shared = host({k: v for k, v in params.items() if k != self.key}, first.shared_store)
         layers = [
-            host(jax.tree.map(lambda w, a=a, b=b: w[a:b], params[self.key]), self.layer_shardings)
-            for a, b in self.slices
+            host(
+                jax.tree.map(lambda w, a=a, b=b: w[a:b], params[self.key]),
+                self.stage_of(i).layer_store,
+            )
+            for i, (a, b) in enumerate(self.slices)
         ]
-        init_shared = jax.jit(self.tx_shared.init, out_shardings=self._opt_shared_host)
-        init_layers = jax.jit(self.tx_layers.init, out_shardings=self._opt_layers_host)
+
+        def opt_init(tx, sh):
+            return jax.jit(tx.init, out_shardings=with_memory_kind(sh, "pinned_host"))
+
         return PhasedState(
             shared=shared,
             layers=layers,
-            opt_shared=init_shared(shared),
-            opt_layers=[init_layers(w) for w in layers],
+            opt_shared=opt_init(self.tx_shared, first.shared_opt)(shared),
+            opt_layers=[
+                opt_init(self.tx_layers, self.stage_of(i).layer_opt)(w)
+                for i, w in enumerate(layers)
+            ],
         )
 
-    def _opt_host(self, tx: optax.GradientTransformation, shapes: Any, shardings: Any) -> Any:
-        """Host-tier shardings of `tx`'s state: like its parameters; scalars replicated."""
-        return optax.tree_map_params(
-            tx,
-            lambda _, s: s,
-            jax.eval_shape(tx.init, shapes),
-            with_memory_kind(shardings, "pinned_host"),
-            transform_non_params=lambda _: NamedSharding(
-                self.mesh, PartitionSpec(), memory_kind="pinned_host"
+    def abstract_state(self) -> PhasedState:
+        """The host-tier state as shapes and shardings: abstract mode's weights."""
+        k, first = self.layers_per_phase, self.stages[0]
+
+        def sds(shapes: Any, shardings: Any) -> Any:
+            return jax.tree.map(
+                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                shapes,
+                with_memory_kind(shardings, "pinned_host"),
+            )
+
+        layer = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct((k, *s.shape[1:]), s.dtype), self.layer_shape_one
+        )
+        opt_layer = jax.eval_shape(self.tx_layers.init, layer)
+        n = len(self.slices)
+        return PhasedState(
+            shared=sds(self.shared_shapes, first.shared_store),
+            layers=[sds(layer, self.stage_of(i).layer_store) for i in range(n)],
+            opt_shared=sds(
+                jax.eval_shape(self.tx_shared.init, self.shared_shapes), first.shared_opt
             ),
+            opt_layers=[sds(opt_layer, self.stage_of(i).layer_opt) for i in range(n)],
         )
 
     def params(self, state: PhasedState) -> dict:
@@ -151,122 +268,230 @@ class PhasedTrainer:
         layers = jax.tree.map(lambda *xs: np.concatenate(xs), *jax.device_get(state.layers))
         return {**jax.device_get(state.shared), self.key: layers}
 
-    # ---- compiled pieces -----------------------------------------------------------------
+    def _batch_stages(self) -> list[Stage]:
+        return [self.stages[0], self.stages[-1]] if self.par.pipe > 1 else [self.stages[0]]
 
-    def _compile(self) -> None:
-        model, mesh, rules = self.model, self.mesh, self.base.rules
-
-        def traced(fn):
-            def run(*args):
-                with activation_rules(mesh, rules):
-                    return fn(*args)
-
-            return jax.jit(run)
-
-        def head_loss(shared, x, batch):
-            sums = model.loss_sums(model.head(shared, x), batch)
-            return normalise(sums, model.loss_counts(batch))
-
-        self._embed = traced(model.embed)
-        self._embed_bwd = traced(
-            lambda shared, batch, g: jax.vjp(lambda s: model.embed(s, batch)[0], shared)[1](g)[0]
-        )
-        self._layers_fwd = traced(model.apply_layers)
-        self._layers_bwd = traced(
-            lambda w, x, mask, g: jax.vjp(lambda w_, x_: model.apply_layers(w_, x_, mask), w, x)[1](
-                g
-            )
-        )
-        self._head = traced(jax.value_and_grad(head_loss, argnums=(0, 1)))
-        self._sq_norm = jax.jit(lambda g: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g)))
-
-        def update(tx, grads, opt_state, params, norm):
-            grads = clip_by_norm(grads, norm, self.train.grad_clip)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        def on_host(tx, param_shardings, opt_shardings):
-            """The update, with its results kept in the host tier."""
-            host = with_memory_kind(param_shardings, "pinned_host")
-            return jax.jit(lambda *a: update(tx, *a), out_shardings=(host, opt_shardings))
-
-        self._update_layers = on_host(self.tx_layers, self.layer_shardings, self._opt_layers_host)
-        self._update_shared = on_host(self.tx_shared, self.shared_shardings, self._opt_shared_host)
+    def _abstract_batches(self) -> dict[int, dict]:
+        dims = (self.train.batch, self.train.seq)
+        return {
+            st.index: {
+                k: jax.ShapeDtypeStruct(dims[: len(axes)], np.int32, sharding=st.batch[k])
+                for k, axes in self.model.batch_axes.items()
+            }
+            for st in self._batch_stages()
+        }
 
     # ---- one step ------------------------------------------------------------------------
 
-    def _flops(self, name: str, fn: Any, *args: Any) -> float:
-        """Executed FLOPs of `fn` on `args`, all devices, from XLA's cost analysis of
-        the compiled function; compiled once per name and reused (identical layers)."""
-        if name not in self._flop_cache:
-            abstract = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), args
-            )
-            per_device = fn.lower(*abstract).compile().cost_analysis()["flops"]
-            self._flop_cache[name] = per_device * self.mesh.size
-        return self._flop_cache[name]
-
-    def _compute(self, phase: str, flops: float) -> None:
-        self.ledger.record(
-            Event(self.stream.step, phase, "compute", "", flops=flops, devices=self.mesh.size)
-        )
-
-    def _layer_flops(self, kind: str, fn: Any, weights: Any, *rest: Any) -> float:
-        """A phase's FLOPs as (its layers) x (one compiled layer): XLA's cost analysis
-        counts a scan body once, so a multi-layer phase cannot be counted whole."""
-        one = jax.tree.map(lambda w: w[:1], weights)
-        return self._flops(kind, fn, one, *rest) * jax.tree.leaves(weights)[0].shape[0]
-
     def step(self, state: PhasedState, batch: dict[str, np.ndarray]) -> PhasedResult:
-        stream, n = self.stream, len(self.slices)
-        batch = self.base.put_batch(batch)
-        shared = stream.to_device(
-            "shared", state.shared, self.shared_shardings, "shared", "weights"
+        batches = {
+            st.index: {
+                k: jax.device_put(np.asarray(v, np.int32), st.batch[k]) for k, v in batch.items()
+            }
+            for st in self._batch_stages()
+        }
+        new_state, loss, norm, _ = self._execute(self.executor, state, batches)
+        self.executor.step += 1
+        return PhasedResult(new_state, loss, norm)
+
+    def _fetch(self, ex: Executor, state: PhasedState, i: int, tag: str) -> Any:
+        st = self.stage_of(i)
+        return ex.to_device(
+            st.index, f"w{i}", state.layers[i], st.layer_store, f"{tag}{i}", "weights"
         )
-        x, mask = self._embed(shared, batch)
-        self._compute("embed", self._flops("embed", self._embed, shared, batch))
-        boundary = [x]
-        fetch = lambda i, tag: stream.to_device(  # noqa: E731
-            f"weights[{i}]", state.layers[i], self.layer_shardings, f"{tag}{i}", "weights"
+
+    def _gather(self, ex: Executor, st: Stage, key: str, stored: Any, part: str, phase: str):
+        """All-gather stored 1/rts shards over `replica` before a phase runs; returns
+        the weights to compute with and the device-tier key that now holds them."""
+        if self.cfg.rts == 1:
+            return stored, key
+        count = (one_layer(stored),) if part == "layers" else None
+        full = ex.run(
+            phase, f"gather-{part}", st.fn(f"gather-{part}"), st.mesh, (stored,),
+            count_args=count, repeat=self.layers_per_phase if count else 1, carries="weights",
+        )  # fmt: skip
+        ex.tiers[st.index].admit(f"{key}*", bytes_per_device(full), phase)
+        ex.tiers[st.index].release(key)
+        return full, f"{key}*"
+
+    def _execute(
+        self, ex: Executor, state: PhasedState, batches: dict[int, dict]
+    ) -> tuple[PhasedState, float, float, list[dict]]:
+        cfg, n, k = self.cfg, len(self.slices), self.layers_per_phase
+        first, last = self.stages[0], self.stages[-1]
+        tier = lambda st: ex.tiers[st.index]  # noqa: E731
+        fetches = (1 if cfg.activations == "keep" else 2) + (cfg.optimizer_on == "device")
+        writes = ["gradients"] + (
+            ["weights", "optimizer_state"] if cfg.optimizer_on == "device" else []
         )
-        fetched = {0: fetch(0, "fwd")}
+        rows = [
+            {"phase": i, "stage": self.stage_of(i).index, "layers": list(self.slices[i]),
+             "fetches": fetches, "writes": writes}
+            for i in range(n)
+        ]  # fmt: skip
+
+        shared = {}  # stage -> shared weights on its devices, and their tier key
+        for st in {first.index: first, last.index: last}.values():
+            stored = ex.to_device(
+                st.index, f"shared@{st.index}", state.shared, st.shared_store, "shared", "weights"
+            )
+            shared[st.index] = self._gather(
+                ex, st, f"shared@{st.index}", stored, "shared", "shared"
+            )
+
+        x, mask = ex.run(
+            "embed", "embed", first.fn("embed"), first.mesh, (shared[0][0], batches[0])
+        )
+        tier(first).admit("x0", bytes_per_device(x), "embed")
+        masks = {0: mask}
+        kept: dict[int, Any] = {}  # what each phase's backward needs from its forward
+        fetched = {0: self._fetch(ex, state, 0, "fwd")}
         for i in range(n):
+            st, tag = self.stage_of(i), f"fwd{i}"
             if i + 1 < n:
-                fetched[i + 1] = fetch(i + 1, "fwd")  # prefetch: overlaps phase i's compute
-            weights = fetched.pop(i)
-            flops = self._layer_flops("fwd", self._layers_fwd, weights, boundary[-1], mask)
-            boundary.append(self._layers_fwd(weights, boundary[-1], mask))
-            self._compute(f"fwd{i}", flops)
-            self.device.release(f"weights[{i}]")
-        self._compute("head", self._flops("head", self._head, shared, boundary[-1], batch))
-        loss, (g_shared, g_x) = self._head(shared, boundary.pop(), batch)
+                fetched[i + 1] = self._fetch(ex, state, i + 1, "fwd")  # prefetch
+            if st.index not in masks:  # first phase of a later stage: x arrives over `pipe`
+                x, masks[st.index] = ex.send((x, mask), (st.act, st.mask), tag, "activations")
+                tier(self.stage_of(i - 1)).release(f"x{i}")
+                tier(st).admit(f"x{i}", bytes_per_device(x), tag)
+            mask = masks[st.index]
+            rows[i]["weight_bytes_per_device"] = bytes_per_device(fetched[i])
+            weights, held = self._gather(ex, st, f"w{i}", fetched.pop(i), "layers", tag)
+            rows[i]["gathered_bytes_per_device"] = bytes_per_device(weights)
+            args, count = (weights, x, mask), (one_layer(weights), x, mask)
+            if cfg.activations == "keep":
+                y, vjp = ex.run(tag, "fwd-keep", st.fn("fwd-keep"), st.mesh, args, count, k)
+                kept[i] = (vjp, count)
+                tier(st).admit(f"res{i}", bytes_per_device(vjp), tag)
+                tier(st).release(f"x{i}")
+                rows[i]["activation_bytes_per_device"] = bytes_per_device(vjp)
+            else:
+                y = ex.run(tag, "fwd", st.fn("fwd"), st.mesh, args, count, k)
+                rows[i]["activation_bytes_per_device"] = bytes_per_device(x)
+                kept[i] = x
+                if cfg.activations == "offload":
+                    kept[i] = ex.to_host(x, st.act, tag, "activations")
+                    tier(st).release(f"x{i}")
+            tier(st).release(held)
+            x = y
+            tier(st).admit(f"x{i + 1}", bytes_per_device(x), tag)
 
-        host_grads: list[Any] = [None] * n
-        fetched = {n - 1: fetch(n - 1, "bwd")}
+        loss, (g_head, g_x) = ex.run(
+            "head",
+            "head",
+            last.fn("head"),
+            last.mesh,
+            (shared[last.index][0], x, batches[last.index]),
+        )
+        tier(last).release(f"x{n}")
+
+        grads: list[Any] = [None] * n
+        squares: list[Any] = []
+        restored: dict[int, Any] = {}
+
+        def prefetch(j: int) -> None:
+            if cfg.activations == "keep":
+                return
+            fetched[j] = self._fetch(ex, state, j, "bwd")
+            if cfg.activations == "offload":
+                sj = self.stage_of(j)
+                restored[j] = ex.to_device(
+                    sj.index, f"x{j}", kept[j], sj.act, f"bwd{j}", "activations"
+                )
+
+        prefetch(n - 1)
         for i in reversed(range(n)):
+            st, tag = self.stage_of(i), f"bwd{i}"
             if i > 0:
-                fetched[i - 1] = fetch(i - 1, "bwd")
-            weights, x_i = fetched.pop(i), boundary.pop()
-            flops = self._layer_flops("bwd", self._layers_bwd, weights, x_i, mask, g_x)
-            g_w, g_x = self._layers_bwd(weights, x_i, mask, g_x)
-            self._compute(f"bwd{i}", flops)
-            host_grads[i] = stream.to_host(g_w, self.layer_shardings, f"bwd{i}", "gradients")
-            self.device.release(f"weights[{i}]")
-        self._compute("bwd-embed", self._flops("embed_bwd", self._embed_bwd, shared, batch, g_x))
-        g_shared = jax.tree.map(jnp.add, g_shared, self._embed_bwd(shared, batch, g_x))
-        host_g_shared = stream.to_host(g_shared, self.shared_shardings, "bwd-shared", "gradients")
-        self.device.release("shared")
+                prefetch(i - 1)
+            if i + 1 < n and self.stage_of(i + 1) is not st:
+                g_x = ex.send(g_x, st.act, tag, "gradients")
+            mask = masks[st.index]
+            if cfg.activations == "keep":
+                vjp, count = kept.pop(i)
+                _, vjp_one = ex.shape("fwd-keep", st.fn("fwd-keep"), st.mesh, count)
+                g_w, g_x = ex.run(
+                    tag, "bwd-keep", st.fn("bwd-keep"), st.mesh, (vjp, g_x), (vjp_one, g_x), k
+                )
+                tier(st).release(f"res{i}")
+            else:
+                x_i = restored.pop(i) if cfg.activations == "offload" else kept.pop(i)
+                weights, held = self._gather(ex, st, f"w{i}", fetched.pop(i), "layers", tag)
+                count = (one_layer(weights), x_i, mask)
+                forward = ex.count("fwd", st.fn("fwd"), st.mesh, count).flops_per_device
+                g_w, g_x = ex.run(
+                    tag, "bwd", st.fn("bwd"), st.mesh, (weights, x_i, mask, g_x), (*count, g_x), k,
+                    recompute=forward,
+                )  # fmt: skip
+                tier(st).release(held)
+                tier(st).release(f"x{i}")
+            squares.append(ex.run(tag, "sq-norm", st.fn("sq-norm"), st.mesh, (g_w,)))
+            grads[i] = ex.to_host(g_w, st.layer_store, tag, "gradients")
 
-        # The update runs in the host tier, on host copies; clipped by the global norm.
-        norm = jnp.sqrt(sum(self._sq_norm(g) for g in [host_g_shared, *host_grads]))
+        if last is not first:
+            g_x = ex.send(g_x, first.act, "bwd-embed", "gradients")
+        g_embed = ex.run(
+            "bwd-embed",
+            "embed-bwd",
+            first.fn("embed-bwd"),
+            first.mesh,
+            (shared[0][0], batches[0], g_x),
+        )
+        if last is not first:  # the tied embedding's second term, from the head's stage
+            g_head = ex.send(g_head, first.shared_store, "bwd-shared", "gradients")
+        g_shared = ex.run("bwd-embed", "add", first.fn("add"), first.mesh, (g_embed, g_head))
+        squares.append(
+            ex.run("bwd-shared", "sq-norm", first.fn("sq-norm"), first.mesh, (g_shared,))
+        )
+        shared_grads = ex.to_host(g_shared, first.shared_store, "bwd-shared", "gradients")
+        for st_index, (_, key) in shared.items():
+            ex.tiers[st_index].release(key)
+
+        norm = math.sqrt(sum(float(s) for s in squares)) if ex.real else 0.0
         layers, opt_layers = [], []
         for i in range(n):
-            w, o = self._update_layers(host_grads[i], state.opt_layers[i], state.layers[i], norm)
+            st = self.stage_of(i)
+            w, o = self._update(
+                ex, st, "layers", f"update{i}", grads[i], state.opt_layers[i], state.layers[i], norm
+            )
             layers.append(w)
             opt_layers.append(o)
-        shared_w, opt_shared = self._update_shared(
-            host_g_shared, state.opt_shared, state.shared, norm
+        shared_w, opt_shared = self._update(
+            ex, first, "shared", "update-shared", shared_grads, state.opt_shared, state.shared, norm
         )
-        stream.step += 1
         new_state = PhasedState(shared_w, layers, opt_shared, opt_layers)
-        return PhasedResult(new_state, float(loss), float(norm))
+        return new_state, float(loss) if ex.real else math.nan, norm, rows
+
+    def _update(
+        self, ex: Executor, st: Stage, part: str, tag: str, grads: Any, opt: Any, weights: Any,
+        norm: float,
+    ) -> tuple[Any, Any]:  # fmt: skip
+        """The optimizer update where `optimizer_on` says; results end in the host tier."""
+        store = st.layer_store if part == "layers" else st.shared_store
+        opt_sh = st.layer_opt if part == "layers" else st.shared_opt
+        kind = "device" if self.cfg.optimizer_on == "device" else "pinned_host"
+        norm_sh = st.replicated.with_memory_kind(kind)
+        norm_arg = (
+            jax.device_put(np.float32(norm), norm_sh)
+            if ex.real
+            else jax.ShapeDtypeStruct((), np.float32, sharding=norm_sh)
+        )
+        fn = st.fn(f"update-{part}-{kind}")
+        if kind == "pinned_host":
+            return ex.run(
+                tag, f"update-{part}", fn, st.mesh, (grads, opt, weights, norm_arg),
+                carries="optimizer_state", on="host",
+            )  # fmt: skip
+        t = ex.tiers[st.index]
+        w = ex.to_device(st.index, "update:w", weights, store, tag, "weights")
+        o = ex.to_device(st.index, "update:opt", opt, opt_sh, tag, "optimizer_state")
+        g = ex.to_device(st.index, "update:g", grads, store, tag, "gradients")
+        new_w, new_o = ex.run(
+            tag, f"update-{part}", fn, st.mesh, (g, o, w, norm_arg), carries="optimizer_state"
+        )
+        for key in ("update:w", "update:opt", "update:g"):
+            t.release(key)
+        return (
+            ex.to_host(new_w, store, tag, "weights"),
+            ex.to_host(new_o, opt_sh, tag, "optimizer_state"),
+        )

@@ -5,8 +5,9 @@ Host-tier arrays are real JAX arrays whose sharding has `memory_kind="pinned_hos
 bringing one in is a real `jax.device_put` to `memory_kind="device"` (both kinds exist
 on the CPU backend, and the same calls move real bytes on GPUs and TPUs). The device
 tier tracks what it holds per device, its high-water mark, and refuses to exceed its
-capacity (host-tier capacity is not tracked yet); every transfer is recorded in the
-ledger with its bytes over all devices.
+capacity; the executor (`executor.py`) moves arrays between the tiers and records every
+transfer in the ledger with its bytes over all devices. Host-tier capacity (terabytes of
+streaming memory in the source systems) is reported by the plan, not enforced.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
-
-from shardemu.ledger import Carries, Event, Ledger
 
 
 class CapacityError(RuntimeError):
@@ -73,28 +72,3 @@ class Tier:
 
     def release(self, key: str) -> None:
         del self.held[key]
-
-
-class Streamer:
-    """Moves trees between the host tier and the device tier, for real, and records it."""
-
-    def __init__(self, ledger: Ledger, device: Tier) -> None:
-        self.ledger, self.device = ledger, device
-        self.step = 0
-
-    def to_device(self, key: str, tree: Any, shardings: Any, phase: str, carries: Carries) -> Any:
-        out = jax.device_put(tree, with_memory_kind(shardings, "device"))
-        self.device.admit(key, bytes_per_device(out), phase)
-        self._record(phase, "h2d", carries, out)
-        return out
-
-    def to_host(self, tree: Any, shardings: Any, phase: str, carries: Carries) -> Any:
-        out = jax.device_put(tree, with_memory_kind(shardings, "pinned_host"))
-        self._record(phase, "d2h", carries, out)
-        return out
-
-    def _record(self, phase: str, kind: str, carries: Carries, tree: Any) -> None:
-        devices = len(jax.tree.leaves(tree)[0].sharding.device_set)
-        self.ledger.record(
-            Event(self.step, phase, kind, carries, bytes_all_devices(tree), devices=devices)
-        )

@@ -1,0 +1,106 @@
+"""The collectives XLA actually emitted, read from a compiled executable's HLO.
+
+The SPMD partitioner turns shardings into all-reduce, all-gather, reduce-scatter,
+all-to-all and collective-permute instructions. Reading them back from
+`compiled.as_text()` (rather than predicting them) is what lets the ledger itemise
+collective bytes by mesh axis for any rules table: each instruction's replica groups are
+mapped to the mesh axes along which their device ids vary.
+
+Bytes each device sends over links follow the ring algorithms (Thakur, Rabenseifner and
+Gropp 2005, "Optimization of Collective Communication Operations in MPICH"; NCCL's
+performance notes, "bus bandwidth"): for a group of n devices and a buffer of S bytes,
+all-reduce sends 2 (n-1)/n S, all-gather and all-to-all (n-1)/n S (S the full, gathered
+buffer), reduce-scatter (n-1)/n S (S the full input), and collective-permute S.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+from jax.sharding import Mesh
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_INSTR = re.compile(
+    r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>" + "|".join(_OPS) + r")(?:-start)?\((?P<rest>.*)$"
+)
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_LIST = re.compile(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction: its op, the mesh axes it spans, its group size, the
+    buffer it works on (bytes per device) and the bytes each device sends."""
+
+    op: str
+    axes: tuple[str, ...]
+    group: int
+    buffer_bytes: int
+    sent_bytes: float
+
+
+def _array_bytes(shape: str) -> list[int]:
+    return [
+        _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+        for dtype, dims in _ARRAY.findall(shape)
+        if dtype in _DTYPE_BYTES
+    ]
+
+
+def _groups(rest: str, num_devices: int) -> list[list[int]]:
+    """Replica groups in either HLO syntax: explicit lists, or iota `[G,S]<=[dims]T(p)`."""
+    if m := _IOTA.search(rest):
+        out_shape = [int(x) for x in m.group(1).split(",")]
+        ids = np.arange(num_devices).reshape([int(x) for x in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(out_shape).tolist()
+    if m := _LIST.search(rest):
+        return [
+            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))
+        ]
+    return [list(range(num_devices))]  # replica_groups={} : one group of every device
+
+
+def _axes(groups: list[list[int]], mesh: Mesh) -> tuple[str, ...]:
+    """Mesh axes along which device ids within a group differ (ids index mesh.devices)."""
+    varying: set[int] = set()
+    for group in groups:
+        coords = np.array(np.unravel_index(group, mesh.devices.shape))
+        varying |= {i for i in range(coords.shape[0]) if len(set(coords[i])) > 1}
+    return tuple(mesh.axis_names[i] for i in sorted(varying))
+
+
+def _sent(op: str, n: int, buffer: int) -> float:
+    if op == "collective-permute":
+        return float(buffer)
+    factor = 2 if op == "all-reduce" else 1
+    return factor * (n - 1) / n * buffer
+
+
+def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
+    """Every collective in an optimized HLO module compiled over `mesh`."""
+    found = []
+    for line in hlo_text.splitlines():
+        m = _INSTR.search(line)
+        if not m:
+            continue
+        op, rest = m.group("op"), m.group("rest")
+        sizes, groups = _array_bytes(m.group("shape")), _groups(rest, mesh.size)
+        if op == "reduce-scatter":  # the result is 1/n of the buffer it reduced
+            buffer = sum(sizes) * len(groups[0])
+        else:  # an async start's shape pairs operand and result: take the larger
+            buffer = max(sizes) if "-start(" in line else sum(sizes)
+        n = 2 if op == "collective-permute" else len(groups[0])
+        found.append(Collective(op, _axes(groups, mesh), n, buffer, _sent(op, n, buffer)))
+    return found

@@ -1,0 +1,183 @@
+"""One code path for real and abstract phased execution.
+
+The scheduler hands every transfer and every computation to an `Executor`. In real
+mode transfers are `jax.device_put`s between memory kinds and computations run; in
+abstract mode both return `ShapeDtypeStruct`s with the same shapes and shardings, so a
+GPT-3-sized step can be planned on a laptop: nothing is allocated, and only the pieces
+that must be counted are compiled. Either way each piece is compiled once per abstract
+signature (shapes, dtypes, partition specs, memory kinds: not devices, so identical
+pipeline stages share counts), and its FLOPs (`cost_analysis()`) and collectives (its
+HLO, `collectives.py`) are written to the ledger.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from shardemu.collectives import Collective, collectives
+from shardemu.ledger import Carries, Event, Ledger, Where
+from shardemu.phased.tiers import Tier, bytes_all_devices, bytes_per_device, with_memory_kind
+
+
+def abstract(tree: Any) -> Any:
+    """Shapes, dtypes and shardings of a tree of arrays (or of abstract values)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def signature(tree: Any) -> tuple:
+    def leaf(x: Any) -> tuple:
+        s = x.sharding
+        where = (s.spec, s.memory_kind) if isinstance(s, NamedSharding) else repr(s)
+        return (x.shape, str(x.dtype), where)
+
+    return (jax.tree.structure(tree), tuple(leaf(x) for x in jax.tree.leaves(tree)))
+
+
+@dataclass(frozen=True)
+class Counted:
+    """What one compiled piece costs on its mesh, and the shardings of its outputs."""
+
+    flops_per_device: float
+    devices: int
+    collectives: tuple[Collective, ...]
+    out_shardings: Any
+
+
+class Executor:
+    """Runs (real) or shapes (abstract) transfers and computations, and records them."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        tiers: list[Tier],
+        axis_labels: dict[str, str],
+        real: bool,
+        cache: dict | None = None,
+    ) -> None:
+        self.ledger, self.tiers, self.real = ledger, tiers, real
+        self.axis_labels = axis_labels  # mesh axis -> the name users know it by
+        self.step = 0
+        self._counted: dict[tuple, Counted] = {} if cache is None else cache
+
+    # ---- transfers -----------------------------------------------------------------------
+
+    def to_device(
+        self, stage: int, key: str, tree: Any, shardings: Any, phase: str, carries: Carries
+    ) -> Any:
+        """Host tier -> device tier of `stage`, which admits `key` (or refuses)."""
+        out = self._place(tree, with_memory_kind(shardings, "device"))
+        self.tiers[stage].admit(key, bytes_per_device(out), phase)
+        self._record_transfer(phase, "h2d", carries, out)
+        return out
+
+    def to_host(self, tree: Any, shardings: Any, phase: str, carries: Carries) -> Any:
+        out = self._place(tree, with_memory_kind(shardings, "pinned_host"))
+        self._record_transfer(phase, "d2h", carries, out)
+        return out
+
+    def send(self, tree: Any, shardings: Any, phase: str, carries: Carries) -> Any:
+        """Device to device across pipeline stages: a point-to-point transfer over `pipe`."""
+        out = self._place(tree, shardings)
+        self.ledger.record(
+            Event(
+                self.step, phase, "collective", carries, bytes_all_devices(out),
+                axis="pipe", devices=_devices(out), op="collective-permute", group=2,
+            )
+        )  # fmt: skip
+        return out
+
+    def _place(self, tree: Any, shardings: Any) -> Any:
+        if self.real:
+            return jax.device_put(tree, shardings)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+        )
+
+    def _record_transfer(self, phase: str, kind: str, carries: Carries, tree: Any) -> None:
+        self.ledger.record(
+            Event(self.step, phase, kind, carries, bytes_all_devices(tree), devices=_devices(tree))
+        )
+
+    # ---- computations --------------------------------------------------------------------
+
+    def run(
+        self,
+        phase: str,
+        name: str,
+        fn: Any,
+        mesh: Mesh,
+        args: tuple,
+        count_args: tuple | None = None,
+        repeat: int = 1,
+        carries: Carries = "",
+        on: Where = "device",
+        recompute: float = 0.0,
+    ) -> Any:
+        """Run `fn(*args)` (real) or shape it (abstract), and record its FLOPs and
+        collectives: those of `fn` compiled over `count_args` (default `args`), times
+        `repeat`. A phase of k identical layers is counted as one layer times k (XLA's
+        cost analysis counts a scanned body once, whatever its trip count).
+        `recompute`: FLOPs per device and repeat that recompute a forward pass."""
+        counted = self.count(name, fn, mesh, args if count_args is None else count_args)
+        flops = counted.flops_per_device * counted.devices * repeat
+        self.ledger.record(
+            Event(
+                self.step, phase, "compute", carries, flops=flops, devices=counted.devices,
+                on=on, recompute_flops=recompute * counted.devices * repeat,
+            )
+        )  # fmt: skip
+        grouped: dict[tuple, float] = defaultdict(float)
+        for c in counted.collectives:
+            label = "+".join(dict.fromkeys(self.axis_labels.get(a, a) for a in c.axes))
+            grouped[(c.op, label, c.group)] += c.sent_bytes * counted.devices * repeat
+        for (op, label, group), sent in grouped.items():
+            self.ledger.record(
+                Event(
+                    self.step, phase, "collective", carries, round(sent), axis=label,
+                    devices=counted.devices, op=op, group=group,
+                )
+            )  # fmt: skip
+        if self.real:
+            return fn(*args)
+        return self._shaped(fn, args, counted)
+
+    def shape(self, name: str, fn: Any, mesh: Mesh, args: tuple) -> Any:
+        """The abstract outputs of `fn(*args)`, shardings included; nothing recorded."""
+        return self._shaped(fn, args, self.count(name, fn, mesh, args))
+
+    @staticmethod
+    def _shaped(fn: Any, args: tuple, counted: Counted) -> Any:
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            jax.eval_shape(fn, *abstract(args)),
+            counted.out_shardings,
+        )
+
+    def count(self, name: str, fn: Any, mesh: Mesh, args: tuple) -> Counted:
+        """Compile `fn` over the abstract `args` once per signature and count it."""
+        key = (name, signature(abstract(args)))
+        if key not in self._counted:
+            compiled = fn.lower(*abstract(args)).compile()
+            self._counted[key] = Counted(
+                float(compiled.cost_analysis().get("flops", 0.0)),
+                mesh.size,
+                tuple(collectives(compiled.as_text(), mesh)),
+                compiled.output_shardings,
+            )
+        return self._counted[key]
+
+
+def one_layer(tree: Any) -> Any:
+    """The abstract first layer of a stack of layers (axis 0)."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype, sharding=x.sharding), tree
+    )
+
+
+def _devices(tree: Any) -> int:
+    return len(jax.tree.leaves(tree)[0].sharding.device_set)

@@ -1,0 +1,243 @@
+"""A pipeline stage of a phased run: its devices, its shardings and its compiled pieces.
+
+Each stage's devices form a mesh whose `replica` axis is split in two, (replica, rts):
+the `rts` sub-axis is what replicated tensor sharding spreads a weight over (MISSION.md:
+"each device stores 1/(t*p*rts)"), while the batch is split over both. A weight has two
+shardings: *stored* (host tier, and as it arrives on the device: its tensor-parallel
+shard split again over `rts`) and *computed* (its tensor-parallel shard whole, gathered
+over `rts` just before the phase runs). Gradients leave the backward pass already
+reduced and scattered to the stored sharding. Optimizer state is stored over rts'
+(`rts_optimizer`: 1, rts, or all of `replica`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from shardemu.config import PhasedConfig, TrainConfig
+from shardemu.models import Model, normalise
+from shardemu.optim import clip_by_norm
+from shardemu.phased.tiers import with_memory_kind
+from shardemu.sharding import Rules, activation_rules, logical_to_spec
+
+RTS = "rts"
+STAGE_AXES = ("pipe", "replica", RTS, "tensor")
+AXIS_LABELS = {RTS: "replica"}  # the ledger names the rts sub-axis as the user's axis
+
+
+def stage_meshes(mesh: Mesh, rts: int) -> list[Mesh]:
+    """One mesh per pipeline stage, over that stage's devices, with `replica` split
+    into (replica / rts, rts); neighbouring replicas share a weight's rts shards."""
+    _, replica, tensor = (mesh.shape[a] for a in ("pipe", "replica", "tensor"))
+    grid = mesh.devices  # (pipe, replica, tensor): see mesh.py
+    return [
+        Mesh(
+            grid[s].reshape(1, replica // rts, rts, tensor),
+            STAGE_AXES,
+            axis_types=(AxisType.Auto,) * len(STAGE_AXES),
+        )
+        for s in range(grid.shape[0])
+    ]
+
+
+def stage_rules(rules: Rules) -> Rules:
+    """`rules` on a stage mesh: whatever was split over `replica` is split over
+    (replica, rts), i.e. over the same devices."""
+
+    def split(axes: Any) -> Any:
+        if axes is None:
+            return None
+        names = (axes,) if isinstance(axes, str) else tuple(axes)
+        out = tuple(n for a in names for n in ((a, RTS) if a == "replica" else (a,)))
+        return out[0] if len(out) == 1 else out
+
+    return tuple((name, split(axes)) for name, axes in rules)
+
+
+def store_spec(
+    spec: PartitionSpec, shape: tuple[int, ...], axes: tuple[str, ...],
+    sizes: dict[str, int], skip: int,
+) -> PartitionSpec:  # fmt: skip
+    """`spec` with mesh `axes` added to the largest dimension (past the first `skip`)
+    whose shard they divide: how a weight is stored when spread over more devices. A
+    tensor with no such dimension is stored whole on each device, as a real RTS
+    implementation would keep a tiny bias."""
+    n = math.prod(sizes[a] for a in axes)
+    if n == 1:
+        return spec
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+
+    def shard(dim: int) -> int:
+        e = entries[dim]
+        names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        return shape[dim] // math.prod(sizes[a] for a in names)
+
+    fits = [d for d in range(skip, len(shape)) if shard(d) % n == 0]
+    if not fits:  # a tensor too small to split (BERT's 2-way NSP bias): stored whole
+        return spec
+    dim = max(fits, key=shard)
+    e = entries[dim]
+    entries[dim] = (*(() if e is None else (e,) if isinstance(e, str) else e), *axes)
+    return PartitionSpec(*entries)
+
+
+def tree_store_specs(
+    specs: Any, shapes: Any, axes: tuple[str, ...], sizes: dict[str, int], skip: int
+) -> Any:
+    return jax.tree.map(
+        lambda spec, s: store_spec(spec, s.shape, axes, sizes, skip),
+        specs,
+        shapes,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+@dataclass
+class Specs:
+    """Partition specs of one phase's layers and of the shared weights, the same on
+    every stage: computed, stored (rts) and optimizer state (rts')."""
+
+    layer_compute: Any
+    layer_store: Any
+    layer_opt: Any
+    shared_compute: Any
+    shared_store: Any
+    shared_opt: Any
+    act: PartitionSpec
+    batch: dict[str, PartitionSpec]
+
+
+def make_specs(
+    layer_specs: Any, layer_shapes: Any, shared_specs: Any, shared_shapes: Any,
+    rules: Rules, sizes: dict[str, int], cfg: PhasedConfig, model: Model,
+) -> Specs:  # fmt: skip
+    rts_axes = (RTS,) if cfg.rts > 1 else ()
+    if cfg.rts_opt in (1, cfg.rts):
+        opt_axes = () if cfg.rts_opt == 1 else rts_axes
+    else:  # all of replica (PhasedConfig.check_mesh allows nothing else)
+        opt_axes = ("replica", RTS)
+    return Specs(
+        layer_compute=layer_specs,
+        layer_store=tree_store_specs(layer_specs, layer_shapes, rts_axes, sizes, skip=1),
+        layer_opt=tree_store_specs(layer_specs, layer_shapes, opt_axes, sizes, skip=1),
+        shared_compute=shared_specs,
+        shared_store=tree_store_specs(shared_specs, shared_shapes, rts_axes, sizes, skip=0),
+        shared_opt=tree_store_specs(shared_specs, shared_shapes, opt_axes, sizes, skip=0),
+        act=logical_to_spec(("batch", "sequence", "embed"), rules, "activations"),
+        batch={
+            k: logical_to_spec(axes, rules, f"batch array {k!r}")
+            for k, axes in model.batch_axes.items()
+        },
+    )
+
+
+class Stage:
+    """One stage's mesh, shardings and jitted pieces (built on first use)."""
+
+    def __init__(
+        self, index: int, mesh: Mesh, specs: Specs, rules: Rules, model: Model,
+        train: TrainConfig, tx_layers: optax.GradientTransformation,
+        tx_shared: optax.GradientTransformation, opt_layer_shapes: Any, opt_shared_shapes: Any,
+    ) -> None:  # fmt: skip
+        self.index, self.mesh, self.rules, self.model, self.train = index, mesh, rules, model, train
+        named = lambda tree: jax.tree.map(  # noqa: E731
+            lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
+        )
+        self.layer_compute = named(specs.layer_compute)
+        self.layer_store = named(specs.layer_store)
+        self.shared_compute = named(specs.shared_compute)
+        self.shared_store = named(specs.shared_store)
+        self.act = NamedSharding(mesh, specs.act)
+        # attention masks: [b, 1, s] padding masks split like the batch (BERT), or one
+        # [1, s, s] causal mask (GPT)
+        self.mask = NamedSharding(
+            mesh, PartitionSpec(specs.act[0]) if model.cfg.family == "bert" else PartitionSpec()
+        )
+        self.batch = {k: NamedSharding(mesh, s) for k, s in specs.batch.items()}
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.tx_layers, self.tx_shared = tx_layers, tx_shared
+        self.layer_opt = self._opt(tx_layers, opt_layer_shapes, named(specs.layer_opt))
+        self.shared_opt = self._opt(tx_shared, opt_shared_shapes, named(specs.shared_opt))
+        self._fns: dict[str, Any] = {}
+
+    def _opt(self, tx: optax.GradientTransformation, state_shapes: Any, shardings: Any) -> Any:
+        """Shardings of `tx`'s state: like its parameters; scalars replicated."""
+        return optax.tree_map_params(
+            tx,
+            lambda _, s: s,
+            state_shapes,
+            shardings,
+            transform_non_params=lambda _: self.replicated,
+        )
+
+    def fn(self, name: str) -> Any:
+        """The jitted piece `name` (see `_build`), built once per stage."""
+        if name not in self._fns:
+            self._fns[name] = self._build(name)
+        return self._fns[name]
+
+    def _build(self, name: str) -> Any:
+        model, mesh, rules = self.model, self.mesh, self.rules
+
+        def traced(fn: Any, **out: Any) -> Any:
+            def run(*args: Any) -> Any:
+                with activation_rules(mesh, rules):
+                    return fn(*args)
+
+            return jax.jit(run, **out)
+
+        def layer_vjp(w: Any, x: jax.Array, mask: jax.Array) -> Any:
+            return jax.vjp(lambda w_, x_: model.apply_layers(w_, x_, mask), w, x)
+
+        def head_loss(shared: Any, x: jax.Array, batch: dict) -> jax.Array:
+            sums = model.loss_sums(model.head(shared, x), batch)
+            return normalise(sums, model.loss_counts(batch))
+
+        grads_out = {"out_shardings": (self.layer_store, self.act)}
+        builders = {
+            "gather-layers": lambda: jax.jit(lambda w: w, out_shardings=self.layer_compute),
+            "gather-shared": lambda: jax.jit(lambda w: w, out_shardings=self.shared_compute),
+            "embed": lambda: traced(model.embed, out_shardings=(self.act, self.mask)),
+            "embed-bwd": lambda: traced(
+                lambda s, b, g: jax.vjp(lambda s_: model.embed(s_, b)[0], s)[1](g)[0],
+                out_shardings=self.shared_store,
+            ),
+            "fwd": lambda: traced(model.apply_layers, out_shardings=self.act),
+            "fwd-keep": lambda: traced(layer_vjp),
+            "bwd": lambda: traced(lambda w, x, m, g: layer_vjp(w, x, m)[1](g), **grads_out),
+            "bwd-keep": lambda: traced(lambda vjp, g: vjp(g), **grads_out),
+            "head": lambda: traced(
+                jax.value_and_grad(head_loss, argnums=(0, 1)),
+                out_shardings=(self.replicated, (self.shared_store, self.act)),
+            ),
+            "add": lambda: jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b)),
+            "sq-norm": lambda: jax.jit(
+                lambda g: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g))
+            ),
+        }
+        for part in ("layers", "shared"):
+            for kind in ("device", "pinned_host"):
+                builders[f"update-{part}-{kind}"] = lambda p=part, k=kind: self._update(p, k)
+        return builders[name]()
+
+    def _update(self, part: str, kind: str) -> Any:
+        """The clipped optimizer update of one phase's layers (or the shared weights),
+        its results left in memory `kind`."""
+        tx = self.tx_layers if part == "layers" else self.tx_shared
+        params = self.layer_store if part == "layers" else self.shared_store
+        opt = self.layer_opt if part == "layers" else self.shared_opt
+        clip = self.train.grad_clip
+
+        def update(grads: Any, opt_state: Any, weights: Any, norm: jax.Array) -> Any:
+            updates, opt_state = tx.update(clip_by_norm(grads, norm, clip), opt_state, weights)
+            return optax.apply_updates(weights, updates), opt_state
+
+        out = (with_memory_kind(params, kind), with_memory_kind(opt, kind))
+        return jax.jit(update, out_shardings=out)
