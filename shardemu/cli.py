@@ -17,7 +17,6 @@ from rich.table import Table
 
 from shardemu.config import (
     ConfigError,
-    ModelConfig,
     Parallelism,
     PhasedConfig,
     TrainConfig,
@@ -73,12 +72,42 @@ def _run_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     p.add_argument("--lr", type=float, default=defaults.learning_rate, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=defaults.warmup_steps, help="warm-up steps")
     p.add_argument("--out", default=None, help="run directory (default runs/<model>-<timestamp>)")
+    _phased_args(p)
+
+
+def _phased_args(p: argparse.ArgumentParser) -> None:
+    d = PhasedConfig()
     p.add_argument(
         "--phased", action="store_true", help="weights in the host tier, streamed per phase"
     )
-    p.add_argument("--phases", type=int, default=None, help="phases (default: one per layer)")
+    p.add_argument(
+        "--phases",
+        type=int,
+        default=None,
+        help="phases (default: the fewest that fit --device-memory, else one per layer)",
+    )
     p.add_argument(
         "--device-memory", type=int, default=None, metavar="BYTES", help="device tier capacity"
+    )
+    p.add_argument("--rts", type=int, default=d.rts, help="replicated tensor sharding over replica")
+    p.add_argument(
+        "--rts-optimizer",
+        type=int,
+        default=None,
+        metavar="R2",
+        help="rts' for optimizer state: 1, --rts, or the replica size (default: --rts)",
+    )
+    p.add_argument(
+        "--activations",
+        choices=("keep", "offload", "recompute"),
+        default=d.activations,
+        help="what a phase's backward gets from its forward",
+    )
+    p.add_argument(
+        "--optimizer-on",
+        choices=("host", "device"),
+        default=d.optimizer_on,
+        help="where the update runs (host: the MemoryX arrangement)",
     )
 
 
@@ -143,7 +172,7 @@ def cmd_run(args: argparse.Namespace) -> None:
             train_cfg,
             out=args.out,
             on_step=on_step,
-            phased=_phased(args, model_cfg),
+            phased=_phased(args),
         )
     table = Table(title=f"shardemu run: {model_cfg.name}", show_header=False)
     for key, value in result.summary.items():
@@ -162,12 +191,33 @@ def demo_argv(steps: int, out: str | None) -> list[str]:
     ]  # fmt: skip
 
 
-def _phased(args: argparse.Namespace, model_cfg: ModelConfig) -> PhasedConfig | None:
+def _phased(args: argparse.Namespace) -> PhasedConfig | None:
+    """The phased settings, or None; phased flags without --phased are an error."""
+    d = PhasedConfig()
+    given = [
+        flag
+        for flag, value, default in (
+            ("--phases", args.phases, None),
+            ("--device-memory", args.device_memory, None),
+            ("--rts", args.rts, d.rts),
+            ("--rts-optimizer", args.rts_optimizer, None),
+            ("--activations", args.activations, d.activations),
+            ("--optimizer-on", args.optimizer_on, d.optimizer_on),
+        )
+        if value != default
+    ]
     if not args.phased:
-        if args.phases is not None or args.device_memory is not None:
-            raise ConfigError("--phases and --device-memory need --phased")
+        if given:
+            raise ConfigError(f"{', '.join(given)} need --phased")
         return None
-    return PhasedConfig(args.phases or model_cfg.num_layers, args.device_memory)
+    return PhasedConfig(
+        phases=args.phases,
+        device_memory=args.device_memory,
+        rts=args.rts,
+        rts_optimizer=args.rts_optimizer,
+        activations=args.activations,
+        optimizer_on=args.optimizer_on,
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> None:

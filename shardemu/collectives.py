@@ -34,6 +34,10 @@ _INSTR = re.compile(
 )
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}"
+)
 _LIST = re.compile(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
 
 
@@ -57,19 +61,34 @@ def _array_bytes(shape: str) -> list[int]:
     ]
 
 
+def _iota(dims: str, perm: str | None, num_devices: int) -> np.ndarray:
+    """XLA's iota device list `[dims]T(perm)`: 0..n-1 shaped as dims, transposed."""
+    ids = np.arange(num_devices).reshape([int(x) for x in dims.split(",")])
+    return (ids.transpose([int(x) for x in perm.split(",")]) if perm else ids).ravel()
+
+
 def _groups(rest: str, num_devices: int) -> list[list[int]]:
-    """Replica groups in either HLO syntax: explicit lists, or iota `[G,S]<=[dims]T(p)`."""
+    """Replica groups in any of XLA's syntaxes: explicit lists, iota `[G,S]<=[dims]T(p)`,
+    or mesh axes `mesh['axis_0'=2,'axis_1'=4][, device_ids=(iota)] {'axis_1'}` (devices
+    laid out row-major over those axes; a group varies along the named ones)."""
     if m := _IOTA.search(rest):
         out_shape = [int(x) for x in m.group(1).split(",")]
-        ids = np.arange(num_devices).reshape([int(x) for x in m.group(2).split(",")])
-        if m.group(3):
-            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        return ids.reshape(out_shape).tolist()
+        return _iota(m.group(2), m.group(3), num_devices).reshape(out_shape).tolist()
+    if m := _MESH.search(rest):
+        axes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        names, sizes = list(axes), [int(v) for v in axes.values()]
+        chosen = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(4))]
+        others = [i for i in range(len(names)) if i not in chosen]
+        ids = _iota(m.group(2), m.group(3), num_devices) if m.group(2) else np.arange(num_devices)
+        ids = ids.reshape(sizes).transpose(others + chosen)
+        return ids.reshape(-1, math.prod(sizes[i] for i in chosen)).tolist()
     if m := _LIST.search(rest):
         return [
             [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))
         ]
-    return [list(range(num_devices))]  # replica_groups={} : one group of every device
+    if "replica_groups={}" in rest or "replica_groups=" not in rest:
+        return [list(range(num_devices))]  # one group of every device
+    raise ValueError(f"unrecognised replica groups in HLO: {rest[:200]}")
 
 
 def _axes(groups: list[list[int]], mesh: Mesh) -> tuple[str, ...]:

@@ -48,11 +48,7 @@ def train(
     mesh = mesh_from(par, devices)
     model = Model(model_cfg)
     trainer = Trainer(model, mesh, train_cfg, rules)
-    phased_trainer = (
-        PhasedTrainer(model, mesh, train_cfg, phased.phases, phased.device_memory, rules)
-        if phased
-        else None
-    )
+    phased_trainer = PhasedTrainer(model, mesh, train_cfg, phased, rules) if phased else None
     params_abs, opt_abs, _ = trainer.abstract_inputs()
     run = RunDir(out or default_run_dir(model_cfg.name))
     tokens_per_step = train_cfg.batch * train_cfg.seq
@@ -76,7 +72,7 @@ def train(
             "schedule": "gpipe",
             "stage_plan": stage_plan(model, trainer.param_shapes, par.pipe),
             "phased": dataclasses.asdict(phased) if phased else None,
-            "phase_plan": [list(s) for s in phased_trainer.slices] if phased_trainer else None,
+            "phase_plan": phased_trainer.plan() if phased_trainer else None,
         }
     )
     model_flops = flops.training_step(model_cfg, train_cfg.batch, train_cfg.seq)

@@ -152,10 +152,14 @@ class Executor:
 
     @staticmethod
     def _shaped(fn: Any, args: tuple, counted: Counted) -> Any:
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            jax.eval_shape(fn, *abstract(args)),
-            counted.out_shardings,
+        """Shapes of `fn(*args)` with the shardings of the counted piece's outputs,
+        matched leaf by leaf (a stack of k layers has the one-layer piece's leaves; a
+        vjp's tree structure also names its trip count, so the structures differ)."""
+        shapes, treedef = jax.tree.flatten(jax.eval_shape(fn, *abstract(args)))
+        shardings = jax.tree.leaves(counted.out_shardings)
+        return treedef.unflatten(
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+            for x, s in zip(shapes, shardings, strict=True)
         )
 
     def count(self, name: str, fn: Any, mesh: Mesh, args: tuple) -> Counted:

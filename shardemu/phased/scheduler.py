@@ -53,6 +53,11 @@ from shardemu.phased.tiers import CapacityError, Tier, bytes_per_device, with_me
 from shardemu.sharding import Rules, megatron_rules, resolve_specs
 
 
+# Counts of compiled pieces, per (model, training settings, rules), shared by every
+# trainer in the process: planning compares phase counts, and tests build many trainers.
+_COUNTS: dict[tuple, dict] = {}
+
+
 def phase_slices(num_layers: int, phases: int, stages: int = 1) -> list[tuple[int, int]]:
     """[start, end) layers of each phase: equal phases, a whole number per stage."""
     if phases < 1 or num_layers % phases or phases % stages:
@@ -83,6 +88,7 @@ class PhasedResult:
     state: PhasedState
     loss: float
     grad_norm: float
+    grads: PhasedState  # this step's gradients as they reached the host tier (no opt state)
 
 
 class PhasedTrainer:
@@ -135,13 +141,18 @@ class PhasedTrainer:
             for s, m in enumerate(meshes)
         ]
         self.ledger = Ledger()
-        self._counts: dict = {}
+        # pieces' output shardings depend on rts and rts' as well as on their inputs
+        self._counts = _COUNTS.setdefault((model.cfg, train, self.rules, cfg.rts, cfg.rts_opt), {})
         self.tiers = [Tier(f"device (stage {s})", cfg.device_memory) for s in range(par.pipe)]
         self.executor = Executor(
             self.ledger, self.tiers, AXIS_LABELS, real=True, cache=self._counts
         )
-        phases = cfg.phases or self._fewest_phases_that_fit()
-        self.slices = phase_slices(model.cfg.num_layers, phases, par.pipe)
+        layers = model.cfg.num_layers
+        self.slices = phase_slices(
+            layers, cfg.phases or valid_phase_counts(layers, par.pipe)[-1], par.pipe
+        )
+        if cfg.phases is None and cfg.device_memory is not None:
+            self.slices = phase_slices(layers, self._fewest_phases_that_fit(), par.pipe)
 
     # ---- the plan ------------------------------------------------------------------------
 
@@ -167,12 +178,10 @@ class PhasedTrainer:
             self.slices = saved
 
     def _fewest_phases_that_fit(self) -> int:
-        """The largest phases whose step fits the device tier (all layers, one per phase,
-        when there is no capacity): tried in abstract mode, fewest phases first."""
+        """The largest phases whose step fits the device tier: tried in abstract mode,
+        fewest phases first."""
         layers, pipe = self.model.cfg.num_layers, self.par.pipe
         counts = valid_phase_counts(layers, pipe)
-        if self.cfg.device_memory is None:
-            return counts[-1]
         peaks = {}
         for n in counts:
             _, tiers, _ = self._dry_run(phase_slices(layers, n, pipe))
@@ -185,16 +194,22 @@ class PhasedTrainer:
             f"--device-memory, add tensor sharding, use --rts, or --activations recompute"
         )
 
-    def plan(self) -> dict[str, Any]:
+    def plan(self, phases: int | None = None) -> dict[str, Any]:
         """The phase plan as data: per phase its stage, layers, weight bytes per device
         (stored and gathered), activation bytes kept for its backward, how often its
         weights come in and what it writes back; with the device tiers' peak and the
-        per-step ledger totals, from one abstract step."""
-        ledger, tiers, rows = self._dry_run(self.slices)
+        per-step ledger totals, from one abstract step; of this trainer's phases, or of
+        `phases` (to compare plans)."""
+        slices = (
+            self.slices
+            if phases is None
+            else phase_slices(self.model.cfg.num_layers, phases, self.par.pipe)
+        )
+        ledger, tiers, rows = self._dry_run(slices)
         state = self.abstract_state()
         return {
-            "phases": len(self.slices),
-            "layers_per_phase": self.layers_per_phase,
+            "phases": len(slices),
+            "layers_per_phase": slices[0][1] - slices[0][0],
             "rts": self.cfg.rts,
             "rts_optimizer": self.cfg.rts_opt,
             "activations": self.cfg.activations,
@@ -264,7 +279,8 @@ class PhasedTrainer:
         )
 
     def params(self, state: PhasedState) -> dict:
-        """The full parameter tree (host copies reassembled), for comparison and export."""
+        """The full parameter tree (host copies reassembled), for comparison and export;
+        of a result's `grads`, the full gradient tree."""
         layers = jax.tree.map(lambda *xs: np.concatenate(xs), *jax.device_get(state.layers))
         return {**jax.device_get(state.shared), self.key: layers}
 
@@ -290,9 +306,9 @@ class PhasedTrainer:
             }
             for st in self._batch_stages()
         }
-        new_state, loss, norm, _ = self._execute(self.executor, state, batches)
+        new_state, grads, loss, norm, _ = self._execute(self.executor, state, batches)
         self.executor.step += 1
-        return PhasedResult(new_state, loss, norm)
+        return PhasedResult(new_state, loss, norm, grads)
 
     def _fetch(self, ex: Executor, state: PhasedState, i: int, tag: str) -> Any:
         st = self.stage_of(i)
@@ -316,7 +332,7 @@ class PhasedTrainer:
 
     def _execute(
         self, ex: Executor, state: PhasedState, batches: dict[int, dict]
-    ) -> tuple[PhasedState, float, float, list[dict]]:
+    ) -> tuple[PhasedState, PhasedState, float, float, list[dict]]:
         cfg, n, k = self.cfg, len(self.slices), self.layers_per_phase
         first, last = self.stages[0], self.stages[-1]
         tier = lambda st: ex.tiers[st.index]  # noqa: E731
@@ -460,7 +476,8 @@ class PhasedTrainer:
             ex, first, "shared", "update-shared", shared_grads, state.opt_shared, state.shared, norm
         )
         new_state = PhasedState(shared_w, layers, opt_shared, opt_layers)
-        return new_state, float(loss) if ex.real else math.nan, norm, rows
+        grad_state = PhasedState(shared_grads, grads, None, [])
+        return new_state, grad_state, float(loss) if ex.real else math.nan, norm, rows
 
     def _update(
         self, ex: Executor, st: Stage, part: str, tag: str, grads: Any, opt: Any, weights: Any,
@@ -479,7 +496,7 @@ class PhasedTrainer:
         fn = st.fn(f"update-{part}-{kind}")
         if kind == "pinned_host":
             return ex.run(
-                tag, f"update-{part}", fn, st.mesh, (grads, opt, weights, norm_arg),
+                tag, f"update-{part}-{kind}", fn, st.mesh, (grads, opt, weights, norm_arg),
                 carries="optimizer_state", on="host",
             )  # fmt: skip
         t = ex.tiers[st.index]
@@ -487,7 +504,12 @@ class PhasedTrainer:
         o = ex.to_device(st.index, "update:opt", opt, opt_sh, tag, "optimizer_state")
         g = ex.to_device(st.index, "update:g", grads, store, tag, "gradients")
         new_w, new_o = ex.run(
-            tag, f"update-{part}", fn, st.mesh, (g, o, w, norm_arg), carries="optimizer_state"
+            tag,
+            f"update-{part}-{kind}",
+            fn,
+            st.mesh,
+            (g, o, w, norm_arg),
+            carries="optimizer_state",
         )
         for key in ("update:w", "update:opt", "update:g"):
             t.release(key)

@@ -66,9 +66,9 @@ def store_spec(
     sizes: dict[str, int], skip: int,
 ) -> PartitionSpec:  # fmt: skip
     """`spec` with mesh `axes` added to the largest dimension (past the first `skip`)
-    whose shard they divide: how a weight is stored when spread over more devices. A
-    tensor with no such dimension is stored whole on each device, as a real RTS
-    implementation would keep a tiny bias."""
+    whose shard they divide, preferring dimensions not split yet: how a weight is stored
+    when spread over more devices. A tensor with no such dimension (BERT's 2-way NSP
+    bias) is stored whole, as a real RTS implementation would keep a tiny bias."""
     n = math.prod(sizes[a] for a in axes)
     if n == 1:
         return spec
@@ -82,7 +82,7 @@ def store_spec(
     fits = [d for d in range(skip, len(shape)) if shard(d) % n == 0]
     if not fits:  # a tensor too small to split (BERT's 2-way NSP bias): stored whole
         return spec
-    dim = max(fits, key=shard)
+    dim = max(fits, key=lambda d: (entries[d] is None, shard(d)))  # unsplit dims first
     e = entries[dim]
     entries[dim] = (*(() if e is None else (e,) if isinstance(e, str) else e), *axes)
     return PartitionSpec(*entries)
