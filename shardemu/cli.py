@@ -1,4 +1,4 @@
-"""The `shardemu` command: `run`, `demo`, `describe`.
+"""The `shardemu` command: `run`, `demo`, `describe`, `plan`.
 
 Virtual devices must be requested before JAX starts its backend, so `run` sets them up
 first thing, before anything touches a device.
@@ -132,7 +132,24 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(describe)
     describe.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R")
     describe.add_argument("--json", action="store_true", help="emit JSON instead of a table")
+    _shape_args(describe)
+    _phased_args(describe)
+
+    plan = sub.add_parser(
+        "plan", help="count a phased step in abstract mode: any preset, any mesh, no weights"
+    )
+    _model_args(plan)
+    plan.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R")
+    plan.add_argument("--json", action="store_true", help="emit JSON instead of a table")
+    _shape_args(plan)
+    _phased_args(plan)
     return parser
+
+
+def _shape_args(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    p.add_argument("--batch", type=int, default=d.batch, help="global batch (all replicas)")
+    p.add_argument("--seq", type=int, default=d.seq, help="sequence length")
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -229,7 +246,16 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_describe(args: argparse.Namespace) -> None:
     from shardemu.describe import describe
 
-    report = describe(_model_config(args), Parallelism.parse(args.mesh))
+    par = Parallelism.parse(args.mesh)
+    phased = _phased(args)
+    model_cfg = _model_config(args)
+    report = describe(model_cfg, par)
+    if phased:
+        use_virtual_devices(par.num_devices)
+        from shardemu.plan import plan_phased
+
+        train_cfg = TrainConfig(batch=args.batch, seq=args.seq)
+        report["phase_plan"] = plan_phased(model_cfg, par, train_cfg, phased)["plan"]
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -252,11 +278,76 @@ def cmd_describe(args: argparse.Namespace) -> None:
     out.print(table)
     for key in ("param_count", "param_bytes", "bytes_per_device"):
         out.print(f"{key}: {report[key]:,}")
+    if phased:
+        _print_phase_plan(out, report["phase_plan"])
+
+
+def _print_phase_plan(out: Console, plan: dict[str, Any]) -> None:
+    settings = ", ".join(
+        f"{k}={plan[k]}" for k in ("rts", "rts_optimizer", "activations", "optimizer_on")
+    )
+    table = Table(title=f"phase plan: {plan['phases']} phases ({settings})")
+    columns = (
+        "phase", "stage", "layers", "weight_bytes_per_device", "gathered_bytes_per_device",
+        "activation_bytes_per_device", "fetches", "writes",
+    )  # fmt: skip
+    for col in columns:
+        table.add_column(col.replace("_per_device", "/device").replace("_", " "), justify="right")
+    for row in plan["per_phase"]:
+        table.add_row(
+            *(
+                f"{row[c]:,}" if isinstance(row[c], int) else "-".join(map(str, row[c]))
+                if c == "layers" else ", ".join(row[c]) if isinstance(row[c], list) else str(row[c])
+                for c in columns
+            )
+        )  # fmt: skip
+    out.print(table)
+    out.print(
+        f"device tier peak: {plan['device_high_water']:,} bytes/device"
+        + (f" of {plan['device_memory']:,}" if plan["device_memory"] else "")
+    )
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    par = Parallelism.parse(args.mesh)
+    phased = _phased(args)
+    if phased is None:
+        raise ConfigError(
+            "shardemu plan counts phased execution: add --phased (resident and pipelined "
+            "steps are counted by `shardemu run`)"
+        )
+    use_virtual_devices(par.num_devices)
+    from shardemu.plan import padded_for, plan_phased
+    from shardemu.runner import fmt_value
+
+    model_cfg = _model_config(args)
+    padded = model_cfg if args.pad_vocab else padded_for(model_cfg, par)
+    report = plan_phased(padded, par, TrainConfig(batch=args.batch, seq=args.seq), phased)
+    if padded.vocab_size != model_cfg.vocab_size:
+        report["vocab_padded_from"] = model_cfg.vocab_size
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    out = Console()
+    table = Table(
+        title=f"shardemu plan: {report['model']} on mesh {report['mesh']}", show_header=False
+    )
+    for key, value in report.items():
+        if key not in ("plan", "bytes_collective", "memory_per_device"):
+            table.add_row(key, fmt_value(value))
+    for axis, value in report["bytes_collective"].items():
+        table.add_row(f"bytes_collective.{axis}", fmt_value(value))
+    for tier, value in report["memory_per_device"].items():
+        table.add_row(f"memory_per_device.{tier}", fmt_value(value))
+    out.print(table)
+    _print_phase_plan(out, report["plan"])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"run": cmd_run, "demo": cmd_demo, "describe": cmd_describe}[args.command]
+    handler = {"run": cmd_run, "demo": cmd_demo, "describe": cmd_describe, "plan": cmd_plan}[
+        args.command
+    ]
     try:
         handler(args)
     except _USER_ERRORS as err:

@@ -161,7 +161,24 @@ def test_keep_recomputes_nothing_and_recompute_a_forward(runs):
     keep = runs("4-rts4-keep-host")[0].ledger.step_totals(0)
     recompute = runs("2-rts4-recompute-device-opt1")[0].ledger.step_totals(0)
     assert keep["flops"] - keep["model_flops"] < recompute["flops"] - recompute["model_flops"]
-    assert keep["model_flops"] == pytest.approx(recompute["model_flops"], rel=0.15)
+    # they differ only by the elementwise work a forward does to save residuals for its
+    # backward: 9% on a d=64 BERT, 0.1% at GPT-3 scale (test below, README)
+    assert keep["model_flops"] == pytest.approx(recompute["model_flops"], rel=0.1)
+
+
+def test_abstract_plan_model_flops_match_the_analytic_formula():
+    """A matmul-dominated GPT (d=512) planned in abstract mode with recomputation: the
+    ledger's model FLOPs (executed minus recomputed) are within 3% of flops.py."""
+    from shardemu.config import get_preset
+    from shardemu.plan import plan_phased
+
+    cfg = get_preset("gpt-tiny").replace(embed_dim=512, mlp_dim=2048, num_layers=2)
+    report = plan_phased(
+        cfg, Parallelism(pipe=2, tensor=2, replica=2), TrainConfig(batch=8, seq=128),
+        PhasedConfig(phases=2, rts=2),
+    )  # fmt: skip
+    assert abs(report["model_flops_rel_err"]) < 0.03
+    assert report["flops"] > 1.2 * report["model_flops"]  # the recomputed forward
 
 
 def test_pipeline_stages_with_phases(tiny_model, reference, assert_params_close):

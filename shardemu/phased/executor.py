@@ -144,19 +144,20 @@ class Executor:
             )  # fmt: skip
         if self.real:
             return fn(*args)
-        return self._shaped(fn, args, counted)
+        return self._shaped(fn, mesh, args, counted)
 
     def shape(self, name: str, fn: Any, mesh: Mesh, args: tuple) -> Any:
         """The abstract outputs of `fn(*args)`, shardings included; nothing recorded."""
-        return self._shaped(fn, args, self.count(name, fn, mesh, args))
+        return self._shaped(fn, mesh, args, self.count(name, fn, mesh, args))
 
     @staticmethod
-    def _shaped(fn: Any, args: tuple, counted: Counted) -> Any:
-        """Shapes of `fn(*args)` with the shardings of the counted piece's outputs,
+    def _shaped(fn: Any, mesh: Mesh, args: tuple, counted: Counted) -> Any:
+        """Shapes of `fn(*args)` with the shardings of the counted piece's outputs moved
+        onto `mesh` (the count may come from an identical stage on other devices),
         matched leaf by leaf (a stack of k layers has the one-layer piece's leaves; a
         vjp's tree structure also names its trip count, so the structures differ)."""
         shapes, treedef = jax.tree.flatten(jax.eval_shape(fn, *abstract(args)))
-        shardings = jax.tree.leaves(counted.out_shardings)
+        shardings = [_on_mesh(s, mesh) for s in jax.tree.leaves(counted.out_shardings)]
         return treedef.unflatten(
             jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
             for x, s in zip(shapes, shardings, strict=True)
@@ -174,6 +175,15 @@ class Executor:
                 compiled.output_shardings,
             )
         return self._counted[key]
+
+
+def _on_mesh(sharding: Any, mesh: Mesh) -> Any:
+    """The same layout over `mesh`'s devices (meshes of one shape, one device order)."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+    if sharding.device_set == set(mesh.devices.flat):
+        return sharding
+    raise NotImplementedError(f"cannot move {type(sharding).__name__} to another stage's mesh")
 
 
 def one_layer(tree: Any) -> Any:

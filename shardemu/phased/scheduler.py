@@ -52,7 +52,6 @@ from shardemu.phased.stage import (
 from shardemu.phased.tiers import CapacityError, Tier, bytes_per_device, with_memory_kind
 from shardemu.sharding import Rules, megatron_rules, resolve_specs
 
-
 # Counts of compiled pieces, per (model, training settings, rules), shared by every
 # trainer in the process: planning compares phase counts, and tests build many trainers.
 _COUNTS: dict[tuple, dict] = {}
@@ -330,6 +329,16 @@ class PhasedTrainer:
         ex.tiers[st.index].release(key)
         return full, f"{key}*"
 
+    @staticmethod
+    def _recompute_flops(ex: Executor, st: Stage, count: tuple, g_x: Any) -> float:
+        """FLOPs per device of one layer's recomputation: its backward from the phase
+        input minus its backward from kept residuals. (Not the forward's count: XLA
+        drops the recomputed forward's last matmul, whose output the vjp never uses.)"""
+        _, vjp_one = ex.shape("fwd-keep", st.fn("fwd-keep"), st.mesh, count)
+        bwd = ex.count("bwd", st.fn("bwd"), st.mesh, (*count, g_x)).flops_per_device
+        kept = ex.count("bwd-keep", st.fn("bwd-keep"), st.mesh, (vjp_one, g_x))
+        return bwd - kept.flops_per_device
+
     def _execute(
         self, ex: Executor, state: PhasedState, batches: dict[int, dict]
     ) -> tuple[PhasedState, PhasedState, float, float, list[dict]]:
@@ -434,10 +443,10 @@ class PhasedTrainer:
                 x_i = restored.pop(i) if cfg.activations == "offload" else kept.pop(i)
                 weights, held = self._gather(ex, st, f"w{i}", fetched.pop(i), "layers", tag)
                 count = (one_layer(weights), x_i, mask)
-                forward = ex.count("fwd", st.fn("fwd"), st.mesh, count).flops_per_device
+                recompute = self._recompute_flops(ex, st, count, g_x)
                 g_w, g_x = ex.run(
                     tag, "bwd", st.fn("bwd"), st.mesh, (weights, x_i, mask, g_x), (*count, g_x), k,
-                    recompute=forward,
+                    recompute=recompute,
                 )  # fmt: skip
                 tier(st).release(held)
                 tier(st).release(f"x{i}")
