@@ -248,10 +248,11 @@ def cmd_describe(args: argparse.Namespace) -> None:
 
     par = Parallelism.parse(args.mesh)
     phased = _phased(args)
+    if phased:  # the plan runs on a mesh of virtual devices: set them up first
+        use_virtual_devices(par.num_devices)
     model_cfg = _model_config(args)
     report = describe(model_cfg, par)
     if phased:
-        use_virtual_devices(par.num_devices)
         from shardemu.plan import plan_phased
 
         train_cfg = TrainConfig(batch=args.batch, seq=args.seq)

@@ -80,7 +80,8 @@ def test_sharded_and_single_device_runs_agree(model, tmp_path, sharded_run):
 
 def test_phased_run_agrees_with_resident_and_records_the_ledger(tmp_path, sharded_run):
     resident, resident_dir = sharded_run("gpt-tiny")
-    args = ["--mesh", "tensor=2,replica=4", "--phased", "--phases", "2", "--out", str(tmp_path)]
+    args = ["--mesh", "tensor=2,replica=4", "--phased", "--phases", "2", "--rts", "4"]
+    args += ["--out", str(tmp_path)]
     phased = shardemu("run", "--model", "gpt-tiny", *COMMON, *args)
     assert phased.returncode == 0, phased.stderr
     a, b = read_metrics(tmp_path), read_metrics(resident_dir)
@@ -96,6 +97,10 @@ def test_phased_run_agrees_with_resident_and_records_the_ledger(tmp_path, sharde
     }
     assert fields <= set(a[0])
     assert a[0]["flops"] > a[0]["model_flops"] > 0  # each phase's backward recomputes it
+    assert {"replica", "tensor"} <= set(a[0]["bytes_collective"])  # rts gathers, Megatron
+    plan = json.loads((tmp_path / "config.json").read_text())["phase_plan"]
+    assert plan["phases"] == 2 and plan["rts"] == 4
+    assert plan["step_totals"]["bytes_h2d"] == a[0]["bytes_h2d"]  # abstract = real
     ledger = json.loads((tmp_path / "ledger.json").read_text())
     h2d = sum(e["bytes"] for e in ledger if e["step"] == 0 and e["kind"] == "h2d")
     assert h2d == a[0]["bytes_h2d"] > 0
@@ -145,6 +150,20 @@ def test_describe_json_reports_reference_counts(model, count):
     assert report["bytes_per_device"] == report["param_bytes"] == 4 * count
 
 
+def test_plan_and_describe_phased_count_without_weights():
+    common = ["--model", "gpt-tiny", "--mesh", "pipe=2,tensor=2,replica=2", "--phased"]
+    common += ["--rts", "2", "--batch", "8", "--seq", "16", "--json"]
+    plan = shardemu("plan", *common)
+    assert plan.returncode == 0, plan.stderr
+    report = json.loads(plan.stdout)
+    assert report["param_count"] == 241_024 and report["plan"]["phases"] == 4
+    assert report["model_flops"] > 0 and set(report["memory_per_device"]) == {"device", "host"}
+    assert {"pipe", "replica", "tensor"} <= set(report["bytes_collective"])
+    described = shardemu("describe", *common)
+    assert described.returncode == 0, described.stderr
+    assert json.loads(described.stdout)["phase_plan"]["per_phase"] == report["plan"]["per_phase"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -161,6 +180,12 @@ def test_describe_json_reports_reference_counts(model, count):
         (
             ["run", "--model", "gpt-tiny", "--mesh", "replica=4", "--batch", "6"],
             "--batch 6 is not divisible by replica=4",
+        ),
+        (["run", "--model", "gpt-tiny", "--rts", "2"], "--rts need --phased"),
+        (["plan", "--model", "gpt-tiny"], "add --phased"),
+        (
+            ["plan", "--model", "gpt-tiny", "--mesh", "replica=4", "--phased", "--rts", "3"],
+            "--rts 3 does not divide replica=4",
         ),
     ],
 )
