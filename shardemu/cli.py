@@ -23,10 +23,13 @@ from shardemu.config import (
     get_preset,
 )
 from shardemu.devices import DeviceError, use_virtual_devices
+from shardemu.hardware import HardwareError, get_hardware
 from shardemu.phased.tiers import CapacityError
 from shardemu.sharding import ShardingError
 
-_USER_ERRORS = (ConfigError, ShardingError, DeviceError, FileExistsError, CapacityError)
+_USER_ERRORS = (
+    ConfigError, ShardingError, DeviceError, FileExistsError, CapacityError, HardwareError,
+)  # fmt: skip
 console = Console(stderr=True)
 
 
@@ -141,6 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(plan)
     plan.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R")
     plan.add_argument("--json", action="store_true", help="emit JSON instead of a table")
+    plan.add_argument(
+        "--hardware",
+        default=None,
+        help="predict the step on a profile (ipu-pod256, a100-80gb, ...) or a .toml/.json file",
+    )
+    plan.add_argument(
+        "--out",
+        default=None,
+        help="run directory (default with --hardware: runs/plan-<model>-<time>)",
+    )
     _shape_args(plan)
     _phased_args(plan)
     return parser
@@ -155,7 +168,8 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
 def cmd_run(args: argparse.Namespace) -> None:
     par = Parallelism.parse(args.mesh)
     use_virtual_devices(args.devices or par.num_devices)
-    from shardemu.runner import fmt_value, train  # after the device count is fixed
+    from shardemu.runner import train  # after the device count is fixed
+    from shardemu.tracking import fmt_value
 
     train_cfg = TrainConfig(
         steps=args.steps,
@@ -317,31 +331,29 @@ def cmd_plan(args: argparse.Namespace) -> None:
             "shardemu plan counts phased execution: add --phased (resident and pipelined "
             "steps are counted by `shardemu run`)"
         )
+    hardware = get_hardware(args.hardware) if args.hardware else None
     use_virtual_devices(par.num_devices)
-    from shardemu.plan import padded_for, plan_phased
-    from shardemu.runner import fmt_value
+    from shardemu.plan import flatten, padded_for, plan_phased
+    from shardemu.tracking import default_run_dir, fmt_value
 
     model_cfg = _model_config(args)
     padded = model_cfg if args.pad_vocab else padded_for(model_cfg, par)
-    report = plan_phased(padded, par, TrainConfig(batch=args.batch, seq=args.seq), phased)
+    out = args.out or (default_run_dir(f"plan-{model_cfg.name}") if hardware else None)
+    train_cfg = TrainConfig(batch=args.batch, seq=args.seq)
+    report = plan_phased(padded, par, train_cfg, phased, hardware=hardware, out=out)
     if padded.vocab_size != model_cfg.vocab_size:
         report["vocab_padded_from"] = model_cfg.vocab_size
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    out = Console()
+    out_console = Console()
     table = Table(
         title=f"shardemu plan: {report['model']} on mesh {report['mesh']}", show_header=False
     )
-    for key, value in report.items():
-        if key not in ("plan", "bytes_collective", "memory_per_device"):
-            table.add_row(key, fmt_value(value))
-    for axis, value in report["bytes_collective"].items():
-        table.add_row(f"bytes_collective.{axis}", fmt_value(value))
-    for tier, value in report["memory_per_device"].items():
-        table.add_row(f"memory_per_device.{tier}", fmt_value(value))
-    out.print(table)
-    _print_phase_plan(out, report["plan"])
+    for key, value in flatten(report).items():
+        table.add_row(key, fmt_value(value))
+    out_console.print(table)
+    _print_phase_plan(out_console, report["plan"])
 
 
 def main(argv: list[str] | None = None) -> int:

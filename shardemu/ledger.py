@@ -38,6 +38,7 @@ class Event:
     group: int = 1
     on: Where = "device"
     recompute_flops: float = 0.0
+    stage: int = 0  # the pipeline stage whose devices did it (the sender, for a p2p)
 
 
 class Ledger:

@@ -9,15 +9,22 @@ identical pipeline stage). So GPT-3 175B on 256 virtual devices is planned on a 
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 from shardemu import flops
 from shardemu.config import ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.costmodel import Timeline, predict
+from shardemu.hardware import Hardware
+from shardemu.ledger import Ledger
 from shardemu.mesh import mesh_from
 from shardemu.models import Model, param_bytes, param_count
 from shardemu.phased.scheduler import PhasedTrainer
 from shardemu.sharding import Rules
+from shardemu.tracking import summary_markdown
+from shardemu.views import plot_timeline, write_trace
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
@@ -37,18 +44,23 @@ def plan_phased(
     train_cfg: TrainConfig,
     phased: PhasedConfig,
     rules: Rules | None = None,
+    hardware: Hardware | None = None,
+    out: str | Path | None = None,
 ) -> dict[str, Any]:
     """Count one phased step in abstract mode: the JSON `shardemu plan --json` prints.
-    Needs `par.num_devices` JAX devices (virtual CPU devices will do)."""
+    With `hardware`, add the predicted step (`costmodel.py`); with `out`, write the run
+    directory (config.json, ledger.json, summary.md, and with hardware trace.json and
+    timeline.png). Needs `par.num_devices` JAX devices (virtual CPU devices will do)."""
     t0 = time.perf_counter()
     model = Model(model_cfg)
     trainer = PhasedTrainer(model, mesh_from(par), train_cfg, phased, rules)
-    plan = trainer.plan()
+    ledger = Ledger()
+    plan = trainer.plan(ledger=ledger)
     totals = plan.pop("step_totals")
     analytic = flops.training_step(model_cfg, train_cfg.batch, train_cfg.seq)
     shapes, _ = model.abstract_params()
     host = plan["host_bytes_per_device"]
-    return {
+    report = {
         "model": model_cfg.name,
         "mesh": str(par),
         "devices": par.num_devices,
@@ -66,5 +78,52 @@ def plan_phased(
             "host": host["weights"] + host["optimizer_state"],
         },
         "plan": plan,
-        "elapsed_s": time.perf_counter() - t0,
     }
+    timeline = None
+    if hardware is not None:
+        tokens = train_cfg.batch * train_cfg.seq
+        timeline, prediction = predict(
+            ledger.events, hardware, par, totals["model_flops"], tokens, report["memory_per_device"]
+        )
+        report.update(prediction)
+    if out is not None:
+        write_plan_dir(Path(out), report, ledger, timeline)
+    report["elapsed_s"] = time.perf_counter() - t0
+    return report
+
+
+def write_plan_dir(
+    out: Path, report: dict[str, Any], ledger: Ledger, timeline: Timeline | None
+) -> None:
+    """The run directory of a plan: config.json (the report), ledger.json, summary.md and,
+    with a prediction, trace.json, timeline.png and per-stream busy times."""
+    out.mkdir(parents=True, exist_ok=True)
+    ledger.write(out / "ledger.json")
+    if timeline is not None:
+        report["trace"] = str(write_trace(timeline, out / "trace.json"))
+        report["timeline"] = str(
+            plot_timeline(
+                timeline,
+                out / "timeline.png",
+                f"{report['model']} on {report['mesh']}, {report['hardware']}",
+            )
+        )
+        report["stream_busy_s"] = {
+            f"stage{stage}/{stream}": busy
+            for (stage, stream), busy in sorted(timeline.stream_totals().items())
+        }
+    (out / "config.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "summary.md").write_text(summary_markdown("plan", flatten(report)))
+
+
+def flatten(report: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The report as one level of dotted keys, without the per-phase plan."""
+    flat: dict[str, Any] = {}
+    for key, value in report.items():
+        if key in ("plan", "stream_busy_s"):
+            continue
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

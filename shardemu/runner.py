@@ -23,7 +23,7 @@ from shardemu.parallel.schedule import make_schedule
 from shardemu.phased.scheduler import PhasedTrainer
 from shardemu.phased.tiers import bytes_per_device
 from shardemu.sharding import Rules
-from shardemu.tracking import RunDir, default_run_dir
+from shardemu.tracking import RunDir, default_run_dir, summary_markdown
 
 
 @dataclass
@@ -138,22 +138,9 @@ def train(
             "tokens_per_s": tokens_per_step / median_s,
             "run_dir": str(run.path),
         }
-        run.write_summary(summary_markdown(summary))
+        run.write_summary(summary_markdown("run", summary))
         if phased_trainer is not None:
             phased_trainer.ledger.write(run.path / "ledger.json")
     finally:
         run.close()
     return RunResult(run.path, losses, summary)
-
-
-def summary_markdown(summary: dict[str, Any]) -> str:
-    rows = "\n".join(f"| {key} | {fmt_value(value)} |" for key, value in summary.items())
-    return f"# shardemu run: {summary['model']}\n\n| field | value |\n|---|---|\n{rows}\n"
-
-
-def fmt_value(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, int) and not isinstance(value, bool):
-        return f"{value:,}"
-    return str(value)

@@ -69,3 +69,17 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The per-step records of a run directory."""
     lines = (Path(path) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def summary_markdown(command: str, summary: dict[str, Any]) -> str:
+    """The table a person reads first: one row per field."""
+    rows = "\n".join(f"| {key} | {fmt_value(value)} |" for key, value in summary.items())
+    return f"# shardemu {command}: {summary['model']}\n\n| field | value |\n|---|---|\n{rows}\n"
+
+
+def fmt_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)

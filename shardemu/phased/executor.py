@@ -61,6 +61,7 @@ class Executor:
     ) -> None:
         self.ledger, self.tiers, self.real = ledger, tiers, real
         self.axis_labels = axis_labels  # mesh axis -> the name users know it by
+        self.stage_of_device: dict[int, int] = {}  # device id -> pipeline stage
         self.step = 0
         self._counted: dict[tuple, Counted] = {} if cache is None else cache
 
@@ -72,12 +73,12 @@ class Executor:
         """Host tier -> device tier of `stage`, which admits `key` (or refuses)."""
         out = self._place(tree, with_memory_kind(shardings, "device"))
         self.tiers[stage].admit(key, bytes_per_device(out), phase)
-        self._record_transfer(phase, "h2d", carries, out)
+        self._record_transfer(phase, "h2d", carries, out, stage)
         return out
 
     def to_host(self, tree: Any, shardings: Any, phase: str, carries: Carries) -> Any:
         out = self._place(tree, with_memory_kind(shardings, "pinned_host"))
-        self._record_transfer(phase, "d2h", carries, out)
+        self._record_transfer(phase, "d2h", carries, out, self._stage(tree))
         return out
 
     def send(self, tree: Any, shardings: Any, phase: str, carries: Carries) -> Any:
@@ -87,6 +88,7 @@ class Executor:
             Event(
                 self.step, phase, "collective", carries, bytes_all_devices(out),
                 axis="pipe", devices=_devices(out), op="collective-permute", group=2,
+                stage=self._stage(tree),
             )
         )  # fmt: skip
         return out
@@ -98,10 +100,23 @@ class Executor:
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
         )
 
-    def _record_transfer(self, phase: str, kind: str, carries: Carries, tree: Any) -> None:
+    def _record_transfer(
+        self, phase: str, kind: str, carries: Carries, tree: Any, stage: int
+    ) -> None:
         self.ledger.record(
-            Event(self.step, phase, kind, carries, bytes_all_devices(tree), devices=_devices(tree))
-        )
+            Event(
+                self.step, phase, kind, carries, bytes_all_devices(tree), devices=_devices(tree),
+                stage=stage,
+            )
+        )  # fmt: skip
+
+    def _stage(self, tree_or_mesh: Any) -> int:
+        """The pipeline stage whose devices hold `tree_or_mesh`."""
+        if isinstance(tree_or_mesh, Mesh):
+            devices = tree_or_mesh.devices.flat
+        else:
+            devices = jax.tree.leaves(tree_or_mesh)[0].sharding.device_set
+        return self.stage_of_device.get(min(d.id for d in devices), 0)
 
     # ---- computations --------------------------------------------------------------------
 
@@ -129,6 +144,7 @@ class Executor:
             Event(
                 self.step, phase, "compute", carries, flops=flops, devices=counted.devices,
                 on=on, recompute_flops=recompute * counted.devices * repeat,
+                stage=self._stage(mesh),
             )
         )  # fmt: skip
         grouped: dict[tuple, float] = defaultdict(float)
@@ -139,7 +155,7 @@ class Executor:
             self.ledger.record(
                 Event(
                     self.step, phase, "collective", carries, round(sent), axis=label,
-                    devices=counted.devices, op=op, group=group,
+                    devices=counted.devices, op=op, group=group, stage=self._stage(mesh),
                 )
             )  # fmt: skip
         if self.real:

@@ -143,15 +143,18 @@ class PhasedTrainer:
         # pieces' output shardings depend on rts and rts' as well as on their inputs
         self._counts = _COUNTS.setdefault((model.cfg, train, self.rules, cfg.rts, cfg.rts_opt), {})
         self.tiers = [Tier(f"device (stage {s})", cfg.device_memory) for s in range(par.pipe)]
-        self.executor = Executor(
-            self.ledger, self.tiers, AXIS_LABELS, real=True, cache=self._counts
-        )
+        self.executor = self._executor(self.ledger, self.tiers, real=True)
         layers = model.cfg.num_layers
         self.slices = phase_slices(
             layers, cfg.phases or valid_phase_counts(layers, par.pipe)[-1], par.pipe
         )
         if cfg.phases is None and cfg.device_memory is not None:
             self.slices = phase_slices(layers, self._fewest_phases_that_fit(), par.pipe)
+
+    def _executor(self, ledger: Ledger, tiers: list[Tier], real: bool) -> Executor:
+        ex = Executor(ledger, tiers, AXIS_LABELS, real=real, cache=self._counts)
+        ex.stage_of_device = {d.id: st.index for st in self.stages for d in st.mesh.devices.flat}
+        return ex
 
     # ---- the plan ------------------------------------------------------------------------
 
@@ -170,7 +173,7 @@ class PhasedTrainer:
         try:
             ledger = Ledger()
             tiers = [Tier(t.name, None) for t in self.tiers]
-            ex = Executor(ledger, tiers, AXIS_LABELS, real=False, cache=self._counts)
+            ex = self._executor(ledger, tiers, real=False)
             *_, rows = self._execute(ex, self.abstract_state(), self._abstract_batches())
             return ledger, tiers, rows
         finally:
@@ -193,18 +196,20 @@ class PhasedTrainer:
             f"--device-memory, add tensor sharding, use --rts, or --activations recompute"
         )
 
-    def plan(self, phases: int | None = None) -> dict[str, Any]:
+    def plan(self, phases: int | None = None, ledger: Ledger | None = None) -> dict[str, Any]:
         """The phase plan as data: per phase its stage, layers, weight bytes per device
         (stored and gathered), activation bytes kept for its backward, how often its
         weights come in and what it writes back; with the device tiers' peak and the
         per-step ledger totals, from one abstract step; of this trainer's phases, or of
-        `phases` (to compare plans)."""
+        `phases` (to compare plans). Pass a `ledger` to receive that step's events."""
         slices = (
             self.slices
             if phases is None
             else phase_slices(self.model.cfg.num_layers, phases, self.par.pipe)
         )
-        ledger, tiers, rows = self._dry_run(slices)
+        step_ledger, tiers, rows = self._dry_run(slices)
+        if ledger is not None:
+            ledger.events.extend(step_ledger.events)
         state = self.abstract_state()
         return {
             "phases": len(slices),
@@ -220,7 +225,7 @@ class PhasedTrainer:
                 "optimizer_state": bytes_per_device([state.opt_shared, state.opt_layers]),
             },
             "per_phase": rows,
-            "step_totals": ledger.step_totals(0),
+            "step_totals": step_ledger.step_totals(0),
         }
 
     # ---- state -------------------------------------------------------------------------

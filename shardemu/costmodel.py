@@ -1,0 +1,207 @@
+"""From a ledger and a hardware profile to a timeline and a step time.
+
+Each pipeline stage's devices have concurrent streams: `compute`, `h2d`, `d2h`, one
+`collective:<axis>` per mesh axis (pipeline point-to-point transfers are
+`collective:pipe`) and `host` (optimizer updates in the host tier). Events of one step
+are placed in program order (the ledger's), each on its stream, after its stream's
+previous event and after what it depends on:
+
+- a computation waits for the transfers and collectives of its own phase recorded before
+  it (the weights it fetched and gathered, the activations it received or restored), and
+  for the collectives of the computation before it on its stage (they produce its input);
+- a transfer or collective waits for the last computation of its phase on its stage
+  recorded before it (the gradients or activations it carries, or, for collectives read
+  from a compiled piece, the piece itself: bulk-synchronous compute then exchange, the
+  IPU's model, and how Megatron's tensor-parallel all-reduces sit on the critical path);
+- a host-to-device transfer also waits for the end of the last computation on its stage
+  recorded before it: the device tier holds one phase ahead, so the next phase's weights
+  stream in while this phase computes (the prefetch that hides streaming);
+- the optimizer update waits for every gradient to reach the host (clipping needs the
+  global norm).
+
+Durations: computation = FLOPs per device / (peak * efficiency); on the host, / host
+FLOP/s. A transfer = bytes per device / host-link bandwidth. A collective = bytes each
+device sends (the ledger holds the ring algorithm's: `collectives.py`) / the link
+bandwidth of its axis, intra-node when the axis's device group fits in one node (the
+mesh is laid out pipe, replica, tensor with tensor innermost), else inter-node.
+
+The step time is when the last event ends. Its breakdown is measured on the stage whose
+compute is busiest: compute, and the rest of the step split by what that stage was
+waiting for: transfers (exposed streaming), collectives (exposed communication), the
+host update, or nothing of its own (another stage: the pipeline bubble).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardemu.config import Parallelism
+from shardemu.hardware import GB, Hardware
+from shardemu.ledger import Event
+
+BREAKDOWN = ("compute_s", "exposed_transfer_s", "exposed_communication_s", "host_update_s",
+             "pipeline_bubble_s")  # fmt: skip
+# exposed-time categories, by the stream that keeps the stage busy, in priority order
+_EXPOSED = (("h2d", "exposed_transfer_s"), ("d2h", "exposed_transfer_s"),
+            ("collective", "exposed_communication_s"), ("host", "host_update_s"))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Span:
+    """One event placed on the timeline (seconds from the start of the step)."""
+
+    index: int
+    stage: int
+    stream: str
+    phase: str
+    start: float
+    end: float
+    event: Event
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Timeline:
+    spans: list[Span]
+    step_time_s: float
+    breakdown: dict[str, float] = field(default_factory=dict)
+    critical_stage: int = 0
+
+    def stream_totals(self) -> dict[tuple[int, str], float]:
+        """Busy seconds per (stage, stream)."""
+        totals: dict[tuple[int, str], float] = defaultdict(float)
+        for s in self.spans:
+            totals[(s.stage, s.stream)] += s.duration
+        return dict(totals)
+
+
+def stream_of(event: Event) -> str:
+    if event.kind == "compute":
+        return "host" if event.on == "host" else "compute"
+    if event.kind == "collective":
+        return f"collective:{event.axis}"
+    return event.kind
+
+
+def axis_span(axis: str, par: Parallelism) -> int:
+    """How many consecutive devices a group along `axis` (e.g. "replica+tensor")
+    spans, in the mesh's (pipe, replica, tensor) layout."""
+    names = set(axis.split("+"))
+    if "pipe" in names:
+        return par.num_devices
+    if "replica" in names:
+        return par.replica * par.tensor
+    return par.tensor
+
+
+def duration(event: Event, hw: Hardware, par: Parallelism) -> float:
+    """Seconds one event takes on `hw` (see the module docstring)."""
+    per_device = 1 / max(event.devices, 1)
+    if event.kind == "compute":
+        rate = hw.host_tflops if event.on == "host" else hw.peak_tflops * hw.efficiency
+        return event.flops * per_device / (rate * 1e12)
+    if event.kind in ("h2d", "d2h"):
+        return event.bytes * per_device / (hw.host_link_gbps * GB)
+    intra = axis_span(event.axis or "", par) <= hw.devices_per_node
+    bandwidth = hw.intra_node_gbps if intra else hw.inter_node_gbps
+    return event.bytes * per_device / (bandwidth * GB)
+
+
+def build_timeline(events: list[Event], hw: Hardware, par: Parallelism) -> Timeline:
+    """Place one step's events (program order) on per-stage streams; see the module
+    docstring for the dependency rules."""
+    spans: list[Span] = []
+    stream_free: dict[tuple[int, str], float] = defaultdict(float)
+    last_compute: dict[tuple[str, int], Span] = {}  # (phase, stage) -> latest compute
+    last_compute_on_stage: dict[int, Span] = {}
+    phase_inputs: dict[str, list[Span]] = defaultdict(list)  # non-compute spans by phase
+    gradients_out: list[Span] = []
+    pending: dict[int, list[Span]] = defaultdict(list)  # collectives since a stage's compute
+    for i, e in enumerate(events):
+        stream = stream_of(e)
+        ready = stream_free[(e.stage, stream)]
+        if e.kind == "compute":
+            waits = [*phase_inputs[e.phase], *pending.pop(e.stage, [])]
+            ready = max([ready, *(s.end for s in waits)])
+        else:
+            if (e.phase, e.stage) in last_compute:
+                ready = max(ready, last_compute[(e.phase, e.stage)].end)
+            if e.kind == "h2d" and e.stage in last_compute_on_stage:
+                ready = max(ready, last_compute_on_stage[e.stage].end)
+        if e.phase.startswith("update"):
+            ready = max([ready, *(s.end for s in gradients_out)])
+        span = Span(i, e.stage, stream, e.phase, ready, ready + duration(e, hw, par), e)
+        spans.append(span)
+        stream_free[(e.stage, stream)] = span.end
+        if e.kind == "compute":
+            last_compute[(e.phase, e.stage)] = span
+            if e.on == "device":
+                last_compute_on_stage[e.stage] = span
+        else:
+            phase_inputs[e.phase].append(span)
+        if e.kind == "collective" and e.axis != "pipe":
+            pending[e.stage].append(span)
+        if e.kind == "d2h" and e.carries == "gradients":
+            gradients_out.append(span)
+    step = max((s.end for s in spans), default=0.0)
+    timeline = Timeline(spans, step)
+    timeline.critical_stage, timeline.breakdown = _breakdown(spans, step)
+    return timeline
+
+
+def _breakdown(spans: list[Span], step: float) -> tuple[int, dict[str, float]]:
+    busy: dict[int, float] = defaultdict(float)
+    for s in spans:
+        if s.stream == "compute":
+            busy[s.stage] += s.duration
+    stage = max(busy, key=busy.get, default=0)
+    own = [s for s in spans if s.stage == stage and s.duration > 0]
+    out = dict.fromkeys(BREAKDOWN, 0.0)
+    out["compute_s"] = busy.get(stage, 0.0)
+    cuts = sorted({0.0, step, *(s.start for s in own), *(s.end for s in own)})
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        mid = (a + b) / 2
+        active = {s.stream.split(":")[0] for s in own if s.start <= mid < s.end}
+        if "compute" in active:
+            continue
+        key = next((k for prefix, k in _EXPOSED if prefix in active), "pipeline_bubble_s")
+        out[key] += b - a
+    return stage, out
+
+
+def predict(
+    events: list[Event],
+    hw: Hardware,
+    par: Parallelism,
+    model_flops: float,
+    tokens: int,
+    memory: dict[str, int] | None = None,
+) -> tuple[Timeline, dict[str, Any]]:
+    """The timeline of one step and the numbers a user asks first: step time, its
+    breakdown, utilisation (model FLOPs / (devices * peak * step time), as model FLOPs
+    utilisation: Chowdhery et al. 2022, Appendix B), tokens per second, and memory per
+    device per tier against the profile's capacities."""
+    timeline = build_timeline(events, hw, par)
+    step = timeline.step_time_s
+    report: dict[str, Any] = {
+        "hardware": hw.name,
+        "step_time_s": step,
+        "breakdown": timeline.breakdown,
+        "critical_stage": timeline.critical_stage,
+        "utilisation": model_flops / (par.num_devices * hw.peak_tflops * 1e12 * step)
+        if step
+        else 0.0,
+        "tokens_per_s": tokens / step if step else 0.0,
+    }
+    if memory is not None:
+        capacity = {"device": hw.device_memory_bytes, "host": hw.host_memory_bytes}
+        report["memory_per_device"] = {
+            tier: {"bytes": used, "capacity": capacity[tier], "fits": used <= capacity[tier]}
+            for tier, used in memory.items()
+        }
+    return timeline, report

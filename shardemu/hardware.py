@@ -1,0 +1,249 @@
+"""Hardware profiles: what one device computes and holds, and how fast bytes move.
+
+A profile describes one device (an IPU, a CS-2 system, a GPU, a TPU chip) and the links
+around it. Devices are grouped into nodes of `devices_per_node` (an IPU-M2000, an 8-GPU
+NVLink box, a TPU host); a collective whose devices all sit in one node uses
+`intra_node_gbps`, else `inter_node_gbps`. All bandwidths are per device and per
+direction, in GB/s (10^9 bytes/s). `efficiency` is the one calibration constant per
+profile: the fraction of peak FLOP/s that compute achieves (see benchmarks/validation.py;
+it is not tuned per result).
+
+Every figure cites its source next to it. Users add profiles from TOML or JSON with the
+same keys (`load_profile`), validated with errors that name the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+
+
+class HardwareError(ValueError):
+    """An unknown profile name, or a profile file with a bad or missing value."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_tflops: float  # dense 16-bit matmul peak per device, TFLOP/s
+    device_memory_gb: float  # in-processor memory / HBM per device
+    host_memory_gb: float  # streaming memory / host DRAM available per device
+    host_link_gbps: float  # host tier <-> device, per device, per direction
+    intra_node_gbps: float  # device <-> device inside a node, per device, per direction
+    inter_node_gbps: float  # device <-> device across nodes, per device, per direction
+    devices_per_node: int
+    efficiency: float = 0.5  # achieved / peak FLOP/s for model compute (one per profile)
+    host_tflops: float = 1.0  # optimizer updates run in the host tier at this rate
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for key in (
+            "peak_tflops", "device_memory_gb", "host_memory_gb", "host_link_gbps",
+            "intra_node_gbps", "inter_node_gbps", "host_tflops",
+        ):  # fmt: skip
+            value = getattr(self, key)
+            if not isinstance(value, int | float) or value <= 0:
+                raise HardwareError(
+                    f"hardware {self.name!r}: {key} must be a positive number, got {value!r}"
+                )
+        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+            raise HardwareError(
+                f"hardware {self.name!r}: devices_per_node must be a positive integer, "
+                f"got {self.devices_per_node!r}"
+            )
+        if not 0 < self.efficiency <= 1:
+            raise HardwareError(
+                f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency!r}"
+            )
+
+    @property
+    def device_memory_bytes(self) -> int:
+        return int(self.device_memory_gb * GB)
+
+    @property
+    def host_memory_bytes(self) -> int:
+        return int(self.host_memory_gb * GB)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _ipu(name: str, ipus: int) -> Hardware:
+    """A GC200 IPU in an IPU-POD of `ipus` IPUs (IPU-M2000s of 4 IPUs each).
+
+    - 250 TFLOP/s FP16.16 per IPU (1 PFLOP/s per IPU-M2000 of 4): Graphcore IPU-M2000
+      datasheet, "Overview".
+    - 900 MB In-Processor-Memory per IPU: same datasheet; MISSION.md.
+    - Streaming Memory: "typically 256 GB" per IPU-M2000 (MISSION.md; Bow-2000 datasheet:
+      "up to 256GB Streaming Memory"), so 64 GB per IPU.
+    - Streaming Memory bandwidth: Graphcore does not publish one figure; 20 GB/s per IPU
+      is our estimate of the IPU-M2000's DDR4 path through the IPU-Gateway (measure and
+      override it with a profile file).
+    - IPU-Links: 320 GB/s per IPU (Colossus Mk2 GC200 figures, Graphcore; 10 links):
+      160 GB/s per direction inside an IPU-M2000.
+    - IPU-Fabric between IPU-M2000s: 2.8 Tbps per IPU-M2000 through the IPU-Gateway
+      (Graphcore launch, July 2020) = 350 GB/s per machine, 87.5 GB/s per IPU, halved per
+      direction: 43.75 GB/s.
+    """
+    return Hardware(
+        name=name,
+        peak_tflops=250.0,
+        device_memory_gb=0.9,
+        host_memory_gb=64.0,
+        host_link_gbps=20.0,
+        intra_node_gbps=160.0,
+        inter_node_gbps=43.75,
+        devices_per_node=4,
+        efficiency=0.4,
+        host_tflops=0.5,
+        description=f"Graphcore IPU-POD{ipus}: {ipus} GC200 IPUs in IPU-M2000s of 4",
+    )
+
+
+def _gpu(
+    name: str, tflops: float, hbm_gb: float, nvlink: float, pcie: float, ib: float, desc: str
+) -> Hardware:  # noqa: E501
+    return Hardware(
+        name=name,
+        peak_tflops=tflops,
+        device_memory_gb=hbm_gb,
+        host_memory_gb=128.0,  # DGX A100: 1 TB (2 TB option) / 8 GPUs; DGX H100: 2 TB / 8
+        host_link_gbps=pcie,
+        intra_node_gbps=nvlink,
+        inter_node_gbps=ib,
+        devices_per_node=8,
+        efficiency=0.5,
+        host_tflops=2.0,
+        description=desc,
+    )
+
+
+PROFILES: dict[str, Hardware] = {
+    **{f"ipu-pod{n}": _ipu(f"ipu-pod{n}", n) for n in (16, 64, 128, 256)},
+    "ipu-gc200": dataclasses.replace(
+        _ipu("ipu-gc200", 4), description="one GC200 IPU (in an IPU-M2000)"
+    ),
+    # Cerebras CS-2 with MemoryX and SwarmX (Hot Chips 33, 2021; MISSION.md): 40 GB of
+    # on-wafer SRAM, 850,000 cores; weights stream from MemoryX (up to 2.4 PB) over the
+    # system's 1.2 Tb/s I/O (12 x 100 GbE: Cerebras CS-2 datasheet) = 150 GB/s, and SwarmX
+    # broadcasts weights / reduces gradients between systems over the same links. Cerebras
+    # does not publish a peak FLOP/s; 7,500 TFLOP/s FP16 is a third-party estimate (override
+    # it with a profile file). One device = one CS-2 system; MemoryX runs the optimizer.
+    "cs2": Hardware(
+        name="cs2",
+        peak_tflops=7500.0,
+        device_memory_gb=40.0,
+        host_memory_gb=2.4e6,
+        host_link_gbps=150.0,
+        intra_node_gbps=150.0,
+        inter_node_gbps=150.0,
+        devices_per_node=1,
+        efficiency=0.5,
+        host_tflops=10.0,
+        description="Cerebras CS-2 (WSE-2) with MemoryX and SwarmX",
+    ),
+    # NVIDIA A100 datasheet (2021): 312 TFLOP/s BF16 dense; 40 GB HBM2 / 80 GB HBM2e;
+    # NVLink 3: 600 GB/s per GPU (300 per direction); PCIe Gen4 x16: 32 GB/s per direction.
+    # DGX A100: 8 GPUs per node, 8 x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU.
+    "a100-40gb": _gpu(
+        "a100-40gb", 312.0, 40.0, 300.0, 32.0, 25.0, "NVIDIA A100 40GB, DGX A100 nodes, HDR IB"
+    ),
+    "a100-80gb": _gpu(
+        "a100-80gb", 312.0, 80.0, 300.0, 32.0, 25.0, "NVIDIA A100 80GB, DGX A100 nodes, HDR IB"
+    ),
+    # NVIDIA H100 datasheet: SXM5 989 TFLOP/s BF16 dense; 80 GB HBM3; NVLink 4: 900 GB/s
+    # per GPU (450 per direction); PCIe Gen5 x16: 64 GB/s per direction. DGX H100: 8 GPUs,
+    # 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
+    "h100-sxm": _gpu(
+        "h100-sxm", 989.0, 80.0, 450.0, 64.0, 50.0, "NVIDIA H100 SXM5, DGX H100 nodes, NDR IB"
+    ),
+    # Google Cloud TPU docs, "TPU v4": 275 TFLOP/s BF16 per chip, 32 GiB HBM2 at
+    # 1200 GB/s, 4096 chips per pod with 1.1 PB/s of all-reduce bandwidth per pod: 269 GB/s
+    # per chip, our per-direction collective bandwidth. Host link (PCIe) and host memory
+    # per chip are our estimates (4 chips per host); override them with a profile file.
+    "tpu-v4": Hardware(
+        name="tpu-v4",
+        peak_tflops=275.0,
+        device_memory_gb=32 * 1.073741824,
+        host_memory_gb=100.0,
+        host_link_gbps=16.0,
+        intra_node_gbps=269.0,
+        inter_node_gbps=269.0,
+        devices_per_node=4,
+        efficiency=0.5,
+        host_tflops=1.0,
+        description="Google TPU v4 (3D torus ICI)",
+    ),
+    # Google Cloud TPU docs, "TPU v5p": 459 TFLOP/s BF16 per chip, 95 GB HBM2e at
+    # 2765 GB/s, inter-chip interconnect 4800 Gbps per chip (1200 GB/s bidirectional:
+    # 600 GB/s per direction), data-center network 50 Gbps per chip; 4 chips per host
+    # (the 2x2x1 slice is one host) with 448 GB of RAM; the host link is our estimate.
+    "tpu-v5p": Hardware(
+        name="tpu-v5p",
+        peak_tflops=459.0,
+        device_memory_gb=95.0,
+        host_memory_gb=112.0,
+        host_link_gbps=16.0,
+        intra_node_gbps=600.0,
+        inter_node_gbps=600.0,
+        devices_per_node=4,
+        efficiency=0.5,
+        host_tflops=1.0,
+        description="Google TPU v5p (3D torus ICI)",
+    ),
+}
+
+
+def get_hardware(name_or_path: str) -> Hardware:
+    """A built-in profile by name, or one loaded from a .toml / .json file."""
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix in (".toml", ".json"):
+        return load_profile(path)
+    raise HardwareError(
+        f"unknown hardware {name_or_path!r}; use one of {', '.join(sorted(PROFILES))}, or a "
+        f"profile file ending in .toml or .json"
+    )
+
+
+def load_profile(path: str | Path) -> Hardware:
+    """A profile from TOML or JSON with `Hardware`'s keys; `base = "NAME"` starts from a
+    built-in profile and overrides the keys given."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise HardwareError(f"cannot read hardware profile {str(path)!r}: {err.strerror}") from None
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        raise HardwareError(f"hardware profile {str(path)!r} does not parse: {err}") from None
+    fields = {f.name for f in dataclasses.fields(Hardware)}
+    base = data.pop("base", None)
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise HardwareError(
+            f"hardware profile {str(path)!r}: unknown key(s) {', '.join(unknown)}; known: "
+            f"{', '.join(sorted(fields))}"
+        )
+    if base is not None:
+        if base not in PROFILES:
+            raise HardwareError(f"hardware profile {str(path)!r}: unknown base {base!r}")
+        return dataclasses.replace(PROFILES[base], **{"name": path.stem, **data})
+    missing = sorted(
+        f.name for f in dataclasses.fields(Hardware)
+        if f.default is dataclasses.MISSING and f.name not in data and f.name != "name"
+    )  # fmt: skip
+    if missing:
+        raise HardwareError(
+            f"hardware profile {str(path)!r} is missing {', '.join(missing)}; give them, or "
+            f'start from a built-in profile with base = "a100-80gb" (for example)'
+        )
+    return Hardware(**{"name": path.stem, **data})

@@ -1,0 +1,122 @@
+"""Views of a timeline: a Chrome / Perfetto trace and a lane plot.
+
+`trace.json` follows the Trace Event Format (Google, "Trace Event Format", the JSON that
+chrome://tracing and ui.perfetto.dev open): one process per pipeline stage (the device
+role: every device of a stage does the same work), one thread per stream, a complete
+event ("ph": "X", times in microseconds) per ledger event with its phase, bytes and FLOPs
+in `args`. `timeline.png` draws the same lanes with phases coloured by kind, like the
+source material's phased-execution heat maps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from shardemu.costmodel import Span, Timeline
+
+_STREAM_ORDER = ("compute", "h2d", "d2h", "host")
+_COLOURS = {"fwd": "#4c72b0", "bwd": "#dd8452", "update": "#55a868", "embed": "#8c8c8c",
+            "head": "#8172b3", "shared": "#937860", "bwd-embed": "#c44e52",
+            "bwd-shared": "#da8bc3"}  # fmt: skip
+
+
+def lanes(timeline: Timeline) -> list[tuple[int, str]]:
+    """(stage, stream) pairs in display order: stages in order, compute first."""
+
+    def key(lane: tuple[int, str]) -> tuple:
+        stage, stream = lane
+        rank = _STREAM_ORDER.index(stream) if stream in _STREAM_ORDER else len(_STREAM_ORDER)
+        return stage, rank, stream
+
+    return sorted({(s.stage, s.stream) for s in timeline.spans}, key=key)
+
+
+def phase_kind(phase: str) -> str:
+    """fwd3 -> fwd, update-shared -> update, bwd-embed stays whole."""
+    if phase in _COLOURS:
+        return phase
+    return phase.rstrip("0123456789").split("-")[0]
+
+
+def _name(span: Span) -> str:
+    e = span.event
+    what = e.op or e.carries or e.kind
+    return f"{span.phase} {what}".strip()
+
+
+def trace_events(timeline: Timeline) -> list[dict]:
+    order = {lane: i for i, lane in enumerate(lanes(timeline))}
+    events: list[dict] = []
+    for (stage, stream), tid in order.items():
+        events.append({"name": "thread_name", "ph": "M", "ts": 0, "dur": 0, "pid": stage,
+                       "tid": tid, "args": {"name": stream}})  # fmt: skip
+    for stage in sorted({s for s, _ in order}):
+        events.append({"name": "process_name", "ph": "M", "ts": 0, "dur": 0, "pid": stage,
+                       "tid": 0, "args": {"name": f"stage {stage}"}})  # fmt: skip
+    for span in timeline.spans:
+        if span.duration <= 0:
+            continue
+        e = span.event
+        events.append(
+            {
+                "name": _name(span),
+                "cat": e.kind,
+                "ph": "X",
+                "ts": span.start * 1e6,
+                "dur": span.duration * 1e6,
+                "pid": span.stage,
+                "tid": order[(span.stage, span.stream)],
+                "args": {
+                    "phase": span.phase,
+                    "bytes": e.bytes,
+                    "flops": e.flops,
+                    "carries": e.carries,
+                    "axis": e.axis,
+                    "op": e.op,
+                },  # fmt: skip
+            }
+        )
+    return events
+
+
+def write_trace(timeline: Timeline, path: str | Path) -> Path:
+    path = Path(path)
+    payload = {"traceEvents": trace_events(timeline), "displayTimeUnit": "ms"}
+    path.write_text(json.dumps(payload) + "\n")
+    return path
+
+
+def plot_timeline(timeline: Timeline, path: str | Path, title: str) -> Path:
+    """One lane per (stage, stream), bars coloured by phase kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = lanes(timeline)
+    index = {lane: i for i, lane in enumerate(rows)}
+    fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 1.6))
+    kinds_seen: dict[str, str] = {}
+    for span in timeline.spans:
+        if span.duration <= 0:
+            continue
+        kind = phase_kind(span.phase)
+        colour = _COLOURS.get(kind, "#cccccc")
+        kinds_seen.setdefault(kind, colour)
+        y = index[(span.stage, span.stream)]
+        ax.broken_barh([(span.start * 1e3, span.duration * 1e3)], (y - 0.4, 0.8), color=colour)
+    ax.set_yticks(range(len(rows)), [f"stage {s} {stream}" for s, stream in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("time in step (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(
+        handles=[Patch(color=c, label=k) for k, c in kinds_seen.items()],
+        fontsize=7, loc="upper right", ncols=min(len(kinds_seen), 8),
+    )  # fmt: skip
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
