@@ -13,6 +13,8 @@ previous event and after what it depends on:
   recorded before it (the gradients or activations it carries, or, for collectives read
   from a compiled piece, the piece itself: bulk-synchronous compute then exchange, the
   IPU's model, and how Megatron's tensor-parallel all-reduces sit on the critical path);
+- a point-to-point send between pipeline stages waits for the last computation on its
+  stage (and that computation's collectives): the activations or gradients it carries;
 - a host-to-device transfer also waits for the end of the last computation on its stage
   recorded before it: the device tier holds one phase ahead, so the next phase's weights
   stream in while this phase computes (the prefetch that hides streaming);
@@ -133,6 +135,9 @@ def build_timeline(events: list[Event], hw: Hardware, par: Parallelism) -> Timel
                 ready = max(ready, last_compute[(e.phase, e.stage)].end)
             if e.kind == "h2d" and e.stage in last_compute_on_stage:
                 ready = max(ready, last_compute_on_stage[e.stage].end)
+            if e.axis == "pipe":  # sends what its stage computed last, with its collectives
+                produced = [*pending.get(e.stage, []), last_compute_on_stage.get(e.stage)]
+                ready = max([ready, *(s.end for s in produced if s is not None)])
         if e.phase.startswith("update"):
             ready = max([ready, *(s.end for s in gradients_out)])
         span = Span(i, e.stage, stream, e.phase, ready, ready + duration(e, hw, par), e)

@@ -110,6 +110,7 @@ def plot_timeline(timeline: Timeline, path: str | Path, title: str) -> Path:
     ax.set_yticks(range(len(rows)), [f"stage {s} {stream}" for s, stream in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("time in step (ms)")
+    ax.ticklabel_format(axis="x", style="plain")
     ax.set_title(title, fontsize=9)
     ax.legend(
         handles=[Patch(color=c, label=k) for k, c in kinds_seen.items()],

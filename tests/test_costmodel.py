@@ -1,0 +1,166 @@
+"""The cost model on hand-computed ledgers, hardware profiles, and the trace it writes.
+
+The toy hardware makes arithmetic easy: 1 TFLOP/s at full efficiency, 1 GB/s to the host,
+2 GB/s inside a 2-device node and 1 GB/s across nodes; every event is on one device."""
+
+import dataclasses
+import json
+
+import pytest
+
+from shardemu.config import Parallelism, PhasedConfig, TrainConfig
+from shardemu.costmodel import build_timeline, predict
+from shardemu.hardware import PROFILES, Hardware, HardwareError, get_hardware, load_profile
+from shardemu.ledger import Event
+
+HW = Hardware(
+    name="toy", peak_tflops=1.0, device_memory_gb=1.0, host_memory_gb=10.0,
+    host_link_gbps=1.0, intra_node_gbps=2.0, inter_node_gbps=1.0, devices_per_node=2,
+    efficiency=1.0, host_tflops=1.0,
+)  # fmt: skip
+PAR = Parallelism(tensor=2, replica=2)
+GB = 10**9
+
+
+def fetch(phase, seconds, stage=0):
+    return Event(0, phase, "h2d", "weights", bytes=int(seconds * GB), stage=stage)
+
+
+def compute(phase, seconds, stage=0):
+    return Event(0, phase, "compute", "", flops=seconds * 1e12, stage=stage)
+
+
+def test_one_phase_waits_for_its_weights():
+    t = build_timeline([fetch("fwd0", 1), compute("fwd0", 2)], HW, PAR)
+    assert t.step_time_s == pytest.approx(3)
+    assert t.breakdown["compute_s"] == pytest.approx(2)
+    assert t.breakdown["exposed_transfer_s"] == pytest.approx(1)
+
+
+def test_prefetch_hides_the_second_phase_weights():
+    """fetch w0 | fetch w1 (prefetch) | fwd0 | fwd1: w1 streams in during fwd0."""
+    events = [fetch("fwd0", 1), fetch("fwd1", 1), compute("fwd0", 2), compute("fwd1", 2)]
+    t = build_timeline(events, HW, PAR)
+    starts = [s.start for s in t.spans]
+    assert starts == pytest.approx([0, 1, 1, 3])
+    assert t.step_time_s == pytest.approx(5)
+    assert t.breakdown["exposed_transfer_s"] == pytest.approx(1)
+
+
+def test_bandwidth_bound_phases_wait_for_streaming():
+    """Transfers of 3 s against 2 s of compute: the link sets the pace."""
+    events = [fetch("fwd0", 3), fetch("fwd1", 3), compute("fwd0", 2), compute("fwd1", 2)]
+    t = build_timeline(events, HW, PAR)
+    assert t.step_time_s == pytest.approx(8)
+    assert t.breakdown["compute_s"] == pytest.approx(4)
+    assert t.breakdown["exposed_transfer_s"] == pytest.approx(4)
+
+
+def test_prefetch_is_one_phase_ahead():
+    """The third phase's weights cannot come in before the first phase's compute ends:
+    the device tier holds only the running phase and the next."""
+    events = [fetch("fwd0", 1), fetch("fwd1", 1), compute("fwd0", 2), fetch("fwd2", 1),
+              compute("fwd1", 2), compute("fwd2", 2)]  # fmt: skip
+    t = build_timeline(events, HW, PAR)
+    assert t.spans[3].start == pytest.approx(3)  # after fwd0 ends, not when the link frees
+    assert t.step_time_s == pytest.approx(7)
+
+
+def test_pipeline_bubble_between_stages():
+    """Stage 0 computes 1 s and sends for 0.5 s; stage 1 then computes 1 s while stage 0
+    idles: 1 s of bubble on stage 0."""
+    send = Event(0, "fwd1", "collective", "activations", bytes=GB // 2, axis="pipe", stage=0)
+    events = [compute("fwd0", 1, stage=0), send, compute("fwd1", 1, stage=1)]
+    t = build_timeline(events, HW, Parallelism(pipe=4))  # 4 devices: pipe crosses nodes
+    assert [s.start for s in t.spans] == pytest.approx([0, 1, 1.5])
+    assert t.step_time_s == pytest.approx(2.5)
+    assert t.critical_stage == 0
+    assert t.breakdown == pytest.approx(
+        {
+            "compute_s": 1,
+            "exposed_transfer_s": 0,
+            "exposed_communication_s": 0.5,
+            "host_update_s": 0,
+            "pipeline_bubble_s": 1,
+        }  # fmt: skip
+    )
+
+
+def test_collectives_use_the_link_their_group_spans():
+    """tensor=2 fits a 2-device node (2 GB/s); replica groups span 4 devices (1 GB/s).
+    A collective after a computation runs after it, and blocks the next one."""
+
+    def allreduce(axis):
+        return Event(0, "fwd0", "collective", "", bytes=2 * GB, axis=axis, devices=1)
+
+    events = [compute("fwd0", 1), allreduce("tensor"), allreduce("replica"), compute("fwd1", 1)]
+    t = build_timeline(events, HW, PAR)
+    assert [s.duration for s in t.spans] == pytest.approx([1, 1, 2, 1])
+    assert t.spans[3].start == pytest.approx(3)  # waits for both collectives of fwd0
+    assert t.breakdown["exposed_communication_s"] == pytest.approx(2)
+
+
+def test_host_update_waits_for_all_gradients_and_utilisation():
+    grads = Event(0, "bwd0", "d2h", "gradients", bytes=GB)
+    update = Event(0, "update0", "compute", "optimizer_state", flops=0.5e12, on="host")
+    _, report = predict(
+        [compute("bwd0", 1), grads, update], HW, PAR, model_flops=4e12, tokens=100,
+        memory={"device": GB // 2, "host": 20 * GB},
+    )  # fmt: skip
+    assert report["step_time_s"] == pytest.approx(2.5)
+    assert report["utilisation"] == pytest.approx(4e12 / (4 * 1e12 * 2.5))
+    assert report["tokens_per_s"] == pytest.approx(40)
+    assert report["memory_per_device"]["device"]["fits"]
+    assert not report["memory_per_device"]["host"]["fits"]
+
+
+def test_profiles_and_profile_files(tmp_path):
+    assert {"ipu-pod16", "ipu-pod256", "cs2", "a100-40gb", "a100-80gb", "h100-sxm",
+            "tpu-v4", "tpu-v5p"} <= set(PROFILES)  # fmt: skip
+    assert get_hardware("ipu-pod256").device_memory_bytes == 900_000_000
+    (tmp_path / "mine.toml").write_text('base = "a100-80gb"\nefficiency = 0.4\n')
+    mine = get_hardware(str(tmp_path / "mine.toml"))
+    assert mine == dataclasses.replace(PROFILES["a100-80gb"], name="mine", efficiency=0.4)
+    (tmp_path / "full.json").write_text(json.dumps({**HW.to_json(), "name": "x"}))
+    assert load_profile(tmp_path / "full.json") == dataclasses.replace(HW, name="x")
+    with pytest.raises(HardwareError, match="unknown hardware 'gpu-9000'; use one of"):
+        get_hardware("gpu-9000")
+    (tmp_path / "bad.toml").write_text("peak_tflops = 10\nwarp_drive = 1\n")
+    with pytest.raises(HardwareError, match="unknown key.*warp_drive"):
+        load_profile(tmp_path / "bad.toml")
+    (tmp_path / "short.toml").write_text("peak_tflops = 10\n")
+    with pytest.raises(HardwareError, match="is missing device_memory_gb"):
+        load_profile(tmp_path / "short.toml")
+    with pytest.raises(HardwareError, match="efficiency must be in"):
+        dataclasses.replace(HW, efficiency=1.5)
+
+
+def test_plan_writes_a_trace_that_adds_up(tmp_path):
+    """The trace of a planned gpt-tiny step on pipe=2: every event complete, no overlap
+    on a stream, and per stream the durations add up to the report's busy times."""
+    from shardemu.config import get_preset
+    from shardemu.plan import plan_phased
+
+    report = plan_phased(
+        get_preset("gpt-tiny"), Parallelism(pipe=2, tensor=2, replica=2),
+        TrainConfig(batch=8, seq=16, seed=0), PhasedConfig(phases=2, rts=2),
+        hardware=PROFILES["ipu-pod16"], out=tmp_path,
+    )  # fmt: skip
+    assert {"step_time_s", "utilisation", "memory_per_device", "trace"} <= set(report)
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert all({"ph", "ts", "dur", "pid", "tid"} <= set(e) for e in events)
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    busy: dict[str, float] = {}
+    by_stream: dict[tuple, list] = {}
+    for e in events:
+        if e["ph"] == "X":
+            by_stream.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for (pid, tid), spans in by_stream.items():
+        spans.sort()
+        assert all(a[1] <= b[0] + 1e-6 for a, b in zip(spans, spans[1:], strict=False))
+        busy[f"stage{pid}/{names[(pid, tid)]}"] = sum(b - a for a, b in spans) / 1e6
+    assert busy == pytest.approx({k: v for k, v in report["stream_busy_s"].items() if v > 0})
+    assert max(end for spans in by_stream.values() for _, end in spans) / 1e6 == pytest.approx(
+        report["step_time_s"]
+    )
