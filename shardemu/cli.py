@@ -75,6 +75,11 @@ def _run_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     p.add_argument("--lr", type=float, default=defaults.learning_rate, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=defaults.warmup_steps, help="warm-up steps")
     p.add_argument("--out", default=None, help="run directory (default runs/<model>-<timestamp>)")
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="with --phased: add the predicted step on a profile (ipu-pod16, a100-80gb, ...)",
+    )
     _phased_args(p)
 
 
@@ -204,6 +209,7 @@ def cmd_run(args: argparse.Namespace) -> None:
             out=args.out,
             on_step=on_step,
             phased=_phased(args),
+            hardware=get_hardware(args.hardware) if args.hardware else None,
         )
     table = Table(title=f"shardemu run: {model_cfg.name}", show_header=False)
     for key, value in result.summary.items():

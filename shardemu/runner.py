@@ -13,9 +13,11 @@ from typing import Any
 import jax
 
 from shardemu import flops
-from shardemu.config import ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.costmodel import predict
 from shardemu.data import SyntheticCorpus
 from shardemu.engine import Trainer
+from shardemu.hardware import Hardware
 from shardemu.mesh import mesh_from
 from shardemu.models import Model, param_bytes, param_count
 from shardemu.parallel.pipeline import stage_plan, transfer_bytes
@@ -24,6 +26,7 @@ from shardemu.phased.scheduler import PhasedTrainer
 from shardemu.phased.tiers import bytes_per_device
 from shardemu.sharding import Rules
 from shardemu.tracking import RunDir, default_run_dir, summary_markdown
+from shardemu.views import plot_timeline, write_trace
 
 
 @dataclass
@@ -42,9 +45,16 @@ def train(
     rules: Rules | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     phased: PhasedConfig | None = None,
+    hardware: Hardware | None = None,
 ) -> RunResult:
     """Train `model_cfg` on a `par` mesh for `train_cfg.steps` steps and record the run;
-    with `phased`, weights live in the host tier and stream in phase by phase."""
+    with `phased`, weights live in the host tier and stream in phase by phase; with
+    `hardware` (phased runs), add the predicted step on that hardware, from the last
+    step's ledger, with trace.json and timeline.png."""
+    if hardware is not None and phased is None:
+        raise ConfigError(
+            "--hardware predicts from the phased ledger: add --phased (or use shardemu plan)"
+        )
     mesh = mesh_from(par, devices)
     model = Model(model_cfg)
     trainer = Trainer(model, mesh, train_cfg, rules)
@@ -138,9 +148,38 @@ def train(
             "tokens_per_s": tokens_per_step / median_s,
             "run_dir": str(run.path),
         }
-        run.write_summary(summary_markdown("run", summary))
         if phased_trainer is not None:
             phased_trainer.ledger.write(run.path / "ledger.json")
+        if hardware is not None:
+            summary.update(_predict(phased_trainer, hardware, par, train_cfg, run.path))
+        run.write_summary(summary_markdown("run", summary))
     finally:
         run.close()
     return RunResult(run.path, losses, summary)
+
+
+def _predict(
+    trainer: PhasedTrainer, hw: Hardware, par: Parallelism, train_cfg: TrainConfig, out: Path
+) -> dict[str, Any]:
+    """The last step's ledger on `hw`: predicted step time, its breakdown, utilisation,
+    and the trace and timeline files."""
+    last = train_cfg.steps - 1
+    events = [e for e in trainer.ledger.events if e.step == last]
+    totals = trainer.ledger.step_totals(last)
+    plan = trainer.plan()
+    memory = {
+        "device": plan["device_high_water"],
+        "host": sum(plan["host_bytes_per_device"].values()),
+    }
+    tokens = train_cfg.batch * train_cfg.seq
+    timeline, report = predict(events, hw, par, totals["model_flops"], tokens, memory)
+    write_trace(timeline, out / "trace.json")
+    plot_timeline(timeline, out / "timeline.png", f"{trainer.model.cfg.name} on {par}, {hw.name}")
+    return {
+        "hardware": hw.name,
+        "predicted_step_s": report["step_time_s"],
+        "predicted_utilisation": report["utilisation"],
+        "predicted_tokens_per_s": report["tokens_per_s"],
+        **{f"predicted_{k}": v for k, v in report["breakdown"].items()},
+        "predicted_device_memory_fits": report["memory_per_device"]["device"]["fits"],
+    }

@@ -81,7 +81,7 @@ def test_sharded_and_single_device_runs_agree(model, tmp_path, sharded_run):
 def test_phased_run_agrees_with_resident_and_records_the_ledger(tmp_path, sharded_run):
     resident, resident_dir = sharded_run("gpt-tiny")
     args = ["--mesh", "tensor=2,replica=4", "--phased", "--phases", "2", "--rts", "4"]
-    args += ["--out", str(tmp_path)]
+    args += ["--hardware", "ipu-pod16", "--out", str(tmp_path)]
     phased = shardemu("run", "--model", "gpt-tiny", *COMMON, *args)
     assert phased.returncode == 0, phased.stderr
     a, b = read_metrics(tmp_path), read_metrics(resident_dir)
@@ -101,6 +101,9 @@ def test_phased_run_agrees_with_resident_and_records_the_ledger(tmp_path, sharde
     plan = json.loads((tmp_path / "config.json").read_text())["phase_plan"]
     assert plan["phases"] == 2 and plan["rts"] == 4
     assert plan["step_totals"]["bytes_h2d"] == a[0]["bytes_h2d"]  # abstract = real
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert any(e["ph"] == "X" and e["cat"] == "h2d" for e in trace)
+    assert "predicted_step_s" in (tmp_path / "summary.md").read_text()
     ledger = json.loads((tmp_path / "ledger.json").read_text())
     h2d = sum(e["bytes"] for e in ledger if e["step"] == 0 and e["kind"] == "h2d")
     assert h2d == a[0]["bytes_h2d"] > 0
@@ -183,6 +186,11 @@ def test_plan_and_describe_phased_count_without_weights():
         ),
         (["run", "--model", "gpt-tiny", "--rts", "2"], "--rts need --phased"),
         (["plan", "--model", "gpt-tiny"], "add --phased"),
+        (["run", "--model", "gpt-tiny", "--hardware", "ipu-pod16"], "add --phased"),
+        (
+            ["plan", "--model", "gpt-tiny", "--phased", "--hardware", "tpu-v9"],
+            "unknown hardware 'tpu-v9'",
+        ),
         (
             ["plan", "--model", "gpt-tiny", "--mesh", "replica=4", "--phased", "--rts", "3"],
             "--rts 3 does not divide replica=4",
