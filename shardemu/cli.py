@@ -268,8 +268,8 @@ def cmd_describe(args: argparse.Namespace) -> None:
 
     par = Parallelism.parse(args.mesh)
     phased = _phased(args)
-    if phased:  # the plan runs on a mesh of virtual devices: set them up first
-        use_virtual_devices(par.num_devices)
+    if phased:  # the plan runs on one stage's virtual devices: set them up first
+        use_virtual_devices(par.tensor * par.replica)
     model_cfg = _model_config(args)
     report = describe(model_cfg, par)
     if phased:
@@ -338,7 +338,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
             "steps are counted by `shardemu run`)"
         )
     hardware = get_hardware(args.hardware) if args.hardware else None
-    use_virtual_devices(par.num_devices)
+    use_virtual_devices(par.tensor * par.replica)  # one pipeline stage's devices
     from shardemu.plan import flatten, padded_for, plan_phased
     from shardemu.tracking import default_run_dir, fmt_value
 

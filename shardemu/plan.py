@@ -9,10 +9,13 @@ identical pipeline stage). So GPT-3 175B on 256 virtual devices is planned on a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Any
+
+import jax
 
 from shardemu import flops
 from shardemu.config import ModelConfig, Parallelism, PhasedConfig, TrainConfig
@@ -38,6 +41,11 @@ def padded_for(model_cfg: ModelConfig, par: Parallelism) -> ModelConfig:
     return model_cfg.pad_vocab(VOCAB_MULTIPLE * par.tensor)
 
 
+def plan_devices(par: Parallelism) -> int:
+    """Devices abstract planning needs: one pipeline stage's, tensor * replica."""
+    return par.tensor * par.replica
+
+
 def plan_phased(
     model_cfg: ModelConfig,
     par: Parallelism,
@@ -48,12 +56,16 @@ def plan_phased(
     out: str | Path | None = None,
 ) -> dict[str, Any]:
     """Count one phased step in abstract mode: the JSON `shardemu plan --json` prints.
+    The pipeline's stages are planned on one stage's devices (`plan_devices`).
     With `hardware`, add the predicted step (`costmodel.py`); with `out`, write the run
     directory (config.json, ledger.json, summary.md, and with hardware trace.json and
-    timeline.png). Needs `par.num_devices` JAX devices (virtual CPU devices will do)."""
+    timeline.png). Needs `plan_devices(par)` JAX devices (virtual CPU devices will do)."""
     t0 = time.perf_counter()
     model = Model(model_cfg)
-    trainer = PhasedTrainer(model, mesh_from(par), train_cfg, phased, rules)
+    # one stage's devices stand for every stage (identical stages count the same)
+    stage = dataclasses.replace(par, pipe=1)
+    mesh = mesh_from(stage, jax.devices()[: plan_devices(par)])
+    trainer = PhasedTrainer(model, mesh, train_cfg, phased, rules, par.pipe)
     ledger = Ledger()
     plan = trainer.plan(ledger=ledger)
     totals = plan.pop("step_totals")

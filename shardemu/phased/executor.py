@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -36,6 +36,13 @@ def signature(tree: Any) -> tuple:
         return (x.shape, str(x.dtype), where)
 
     return (jax.tree.structure(tree), tuple(leaf(x) for x in jax.tree.leaves(tree)))
+
+
+class StageLike(Protocol):
+    """Where a piece runs: a pipeline stage's index and mesh (`phased/stage.py`)."""
+
+    index: int
+    mesh: Mesh
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,6 @@ class Executor:
     ) -> None:
         self.ledger, self.tiers, self.real = ledger, tiers, real
         self.axis_labels = axis_labels  # mesh axis -> the name users know it by
-        self.stage_of_device: dict[int, int] = {}  # device id -> pipeline stage
         self.step = 0
         self._counted: dict[tuple, Counted] = {} if cache is None else cache
 
@@ -76,19 +82,20 @@ class Executor:
         self._record_transfer(phase, "h2d", carries, out, stage)
         return out
 
-    def to_host(self, tree: Any, shardings: Any, phase: str, carries: Carries) -> Any:
+    def to_host(self, stage: int, tree: Any, shardings: Any, phase: str, carries: Carries) -> Any:
+        """Device tier of `stage` -> host tier."""
         out = self._place(tree, with_memory_kind(shardings, "pinned_host"))
-        self._record_transfer(phase, "d2h", carries, out, self._stage(tree))
+        self._record_transfer(phase, "d2h", carries, out, stage)
         return out
 
-    def send(self, tree: Any, shardings: Any, phase: str, carries: Carries) -> Any:
+    def send(self, stage: int, tree: Any, shardings: Any, phase: str, carries: Carries) -> Any:
         """Device to device across pipeline stages: a point-to-point transfer over `pipe`."""
         out = self._place(tree, shardings)
         self.ledger.record(
             Event(
                 self.step, phase, "collective", carries, bytes_all_devices(out),
                 axis="pipe", devices=_devices(out), op="collective-permute", group=2,
-                stage=self._stage(tree),
+                stage=stage,
             )
         )  # fmt: skip
         return out
@@ -110,14 +117,6 @@ class Executor:
             )
         )  # fmt: skip
 
-    def _stage(self, tree_or_mesh: Any) -> int:
-        """The pipeline stage whose devices hold `tree_or_mesh`."""
-        if isinstance(tree_or_mesh, Mesh):
-            devices = tree_or_mesh.devices.flat
-        else:
-            devices = jax.tree.leaves(tree_or_mesh)[0].sharding.device_set
-        return self.stage_of_device.get(min(d.id for d in devices), 0)
-
     # ---- computations --------------------------------------------------------------------
 
     def run(
@@ -125,7 +124,7 @@ class Executor:
         phase: str,
         name: str,
         fn: Any,
-        mesh: Mesh,
+        stage: StageLike,
         args: tuple,
         count_args: tuple | None = None,
         repeat: int = 1,
@@ -138,13 +137,13 @@ class Executor:
         `repeat`. A phase of k identical layers is counted as one layer times k (XLA's
         cost analysis counts a scanned body once, whatever its trip count).
         `recompute`: FLOPs per device and repeat that recompute a forward pass."""
-        counted = self.count(name, fn, mesh, args if count_args is None else count_args)
+        counted = self.count(name, fn, stage, args if count_args is None else count_args)
         flops = counted.flops_per_device * counted.devices * repeat
         self.ledger.record(
             Event(
                 self.step, phase, "compute", carries, flops=flops, devices=counted.devices,
                 on=on, recompute_flops=recompute * counted.devices * repeat,
-                stage=self._stage(mesh),
+                stage=stage.index,
             )
         )  # fmt: skip
         grouped: dict[tuple, float] = defaultdict(float)
@@ -155,16 +154,16 @@ class Executor:
             self.ledger.record(
                 Event(
                     self.step, phase, "collective", carries, round(sent), axis=label,
-                    devices=counted.devices, op=op, group=group, stage=self._stage(mesh),
+                    devices=counted.devices, op=op, group=group, stage=stage.index,
                 )
             )  # fmt: skip
         if self.real:
             return fn(*args)
-        return self._shaped(fn, mesh, args, counted)
+        return self._shaped(fn, stage.mesh, args, counted)
 
-    def shape(self, name: str, fn: Any, mesh: Mesh, args: tuple) -> Any:
+    def shape(self, name: str, fn: Any, stage: StageLike, args: tuple) -> Any:
         """The abstract outputs of `fn(*args)`, shardings included; nothing recorded."""
-        return self._shaped(fn, mesh, args, self.count(name, fn, mesh, args))
+        return self._shaped(fn, stage.mesh, args, self.count(name, fn, stage, args))
 
     @staticmethod
     def _shaped(fn: Any, mesh: Mesh, args: tuple, counted: Counted) -> Any:
@@ -179,15 +178,15 @@ class Executor:
             for x, s in zip(shapes, shardings, strict=True)
         )
 
-    def count(self, name: str, fn: Any, mesh: Mesh, args: tuple) -> Counted:
+    def count(self, name: str, fn: Any, stage: StageLike, args: tuple) -> Counted:
         """Compile `fn` over the abstract `args` once per signature and count it."""
         key = (name, signature(abstract(args)))
         if key not in self._counted:
             compiled = fn.lower(*abstract(args)).compile()
             self._counted[key] = Counted(
                 float(compiled.cost_analysis().get("flops", 0.0)),
-                mesh.size,
-                tuple(collectives(compiled.as_text(), mesh)),
+                stage.mesh.size,
+                tuple(collectives(compiled.as_text(), stage.mesh)),
                 compiled.output_shardings,
             )
         return self._counted[key]

@@ -28,6 +28,7 @@ has its own device tier, which refuses to exceed `device_memory`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -98,8 +99,17 @@ class PhasedTrainer:
         train: TrainConfig,
         cfg: PhasedConfig,
         rules: Rules | None = None,
+        emulated_stages: int | None = None,
     ) -> None:
+        """With `emulated_stages` = p, `mesh` (pipe=1) holds one stage's devices and the
+        trainer plans p identical stages on them: abstract mode's representative slice,
+        so a pipeline of thousands of devices needs only tensor * replica of them."""
         par = parallelism_of(mesh)
+        if emulated_stages is not None:
+            if par.pipe != 1:
+                raise ConfigError("emulated_stages needs a mesh with pipe=1 (one stage's devices)")
+            par = dataclasses.replace(par, pipe=emulated_stages)
+        self.emulated = emulated_stages is not None
         train.check_fits(model.cfg, par)
         cfg.check_mesh(par)
         if train.microbatches > 1 or train.grad_accum > 1:
@@ -109,7 +119,7 @@ class PhasedTrainer:
             )
         self.model, self.train, self.cfg, self.par = model, train, cfg, par
         self.rules = stage_rules(megatron_rules() if rules is None else rules)
-        meshes = stage_meshes(mesh, cfg.rts)
+        meshes = stage_meshes(mesh, cfg.rts) * (emulated_stages or 1)
         sizes = dict(meshes[0].shape)
         self.key = key = model.stack_key
         shapes, logical = model.abstract_params()
@@ -153,7 +163,6 @@ class PhasedTrainer:
 
     def _executor(self, ledger: Ledger, tiers: list[Tier], real: bool) -> Executor:
         ex = Executor(ledger, tiers, AXIS_LABELS, real=real, cache=self._counts)
-        ex.stage_of_device = {d.id: st.index for st in self.stages for d in st.mesh.devices.flat}
         return ex
 
     # ---- the plan ------------------------------------------------------------------------
@@ -304,6 +313,10 @@ class PhasedTrainer:
     # ---- one step ------------------------------------------------------------------------
 
     def step(self, state: PhasedState, batch: dict[str, np.ndarray]) -> PhasedResult:
+        if self.emulated:
+            raise ConfigError(
+                "a trainer with emulated stages plans (abstract mode); it cannot train"
+            )
         batches = {
             st.index: {
                 k: jax.device_put(np.asarray(v, np.int32), st.batch[k]) for k, v in batch.items()
@@ -327,7 +340,7 @@ class PhasedTrainer:
             return stored, key
         count = (one_layer(stored),) if part == "layers" else None
         full = ex.run(
-            phase, f"gather-{part}", st.fn(f"gather-{part}"), st.mesh, (stored,),
+            phase, f"gather-{part}", st.fn(f"gather-{part}"), st, (stored,),
             count_args=count, repeat=self.layers_per_phase if count else 1, carries="weights",
         )  # fmt: skip
         ex.tiers[st.index].admit(f"{key}*", bytes_per_device(full), phase)
@@ -339,9 +352,9 @@ class PhasedTrainer:
         """FLOPs per device of one layer's recomputation: its backward from the phase
         input minus its backward from kept residuals. (Not the forward's count: XLA
         drops the recomputed forward's last matmul, whose output the vjp never uses.)"""
-        _, vjp_one = ex.shape("fwd-keep", st.fn("fwd-keep"), st.mesh, count)
-        bwd = ex.count("bwd", st.fn("bwd"), st.mesh, (*count, g_x)).flops_per_device
-        kept = ex.count("bwd-keep", st.fn("bwd-keep"), st.mesh, (vjp_one, g_x))
+        _, vjp_one = ex.shape("fwd-keep", st.fn("fwd-keep"), st, count)
+        bwd = ex.count("bwd", st.fn("bwd"), st, (*count, g_x)).flops_per_device
+        kept = ex.count("bwd-keep", st.fn("bwd-keep"), st, (vjp_one, g_x))
         return bwd - kept.flops_per_device
 
     def _execute(
@@ -369,9 +382,7 @@ class PhasedTrainer:
                 ex, st, f"shared@{st.index}", stored, "shared", "shared"
             )
 
-        x, mask = ex.run(
-            "embed", "embed", first.fn("embed"), first.mesh, (shared[0][0], batches[0])
-        )
+        x, mask = ex.run("embed", "embed", first.fn("embed"), first, (shared[0][0], batches[0]))
         tier(first).admit("x0", bytes_per_device(x), "embed")
         masks = {0: mask}
         kept: dict[int, Any] = {}  # what each phase's backward needs from its forward
@@ -381,7 +392,9 @@ class PhasedTrainer:
             if i + 1 < n:
                 fetched[i + 1] = self._fetch(ex, state, i + 1, "fwd")  # prefetch
             if st.index not in masks:  # first phase of a later stage: x arrives over `pipe`
-                x, masks[st.index] = ex.send((x, mask), (st.act, st.mask), tag, "activations")
+                x, masks[st.index] = ex.send(
+                    self.stage_of(i - 1).index, (x, mask), (st.act, st.mask), tag, "activations"
+                )
                 tier(self.stage_of(i - 1)).release(f"x{i}")
                 tier(st).admit(f"x{i}", bytes_per_device(x), tag)
             mask = masks[st.index]
@@ -390,17 +403,17 @@ class PhasedTrainer:
             rows[i]["gathered_bytes_per_device"] = bytes_per_device(weights)
             args, count = (weights, x, mask), (one_layer(weights), x, mask)
             if cfg.activations == "keep":
-                y, vjp = ex.run(tag, "fwd-keep", st.fn("fwd-keep"), st.mesh, args, count, k)
+                y, vjp = ex.run(tag, "fwd-keep", st.fn("fwd-keep"), st, args, count, k)
                 kept[i] = (vjp, count)
                 tier(st).admit(f"res{i}", bytes_per_device(vjp), tag)
                 tier(st).release(f"x{i}")
                 rows[i]["activation_bytes_per_device"] = bytes_per_device(vjp)
             else:
-                y = ex.run(tag, "fwd", st.fn("fwd"), st.mesh, args, count, k)
+                y = ex.run(tag, "fwd", st.fn("fwd"), st, args, count, k)
                 rows[i]["activation_bytes_per_device"] = bytes_per_device(x)
                 kept[i] = x
                 if cfg.activations == "offload":
-                    kept[i] = ex.to_host(x, st.act, tag, "activations")
+                    kept[i] = ex.to_host(st.index, x, st.act, tag, "activations")
                     tier(st).release(f"x{i}")
             tier(st).release(held)
             x = y
@@ -410,7 +423,7 @@ class PhasedTrainer:
             "head",
             "head",
             last.fn("head"),
-            last.mesh,
+            last,
             (shared[last.index][0], x, batches[last.index]),
         )
         tier(last).release(f"x{n}")
@@ -435,13 +448,13 @@ class PhasedTrainer:
             if i > 0:
                 prefetch(i - 1)
             if i + 1 < n and self.stage_of(i + 1) is not st:
-                g_x = ex.send(g_x, st.act, tag, "gradients")
+                g_x = ex.send(self.stage_of(i + 1).index, g_x, st.act, tag, "gradients")
             mask = masks[st.index]
             if cfg.activations == "keep":
                 vjp, count = kept.pop(i)
-                _, vjp_one = ex.shape("fwd-keep", st.fn("fwd-keep"), st.mesh, count)
+                _, vjp_one = ex.shape("fwd-keep", st.fn("fwd-keep"), st, count)
                 g_w, g_x = ex.run(
-                    tag, "bwd-keep", st.fn("bwd-keep"), st.mesh, (vjp, g_x), (vjp_one, g_x), k
+                    tag, "bwd-keep", st.fn("bwd-keep"), st, (vjp, g_x), (vjp_one, g_x), k
                 )
                 tier(st).release(f"res{i}")
             else:
@@ -450,30 +463,28 @@ class PhasedTrainer:
                 count = (one_layer(weights), x_i, mask)
                 recompute = self._recompute_flops(ex, st, count, g_x)
                 g_w, g_x = ex.run(
-                    tag, "bwd", st.fn("bwd"), st.mesh, (weights, x_i, mask, g_x), (*count, g_x), k,
+                    tag, "bwd", st.fn("bwd"), st, (weights, x_i, mask, g_x), (*count, g_x), k,
                     recompute=recompute,
                 )  # fmt: skip
                 tier(st).release(held)
                 tier(st).release(f"x{i}")
-            squares.append(ex.run(tag, "sq-norm", st.fn("sq-norm"), st.mesh, (g_w,)))
-            grads[i] = ex.to_host(g_w, st.layer_store, tag, "gradients")
+            squares.append(ex.run(tag, "sq-norm", st.fn("sq-norm"), st, (g_w,)))
+            grads[i] = ex.to_host(st.index, g_w, st.layer_store, tag, "gradients")
 
-        if last is not first:
-            g_x = ex.send(g_x, first.act, "bwd-embed", "gradients")
         g_embed = ex.run(
             "bwd-embed",
             "embed-bwd",
             first.fn("embed-bwd"),
-            first.mesh,
+            first,
             (shared[0][0], batches[0], g_x),
         )
         if last is not first:  # the tied embedding's second term, from the head's stage
-            g_head = ex.send(g_head, first.shared_store, "bwd-shared", "gradients")
-        g_shared = ex.run("bwd-embed", "add", first.fn("add"), first.mesh, (g_embed, g_head))
-        squares.append(
-            ex.run("bwd-shared", "sq-norm", first.fn("sq-norm"), first.mesh, (g_shared,))
+            g_head = ex.send(last.index, g_head, first.shared_store, "bwd-shared", "gradients")
+        g_shared = ex.run("bwd-embed", "add", first.fn("add"), first, (g_embed, g_head))
+        squares.append(ex.run("bwd-shared", "sq-norm", first.fn("sq-norm"), first, (g_shared,)))
+        shared_grads = ex.to_host(
+            first.index, g_shared, first.shared_store, "bwd-shared", "gradients"
         )
-        shared_grads = ex.to_host(g_shared, first.shared_store, "bwd-shared", "gradients")
         for st_index, (_, key) in shared.items():
             ex.tiers[st_index].release(key)
 
@@ -510,7 +521,7 @@ class PhasedTrainer:
         fn = st.fn(f"update-{part}-{kind}")
         if kind == "pinned_host":
             return ex.run(
-                tag, f"update-{part}-{kind}", fn, st.mesh, (grads, opt, weights, norm_arg),
+                tag, f"update-{part}-{kind}", fn, st, (grads, opt, weights, norm_arg),
                 carries="optimizer_state", on="host",
             )  # fmt: skip
         t = ex.tiers[st.index]
@@ -521,13 +532,13 @@ class PhasedTrainer:
             tag,
             f"update-{part}-{kind}",
             fn,
-            st.mesh,
+            st,
             (g, o, w, norm_arg),
             carries="optimizer_state",
         )
         for key in ("update:w", "update:opt", "update:g"):
             t.release(key)
         return (
-            ex.to_host(new_w, store, tag, "weights"),
-            ex.to_host(new_o, opt_sh, tag, "optimizer_state"),
+            ex.to_host(st.index, new_w, store, tag, "weights"),
+            ex.to_host(st.index, new_o, opt_sh, tag, "optimizer_state"),
         )
