@@ -17,9 +17,11 @@ from rich.table import Table
 
 from shardemu.config import (
     ConfigError,
+    ModelConfig,
     Parallelism,
     PhasedConfig,
     TrainConfig,
+    custom_model,
     get_preset,
 )
 from shardemu.devices import DeviceError, use_virtual_devices
@@ -35,8 +37,13 @@ console = Console(stderr=True)
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", required=True, help="preset name, e.g. gpt-tiny, gpt2-small, bert-base"
+        "--model",
+        required=True,
+        help="preset name (gpt-tiny, gpt2-small, bert-base, ...), or gpt / bert with --layers "
+        "--hidden --heads [--vocab]",
     )
+    for flag in ("--layers", "--hidden", "--heads", "--vocab"):
+        p.add_argument(flag, type=int, default=None, help=f"custom model {flag[2:]}")
     p.add_argument(
         "--pad-vocab",
         type=int,
@@ -46,8 +53,23 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _model_config(args: argparse.Namespace):
-    cfg = get_preset(args.model)
+def _model_config(args: argparse.Namespace) -> ModelConfig:
+    dims = {"--layers": args.layers, "--hidden": args.hidden, "--heads": args.heads}
+    if args.model in ("gpt", "bert"):
+        missing = [flag for flag, value in dims.items() if value is None]
+        if missing:
+            raise ConfigError(f"--model {args.model} needs {', '.join(missing)} (or a preset name)")
+        positions = getattr(args, "seq", None) or 0
+        cfg = custom_model(args.model, args.layers, args.hidden, args.heads, args.vocab, positions)
+    else:
+        given = [
+            flag for flag, value in {**dims, "--vocab": args.vocab}.items() if value is not None
+        ]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} go with --model gpt or --model bert, not a preset"
+            )
+        cfg = get_preset(args.model)
     return cfg.pad_vocab(args.pad_vocab) if args.pad_vocab else cfg
 
 

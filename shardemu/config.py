@@ -152,6 +152,23 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+def custom_model(
+    family: str, layers: int, hidden: int, heads: int, vocab: int | None, positions: int
+) -> ModelConfig:
+    """A GPT or BERT of any size, shaped like the presets (d_ff = 4 d; GPT-2's and
+    BERT's vocabularies unless given): `--model gpt --layers L --hidden H --heads A`."""
+    if family not in ("gpt", "bert"):
+        raise ConfigError(f"custom dimensions need --model gpt or bert, got {family!r}")
+    _require_positive("custom model", layers=layers, hidden=hidden, heads=heads)
+    if hidden % heads:
+        raise ConfigError(f"--hidden {hidden} is not divisible by --heads {heads}")
+    make = _gpt if family == "gpt" else _bert
+    cfg = make(f"{family}-L{layers}-H{hidden}-A{heads}", layers, hidden, heads)
+    return cfg.replace(
+        vocab_size=vocab or cfg.vocab_size, max_positions=max(positions, cfg.max_positions)
+    )
+
+
 def get_preset(name: str) -> ModelConfig:
     """The preset called `name`, or an error listing the known ones."""
     try:

@@ -70,6 +70,7 @@ class Executor:
         self.axis_labels = axis_labels  # mesh axis -> the name users know it by
         self.step = 0
         self._counted: dict[tuple, Counted] = {} if cache is None else cache
+        self._shapes: dict[tuple, Any] = {}
 
     # ---- transfers -----------------------------------------------------------------------
 
@@ -159,19 +160,21 @@ class Executor:
             )  # fmt: skip
         if self.real:
             return fn(*args)
-        return self._shaped(fn, stage.mesh, args, counted)
+        return self._shaped(name, fn, stage.mesh, args, counted)
 
     def shape(self, name: str, fn: Any, stage: StageLike, args: tuple) -> Any:
         """The abstract outputs of `fn(*args)`, shardings included; nothing recorded."""
-        return self._shaped(fn, stage.mesh, args, self.count(name, fn, stage, args))
+        return self._shaped(name, fn, stage.mesh, args, self.count(name, fn, stage, args))
 
-    @staticmethod
-    def _shaped(fn: Any, mesh: Mesh, args: tuple, counted: Counted) -> Any:
+    def _shaped(self, name: str, fn: Any, mesh: Mesh, args: tuple, counted: Counted) -> Any:
         """Shapes of `fn(*args)` with the shardings of the counted piece's outputs moved
         onto `mesh` (the count may come from an identical stage on other devices),
         matched leaf by leaf (a stack of k layers has the one-layer piece's leaves; a
         vjp's tree structure also names its trip count, so the structures differ)."""
-        shapes, treedef = jax.tree.flatten(jax.eval_shape(fn, *abstract(args)))
+        key = (name, signature(abstract(args)))  # shapes do not depend on the stage
+        if key not in self._shapes:
+            self._shapes[key] = jax.tree.flatten(jax.eval_shape(fn, *abstract(args)))
+        shapes, treedef = self._shapes[key]
         shardings = [_on_mesh(s, mesh) for s in jax.tree.leaves(counted.out_shardings)]
         return treedef.unflatten(
             jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
