@@ -139,6 +139,12 @@ def _phased_args(p: argparse.ArgumentParser) -> None:
         default=d.optimizer_on,
         help="where the update runs (host: the MemoryX arrangement)",
     )
+    p.add_argument(
+        "--no-prefetch",
+        dest="prefetch",
+        action="store_false",
+        help="fetch a phase's weights only when it runs (default: one phase ahead)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -262,6 +268,7 @@ def _phased(args: argparse.Namespace) -> PhasedConfig | None:
             ("--rts-optimizer", args.rts_optimizer, None),
             ("--activations", args.activations, d.activations),
             ("--optimizer-on", args.optimizer_on, d.optimizer_on),
+            ("--no-prefetch", args.prefetch, d.prefetch),
         )
         if value != default
     ]
@@ -276,6 +283,7 @@ def _phased(args: argparse.Namespace) -> PhasedConfig | None:
         rts_optimizer=args.rts_optimizer,
         activations=args.activations,
         optimizer_on=args.optimizer_on,
+        prefetch=args.prefetch,
     )
 
 

@@ -309,6 +309,8 @@ class PhasedConfig:
     optimizer_on   `host`: the update runs in the host tier where the state lives (the
                    MemoryX arrangement); `device`: weights, state and gradients stream
                    in, the update runs on the device, weights and state stream out
+    prefetch       request the next phase's weights before this phase runs (hidden
+                   behind its compute), or only when they are needed
     """
 
     phases: int | None = None
@@ -317,6 +319,7 @@ class PhasedConfig:
     rts_optimizer: int | None = None
     activations: ActivationPolicy = "recompute"
     optimizer_on: OptimizerPlace = "host"
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         if self.phases is not None:

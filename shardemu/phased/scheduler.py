@@ -5,7 +5,8 @@ A step, for phases 0..N-1 of L/N layers each, spread over the pipeline stages in
 
     shared weights (embedding, head)   host -> device, to the first stage (and the last)
     forward  phase i = 0..N-1          weights_i host -> device (the next phase's are
-                                       requested before this one runs: a real prefetch,
+                                       requested before this one runs: a real prefetch
+                                       (`prefetch=False`: requested when needed),
                                        since JAX dispatch is asynchronous), all-gathered
                                        over `replica` when rts > 1, x_{i+1} = layers_i(x_i);
                                        between stages x moves point to point over `pipe`
@@ -386,11 +387,12 @@ class PhasedTrainer:
         tier(first).admit("x0", bytes_per_device(x), "embed")
         masks = {0: mask}
         kept: dict[int, Any] = {}  # what each phase's backward needs from its forward
+        ahead = 1 if cfg.prefetch else 0  # phases fetched before the one that runs
         fetched = {0: self._fetch(ex, state, 0, "fwd")}
         for i in range(n):
             st, tag = self.stage_of(i), f"fwd{i}"
-            if i + 1 < n:
-                fetched[i + 1] = self._fetch(ex, state, i + 1, "fwd")  # prefetch
+            if i + ahead < n and i + ahead not in fetched:
+                fetched[i + ahead] = self._fetch(ex, state, i + ahead, "fwd")
             if st.index not in masks:  # first phase of a later stage: x arrives over `pipe`
                 x, masks[st.index] = ex.send(
                     self.stage_of(i - 1).index, (x, mask), (st.act, st.mask), tag, "activations"
@@ -443,10 +445,12 @@ class PhasedTrainer:
                 )
 
         prefetch(n - 1)
+        requested = {n - 1}
         for i in reversed(range(n)):
             st, tag = self.stage_of(i), f"bwd{i}"
-            if i > 0:
-                prefetch(i - 1)
+            if i - ahead >= 0 and i - ahead not in requested:
+                requested.add(i - ahead)
+                prefetch(i - ahead)
             if i + 1 < n and self.stage_of(i + 1) is not st:
                 g_x = ex.send(self.stage_of(i + 1).index, g_x, st.act, tag, "gradients")
             mask = masks[st.index]
