@@ -94,7 +94,8 @@ class SelfAttention(nn.Module):
         v_bshk = constrain(dense(cfg, hk, qkv_axes, "value")(x_bsd), ACT_BSHK)
         scores_bhqk = jnp.einsum("bqhk,bshk->bhqs", q_bshk, k_bshk) / jnp.sqrt(cfg.head_dim)
         scores_bhqk = jnp.where(mask_bqk[:, None], scores_bhqk, jnp.finfo(scores_bhqk.dtype).min)
-        probs_bhqk = jax.nn.softmax(scores_bhqk.astype(jnp.float32), axis=-1)
+        # softmax in float32, then back to the activations' type (mixed precision)
+        probs_bhqk = jax.nn.softmax(scores_bhqk.astype(jnp.float32), axis=-1).astype(v_bshk.dtype)
         ctx_bshk = constrain(jnp.einsum("bhqs,bshk->bqhk", probs_bhqk, v_bshk), ACT_BSHK)
         out = dense(
             cfg, cfg.embed_dim, ("heads", "head_dim", "embed"), "out", (-2, -1), self.out_std
