@@ -122,7 +122,7 @@ def main() -> None:
             f"{r['max_loss_rel_diff']:.1e}", f"{r.get('bytes_h2d', 0):,}",
             f"{r.get('flops_ratio', 1.0):.2f}", f"{r.get('device_high_water', 0):,}",
         )  # fmt: skip
-    Console().print(table)
+    Console(width=150).print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.platform(), "cpus": jax.device_count(), "versions": versions()}

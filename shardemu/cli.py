@@ -369,16 +369,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
         )
     hardware = get_hardware(args.hardware) if args.hardware else None
     use_virtual_devices(par.tensor * par.replica)  # one pipeline stage's devices
-    from shardemu.plan import flatten, padded_for, plan_phased
+    from shardemu.plan import flatten, plan_phased
     from shardemu.tracking import default_run_dir, fmt_value
 
     model_cfg = _model_config(args)
-    padded = model_cfg if args.pad_vocab else padded_for(model_cfg, par)
     out = args.out or (default_run_dir(f"plan-{model_cfg.name}") if hardware else None)
     train_cfg = TrainConfig(batch=args.batch, seq=args.seq)
-    report = plan_phased(padded, par, train_cfg, phased, hardware=hardware, out=out)
-    if padded.vocab_size != model_cfg.vocab_size:
-        report["vocab_padded_from"] = model_cfg.vocab_size
+    report = plan_phased(model_cfg, par, train_cfg, phased, hardware=hardware, out=out)
     if args.json:
         print(json.dumps(report, indent=2))
         return

@@ -56,11 +56,14 @@ def plan_phased(
     out: str | Path | None = None,
 ) -> dict[str, Any]:
     """Count one phased step in abstract mode: the JSON `shardemu plan --json` prints.
-    The pipeline's stages are planned on one stage's devices (`plan_devices`).
+    The pipeline's stages are planned on one stage's devices (`plan_devices`); a
+    vocabulary the tensor axis does not divide is padded (`padded_for`).
     With `hardware`, add the predicted step (`costmodel.py`); with `out`, write the run
     directory (config.json, ledger.json, summary.md, and with hardware trace.json and
     timeline.png). Needs `plan_devices(par)` JAX devices (virtual CPU devices will do)."""
     t0 = time.perf_counter()
+    given_vocab = model_cfg.vocab_size
+    model_cfg = padded_for(model_cfg, par)
     model = Model(model_cfg)
     # one stage's devices stand for every stage (identical stages count the same)
     stage = dataclasses.replace(par, pipe=1)
@@ -91,6 +94,8 @@ def plan_phased(
         },
         "plan": plan,
     }
+    if model_cfg.vocab_size != given_vocab:
+        report["vocab_padded_from"] = given_vocab
     timeline = None
     if hardware is not None:
         tokens = train_cfg.batch * train_cfg.seq
@@ -98,6 +103,10 @@ def plan_phased(
             ledger.events, hardware, par, totals["model_flops"], tokens, report["memory_per_device"]
         )
         report.update(prediction)
+        report["stream_busy_s"] = {
+            f"stage{stage}/{stream}": busy
+            for (stage, stream), busy in sorted(timeline.stream_totals().items())
+        }
     if out is not None:
         write_plan_dir(Path(out), report, ledger, timeline)
     report["elapsed_s"] = time.perf_counter() - t0
@@ -108,7 +117,7 @@ def write_plan_dir(
     out: Path, report: dict[str, Any], ledger: Ledger, timeline: Timeline | None
 ) -> None:
     """The run directory of a plan: config.json (the report), ledger.json, summary.md and,
-    with a prediction, trace.json, timeline.png and per-stream busy times."""
+    with a prediction, trace.json and timeline.png."""
     out.mkdir(parents=True, exist_ok=True)
     ledger.write(out / "ledger.json")
     if timeline is not None:
@@ -120,10 +129,6 @@ def write_plan_dir(
                 f"{report['model']} on {report['mesh']}, {report['hardware']}",
             )
         )
-        report["stream_busy_s"] = {
-            f"stage{stage}/{stream}": busy
-            for (stage, stream), busy in sorted(timeline.stream_totals().items())
-        }
     (out / "config.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "summary.md").write_text(summary_markdown("plan", flatten(report)))
 
