@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -26,6 +27,7 @@ from shardemu.config import (
 )
 from shardemu.devices import DeviceError, use_virtual_devices
 from shardemu.hardware import HardwareError, get_hardware
+from shardemu.parallel.schedule import SCHEDULES
 from shardemu.phased.tiers import CapacityError
 from shardemu.sharding import ShardingError
 
@@ -189,6 +191,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _shape_args(plan)
     _phased_args(plan)
+    plan.add_argument(
+        "--microbatch-size",
+        type=int,
+        default=None,
+        help="resident plans: sequences per microbatch per replica (default: the whole batch)",
+    )
+    plan.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="resident plans")
+    plan.add_argument(
+        "--virtual", type=int, default=2, help="model chunks per device (interleaved schedule)"
+    )
+    plan.add_argument(
+        "--recompute",
+        choices=("none", "selective", "full"),
+        default="full",
+        help="resident plans: activation recomputation",
+    )
     return parser
 
 
@@ -362,12 +380,10 @@ def _print_phase_plan(out: Console, plan: dict[str, Any]) -> None:
 def cmd_plan(args: argparse.Namespace) -> None:
     par = Parallelism.parse(args.mesh)
     phased = _phased(args)
-    if phased is None:
-        raise ConfigError(
-            "shardemu plan counts phased execution: add --phased (resident and pipelined "
-            "steps are counted by `shardemu run`)"
-        )
     hardware = get_hardware(args.hardware) if args.hardware else None
+    if phased is None:
+        _plan_resident(args, par, hardware)
+        return
     use_virtual_devices(par.tensor * par.replica)  # one pipeline stage's devices
     from shardemu.plan import flatten, plan_phased
     from shardemu.tracking import default_run_dir, fmt_value
@@ -387,6 +403,44 @@ def cmd_plan(args: argparse.Namespace) -> None:
         table.add_row(key, fmt_value(value))
     out_console.print(table)
     _print_phase_plan(out_console, report["plan"])
+
+
+def _plan_resident(args: argparse.Namespace, par: Parallelism, hardware: Any) -> None:
+    """`shardemu plan` without --phased: a resident pipelined step on `hardware`."""
+    if hardware is None:
+        raise ConfigError("a resident plan predicts a step: give --hardware NAME (or add --phased)")
+    use_virtual_devices(par.tensor)  # one stage's tensor group counts a microbatch
+    from shardemu.plan_resident import plan_resident
+    from shardemu.tracking import default_run_dir, fmt_value
+    from shardemu.views import plot_timeline, write_trace
+
+    model_cfg = _model_config(args)
+    micro = args.microbatch_size or args.batch // par.replica
+    virtual = args.virtual if args.schedule == "interleaved" else 1
+    report = plan_resident(
+        model_cfg, par, args.batch, args.seq, micro, hardware, args.schedule, virtual,
+        args.recompute,
+    )  # fmt: skip
+    timeline = report.pop("timeline")
+    out = Path(args.out or default_run_dir(f"plan-{model_cfg.name}"))
+    out.mkdir(parents=True, exist_ok=True)
+    if len(timeline.spans) <= 200_000:  # a trace past that is too big to open
+        report["trace"] = str(write_trace(timeline, out / "trace.json"))
+        report["timeline_png"] = str(
+            plot_timeline(timeline, out / "timeline.png", f"{model_cfg.name} on {par}")
+        )
+    (out / "config.json").write_text(json.dumps(report, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    table = Table(title=f"shardemu plan: {report['model']} on {report['mesh']}", show_header=False)
+    for key, value in report.items():
+        if isinstance(value, dict):
+            for k, v in value.items():
+                table.add_row(f"{key}.{k}", fmt_value(v))
+        else:
+            table.add_row(key, fmt_value(value))
+    Console().print(table)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from shardemu.parallel.schedule import make_schedule
 from shardemu.phased.scheduler import PhasedTrainer
 from shardemu.plan import padded_for
 
-Recompute = Literal["none", "full"]
+Recompute = Literal["none", "selective", "full"]
 
 
 def _scaled(e: Event, factor: float, replica: int, **changes: Any) -> Event:
@@ -65,6 +65,28 @@ def _pieces(events: list[Event]) -> dict[str, list[Event]]:
     return out
 
 
+def _selective(
+    pieces: dict[str, list[Event]], cfg: ModelConfig, par: Parallelism, b: int, seq: int,
+    keep: int,
+) -> int:  # fmt: skip
+    """Selective recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation
+    in Large Transformer Models", Section 4.2): keep everything but the attention core's
+    s x s scores and probabilities, and recompute that core (Q K^T and probs V) in the
+    backward pass. Adds its forward FLOPs (flops.py) to each layer's backward and returns
+    the bytes a layer keeps per device without the two [b, A/t, s, s] tensors."""
+    core = flops.layer_forward(cfg, b, seq)
+    extra = core["attn_scores"] + core["attn_context"]
+    backward = next(e for e in pieces["bwd0"] if e.kind == "compute")
+    pieces["bwd0"] = [
+        dataclasses.replace(e, flops=e.flops + extra, recompute_flops=e.recompute_flops + extra)
+        if e is backward
+        else e
+        for e in pieces["bwd0"]
+    ]
+    itemsize = jnp.dtype(cfg.param_dtype).itemsize
+    return max(keep - 2 * b * (cfg.num_heads // par.tensor) * seq * seq * itemsize, 0)
+
+
 def plan_resident(
     model_cfg: ModelConfig,
     par: Parallelism,
@@ -80,8 +102,8 @@ def plan_resident(
     `par.tensor` JAX devices (one stage's tensor group)."""
     t0 = time.perf_counter()
     model_cfg = padded_for(model_cfg, par)
-    if recompute not in ("none", "full"):
-        raise ConfigError(f"--recompute must be none or full, got {recompute!r}")
+    if recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"--recompute must be none, selective or full, got {recompute!r}")
     per_step = par.replica * microbatch_size
     if batch % per_step:
         raise ConfigError(
@@ -97,7 +119,7 @@ def plan_resident(
     # one microbatch on one stage's tensor group, one layer a phase
     stage_par = Parallelism(tensor=par.tensor)
     mesh = mesh_from(stage_par, jax.devices()[: par.tensor])
-    activations = "keep" if recompute == "none" else "recompute"
+    activations = "recompute" if recompute == "full" else "keep"
     phased = PhasedConfig(phases=L, activations=activations, optimizer_on="device")
     trainer = PhasedTrainer(
         Model(model_cfg), mesh, TrainConfig(batch=microbatch_size, seq=seq), phased
@@ -106,6 +128,9 @@ def plan_resident(
     plan = trainer.plan(ledger=counted)
     pieces = _pieces(counted.events)
     row = plan["per_phase"][0]
+    keep = row["activation_bytes_per_device"]  # per layer: residuals, or the layer input
+    if recompute == "selective":
+        keep = _selective(pieces, model_cfg, par, microbatch_size, seq, keep)
     layer_bytes = row["gathered_bytes_per_device"]
     shared_bytes = plan["host_bytes_per_device"]["weights"] - L * layer_bytes
 
@@ -164,7 +189,6 @@ def plan_resident(
     ledger.events.extend(events)
     totals = ledger.step_totals(0)
 
-    keep = row["activation_bytes_per_device"]  # per layer: residuals, or the layer input
     peak = max(sched.peak_activations(s) for s in range(p))
     device_bytes = 4 * (layer_bytes * L // p + shared_bytes) + round(peak * per_chunk * v * keep)
     timeline, prediction = predict(
