@@ -189,4 +189,5 @@ def test_resident_plan_recomputation_and_schedules():
     # equal bubbles in unit time; with real F and B durations the orders differ slightly
     assert gpipe["step_time_s"] == pytest.approx(full["step_time_s"], rel=0.05)
     assert gpipe["memory"] > full["memory"]
-    assert full["breakdown"]["pipeline_bubble_s"] > 0 and full["bubble_fraction"] == 0.2
+    assert full["breakdown"]["pipeline_bubble_s"] > 0
+    assert full["bubble_fraction"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1), p=2, m=4
