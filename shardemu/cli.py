@@ -102,7 +102,7 @@ def _run_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     p.add_argument(
         "--hardware",
         default=None,
-        help="with --phased: add the predicted step on a profile (ipu-pod16, a100-80gb, ...)",
+        help="add the predicted step on a profile (ipu-pod16, a100-80gb, ...) or a .toml file",
     )
     _phased_args(p)
 

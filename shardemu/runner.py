@@ -13,8 +13,8 @@ from typing import Any
 import jax
 
 from shardemu import flops
-from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
-from shardemu.costmodel import predict
+from shardemu.config import ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.costmodel import Timeline, predict
 from shardemu.data import SyntheticCorpus
 from shardemu.engine import Trainer
 from shardemu.hardware import Hardware
@@ -49,12 +49,9 @@ def train(
 ) -> RunResult:
     """Train `model_cfg` on a `par` mesh for `train_cfg.steps` steps and record the run;
     with `phased`, weights live in the host tier and stream in phase by phase; with
-    `hardware` (phased runs), add the predicted step on that hardware, from the last
-    step's ledger, with trace.json and timeline.png."""
-    if hardware is not None and phased is None:
-        raise ConfigError(
-            "--hardware predicts from the phased ledger: add --phased (or use shardemu plan)"
-        )
+    `hardware`, add the predicted step on that hardware (phased: from the last step's
+    ledger; resident: the resident plan of the same settings, GPipe, no recomputation),
+    with trace.json and timeline.png."""
     mesh = mesh_from(par, devices)
     model = Model(model_cfg)
     trainer = Trainer(model, mesh, train_cfg, rules)
@@ -151,18 +148,22 @@ def train(
         if phased_trainer is not None:
             phased_trainer.ledger.write(run.path / "ledger.json")
         if hardware is not None:
-            summary.update(_predict(phased_trainer, hardware, par, train_cfg, run.path))
+            timeline, report = (
+                _predict_phased(phased_trainer, hardware, par, train_cfg)
+                if phased_trainer is not None
+                else _predict_resident(model_cfg, hardware, par, train_cfg)
+            )
+            summary.update(_prediction_files(timeline, report, run.path, model_cfg.name, par))
         run.write_summary(summary_markdown("run", summary))
     finally:
         run.close()
     return RunResult(run.path, losses, summary)
 
 
-def _predict(
-    trainer: PhasedTrainer, hw: Hardware, par: Parallelism, train_cfg: TrainConfig, out: Path
-) -> dict[str, Any]:
-    """The last step's ledger on `hw`: predicted step time, its breakdown, utilisation,
-    and the trace and timeline files."""
+def _predict_phased(
+    trainer: PhasedTrainer, hw: Hardware, par: Parallelism, train_cfg: TrainConfig
+) -> tuple[Timeline, dict[str, Any]]:
+    """The last step's ledger on `hw`."""
     last = train_cfg.steps - 1
     events = [e for e in trainer.ledger.events if e.step == last]
     totals = trainer.ledger.step_totals(last)
@@ -172,11 +173,32 @@ def _predict(
         "host": sum(plan["host_bytes_per_device"].values()),
     }
     tokens = train_cfg.batch * train_cfg.seq
-    timeline, report = predict(events, hw, par, totals["model_flops"], tokens, memory)
+    return predict(events, hw, par, totals["model_flops"], tokens, memory)
+
+
+def _predict_resident(
+    model_cfg: ModelConfig, hw: Hardware, par: Parallelism, train_cfg: TrainConfig
+) -> tuple[Timeline, dict[str, Any]]:
+    """The resident plan of this run's settings: the engine runs GPipe over its
+    microbatches (gradient-accumulation chunks count as more microbatches) and keeps
+    every activation for the backward pass."""
+    from shardemu.plan_resident import plan_resident
+
+    micro = train_cfg.microbatch_size(par)
+    report = plan_resident(
+        model_cfg, par, train_cfg.batch, train_cfg.seq, micro, hw, "gpipe", 1, "none"
+    )
+    return report.pop("timeline"), report
+
+
+def _prediction_files(
+    timeline: Timeline, report: dict[str, Any], out: Path, name: str, par: Parallelism
+) -> dict[str, Any]:
+    """trace.json and timeline.png in the run directory; the summary's prediction rows."""
     write_trace(timeline, out / "trace.json")
-    plot_timeline(timeline, out / "timeline.png", f"{trainer.model.cfg.name} on {par}, {hw.name}")
+    plot_timeline(timeline, out / "timeline.png", f"{name} on {par}, {report['hardware']}")
     return {
-        "hardware": hw.name,
+        "hardware": report["hardware"],
         "predicted_step_s": report["step_time_s"],
         "predicted_utilisation": report["utilisation"],
         "predicted_tokens_per_s": report["tokens_per_s"],

@@ -186,7 +186,7 @@ def test_plan_and_describe_phased_count_without_weights():
         ),
         (["run", "--model", "gpt-tiny", "--rts", "2"], "--rts need --phased"),
         (["plan", "--model", "gpt-tiny"], "add --phased"),
-        (["run", "--model", "gpt-tiny", "--hardware", "ipu-pod16"], "add --phased"),
+        (["run", "--model", "gpt-tiny", "--hardware", "gpu-9000"], "unknown hardware 'gpu-9000'"),
         (
             ["plan", "--model", "gpt-tiny", "--phased", "--hardware", "tpu-v9"],
             "unknown hardware 'tpu-v9'",
