@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--microbatch-size",
         type=int,
         default=None,
-        help="resident plans: sequences per microbatch per replica (default: the whole batch)",
+        help="sequences per microbatch per replica (default: the whole batch at once); "
+        "phased plans run the batch as pipelined passes of this size",
     )
     plan.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="resident plans")
     plan.add_argument(
@@ -391,7 +392,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
     model_cfg = _model_config(args)
     out = args.out or (default_run_dir(f"plan-{model_cfg.name}") if hardware else None)
     train_cfg = TrainConfig(batch=args.batch, seq=args.seq)
-    report = plan_phased(model_cfg, par, train_cfg, phased, hardware=hardware, out=out)
+    report = plan_phased(
+        model_cfg, par, train_cfg, phased, hardware=hardware, out=out,
+        microbatch_size=args.microbatch_size,
+    )  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
         return

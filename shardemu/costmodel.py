@@ -160,22 +160,29 @@ def build_timeline(events: list[Event], hw: Hardware, par: Parallelism) -> Timel
 
 
 def _breakdown(spans: list[Span], step: float) -> tuple[int, dict[str, float]]:
+    """Compute time of the busiest stage, and its idle time by what it waited for: a
+    sweep over the stage's span boundaries with a count of active spans per kind."""
     busy: dict[int, float] = defaultdict(float)
     for s in spans:
         if s.stream == "compute":
             busy[s.stage] += s.duration
     stage = max(busy, key=busy.get, default=0)
-    own = [s for s in spans if s.stage == stage and s.duration > 0]
     out = dict.fromkeys(BREAKDOWN, 0.0)
     out["compute_s"] = busy.get(stage, 0.0)
-    cuts = sorted({0.0, step, *(s.start for s in own), *(s.end for s in own)})
-    for a, b in zip(cuts, cuts[1:], strict=False):
-        mid = (a + b) / 2
-        active = {s.stream.split(":")[0] for s in own if s.start <= mid < s.end}
-        if "compute" in active:
+    edges: list[tuple[float, int, str]] = [(0.0, 0, ""), (step, 0, "")]
+    for s in spans:
+        if s.stage == stage and s.duration > 0:
+            kind = s.stream.split(":")[0]
+            edges += [(s.start, 1, kind), (s.end, -1, kind)]
+    edges.sort(key=lambda e: (e[0], e[1]))  # ends before starts at the same time
+    active: dict[str, int] = defaultdict(int)
+    for (t, delta, kind), (t_next, _, _) in zip(edges, edges[1:], strict=False):
+        if kind:
+            active[kind] += delta
+        if t_next <= t or active["compute"] > 0:
             continue
-        key = next((k for prefix, k in _EXPOSED if prefix in active), "pipeline_bubble_s")
-        out[key] += b - a
+        key = next((k for prefix, k in _EXPOSED if active[prefix] > 0), "pipeline_bubble_s")
+        out[key] += t_next - t
     return stage, out
 
 

@@ -18,12 +18,14 @@ from typing import Any
 import jax
 
 from shardemu import flops
-from shardemu.config import ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.costmodel import Timeline, predict
 from shardemu.hardware import Hardware
 from shardemu.ledger import Ledger
 from shardemu.mesh import mesh_from
 from shardemu.models import Model, param_bytes, param_count
+from shardemu.parallel.schedule import Schedule
+from shardemu.phased.passes import accumulate_passes
 from shardemu.phased.scheduler import PhasedTrainer
 from shardemu.sharding import Rules
 from shardemu.tracking import summary_markdown
@@ -54,13 +56,16 @@ def plan_phased(
     rules: Rules | None = None,
     hardware: Hardware | None = None,
     out: str | Path | None = None,
+    microbatch_size: int | None = None,
 ) -> dict[str, Any]:
     """Count one phased step in abstract mode: the JSON `shardemu plan --json` prints.
     The pipeline's stages are planned on one stage's devices (`plan_devices`); a
     vocabulary the tensor axis does not divide is padded (`padded_for`).
     With `hardware`, add the predicted step (`costmodel.py`); with `out`, write the run
     directory (config.json, ledger.json, summary.md, and with hardware trace.json and
-    timeline.png). Needs `plan_devices(par)` JAX devices (virtual CPU devices will do)."""
+    timeline.png). With `microbatch_size` b, the batch runs as passes of b sequences per
+    replica, pipelined over the stages (`phased/passes.py`): one pass is counted.
+    Needs `plan_devices(par)` JAX devices (virtual CPU devices will do)."""
     t0 = time.perf_counter()
     given_vocab = model_cfg.vocab_size
     model_cfg = padded_for(model_cfg, par)
@@ -68,10 +73,27 @@ def plan_phased(
     # one stage's devices stand for every stage (identical stages count the same)
     stage = dataclasses.replace(par, pipe=1)
     mesh = mesh_from(stage, jax.devices()[: plan_devices(par)])
-    trainer = PhasedTrainer(model, mesh, train_cfg, phased, rules, par.pipe)
+    passes, pass_cfg = 1, train_cfg
+    if microbatch_size is not None:
+        per_pass = microbatch_size * par.replica
+        if train_cfg.batch % per_pass:
+            raise ConfigError(
+                f"--batch {train_cfg.batch} is not divisible by --microbatch-size * replica "
+                f"= {per_pass}"
+            )
+        passes = train_cfg.batch // per_pass
+        pass_cfg = dataclasses.replace(train_cfg, batch=per_pass)
+    trainer = PhasedTrainer(model, mesh, pass_cfg, phased, rules, par.pipe)
     ledger = Ledger()
     plan = trainer.plan(ledger=ledger)
-    totals = plan.pop("step_totals")
+    plan.pop("step_totals")
+    device_peak = plan["device_high_water"]
+    if passes > 1:
+        events, sched = accumulate_passes(ledger.events, par.pipe, passes)
+        ledger = Ledger()
+        ledger.events.extend(events)
+        device_peak += _in_flight_activations(plan, sched, phased)
+    totals = ledger.step_totals(0)
     analytic = flops.training_step(model_cfg, train_cfg.batch, train_cfg.seq)
     shapes, _ = model.abstract_params()
     host = plan["host_bytes_per_device"]
@@ -88,8 +110,9 @@ def plan_phased(
         **totals,
         "model_flops_analytic": analytic,
         "model_flops_rel_err": totals["model_flops"] / analytic - 1,
+        "passes": passes,
         "memory_per_device": {
-            "device": plan["device_high_water"],
+            "device": device_peak,
             "host": host["weights"] + host["optimizer_state"],
         },
         "plan": plan,
@@ -111,6 +134,19 @@ def plan_phased(
         write_plan_dir(Path(out), report, ledger, timeline)
     report["elapsed_s"] = time.perf_counter() - t0
     return report
+
+
+def _in_flight_activations(plan: dict[str, Any], sched: Schedule, phased: PhasedConfig) -> int:
+    """Device bytes of the extra passes a stage holds at its peak in the pipeline
+    schedule: their kept activations (none when they are offloaded to the host)."""
+    if phased.activations == "offload":
+        return 0
+    per_stage: dict[int, int] = {}
+    for row in plan["per_phase"]:
+        per_stage[row["stage"]] = (
+            per_stage.get(row["stage"], 0) + row["activation_bytes_per_device"]
+        )
+    return max(round((sched.peak_activations(s) - 1) * kept) for s, kept in per_stage.items())
 
 
 def write_plan_dir(

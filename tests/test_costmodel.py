@@ -191,3 +191,26 @@ def test_resident_plan_recomputation_and_schedules():
     assert gpipe["memory"] > full["memory"]
     assert full["breakdown"]["pipeline_bubble_s"] > 0
     assert full["bubble_fraction"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1), p=2, m=4
+
+
+def test_phased_passes_accumulate_one_counted_pass():
+    """A batch of 8 as 4 pipelined passes of 1 sequence per replica: 4 times one pass's
+    model FLOPs and gradient bytes, about half a batch of 16's FLOPs, and a step shorter
+    than 4 passes back to back (the pipeline overlaps them)."""
+    from shardemu.config import get_preset
+    from shardemu.plan import plan_phased
+
+    par, cfg = Parallelism(pipe=2, tensor=2, replica=2), PhasedConfig(phases=2)
+    hw, model = PROFILES["ipu-pod16"], get_preset("gpt-tiny")
+    whole = plan_phased(model, par, TrainConfig(batch=16, seq=16, seed=0), cfg, hardware=hw)
+    one = plan_phased(model, par, TrainConfig(batch=2, seq=16, seed=0), cfg, hardware=hw)
+    passes = plan_phased(
+        model, par, TrainConfig(batch=8, seq=16, seed=0), cfg, hardware=hw, microbatch_size=1
+    )
+    assert passes["passes"] == 4
+    assert passes["model_flops"] == pytest.approx(4 * one["model_flops"], rel=1e-9)
+    # per-pass work that does not scale with the batch (gradient norms, the tied
+    # embedding's gradient sum) makes 4 small passes cost a little more than one big one
+    assert passes["model_flops"] == pytest.approx(whole["model_flops"] / 2, rel=0.1)
+    assert passes["bytes_d2h_gradients"] == 4 * one["bytes_d2h_gradients"]
+    assert passes["step_time_s"] < 4 * one["step_time_s"]
