@@ -171,7 +171,7 @@ class Executor:
         onto `mesh` (the count may come from an identical stage on other devices),
         matched leaf by leaf (a stack of k layers has the one-layer piece's leaves; a
         vjp's tree structure also names its trip count, so the structures differ)."""
-        key = (name, signature(abstract(args)))  # shapes do not depend on the stage
+        key = (name, tuple(mesh.shape.items()), signature(abstract(args)))
         if key not in self._shapes:
             self._shapes[key] = jax.tree.flatten(jax.eval_shape(fn, *abstract(args)))
         shapes, treedef = self._shapes[key]
@@ -183,7 +183,9 @@ class Executor:
 
     def count(self, name: str, fn: Any, stage: StageLike, args: tuple) -> Counted:
         """Compile `fn` over the abstract `args` once per signature and count it."""
-        key = (name, signature(abstract(args)))
+        # the mesh's axis sizes, not its devices: identical stages share counts, but the
+        # same specs on a mesh of other sizes are other shards
+        key = (name, tuple(stage.mesh.shape.items()), signature(abstract(args)))
         if key not in self._counted:
             compiled = fn.lower(*abstract(args)).compile()
             self._counted[key] = Counted(
