@@ -197,7 +197,10 @@ def test_pipeline_stages_with_phases(tiny_model, reference, assert_params_close)
 
 def test_device_memory_picks_the_fewest_phases_that_fit(tiny_model, runs):
     """With a budget, the phase count is the fewest whose abstract peak fits it; the
-    real run of a plan peaks where its abstract step said."""
+    real run of a plan peaks where its abstract step said. (GPT only: the choice does
+    not depend on the model, and each budget costs a set of dry runs.)"""
+    if not tiny_model.gpt:
+        pytest.skip("covered by the GPT run")
     trainer = runs("1-rts1-recompute-host")[0]
     peaks = {n: trainer.plan(n)["device_high_water"] for n in (1, 2, 4)}
     assert peaks[1] == max(t.high_water for t in trainer.tiers)
