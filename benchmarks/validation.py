@@ -108,11 +108,10 @@ CASES = [
 
 
 def run(case: Case) -> dict:
-    r = plan_resident(
+    r, _, _ = plan_resident(
         case.model, case.par, case.batch, case.seq, case.microbatch_size,
         PROFILES[case.hardware], case.schedule, case.virtual, case.recompute,  # type: ignore[arg-type]
     )  # fmt: skip
-    r.pop("timeline")
     predicted = r["tflops_per_device"] if case.metric == "tflops_per_device" else r["utilisation"]
     return {
         "case": case.name,

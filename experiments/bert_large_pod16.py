@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 from shardemu import use_virtual_devices
@@ -35,6 +34,9 @@ from shardemu.hardware import PROFILES  # noqa: E402
 from shardemu.plan_resident import plan_resident  # noqa: E402
 from shardemu.runner import train  # noqa: E402
 from shardemu.tracking import default_run_dir  # noqa: E402
+from shardemu.views import save_figure  # noqa: E402
+
+FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
 
 HW = PROFILES["ipu-pod16"]
 GLOBAL_BATCH, SEQ, MICROBATCH = 512, 128, 4
@@ -43,8 +45,7 @@ DEPTHS = {4: Parallelism(pipe=4, replica=4), 8: Parallelism(pipe=8, replica=2)}
 
 def predict(depth: int, par: Parallelism) -> dict:
     model = get_preset("bert-large").replace(param_dtype="bfloat16")
-    r = plan_resident(model, par, GLOBAL_BATCH, SEQ, MICROBATCH, HW, schedule="1f1b")
-    r.pop("timeline")
+    r, _, _ = plan_resident(model, par, GLOBAL_BATCH, SEQ, MICROBATCH, HW, schedule="1f1b")
     mem = r["memory_per_device"]["device"]
     return {
         "depth": depth,
@@ -77,9 +78,7 @@ def plot(rows: list[dict], losses: list[float], path: Path) -> None:
     c.bar(names, [r["sequences_per_s"] for r in rows], color="#55a868")
     c.set(ylabel="sequences / s", title=f"throughput on {HW.name} (predicted)")
     fig.suptitle(f"BERT-Large, seq {SEQ}, global batch {GLOBAL_BATCH}, microbatch {MICROBATCH}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, FIGURES)
 
 
 def main() -> None:
@@ -117,9 +116,6 @@ def main() -> None:
     console.print(table)
     (out / "prediction.json").write_text(json.dumps(rows, indent=2) + "\n")
     plot(rows, real.losses, out / "bert_large_pod16.png")
-    figures = Path(__file__).resolve().parent.parent / "docs" / "figures"
-    figures.mkdir(parents=True, exist_ok=True)
-    shutil.copy(out / "bert_large_pod16.png", figures / "bert_large_pod16.png")
     print(f"wrote {out}/prediction.json, {out}/bert_large_pod16.png, docs/figures/")
 
 

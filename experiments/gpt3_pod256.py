@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 from shardemu import use_virtual_devices
@@ -35,6 +34,9 @@ from shardemu.describe import describe  # noqa: E402
 from shardemu.hardware import PROFILES  # noqa: E402
 from shardemu.plan import padded_for, plan_phased  # noqa: E402
 from shardemu.tracking import default_run_dir  # noqa: E402
+from shardemu.views import save_figure  # noqa: E402
+
+FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
 
 PAR = Parallelism(pipe=8, tensor=8, replica=4)
 HW = PROFILES["ipu-pod256"]
@@ -112,9 +114,7 @@ def plot(rows: list[dict], path: Path) -> None:
         f"GPT-3 175B on {HW.name}, {PAR}, bfloat16, batch {GLOBAL_BATCH} x {SEQ} as "
         f"{GLOBAL_BATCH // (MICROBATCH * PAR.replica)} pipelined passes"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, FIGURES)
 
 
 def main() -> None:
@@ -150,9 +150,6 @@ def main() -> None:
     console.print(table)
     (out / "results.json").write_text(json.dumps({"resident": res, "phased": rows}, indent=2))
     plot(rows, out / "gpt3_pod256.png")
-    figures = Path(__file__).resolve().parent.parent / "docs" / "figures"
-    figures.mkdir(parents=True, exist_ok=True)
-    shutil.copy(out / "gpt3_pod256.png", figures / "gpt3_pod256.png")
     print(f"wrote {out}/results.json, {out}/gpt3_pod256.png and docs/figures/gpt3_pod256.png")
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 from shardemu import use_virtual_devices
@@ -32,6 +31,9 @@ from shardemu.config import Parallelism, PhasedConfig, TrainConfig, get_preset  
 from shardemu.hardware import PROFILES  # noqa: E402
 from shardemu.plan import plan_phased  # noqa: E402
 from shardemu.tracking import default_run_dir  # noqa: E402
+from shardemu.views import save_figure  # noqa: E402
+
+FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
 
 MODEL = get_preset("gpt3-1.3b")
 PAR = Parallelism(tensor=4, replica=4)
@@ -82,9 +84,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xticks(PHASES, [str(p) for p in PHASES])
         ax.legend(fontsize=8)
     fig.suptitle(f"{MODEL.name} on {HARDWARE.name} ({PAR}), batch {TRAIN.batch}x{TRAIN.seq}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, FIGURES)
 
 
 def main() -> None:
@@ -109,9 +109,6 @@ def main() -> None:
     Console(width=150).print(table)
     (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     plot(rows, out / "phased_overlap.png")
-    figures = Path(__file__).resolve().parent.parent / "docs" / "figures"
-    figures.mkdir(parents=True, exist_ok=True)
-    shutil.copy(out / "phased_overlap.png", figures / "phased_overlap.png")
     print(f"wrote {out}/results.json, {out}/phased_overlap.png and docs/figures/phased_overlap.png")
 
 

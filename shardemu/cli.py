@@ -414,36 +414,26 @@ def _plan_resident(args: argparse.Namespace, par: Parallelism, hardware: Any) ->
     if hardware is None:
         raise ConfigError("a resident plan predicts a step: give --hardware NAME (or add --phased)")
     use_virtual_devices(par.tensor)  # one stage's tensor group counts a microbatch
+    from shardemu.plan import flatten, write_plan_dir
     from shardemu.plan_resident import plan_resident
     from shardemu.tracking import default_run_dir, fmt_value
-    from shardemu.views import plot_timeline, write_trace
 
     model_cfg = _model_config(args)
     micro = args.microbatch_size or args.batch // par.replica
     virtual = args.virtual if args.schedule == "interleaved" else 1
-    report = plan_resident(
+    report, ledger, timeline = plan_resident(
         model_cfg, par, args.batch, args.seq, micro, hardware, args.schedule, virtual,
         args.recompute,
     )  # fmt: skip
-    timeline = report.pop("timeline")
-    out = Path(args.out or default_run_dir(f"plan-{model_cfg.name}"))
-    out.mkdir(parents=True, exist_ok=True)
-    if len(timeline.spans) <= 200_000:  # a trace past that is too big to open
-        report["trace"] = str(write_trace(timeline, out / "trace.json"))
-        report["timeline_png"] = str(
-            plot_timeline(timeline, out / "timeline.png", f"{model_cfg.name} on {par}")
-        )
-    (out / "config.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_plan_dir(
+        Path(args.out or default_run_dir(f"plan-{model_cfg.name}")), report, ledger, timeline
+    )
     if args.json:
         print(json.dumps(report, indent=2))
         return
     table = Table(title=f"shardemu plan: {report['model']} on {report['mesh']}", show_header=False)
-    for key, value in report.items():
-        if isinstance(value, dict):
-            for k, v in value.items():
-                table.add_row(f"{key}.{k}", fmt_value(v))
-        else:
-            table.add_row(key, fmt_value(value))
+    for key, value in flatten(report).items():
+        table.add_row(key, fmt_value(value))
     Console().print(table)
 
 

@@ -129,6 +129,24 @@ def _gpu(
     )
 
 
+def _tpu(name: str, tflops: float, hbm_gb: float, host_gb: float, ici: float) -> Hardware:
+    """A TPU chip, 4 per host; `ici` GB/s per direction inside and across hosts (one 3D
+    torus); the host link (16 GB/s, PCIe) is our estimate."""
+    return Hardware(
+        name=name,
+        peak_tflops=tflops,
+        device_memory_gb=hbm_gb,
+        host_memory_gb=host_gb,
+        host_link_gbps=16.0,
+        intra_node_gbps=ici,
+        inter_node_gbps=ici,
+        devices_per_node=4,
+        efficiency=MATMUL_EFFICIENCY,
+        host_tflops=1.0,
+        description=f"Google TPU {name.split('-')[1]} (3D torus ICI)",
+    )
+
+
 PROFILES: dict[str, Hardware] = {
     **{f"ipu-pod{n}": _ipu(f"ipu-pod{n}", n) for n in (16, 64, 128, 256)},
     "ipu-gc200": dataclasses.replace(
@@ -172,36 +190,12 @@ PROFILES: dict[str, Hardware] = {
     # 1200 GB/s, 4096 chips per pod with 1.1 PB/s of all-reduce bandwidth per pod: 269 GB/s
     # per chip, our per-direction collective bandwidth. Host link (PCIe) and host memory
     # per chip are our estimates (4 chips per host); override them with a profile file.
-    "tpu-v4": Hardware(
-        name="tpu-v4",
-        peak_tflops=275.0,
-        device_memory_gb=32 * 1.073741824,
-        host_memory_gb=100.0,
-        host_link_gbps=16.0,
-        intra_node_gbps=269.0,
-        inter_node_gbps=269.0,
-        devices_per_node=4,
-        efficiency=MATMUL_EFFICIENCY,
-        host_tflops=1.0,
-        description="Google TPU v4 (3D torus ICI)",
-    ),
+    "tpu-v4": _tpu("tpu-v4", tflops=275.0, hbm_gb=32 * 1.073741824, host_gb=100.0, ici=269.0),
     # Google Cloud TPU docs, "TPU v5p": 459 TFLOP/s BF16 per chip, 95 GB HBM2e at
     # 2765 GB/s, inter-chip interconnect 4800 Gbps per chip (1200 GB/s bidirectional:
     # 600 GB/s per direction), data-center network 50 Gbps per chip; 4 chips per host
     # (the 2x2x1 slice is one host) with 448 GB of RAM; the host link is our estimate.
-    "tpu-v5p": Hardware(
-        name="tpu-v5p",
-        peak_tflops=459.0,
-        device_memory_gb=95.0,
-        host_memory_gb=112.0,
-        host_link_gbps=16.0,
-        intra_node_gbps=600.0,
-        inter_node_gbps=600.0,
-        devices_per_node=4,
-        efficiency=MATMUL_EFFICIENCY,
-        host_tflops=1.0,
-        description="Google TPU v5p (3D torus ICI)",
-    ),
+    "tpu-v5p": _tpu("tpu-v5p", tflops=459.0, hbm_gb=95.0, host_gb=112.0, ici=600.0),
 }
 
 

@@ -29,7 +29,7 @@ from shardemu.phased.passes import accumulate_passes
 from shardemu.phased.scheduler import PhasedTrainer
 from shardemu.sharding import Rules
 from shardemu.tracking import summary_markdown
-from shardemu.views import plot_timeline, write_trace
+from shardemu.views import write_views
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
@@ -157,14 +157,8 @@ def write_plan_dir(
     out.mkdir(parents=True, exist_ok=True)
     ledger.write(out / "ledger.json")
     if timeline is not None:
-        report["trace"] = str(write_trace(timeline, out / "trace.json"))
-        report["timeline"] = str(
-            plot_timeline(
-                timeline,
-                out / "timeline.png",
-                f"{report['model']} on {report['mesh']}, {report['hardware']}",
-            )
-        )
+        title = f"{report['model']} on {report['mesh']}, {report['hardware']}"
+        report.update(write_views(timeline, out, title))
     (out / "config.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "summary.md").write_text(summary_markdown("plan", flatten(report)))
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from shardemu import flops
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
-from shardemu.costmodel import predict
+from shardemu.costmodel import Timeline, predict
 from shardemu.hardware import Hardware
 from shardemu.ledger import Event, Ledger
 from shardemu.mesh import mesh_from
@@ -97,9 +97,10 @@ def plan_resident(
     schedule: str = "1f1b",
     virtual: int = 1,
     recompute: Recompute = "full",
-) -> dict[str, Any]:
-    """Predict a resident (pipelined) step of `batch` sequences on `hardware`; needs
-    `par.tensor` JAX devices (one stage's tensor group)."""
+) -> tuple[dict[str, Any], Ledger, Timeline]:
+    """Predict a resident (pipelined) step of `batch` sequences on `hardware`: the
+    report, the step's ledger and its timeline. Needs `par.tensor` JAX devices (one
+    stage's tensor group)."""
     t0 = time.perf_counter()
     model_cfg = padded_for(model_cfg, par)
     if recompute not in ("none", "selective", "full"):
@@ -121,9 +122,8 @@ def plan_resident(
     mesh = mesh_from(stage_par, jax.devices()[: par.tensor])
     activations = "recompute" if recompute == "full" else "keep"
     phased = PhasedConfig(phases=L, activations=activations, optimizer_on="device")
-    trainer = PhasedTrainer(
-        Model(model_cfg), mesh, TrainConfig(batch=microbatch_size, seq=seq), phased
-    )
+    model = Model(model_cfg)
+    trainer = PhasedTrainer(model, mesh, TrainConfig(batch=microbatch_size, seq=seq), phased)
     counted = Ledger()
     plan = trainer.plan(ledger=counted)
     pieces = _pieces(counted.events)
@@ -199,25 +199,28 @@ def plan_resident(
     )
     step = prediction["step_time_s"]
     analytic = flops.training_step(model_cfg, batch, seq)
-    return {
-        "model": model_cfg.name,
-        "mesh": str(par),
-        "devices": par.num_devices,
-        "param_count": param_count(Model(model_cfg).abstract_params()[0]),
-        "batch": batch,
-        "seq": seq,
-        "microbatch_size": microbatch_size,
-        "microbatches": m,
-        "schedule": schedule,
-        "virtual": v,
-        "recompute": recompute,
-        "bubble_fraction": sched.bubble_fraction,
-        **totals,
-        "model_flops_analytic": analytic,
-        "model_flops_rel_err": totals["model_flops"] / analytic - 1,
-        "executed_flops": hardware_flops,
-        "tflops_per_device": hardware_flops / par.num_devices / step / 1e12 if step else 0.0,
-        **prediction,
-        "elapsed_s": time.perf_counter() - t0,
-        "timeline": timeline,
-    }
+    return (
+        {
+            "model": model_cfg.name,
+            "mesh": str(par),
+            "devices": par.num_devices,
+            "param_count": param_count(model.abstract_params()[0]),
+            "batch": batch,
+            "seq": seq,
+            "microbatch_size": microbatch_size,
+            "microbatches": m,
+            "schedule": schedule,
+            "virtual": v,
+            "recompute": recompute,
+            "bubble_fraction": sched.bubble_fraction,
+            **totals,
+            "model_flops_analytic": analytic,
+            "model_flops_rel_err": totals["model_flops"] / analytic - 1,
+            "executed_flops": hardware_flops,
+            "tflops_per_device": hardware_flops / par.num_devices / step / 1e12 if step else 0.0,
+            **prediction,
+            "elapsed_s": time.perf_counter() - t0,
+        },
+        ledger,
+        timeline,
+    )

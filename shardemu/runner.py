@@ -26,7 +26,7 @@ from shardemu.phased.scheduler import PhasedTrainer
 from shardemu.phased.tiers import bytes_per_device
 from shardemu.sharding import Rules
 from shardemu.tracking import RunDir, default_run_dir, summary_markdown
-from shardemu.views import plot_timeline, write_trace
+from shardemu.views import write_views
 
 
 @dataclass
@@ -58,6 +58,7 @@ def train(
     phased_trainer = PhasedTrainer(model, mesh, train_cfg, phased, rules) if phased else None
     params_abs, opt_abs, _ = trainer.abstract_inputs()
     run = RunDir(out or default_run_dir(model_cfg.name))
+    phase_plan = phased_trainer.plan() if phased_trainer else None  # one abstract step
     tokens_per_step = train_cfg.batch * train_cfg.seq
     bubble = make_schedule("gpipe", par.pipe, train_cfg.microbatches).bubble_fraction
     pipe_bytes = transfer_bytes(model, train_cfg, par)
@@ -79,7 +80,7 @@ def train(
             "schedule": "gpipe",
             "stage_plan": stage_plan(model, trainer.param_shapes, par.pipe),
             "phased": dataclasses.asdict(phased) if phased else None,
-            "phase_plan": phased_trainer.plan() if phased_trainer else None,
+            "phase_plan": phase_plan,
         }
     )
     model_flops = flops.training_step(model_cfg, train_cfg.batch, train_cfg.seq)
@@ -149,7 +150,7 @@ def train(
             phased_trainer.ledger.write(run.path / "ledger.json")
         if hardware is not None:
             timeline, report = (
-                _predict_phased(phased_trainer, hardware, par, train_cfg)
+                _predict_phased(phased_trainer, phase_plan, hardware, par, train_cfg)
                 if phased_trainer is not None
                 else _predict_resident(model_cfg, hardware, par, train_cfg)
             )
@@ -161,13 +162,16 @@ def train(
 
 
 def _predict_phased(
-    trainer: PhasedTrainer, hw: Hardware, par: Parallelism, train_cfg: TrainConfig
+    trainer: PhasedTrainer,
+    plan: dict[str, Any],
+    hw: Hardware,
+    par: Parallelism,
+    train_cfg: TrainConfig,
 ) -> tuple[Timeline, dict[str, Any]]:
-    """The last step's ledger on `hw`."""
+    """The last step's ledger on `hw`; memory from the run's phase plan."""
     last = train_cfg.steps - 1
     events = [e for e in trainer.ledger.events if e.step == last]
     totals = trainer.ledger.step_totals(last)
-    plan = trainer.plan()
     memory = {
         "device": plan["device_high_water"],
         "host": sum(plan["host_bytes_per_device"].values()),
@@ -185,18 +189,17 @@ def _predict_resident(
     from shardemu.plan_resident import plan_resident
 
     micro = train_cfg.microbatch_size(par)
-    report = plan_resident(
+    report, _, timeline = plan_resident(
         model_cfg, par, train_cfg.batch, train_cfg.seq, micro, hw, "gpipe", 1, "none"
     )
-    return report.pop("timeline"), report
+    return timeline, report
 
 
 def _prediction_files(
     timeline: Timeline, report: dict[str, Any], out: Path, name: str, par: Parallelism
 ) -> dict[str, Any]:
     """trace.json and timeline.png in the run directory; the summary's prediction rows."""
-    write_trace(timeline, out / "trace.json")
-    plot_timeline(timeline, out / "timeline.png", f"{name} on {par}, {report['hardware']}")
+    write_views(timeline, out, f"{name} on {par}, {report['hardware']}")
     return {
         "hardware": report["hardware"],
         "predicted_step_s": report["step_time_s"],

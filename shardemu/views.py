@@ -11,7 +11,9 @@ source material's phased-execution heat maps.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 from shardemu.costmodel import Span, Timeline
 
@@ -116,8 +118,32 @@ def plot_timeline(timeline: Timeline, path: str | Path, title: str) -> Path:
         handles=[Patch(color=c, label=k) for k, c in kinds_seen.items()],
         fontsize=7, loc="upper right", ncols=min(len(kinds_seen), 8),
     )  # fmt: skip
+    return save_figure(fig, Path(path))
+
+
+def save_figure(fig: Any, path: Path, copy_to: Path | None = None) -> Path:
+    """Lay out, save and close a matplotlib figure; with `copy_to`, also copy the file
+    into that folder (the experiments publish their plots to docs/figures/)."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    if copy_to is not None:
+        copy_to.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, copy_to / path.name)
     return path
+
+
+MAX_TRACE_SPANS = 200_000  # a trace past this is too big for a browser to open
+
+
+def write_views(timeline: Timeline, out: Path, title: str) -> dict[str, str]:
+    """trace.json and timeline.png in `out`; their paths, by the report keys `trace` and
+    `timeline`. A timeline of more than MAX_TRACE_SPANS spans gets neither."""
+    if len(timeline.spans) > MAX_TRACE_SPANS:
+        return {}
+    return {
+        "trace": str(write_trace(timeline, out / "trace.json")),
+        "timeline": str(plot_timeline(timeline, out / "timeline.png", title)),
+    }

@@ -177,7 +177,7 @@ def test_resident_plan_recomputation_and_schedules():
     par, hw = Parallelism(pipe=2, tensor=2, replica=2), PROFILES["a100-80gb"]
 
     def plan(recompute="full", schedule="1f1b"):
-        r = plan_resident(get_preset("gpt-tiny"), par, 16, 16, 2, hw, schedule, 1, recompute)
+        r, _, _ = plan_resident(get_preset("gpt-tiny"), par, 16, 16, 2, hw, schedule, 1, recompute)
         return r | {"memory": r["memory_per_device"]["device"]["bytes"]}
 
     full, selective, none = plan("full"), plan("selective"), plan("none")
