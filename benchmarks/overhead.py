@@ -30,7 +30,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from shardemu import Model, ModelConfig, SyntheticCorpus, TrainConfig, Trainer, make_mesh  # noqa: E402
-from shardemu.tracking import versions  # noqa: E402
+from shardemu.report.rundir import versions  # noqa: E402
 
 MODELS = [
     ModelConfig("gpt-small-bench", "gpt", 4096, 4, 256, 8, 1024, 128),

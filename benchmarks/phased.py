@@ -29,8 +29,8 @@ from rich.table import Table  # noqa: E402
 
 from shardemu import Model, ModelConfig, SyntheticCorpus, TrainConfig, Trainer, make_mesh  # noqa: E402
 from shardemu.config import PhasedConfig  # noqa: E402
-from shardemu.phased.scheduler import PhasedTrainer  # noqa: E402
-from shardemu.tracking import versions  # noqa: E402
+from shardemu.phased.trainer import PhasedTrainer  # noqa: E402
+from shardemu.report.rundir import versions  # noqa: E402
 
 MODEL = ModelConfig("gpt-small-bench", "gpt", 4096, 4, 256, 8, 1024, 128)
 TRAIN = TrainConfig(batch=16, seq=128, seed=0)

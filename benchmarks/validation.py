@@ -25,8 +25,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from shardemu.config import ModelConfig, Parallelism, custom_model  # noqa: E402
-from shardemu.hardware import PROFILES  # noqa: E402
-from shardemu.plan_resident import plan_resident  # noqa: E402
+from shardemu.predict.hardware import PROFILES  # noqa: E402
+from shardemu.predict.plan_resident import plan_resident  # noqa: E402
 
 
 @dataclass(frozen=True)

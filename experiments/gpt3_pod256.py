@@ -30,11 +30,11 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from shardemu.config import Parallelism, PhasedConfig, TrainConfig, get_preset  # noqa: E402
-from shardemu.describe import describe  # noqa: E402
-from shardemu.hardware import PROFILES  # noqa: E402
-from shardemu.plan import padded_for, plan_phased  # noqa: E402
-from shardemu.tracking import default_run_dir  # noqa: E402
-from shardemu.views import save_figure  # noqa: E402
+from shardemu.predict.hardware import PROFILES  # noqa: E402
+from shardemu.predict.plan_phased import padded_for, plan_phased  # noqa: E402
+from shardemu.report.describe import describe  # noqa: E402
+from shardemu.report.rundir import default_run_dir  # noqa: E402
+from shardemu.report.views import save_figure  # noqa: E402
 
 FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
 

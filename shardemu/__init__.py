@@ -18,14 +18,10 @@ from shardemu.config import (
     get_preset,
 )
 from shardemu.data import SyntheticCorpus
-from shardemu.describe import describe
 from shardemu.devices import DeviceError, use_virtual_devices
-from shardemu.engine import StepResult, Trainer
-from shardemu.mesh import AXIS_NAMES, PIPE, REPLICA, TENSOR, make_mesh
 from shardemu.models import Model, param_bytes, param_count
-from shardemu.optim import make_optimizer
-from shardemu.runner import RunResult, train
-from shardemu.sharding import (
+from shardemu.parallel.mesh import AXIS_NAMES, PIPE, REPLICA, TENSOR, make_mesh
+from shardemu.parallel.rules import (
     ShardingError,
     activation_rules,
     constrain,
@@ -35,6 +31,10 @@ from shardemu.sharding import (
     param_table,
     resolve_specs,
 )
+from shardemu.report.describe import describe
+from shardemu.training.optim import make_optimizer
+from shardemu.training.resident import StepResult, Trainer
+from shardemu.training.runner import RunResult, train
 
 __all__ = [
     "AXIS_NAMES",

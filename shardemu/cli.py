@@ -25,15 +25,11 @@ from shardemu.config import (
     custom_model,
     get_preset,
 )
-from shardemu.devices import DeviceError, use_virtual_devices
-from shardemu.hardware import HardwareError, get_hardware
-from shardemu.parallel.schedule import SCHEDULES
-from shardemu.phased.tiers import CapacityError
-from shardemu.sharding import ShardingError
+from shardemu.devices import use_virtual_devices
+from shardemu.errors import ShardemuError
+from shardemu.parallel.schedules import SCHEDULES
+from shardemu.predict.hardware import get_hardware
 
-_USER_ERRORS = (
-    ConfigError, ShardingError, DeviceError, FileExistsError, CapacityError, HardwareError,
-)  # fmt: skip
 console = Console(stderr=True)
 
 
@@ -220,8 +216,8 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
 def cmd_run(args: argparse.Namespace) -> None:
     par = Parallelism.parse(args.mesh)
     use_virtual_devices(args.devices or par.num_devices)
-    from shardemu.runner import train  # after the device count is fixed
-    from shardemu.tracking import fmt_value
+    from shardemu.report.rundir import fmt_value
+    from shardemu.training.runner import train  # after the device count is fixed
 
     train_cfg = TrainConfig(
         steps=args.steps,
@@ -266,7 +262,7 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 def demo_argv(steps: int, out: str | None) -> list[str]:
     """The `shardemu run` command line the demo stands for."""
-    from shardemu.tracking import default_run_dir
+    from shardemu.report.rundir import default_run_dir
 
     return [
         "run", "--model", "gpt-tiny", "--mesh", "tensor=2,replica=4", "--devices", "8",
@@ -313,7 +309,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_describe(args: argparse.Namespace) -> None:
-    from shardemu.describe import describe
+    from shardemu.report.describe import describe
 
     par = Parallelism.parse(args.mesh)
     phased = _phased(args)
@@ -322,7 +318,7 @@ def cmd_describe(args: argparse.Namespace) -> None:
     model_cfg = _model_config(args)
     report = describe(model_cfg, par)
     if phased:
-        from shardemu.plan import plan_phased
+        from shardemu.predict.plan_phased import plan_phased
 
         train_cfg = TrainConfig(batch=args.batch, seq=args.seq)
         report["phase_plan"] = plan_phased(model_cfg, par, train_cfg, phased)["plan"]
@@ -386,8 +382,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         _plan_resident(args, par, hardware)
         return
     use_virtual_devices(par.tensor * par.replica)  # one pipeline stage's devices
-    from shardemu.plan import flatten, plan_phased
-    from shardemu.tracking import default_run_dir, fmt_value
+    from shardemu.predict.plan_phased import flatten, plan_phased
+    from shardemu.report.rundir import default_run_dir, fmt_value
 
     model_cfg = _model_config(args)
     out = args.out or (default_run_dir(f"plan-{model_cfg.name}") if hardware else None)
@@ -414,9 +410,9 @@ def _plan_resident(args: argparse.Namespace, par: Parallelism, hardware: Any) ->
     if hardware is None:
         raise ConfigError("a resident plan predicts a step: give --hardware NAME (or add --phased)")
     use_virtual_devices(par.tensor)  # one stage's tensor group counts a microbatch
-    from shardemu.plan import flatten, write_plan_dir
-    from shardemu.plan_resident import plan_resident
-    from shardemu.tracking import default_run_dir, fmt_value
+    from shardemu.predict.plan_phased import flatten, write_plan_dir
+    from shardemu.predict.plan_resident import plan_resident
+    from shardemu.report.rundir import default_run_dir, fmt_value
 
     model_cfg = _model_config(args)
     micro = args.microbatch_size or args.batch // par.replica
@@ -444,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     try:
         handler(args)
-    except _USER_ERRORS as err:
+    except ShardemuError as err:
         console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         return 2
     return 0

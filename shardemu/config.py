@@ -24,12 +24,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from shardemu.errors import ConfigError
+
 Family = Literal["gpt", "bert"]
 OptimizerName = Literal["adamw", "lamb"]
-
-
-class ConfigError(ValueError):
-    """A setting is invalid; the message names the setting and how to fix it."""
 
 
 def _require_positive(owner: str, **values: int) -> None:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from shardemu import Parallelism, describe, get_preset
-from shardemu.tracking import read_metrics
+from shardemu.report.rundir import read_metrics
 
 
 def shardemu(*args: str) -> subprocess.CompletedProcess:

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from shardemu.accounting.ledger import Event
 from shardemu.config import Parallelism, PhasedConfig, TrainConfig
-from shardemu.costmodel import build_timeline, predict
-from shardemu.hardware import PROFILES, Hardware, HardwareError, get_hardware, load_profile
-from shardemu.ledger import Event
+from shardemu.predict.costmodel import build_timeline, predict
+from shardemu.predict.hardware import PROFILES, Hardware, HardwareError, get_hardware, load_profile
 
 HW = Hardware(
     name="toy", peak_tflops=1.0, device_memory_gb=1.0, host_memory_gb=10.0,
@@ -139,7 +139,7 @@ def test_plan_writes_a_trace_that_adds_up(tmp_path):
     """The trace of a planned gpt-tiny step on pipe=2: every event complete, no overlap
     on a stream, and per stream the durations add up to the report's busy times."""
     from shardemu.config import get_preset
-    from shardemu.plan import plan_phased
+    from shardemu.predict.plan_phased import plan_phased
 
     report = plan_phased(
         get_preset("gpt-tiny"), Parallelism(pipe=2, tensor=2, replica=2),
@@ -172,7 +172,7 @@ def test_resident_plan_recomputation_and_schedules():
     model FLOPs; GPipe and 1F1B take about the same time but 1F1B holds fewer microbatches; the
     bubble appears in the timeline."""
     from shardemu.config import get_preset
-    from shardemu.plan_resident import plan_resident
+    from shardemu.predict.plan_resident import plan_resident
 
     par, hw = Parallelism(pipe=2, tensor=2, replica=2), PROFILES["a100-80gb"]
 
@@ -198,7 +198,7 @@ def test_phased_passes_accumulate_one_counted_pass():
     model FLOPs and gradient bytes, about half a batch of 16's FLOPs, and a step shorter
     than 4 passes back to back (the pipeline overlaps them)."""
     from shardemu.config import get_preset
-    from shardemu.plan import plan_phased
+    from shardemu.predict.plan_phased import plan_phased
 
     par, cfg = Parallelism(pipe=2, tensor=2, replica=2), PhasedConfig(phases=2)
     hw, model = PROFILES["ipu-pod16"], get_preset("gpt-tiny")

@@ -1,4 +1,4 @@
-"""FLOPs have two witnesses: the per-operation count of shardemu.flops against
+"""FLOPs have two witnesses: the per-operation count of shardemu.accounting.flops against
 Narayanan et al.'s closed form, and against XLA's cost analysis of the real forward and
 backward pass, compiled over ShapeDtypeStructs (nothing allocated, nothing run)."""
 
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from shardemu import flops
+from shardemu.accounting import flops
 from shardemu.config import ModelConfig, get_preset
 from shardemu.models import Model
 

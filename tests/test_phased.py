@@ -15,10 +15,10 @@ import pytest
 
 from shardemu.config import ConfigError, Parallelism, PhasedConfig, TrainConfig
 from shardemu.data import SyntheticCorpus
-from shardemu.describe import describe
-from shardemu.mesh import make_mesh
-from shardemu.phased.scheduler import PhasedTrainer
+from shardemu.parallel.mesh import make_mesh
 from shardemu.phased.tiers import CapacityError
+from shardemu.phased.trainer import PhasedTrainer
+from shardemu.report.describe import describe
 
 TRAIN = TrainConfig(batch=8, seq=16, seed=0)
 STEPS = 3
@@ -170,7 +170,7 @@ def test_abstract_plan_model_flops_match_the_analytic_formula():
     """A matmul-dominated GPT (d=512) planned in abstract mode with recomputation: the
     ledger's model FLOPs (executed minus recomputed) are within 3% of flops.py."""
     from shardemu.config import get_preset
-    from shardemu.plan import plan_phased
+    from shardemu.predict.plan_phased import plan_phased
 
     cfg = get_preset("gpt-tiny").replace(embed_dim=512, mlp_dim=2048, num_layers=2)
     report = plan_phased(

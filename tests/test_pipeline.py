@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from shardemu.config import ConfigError, TrainConfig
-from shardemu.engine import Trainer
-from shardemu.mesh import make_mesh
-from shardemu.parallel.schedule import make_schedule
-from shardemu.sharding import ShardingError
+from shardemu.parallel.mesh import make_mesh
+from shardemu.parallel.rules import ShardingError
+from shardemu.parallel.schedules import make_schedule
+from shardemu.training.resident import Trainer
 
 # (pipe, tensor, replica): microbatch counts. Every mesh runs, every M in {1, 2, 4} runs
 # on pipe 2 and 4 and with tensor and replica sharding inside stages (the full product

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shardemu.config import ConfigError
-from shardemu.parallel.schedule import make_schedule
+from shardemu.parallel.schedules import make_schedule
 
 p_m = st.tuples(st.integers(1, 6), st.integers(1, 12))
 

@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 from shardemu.config import Parallelism, get_preset
-from shardemu.describe import describe
-from shardemu.sharding import (
+from shardemu.parallel.rules import (
     ShardingError,
     logical_to_spec,
     megatron_rules,
@@ -20,6 +19,7 @@ from shardemu.sharding import (
     shard_shape,
     validate_rules,
 )
+from shardemu.report.describe import describe
 
 MESH_2x4 = Parallelism(tensor=2, replica=4)
 T = "tensor"

@@ -26,7 +26,7 @@ from shardemu.data import SyntheticCorpus
 from shardemu.models.bert import BERT, BertLayer, bert_loss_counts, bert_loss_sums
 from shardemu.models.gpt import GPT, GPTBlock, gpt_loss_counts, gpt_loss_sums
 from shardemu.models.layers import layer_stack
-from shardemu.sharding import LogicalAxes
+from shardemu.parallel.rules import LogicalAxes
 
 Batch = dict[str, jax.Array]
 LossTerms = tuple[jax.Array, ...]

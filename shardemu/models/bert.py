@@ -28,7 +28,7 @@ from shardemu.models.layers import (
     layer_stack,
     zeros,
 )
-from shardemu.sharding import constrain
+from shardemu.parallel.rules import constrain
 
 
 class BertLayer(nn.Module):

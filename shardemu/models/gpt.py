@@ -21,7 +21,7 @@ import optax
 
 from shardemu.config import ModelConfig
 from shardemu.models.layers import ACT_BSD, Mlp, SelfAttention, embed, layer_norm, layer_stack
-from shardemu.sharding import constrain
+from shardemu.parallel.rules import constrain
 
 
 class GPTBlock(nn.Module):

@@ -3,7 +3,7 @@
 Shapes use one letter per dimension: b batch, s sequence (q query / k key positions),
 d embed, h heads, k head_dim, f mlp. Parameters carry `nn.LogicallyPartitioned`
 metadata, so `jax.eval_shape(module.init, ...)` yields every parameter's logical axes
-without allocating it; `shardemu.sharding` maps those names to mesh axes.
+without allocating it; `shardemu.parallel.rules` maps those names to mesh axes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from shardemu.config import ModelConfig
-from shardemu.sharding import constrain
+from shardemu.parallel.rules import constrain
 
 Init = Callable[..., jax.Array]
 

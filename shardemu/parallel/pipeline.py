@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from shardemu.config import Parallelism, TrainConfig
 from shardemu.models import Model
 from shardemu.parallel.microbatch import merge, split
-from shardemu.parallel.schedule import make_schedule
-from shardemu.sharding import constrain
+from shardemu.parallel.rules import constrain
+from shardemu.parallel.schedules import make_schedule
 
 BUF_AXES = ("stages", "batch", "sequence", "embed")
 

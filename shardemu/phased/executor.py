@@ -19,8 +19,8 @@ from typing import Any, Protocol
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from shardemu.collectives import Collective, collectives
-from shardemu.ledger import Carries, Event, Ledger, Where
+from shardemu.accounting.collectives import Collective, collectives
+from shardemu.accounting.ledger import Carries, Event, Ledger, Where
 from shardemu.phased.tiers import Tier, bytes_all_devices, bytes_per_device, with_memory_kind
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-from shardemu.ledger import Event
-from shardemu.parallel.schedule import Schedule, make_schedule
+from shardemu.accounting.ledger import Event
+from shardemu.parallel.schedules import Schedule, make_schedule
 
 
 def _part(phase: str) -> str:

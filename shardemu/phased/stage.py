@@ -23,9 +23,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from shardemu.config import PhasedConfig, TrainConfig
 from shardemu.models import Model, normalise
-from shardemu.optim import clip_by_norm
+from shardemu.parallel.rules import Rules, activation_rules, logical_to_spec
 from shardemu.phased.tiers import with_memory_kind
-from shardemu.sharding import Rules, activation_rules, logical_to_spec
+from shardemu.training.optim import clip_by_norm
 
 RTS = "rts"
 STAGE_AXES = ("pipe", "replica", RTS, "tensor")

@@ -18,9 +18,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-
-class CapacityError(RuntimeError):
-    """A tier cannot hold what a phase needs; the message names both and the fix."""
+from shardemu.errors import CapacityError
 
 
 def bytes_per_device(tree: Any) -> int:

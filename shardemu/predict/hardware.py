@@ -21,16 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardemu.errors import HardwareError
+
 GB = 1e9
 # The GPU and TPU profiles share one compute efficiency: large bfloat16 matmuls sustain
 # about 70% of peak. It is calibrated once against all three results of
 # benchmarks/validation.py together (A100, TPU v4, H100), never per result; the IPU and
 # CS-2 profiles keep 0.4 and 0.5, for which we have no published step times to check.
 MATMUL_EFFICIENCY = 0.7
-
-
-class HardwareError(ValueError):
-    """An unknown profile name, or a profile file with a bad or missing value."""
 
 
 @dataclass(frozen=True)

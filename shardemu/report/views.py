@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from shardemu.costmodel import Span, Timeline
+from shardemu.predict.costmodel import Span, Timeline
 
 _STREAM_ORDER = ("compute", "h2d", "d2h", "host")
 _COLOURS = {"fwd": "#4c72b0", "bwd": "#dd8452", "update": "#55a868", "embed": "#8c8c8c",

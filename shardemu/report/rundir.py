@@ -15,6 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from shardemu.errors import RunDirError
+
 _VERSIONED = ("shardemu", "jax", "jaxlib", "flax", "optax", "numpy", "chex")
 
 
@@ -38,7 +40,7 @@ class RunDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         if self.path.exists() and any(self.path.iterdir()):
-            raise FileExistsError(
+            raise RunDirError(
                 f"run directory {self.path} already exists and is not empty; "
                 f"choose another --out or remove it"
             )

@@ -12,21 +12,21 @@ from typing import Any
 
 import jax
 
-from shardemu import flops
+from shardemu.accounting import flops
 from shardemu.config import ModelConfig, Parallelism, PhasedConfig, TrainConfig
-from shardemu.costmodel import Timeline, predict
 from shardemu.data import SyntheticCorpus
-from shardemu.engine import Trainer
-from shardemu.hardware import Hardware
-from shardemu.mesh import mesh_from
 from shardemu.models import Model, param_bytes, param_count
+from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.pipeline import stage_plan, transfer_bytes
-from shardemu.parallel.schedule import make_schedule
-from shardemu.phased.scheduler import PhasedTrainer
+from shardemu.parallel.rules import Rules
+from shardemu.parallel.schedules import make_schedule
 from shardemu.phased.tiers import bytes_per_device
-from shardemu.sharding import Rules
-from shardemu.tracking import RunDir, default_run_dir, summary_markdown
-from shardemu.views import write_views
+from shardemu.phased.trainer import PhasedTrainer
+from shardemu.predict.costmodel import Timeline, predict
+from shardemu.predict.hardware import Hardware
+from shardemu.report.rundir import RunDir, default_run_dir, summary_markdown
+from shardemu.report.views import write_views
+from shardemu.training.resident import Trainer
 
 
 @dataclass
@@ -186,7 +186,7 @@ def _predict_resident(
     """The resident plan of this run's settings: the engine runs GPipe over its
     microbatches (gradient-accumulation chunks count as more microbatches) and keeps
     every activation for the backward pass."""
-    from shardemu.plan_resident import plan_resident
+    from shardemu.predict.plan_resident import plan_resident
 
     micro = train_cfg.microbatch_size(par)
     report, _, timeline = plan_resident(

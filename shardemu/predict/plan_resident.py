@@ -29,16 +29,16 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from shardemu import flops
+from shardemu.accounting import flops
+from shardemu.accounting.ledger import Event, Ledger
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
-from shardemu.costmodel import Timeline, predict
-from shardemu.hardware import Hardware
-from shardemu.ledger import Event, Ledger
-from shardemu.mesh import mesh_from
 from shardemu.models import Model, param_count
-from shardemu.parallel.schedule import make_schedule
-from shardemu.phased.scheduler import PhasedTrainer
-from shardemu.plan import padded_for
+from shardemu.parallel.mesh import mesh_from
+from shardemu.parallel.schedules import make_schedule
+from shardemu.phased.trainer import PhasedTrainer
+from shardemu.predict.costmodel import Timeline, predict
+from shardemu.predict.hardware import Hardware
+from shardemu.predict.plan_phased import padded_for
 
 Recompute = Literal["none", "selective", "full"]
 

@@ -39,9 +39,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardemu.accounting.ledger import Event
 from shardemu.config import Parallelism
-from shardemu.hardware import GB, Hardware
-from shardemu.ledger import Event
+from shardemu.predict.hardware import GB, Hardware
 
 BREAKDOWN = ("compute_s", "exposed_transfer_s", "exposed_communication_s", "host_update_s",
              "pipeline_bubble_s")  # fmt: skip

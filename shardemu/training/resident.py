@@ -21,10 +21,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardemu.config import Parallelism, TrainConfig
 from shardemu.models import Model
-from shardemu.optim import make_optimizer
 from shardemu.parallel.microbatch import accumulate
 from shardemu.parallel.pipeline import pipelined_loss_sums
-from shardemu.sharding import (
+from shardemu.parallel.rules import (
     Rules,
     activation_rules,
     check_divisible,
@@ -33,6 +32,7 @@ from shardemu.sharding import (
     named_shardings,
     resolve_specs,
 )
+from shardemu.training.optim import make_optimizer
 
 
 def parallelism_of(mesh: Mesh) -> Parallelism:

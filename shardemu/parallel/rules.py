@@ -34,13 +34,11 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardemu.errors import ShardingError
+
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 LogicalAxes = tuple[str | None, ...]
-
-
-class ShardingError(ValueError):
-    """A rules table cannot shard a tensor as asked; the message says what to change."""
 
 
 def megatron_rules() -> Rules:

@@ -38,11 +38,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from shardemu.accounting.ledger import Ledger
 from shardemu.config import ConfigError, PhasedConfig, TrainConfig
-from shardemu.engine import parallelism_of
-from shardemu.ledger import Ledger
 from shardemu.models import Model
-from shardemu.optim import make_optimizer
+from shardemu.parallel.rules import Rules, megatron_rules, resolve_specs
 from shardemu.phased.executor import Executor, one_layer
 from shardemu.phased.stage import (
     AXIS_LABELS,
@@ -52,7 +51,8 @@ from shardemu.phased.stage import (
     stage_rules,
 )
 from shardemu.phased.tiers import CapacityError, Tier, bytes_per_device, with_memory_kind
-from shardemu.sharding import Rules, megatron_rules, resolve_specs
+from shardemu.training.optim import make_optimizer
+from shardemu.training.resident import parallelism_of
 
 # Counts of compiled pieces, per (model, training settings, rules), shared by every
 # trainer in the process: planning compares phase counts, and tests build many trainers.

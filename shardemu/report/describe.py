@@ -10,7 +10,7 @@ from typing import Any
 
 from shardemu.config import ModelConfig, Parallelism
 from shardemu.models import Model, param_bytes, param_count
-from shardemu.sharding import Rules, megatron_rules, param_table, resolve_specs
+from shardemu.parallel.rules import Rules, megatron_rules, param_table, resolve_specs
 
 
 def describe(

@@ -17,19 +17,19 @@ from typing import Any
 
 import jax
 
-from shardemu import flops
+from shardemu.accounting import flops
+from shardemu.accounting.ledger import Ledger
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
-from shardemu.costmodel import Timeline, predict
-from shardemu.hardware import Hardware
-from shardemu.ledger import Ledger
-from shardemu.mesh import mesh_from
 from shardemu.models import Model, param_bytes, param_count
-from shardemu.parallel.schedule import Schedule
+from shardemu.parallel.mesh import mesh_from
+from shardemu.parallel.rules import Rules
+from shardemu.parallel.schedules import Schedule
 from shardemu.phased.passes import accumulate_passes
-from shardemu.phased.scheduler import PhasedTrainer
-from shardemu.sharding import Rules
-from shardemu.tracking import summary_markdown
-from shardemu.views import write_views
+from shardemu.phased.trainer import PhasedTrainer
+from shardemu.predict.costmodel import Timeline, predict
+from shardemu.predict.hardware import Hardware
+from shardemu.report.rundir import summary_markdown
+from shardemu.report.views import write_views
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 

@@ -1,0 +1,36 @@
+"""Errors a user can fix. Every one derives from `ShardemuError`, which the CLI catches
+and prints as one line (exit status 2); anything else is a bug and keeps its traceback.
+
+Each subclass also derives from the built-in exception it refines, so code that catches
+`ValueError` or `RuntimeError` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class ShardemuError(Exception):
+    """A request shardemu cannot serve; the message names the value and the fix."""
+
+
+class ConfigError(ShardemuError, ValueError):
+    """A setting is invalid; the message names the setting and how to fix it."""
+
+
+class ShardingError(ShardemuError, ValueError):
+    """A rules table or a tensor's dimensions do not fit the mesh."""
+
+
+class DeviceError(ShardemuError, RuntimeError):
+    """The devices JAX has cannot serve the request; the message says what to change."""
+
+
+class CapacityError(ShardemuError, RuntimeError):
+    """A memory tier cannot hold what a phase needs; the message names both and the fix."""
+
+
+class HardwareError(ShardemuError, ValueError):
+    """An unknown profile name, or a profile file with a bad or missing value."""
+
+
+class RunDirError(ShardemuError, FileExistsError):
+    """A run directory cannot be created where asked (it exists and is not empty)."""
