@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from shardemu.accounting.ledger import Event
+from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism, PhasedConfig, TrainConfig
 from shardemu.predict.costmodel import build_timeline, predict
 from shardemu.predict.hardware import PROFILES, Hardware, HardwareError, get_hardware, load_profile
@@ -22,6 +22,10 @@ PAR = Parallelism(tensor=2, replica=2)
 GB = 10**9
 
 
+def F(i):  # the forward phase i
+    return Phase("forward", i)
+
+
 def fetch(phase, seconds, stage=0):
     return Event(0, phase, "h2d", "weights", bytes=int(seconds * GB), stage=stage)
 
@@ -31,7 +35,7 @@ def compute(phase, seconds, stage=0):
 
 
 def test_one_phase_waits_for_its_weights():
-    t = build_timeline([fetch("fwd0", 1), compute("fwd0", 2)], HW, PAR)
+    t = build_timeline([fetch(F(0), 1), compute(F(0), 2)], HW, PAR)
     assert t.step_time_s == pytest.approx(3)
     assert t.breakdown["compute_s"] == pytest.approx(2)
     assert t.breakdown["exposed_transfer_s"] == pytest.approx(1)
@@ -39,7 +43,7 @@ def test_one_phase_waits_for_its_weights():
 
 def test_prefetch_hides_the_second_phase_weights():
     """fetch w0 | fetch w1 (prefetch) | fwd0 | fwd1: w1 streams in during fwd0."""
-    events = [fetch("fwd0", 1), fetch("fwd1", 1), compute("fwd0", 2), compute("fwd1", 2)]
+    events = [fetch(F(0), 1), fetch(F(1), 1), compute(F(0), 2), compute(F(1), 2)]
     t = build_timeline(events, HW, PAR)
     starts = [s.start for s in t.spans]
     assert starts == pytest.approx([0, 1, 1, 3])
@@ -49,7 +53,7 @@ def test_prefetch_hides_the_second_phase_weights():
 
 def test_bandwidth_bound_phases_wait_for_streaming():
     """Transfers of 3 s against 2 s of compute: the link sets the pace."""
-    events = [fetch("fwd0", 3), fetch("fwd1", 3), compute("fwd0", 2), compute("fwd1", 2)]
+    events = [fetch(F(0), 3), fetch(F(1), 3), compute(F(0), 2), compute(F(1), 2)]
     t = build_timeline(events, HW, PAR)
     assert t.step_time_s == pytest.approx(8)
     assert t.breakdown["compute_s"] == pytest.approx(4)
@@ -59,8 +63,8 @@ def test_bandwidth_bound_phases_wait_for_streaming():
 def test_prefetch_is_one_phase_ahead():
     """The third phase's weights cannot come in before the first phase's compute ends:
     the device tier holds only the running phase and the next."""
-    events = [fetch("fwd0", 1), fetch("fwd1", 1), compute("fwd0", 2), fetch("fwd2", 1),
-              compute("fwd1", 2), compute("fwd2", 2)]  # fmt: skip
+    events = [fetch(F(0), 1), fetch(F(1), 1), compute(F(0), 2), fetch(F(2), 1),
+              compute(F(1), 2), compute(F(2), 2)]  # fmt: skip
     t = build_timeline(events, HW, PAR)
     assert t.spans[3].start == pytest.approx(3)  # after fwd0 ends, not when the link frees
     assert t.step_time_s == pytest.approx(7)
@@ -69,8 +73,8 @@ def test_prefetch_is_one_phase_ahead():
 def test_pipeline_bubble_between_stages():
     """Stage 0 computes 1 s and sends for 0.5 s; stage 1 then computes 1 s while stage 0
     idles: 1 s of bubble on stage 0."""
-    send = Event(0, "fwd1", "collective", "activations", bytes=GB // 2, axis="pipe", stage=0)
-    events = [compute("fwd0", 1, stage=0), send, compute("fwd1", 1, stage=1)]
+    send = Event(0, F(1), "collective", "activations", bytes=GB // 2, axis="pipe", stage=0)
+    events = [compute(F(0), 1, stage=0), send, compute(F(1), 1, stage=1)]
     t = build_timeline(events, HW, Parallelism(pipe=4))  # 4 devices: pipe crosses nodes
     assert [s.start for s in t.spans] == pytest.approx([0, 1, 1.5])
     assert t.step_time_s == pytest.approx(2.5)
@@ -91,9 +95,9 @@ def test_collectives_use_the_link_their_group_spans():
     A collective after a computation runs after it, and blocks the next one."""
 
     def allreduce(axis):
-        return Event(0, "fwd0", "collective", "", bytes=2 * GB, axis=axis, devices=1)
+        return Event(0, F(0), "collective", "", bytes=2 * GB, axis=axis, devices=1)
 
-    events = [compute("fwd0", 1), allreduce("tensor"), allreduce("replica"), compute("fwd1", 1)]
+    events = [compute(F(0), 1), allreduce("tensor"), allreduce("replica"), compute(F(1), 1)]
     t = build_timeline(events, HW, PAR)
     assert [s.duration for s in t.spans] == pytest.approx([1, 1, 2, 1])
     assert t.spans[3].start == pytest.approx(3)  # waits for both collectives of fwd0
@@ -101,10 +105,10 @@ def test_collectives_use_the_link_their_group_spans():
 
 
 def test_host_update_waits_for_all_gradients_and_utilisation():
-    grads = Event(0, "bwd0", "d2h", "gradients", bytes=GB)
-    update = Event(0, "update0", "compute", "optimizer_state", flops=0.5e12, on="host")
+    grads = Event(0, Phase("backward", 0), "d2h", "gradients", bytes=GB)
+    update = Event(0, Phase("update", 0), "compute", "optimizer_state", flops=0.5e12, on="host")
     _, report = predict(
-        [compute("bwd0", 1), grads, update], HW, PAR, model_flops=4e12, tokens=100,
+        [compute(Phase("backward", 0), 1), grads, update], HW, PAR, model_flops=4e12, tokens=100,
         memory={"device": GB // 2, "host": 20 * GB},
     )  # fmt: skip
     assert report["step_time_s"] == pytest.approx(2.5)

@@ -1,13 +1,13 @@
 """The ledger: every transfer, collective and phase computation of a run, as events.
 
-An event records where it happened (step, phase), what it was (`kind`: h2d, d2h,
-collective or compute), what it carried (weights, gradients, activations,
-optimizer_state), over which mesh axis, on how many devices, and its bytes (summed over
-those devices) and FLOPs (summed over those devices). A collective also names its `op`
-and `group` size, and its bytes are those its devices send (`collectives.py`); a compute
-event names the tier it ran in (`on`) and how many of its FLOPs recompute a forward pass
-(`recompute_flops`). Per-step totals are what `metrics.jsonl` reports; the event list is
-what `ledger.json` holds.
+An event records where it happened (step, a typed `Phase`, the pipeline `stage`), what
+it was (`kind`: h2d, d2h, collective or compute), what it carried (weights, gradients,
+activations, optimizer_state), over which mesh axis, on how many devices, and its bytes
+(summed over those devices) and FLOPs (summed over those devices). A collective also
+names its `op` and `group` size, and its bytes are those its devices send
+(`collectives.py`); a compute event names the tier it ran in (`on`) and how many of its
+FLOPs recompute a forward pass (`recompute_flops`). Per-step totals are what
+`metrics.jsonl` reports; the event list is what `ledger.json` holds.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -22,12 +23,65 @@ from typing import Any, Literal
 Kind = Literal["h2d", "d2h", "collective", "compute"]
 Carries = Literal["weights", "gradients", "activations", "optimizer_state", ""]
 Where = Literal["device", "host"]
+PhaseKind = Literal[
+    "shared", "embed", "forward", "head", "backward", "embed-backward", "shared-backward",
+    "update",
+]  # fmt: skip
+Part = Literal["once", "F", "B", "update"]
+
+_PART: dict[str, Part] = {
+    "shared": "once", "embed": "F", "forward": "F", "head": "F", "backward": "B",
+    "embed-backward": "B", "shared-backward": "B", "update": "update",
+}  # fmt: skip
+_SHORT = {"forward": "fwd", "backward": "bwd", "embed-backward": "bwd-embed",
+          "shared-backward": "bwd-shared"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Where in a step an event belongs: a value, never a string to parse back.
+
+    kind    what the step was doing: fetching the shared weights (`shared`), the
+            embedding, a forward phase of layers, the head and loss, a backward phase,
+            the embedding's and the shared weights' backward, or an optimizer update
+    index   which phase of layers (forward, backward, update); None for the shared
+            pieces (an update of the shared weights has no index)
+    layers  the [start, end) layers it covers, where it covers layers
+    micro   the microbatch (or pass) of a pipelined step; None outside pipelines
+    """
+
+    kind: PhaseKind
+    index: int | None = None
+    layers: tuple[int, int] | None = None
+    micro: int | None = None
+
+    @property
+    def part(self) -> Part:
+        """Where a pipeline schedule puts it: once per step, in a forward (F) or
+        backward (B) slot, or in the updates at the end."""
+        return _PART[self.kind]
+
+    def at(self, micro: int) -> Phase:
+        """The same phase for microbatch `micro`."""
+        return dataclasses.replace(self, micro=micro)
+
+    def __str__(self) -> str:
+        """The readable name: fwd3, bwd-embed, update-shared, fwd@5 (microbatch 5)."""
+        name = _SHORT.get(self.kind, self.kind)
+        if self.index is not None:
+            name += str(self.index)
+        elif self.kind == "update":
+            name += "-shared"
+        return name if self.micro is None else f"{name}@{self.micro}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": str(self), **dataclasses.asdict(self)}
 
 
 @dataclass(frozen=True)
 class Event:
     step: int
-    phase: str
+    phase: Phase
     kind: Kind
     carries: Carries
     bytes: int = 0
@@ -41,46 +95,54 @@ class Event:
     stage: int = 0  # the pipeline stage whose devices did it (the sender, for a p2p)
 
 
+def totals(events: Iterable[Event]) -> dict[str, Any]:
+    """The metrics of a step's events: `flops` (executed), `model_flops` (forward and
+    backward without recomputation or the optimizer, as in model FLOPs utilisation:
+    Chowdhery et al. 2022, "PaLM", Appendix B), `bytes_h2d`, `bytes_d2h`,
+    `bytes_h2d_weights`, `bytes_d2h_gradients` and `bytes_collective` by mesh axis."""
+    out: dict[str, Any] = {
+        "flops": 0.0,
+        "model_flops": 0.0,
+        "bytes_h2d": 0,
+        "bytes_d2h": 0,
+        "bytes_h2d_weights": 0,
+        "bytes_d2h_gradients": 0,
+    }
+    collective: dict[str, int] = defaultdict(int)
+    for e in events:
+        out["flops"] += e.flops
+        if e.kind == "compute" and e.carries != "optimizer_state":
+            out["model_flops"] += e.flops - e.recompute_flops
+        if e.kind in ("h2d", "d2h"):
+            out[f"bytes_{e.kind}"] += e.bytes
+        if e.kind == "h2d" and e.carries == "weights":
+            out["bytes_h2d_weights"] += e.bytes
+        if e.kind == "d2h" and e.carries == "gradients":
+            out["bytes_d2h_gradients"] += e.bytes
+        if e.kind == "collective":
+            collective[e.axis or "?"] += e.bytes
+    out["bytes_collective"] = dict(collective)
+    return out
+
+
 class Ledger:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
+    def __init__(self, events: Iterable[Event] = ()) -> None:
+        self.events: list[Event] = list(events)
 
     def record(self, event: Event) -> None:
         self.events.append(event)
 
+    def step(self, step: int) -> list[Event]:
+        """The events of one step, in program order."""
+        return [e for e in self.events if e.step == step]
+
     def step_totals(self, step: int) -> dict[str, Any]:
-        """The metrics of one step: `flops` (executed), `model_flops` (forward and
-        backward without recomputation or the optimizer, as in model FLOPs utilisation:
-        Chowdhery et al. 2022, "PaLM", Appendix B), `bytes_h2d`, `bytes_d2h`,
-        `bytes_h2d_weights`, `bytes_d2h_gradients` and `bytes_collective` by mesh axis."""
-        totals: dict[str, Any] = {
-            "flops": 0.0,
-            "model_flops": 0.0,
-            "bytes_h2d": 0,
-            "bytes_d2h": 0,
-            "bytes_h2d_weights": 0,
-            "bytes_d2h_gradients": 0,
-        }
-        collective: dict[str, int] = defaultdict(int)
-        for e in self.events:
-            if e.step != step:
-                continue
-            totals["flops"] += e.flops
-            if e.kind == "compute" and e.carries != "optimizer_state":
-                totals["model_flops"] += e.flops - e.recompute_flops
-            if e.kind in ("h2d", "d2h"):
-                totals[f"bytes_{e.kind}"] += e.bytes
-            if e.kind == "h2d" and e.carries == "weights":
-                totals["bytes_h2d_weights"] += e.bytes
-            if e.kind == "d2h" and e.carries == "gradients":
-                totals["bytes_d2h_gradients"] += e.bytes
-            if e.kind == "collective":
-                collective[e.axis or "?"] += e.bytes
-        totals["bytes_collective"] = dict(collective)
-        return totals
+        """`totals` of one step's events."""
+        return totals(self.step(step))
 
     def to_json(self) -> list[dict[str, Any]]:
-        return [dataclasses.asdict(e) for e in self.events]
+        """The events, each phase as its fields plus its readable `name`."""
+        return [{**dataclasses.asdict(e), "phase": e.phase.to_json()} for e in self.events]
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json()) + "\n")

@@ -52,3 +52,8 @@ def make_mesh(
 def mesh_from(par: Parallelism, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """`make_mesh` from a `Parallelism`."""
     return make_mesh(par.pipe, par.tensor, par.replica, devices=devices)
+
+
+def parallelism_of(mesh: Mesh) -> Parallelism:
+    """The `Parallelism` a mesh of axes (pipe, replica, tensor) stands for."""
+    return Parallelism(**{name: int(size) for name, size in mesh.shape.items()})

@@ -1,41 +1,24 @@
 """One code path for real and abstract phased execution.
 
-The scheduler hands every transfer and every computation to an `Executor`. In real
+The phased program hands every transfer and every computation to an `Executor`. In real
 mode transfers are `jax.device_put`s between memory kinds and computations run; in
 abstract mode both return `ShapeDtypeStruct`s with the same shapes and shardings, so a
 GPT-3-sized step can be planned on a laptop: nothing is allocated, and only the pieces
-that must be counted are compiled. Either way each piece is compiled once per abstract
-signature (shapes, dtypes, partition specs, memory kinds: not devices, so identical
-pipeline stages share counts), and its FLOPs (`cost_analysis()`) and collectives (its
-HLO, `collectives.py`) are written to the ledger.
+that must be counted are compiled. Either way each piece is counted once per abstract
+signature (`accounting/count.py`) and its FLOPs and collectives are written to the
+ledger. An executor serves one step: its events carry that step's number.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from shardemu.accounting.collectives import Collective, collectives
-from shardemu.accounting.ledger import Carries, Event, Ledger, Where
+from shardemu.accounting.count import Counted, Counter, abstract, piece_events, signature
+from shardemu.accounting.ledger import Carries, Event, Ledger, Phase, Where
 from shardemu.phased.tiers import Tier, bytes_all_devices, bytes_per_device, with_memory_kind
-
-
-def abstract(tree: Any) -> Any:
-    """Shapes, dtypes and shardings of a tree of arrays (or of abstract values)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-def signature(tree: Any) -> tuple:
-    def leaf(x: Any) -> tuple:
-        s = x.sharding
-        where = (s.spec, s.memory_kind) if isinstance(s, NamedSharding) else repr(s)
-        return (x.shape, str(x.dtype), where)
-
-    return (jax.tree.structure(tree), tuple(leaf(x) for x in jax.tree.leaves(tree)))
 
 
 class StageLike(Protocol):
@@ -43,16 +26,6 @@ class StageLike(Protocol):
 
     index: int
     mesh: Mesh
-
-
-@dataclass(frozen=True)
-class Counted:
-    """What one compiled piece costs on its mesh, and the shardings of its outputs."""
-
-    flops_per_device: float
-    devices: int
-    collectives: tuple[Collective, ...]
-    out_shardings: Any
 
 
 class Executor:
@@ -64,18 +37,21 @@ class Executor:
         tiers: list[Tier],
         axis_labels: dict[str, str],
         real: bool,
-        cache: dict | None = None,
+        counter: Counter,
+        step: int = 0,
+        shapes: dict | None = None,
+        context: tuple = (),
     ) -> None:
-        self.ledger, self.tiers, self.real = ledger, tiers, real
+        self.ledger, self.tiers, self.real, self.step = ledger, tiers, real, step
         self.axis_labels = axis_labels  # mesh axis -> the name users know it by
-        self.step = 0
-        self._counted: dict[tuple, Counted] = {} if cache is None else cache
-        self._shapes: dict[tuple, Any] = {}
+        self.counter = counter
+        self.context = context  # settings a piece's compilation depends on beyond its inputs
+        self._shapes: dict[tuple, Any] = {} if shapes is None else shapes
 
     # ---- transfers -----------------------------------------------------------------------
 
     def to_device(
-        self, stage: int, key: str, tree: Any, shardings: Any, phase: str, carries: Carries
+        self, stage: int, key: str, tree: Any, shardings: Any, phase: Phase, carries: Carries
     ) -> Any:
         """Host tier -> device tier of `stage`, which admits `key` (or refuses)."""
         out = self._place(tree, with_memory_kind(shardings, "device"))
@@ -83,13 +59,13 @@ class Executor:
         self._record_transfer(phase, "h2d", carries, out, stage)
         return out
 
-    def to_host(self, stage: int, tree: Any, shardings: Any, phase: str, carries: Carries) -> Any:
+    def to_host(self, stage: int, tree: Any, shardings: Any, phase: Phase, carries: Carries) -> Any:
         """Device tier of `stage` -> host tier."""
         out = self._place(tree, with_memory_kind(shardings, "pinned_host"))
         self._record_transfer(phase, "d2h", carries, out, stage)
         return out
 
-    def send(self, stage: int, tree: Any, shardings: Any, phase: str, carries: Carries) -> Any:
+    def send(self, stage: int, tree: Any, shardings: Any, phase: Phase, carries: Carries) -> Any:
         """Device to device across pipeline stages: a point-to-point transfer over `pipe`."""
         out = self._place(tree, shardings)
         self.ledger.record(
@@ -109,7 +85,7 @@ class Executor:
         )
 
     def _record_transfer(
-        self, phase: str, kind: str, carries: Carries, tree: Any, stage: int
+        self, phase: Phase, kind: str, carries: Carries, tree: Any, stage: int
     ) -> None:
         self.ledger.record(
             Event(
@@ -122,7 +98,7 @@ class Executor:
 
     def run(
         self,
-        phase: str,
+        phase: Phase,
         name: str,
         fn: Any,
         stage: StageLike,
@@ -139,25 +115,11 @@ class Executor:
         cost analysis counts a scanned body once, whatever its trip count).
         `recompute`: FLOPs per device and repeat that recompute a forward pass."""
         counted = self.count(name, fn, stage, args if count_args is None else count_args)
-        flops = counted.flops_per_device * counted.devices * repeat
-        self.ledger.record(
-            Event(
-                self.step, phase, "compute", carries, flops=flops, devices=counted.devices,
-                on=on, recompute_flops=recompute * counted.devices * repeat,
-                stage=stage.index,
-            )
-        )  # fmt: skip
-        grouped: dict[tuple, float] = defaultdict(float)
-        for c in counted.collectives:
-            label = "+".join(dict.fromkeys(self.axis_labels.get(a, a) for a in c.axes))
-            grouped[(c.op, label, c.group)] += c.sent_bytes * counted.devices * repeat
-        for (op, label, group), sent in grouped.items():
-            self.ledger.record(
-                Event(
-                    self.step, phase, "collective", carries, round(sent), axis=label,
-                    devices=counted.devices, op=op, group=group, stage=stage.index,
-                )
-            )  # fmt: skip
+        for event in piece_events(
+            counted, self.step, phase, stage.index, carries, on, repeat, recompute,
+            self.axis_labels,
+        ):  # fmt: skip
+            self.ledger.record(event)
         if self.real:
             return fn(*args)
         return self._shaped(name, fn, stage.mesh, args, counted)
@@ -183,18 +145,7 @@ class Executor:
 
     def count(self, name: str, fn: Any, stage: StageLike, args: tuple) -> Counted:
         """Compile `fn` over the abstract `args` once per signature and count it."""
-        # the mesh's axis sizes, not its devices: identical stages share counts, but the
-        # same specs on a mesh of other sizes are other shards
-        key = (name, tuple(stage.mesh.shape.items()), signature(abstract(args)))
-        if key not in self._counted:
-            compiled = fn.lower(*abstract(args)).compile()
-            self._counted[key] = Counted(
-                float(compiled.cost_analysis().get("flops", 0.0)),
-                stage.mesh.size,
-                tuple(collectives(compiled.as_text(), stage.mesh)),
-                compiled.output_shardings,
-            )
-        return self._counted[key]
+        return self.counter.count(name, fn, stage.mesh, args, self.context)
 
 
 def _on_mesh(sharding: Any, mesh: Mesh) -> Any:

@@ -23,9 +23,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from shardemu.config import PhasedConfig, TrainConfig
 from shardemu.models import Model, normalise
-from shardemu.parallel.rules import Rules, activation_rules, logical_to_spec
+from shardemu.parallel.rules import Rules, activation_rules, logical_to_spec, resolve_specs
 from shardemu.phased.tiers import with_memory_kind
-from shardemu.training.optim import clip_by_norm
+from shardemu.training.optim import clip_by_norm, make_optimizer
 
 RTS = "rts"
 STAGE_AXES = ("pipe", "replica", RTS, "tensor")
@@ -241,3 +241,42 @@ class Stage:
 
         out = (with_memory_kind(params, kind), with_memory_kind(opt, kind))
         return jax.jit(update, out_shardings=out)
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """The stages of a phased (or counted) run and what they share: the optimizers of a
+    phase's layers and of the shared weights, and the abstract shapes of one layer and
+    of the shared weights."""
+
+    stages: tuple[Stage, ...]
+    tx_layers: optax.GradientTransformation
+    tx_shared: optax.GradientTransformation
+    layer_shape_one: Any  # one layer's parameters, [1, ...]
+    shared_shapes: Any  # embedding and head parameters
+
+
+def build_stages(
+    model: Model, meshes: list[Mesh], train: TrainConfig, cfg: PhasedConfig, rules: Rules
+) -> Pieces:
+    """One `Stage` per mesh, with the specs of `rules` (already `stage_rules`) and
+    `cfg`'s rts and rts'; optimizers without clipping (the update clips by the global
+    norm it is given)."""
+    sizes = dict(meshes[0].shape)
+    key = model.stack_key
+    shapes, logical = model.abstract_params()
+    one = jax.tree.map(lambda s: jax.ShapeDtypeStruct((1, *s.shape[1:]), s.dtype), shapes[key])
+    shared = {k: v for k, v in shapes.items() if k != key}
+    shared_logical = {k: v for k, v in logical.items() if k != key}
+    specs = make_specs(
+        resolve_specs(one, logical[key], rules, sizes), one,
+        resolve_specs(shared, shared_logical, rules, sizes), shared, rules, sizes, cfg, model,
+    )  # fmt: skip
+    tx_layers = make_optimizer(train, one, logical[key], clip=False)
+    tx_shared = make_optimizer(train, shared, shared_logical, clip=False)
+    opt_shapes = (jax.eval_shape(tx_layers.init, one), jax.eval_shape(tx_shared.init, shared))
+    stages = tuple(
+        Stage(s, m, specs, rules, model, train, tx_layers, tx_shared, *opt_shapes)
+        for s, m in enumerate(meshes)
+    )
+    return Pieces(stages, tx_layers, tx_shared, one, shared)

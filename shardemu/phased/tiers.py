@@ -57,10 +57,10 @@ class Tier:
     def used(self) -> int:
         return sum(self.held.values())
 
-    def admit(self, key: str, nbytes: int, phase: str) -> None:
+    def admit(self, key: str, nbytes: int, phase: object) -> None:
         if self.capacity is not None and self.used + nbytes > self.capacity:
             raise CapacityError(
-                f"phase {phase!r}: the {self.name} tier needs {self.used + nbytes:,} bytes per "
+                f"phase '{phase}': the {self.name} tier needs {self.used + nbytes:,} bytes per "
                 f"device ({nbytes:,} for {key!r} on top of {self.used:,} held) but its "
                 f"capacity is {self.capacity:,}; use more phases (--phases), more tensor "
                 f"sharding, or a larger --device-memory"

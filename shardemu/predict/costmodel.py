@@ -39,7 +39,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardemu.accounting.ledger import Event
+from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism
 from shardemu.predict.hardware import GB, Hardware
 
@@ -57,7 +57,7 @@ class Span:
     index: int
     stage: int
     stream: str
-    phase: str
+    phase: Phase
     start: float
     end: float
     event: Event
@@ -119,9 +119,9 @@ def build_timeline(events: list[Event], hw: Hardware, par: Parallelism) -> Timel
     docstring for the dependency rules."""
     spans: list[Span] = []
     stream_free: dict[tuple[int, str], float] = defaultdict(float)
-    last_compute: dict[tuple[str, int], Span] = {}  # (phase, stage) -> latest compute
+    last_compute: dict[tuple[Phase, int], Span] = {}  # (phase, stage) -> latest compute
     last_compute_on_stage: dict[int, Span] = {}
-    phase_inputs: dict[str, list[Span]] = defaultdict(list)  # non-compute spans by phase
+    phase_inputs: dict[Phase, list[Span]] = defaultdict(list)  # non-compute spans by phase
     gradients_out: list[Span] = []
     pending: dict[int, list[Span]] = defaultdict(list)  # collectives since a stage's compute
     for i, e in enumerate(events):
@@ -138,7 +138,7 @@ def build_timeline(events: list[Event], hw: Hardware, par: Parallelism) -> Timel
             if e.axis == "pipe":  # sends what its stage computed last, with its collectives
                 produced = [*pending.get(e.stage, []), last_compute_on_stage.get(e.stage)]
                 ready = max([ready, *(s.end for s in produced if s is not None)])
-        if e.phase.startswith("update"):
+        if e.phase.kind == "update":
             ready = max([ready, *(s.end for s in gradients_out)])
         span = Span(i, e.stage, stream, e.phase, ready, ready + duration(e, hw, par), e)
         spans.append(span)

@@ -18,13 +18,13 @@ from typing import Any
 import jax
 
 from shardemu.accounting import flops
+from shardemu.accounting.assemble import repeat_passes
 from shardemu.accounting.ledger import Ledger
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import Model, param_bytes, param_count
 from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import Rules
-from shardemu.parallel.schedules import Schedule
-from shardemu.phased.passes import accumulate_passes
+from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware
@@ -64,7 +64,8 @@ def plan_phased(
     With `hardware`, add the predicted step (`costmodel.py`); with `out`, write the run
     directory (config.json, ledger.json, summary.md, and with hardware trace.json and
     timeline.png). With `microbatch_size` b, the batch runs as passes of b sequences per
-    replica, pipelined over the stages (`phased/passes.py`): one pass is counted.
+    replica, pipelined over the stages (`accounting/assemble.py`, a 1F1B schedule):
+    one pass is counted.
     Needs `plan_devices(par)` JAX devices (virtual CPU devices will do)."""
     t0 = time.perf_counter()
     given_vocab = model_cfg.vocab_size
@@ -89,9 +90,8 @@ def plan_phased(
     plan.pop("step_totals")
     device_peak = plan["device_high_water"]
     if passes > 1:
-        events, sched = accumulate_passes(ledger.events, par.pipe, passes)
-        ledger = Ledger()
-        ledger.events.extend(events)
+        sched = make_schedule("1f1b", par.pipe, passes)
+        ledger = Ledger(repeat_passes(ledger.events, sched))
         device_peak += _in_flight_activations(plan, sched, phased)
     totals = ledger.step_totals(0)
     analytic = flops.training_step(model_cfg, train_cfg.batch, train_cfg.seq)

@@ -1,19 +1,19 @@
 """Abstract mode for resident training: weights and optimizer state stay on the devices,
 microbatches flow through a pipeline schedule, gradients are all-reduced over `replica`.
 
-The work of one microbatch is counted, not guessed: the phased planner's abstract step
-on one pipeline stage's tensor devices (replica = 1, one layer a phase, activations kept,
-or recomputed with `recompute="full"`, optimizer on the device) gives, per layer, the
-forward and backward FLOPs and the tensor-parallel collectives XLA emits, and the
-embedding, head and optimizer pieces likewise. A step's ledger is then assembled from
-the schedule's slots (`parallel/schedule.py`): each F or B slot is its chunk's layers'
-events, the first and last virtual stages add the embedding and head, and activations
-(or their gradients) cross to the neighbouring stage point to point over `pipe`. After
-its last backward each stage all-reduces its gradients over `replica` (ring: each device
-sends 2 (r-1)/r of them; Thakur et al. 2005) and runs its optimizer update. Every event
-is scaled to the stage's r * t devices (replicas do identical work). The cost model then
-places the events (`costmodel.py`), so the pipeline bubble, exposed communication and
-the data-parallel all-reduce come out of the timeline.
+The work of one microbatch is counted, not guessed: on one pipeline stage's tensor
+devices (replica = 1), the stage pieces (`phased/stage.py`) are compiled over shapes and
+counted (`accounting/count.py`): the embedding, one layer's forward (keeping its vjp
+residuals, or only its input with `recompute="full"`) and backward, the head and loss,
+the embedding's backward, and the optimizer updates on the device. A step's ledger is
+then assembled from the schedule's slots (`accounting/assemble.py`): each F or B slot is
+its chunk's layers' events, the first and last virtual stages add the embedding and
+head, and activations (or their gradients) cross to the neighbouring stage point to
+point over `pipe`. After its last backward each stage all-reduces its gradients over
+`replica` (ring: each device sends 2 (r-1)/r of them; Thakur et al. 2005) and runs its
+optimizer update. Every event is scaled to the stage's r * t devices (replicas do
+identical work). The cost model then places the events (`costmodel.py`), so the pipeline
+bubble, exposed communication and the data-parallel all-reduce come out of the timeline.
 
 Memory per device: weights, gradients and two Adam moments (4x the stage's weight bytes)
 plus the activations of the microbatches a stage holds at its peak (from the schedule)
@@ -28,19 +28,99 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from shardemu.accounting import flops
-from shardemu.accounting.ledger import Event, Ledger
+from shardemu.accounting.assemble import assemble
+from shardemu.accounting.count import Counter
+from shardemu.accounting.ledger import Event, Ledger, Phase
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import Model, param_count
 from shardemu.parallel.mesh import mesh_from
-from shardemu.parallel.schedules import make_schedule
-from shardemu.phased.trainer import PhasedTrainer
+from shardemu.parallel.rules import megatron_rules
+from shardemu.parallel.schedules import Schedule, Slot, make_schedule
+from shardemu.phased.executor import Executor
+from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
+from shardemu.phased.stage import AXIS_LABELS, build_stages, stage_meshes, stage_rules
+from shardemu.phased.tiers import Tier, bytes_per_device
 from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.plan_phased import padded_for
 
 Recompute = Literal["none", "selective", "full"]
+FORWARD, BACKWARD = Phase("forward", 0, (0, 1)), Phase("backward", 0, (0, 1))
+
+
+@dataclasses.dataclass
+class Microbatch:
+    """One microbatch's work on one stage's tensor group, counted: events per piece
+    (`embed`, `forward` and `backward` of one layer, `head`, `embed-backward`, `update`
+    of one layer and of the shared weights), and the bytes per device of one layer's
+    weights, of the shared weights and of what one layer keeps for its backward."""
+
+    pieces: dict[str, list[Event]]
+    layer_bytes: int
+    shared_bytes: int
+    keep_bytes: int
+
+
+def _sds(shapes: Any, shardings: Any) -> Any:
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+    )
+
+
+def count_microbatch(
+    model: Model, tensor: int, microbatch_size: int, seq: int, full_recompute: bool,
+    counter: Counter | None = None,
+) -> Microbatch:  # fmt: skip
+    """Count one microbatch's pieces on `tensor` JAX devices (no weights allocated)."""
+    mesh = mesh_from(Parallelism(tensor=tensor), jax.devices()[:tensor])
+    train = TrainConfig(batch=microbatch_size, seq=seq)
+    rules = stage_rules(megatron_rules())
+    built = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), rules)
+    st = built.stages[0]
+    ledger = Ledger()
+    ex = Executor(ledger, [Tier("device", None)], AXIS_LABELS, False, counter or Counter())
+    shared = _sds(built.shared_shapes, st.shared_compute)
+    layer = _sds(built.layer_shape_one, st.layer_compute)
+    batch = {
+        k: jax.ShapeDtypeStruct((microbatch_size, seq)[: len(axes)], np.int32, sharding=st.batch[k])
+        for k, axes in model.batch_axes.items()
+    }
+    x, mask = ex.run(EMBED, "embed", st.fn("embed"), st, (shared, batch))
+    if full_recompute:
+        y, keep = ex.run(FORWARD, "fwd", st.fn("fwd"), st, (layer, x, mask)), bytes_per_device(x)
+    else:
+        y, vjp = ex.run(FORWARD, "fwd-keep", st.fn("fwd-keep"), st, (layer, x, mask))
+        keep = bytes_per_device(vjp)
+    _, (g_head, g_x) = ex.run(HEAD, "head", st.fn("head"), st, (shared, y, batch))
+    if full_recompute:
+        count = (layer, x, mask)
+        g_w, _ = ex.run(
+            BACKWARD, "bwd", st.fn("bwd"), st, (*count, g_x),
+            recompute=recompute_flops(ex, st, count, g_x),
+        )  # fmt: skip
+    else:
+        g_w, _ = ex.run(BACKWARD, "bwd-keep", st.fn("bwd-keep"), st, (vjp, g_x))
+    ex.run(BACKWARD, "sq-norm", st.fn("sq-norm"), st, (g_w,))
+    g_embed = ex.run(EMBED_BWD, "embed-bwd", st.fn("embed-bwd"), st, (shared, batch, g_x))
+    ex.run(EMBED_BWD, "add", st.fn("add"), st, (g_embed, g_head))
+    norm = jax.ShapeDtypeStruct((), np.float32, sharding=st.replicated)
+    for part, phase, weights, opt_sh, tx in (
+        ("layers", Phase("update", 0), layer, st.layer_opt, built.tx_layers),
+        ("shared", Phase("update"), shared, st.shared_opt, built.tx_shared),
+    ):
+        opt = _sds(jax.eval_shape(tx.init, weights), opt_sh)
+        name = f"update-{part}-device"
+        ex.run(
+            phase, name, st.fn(name), st, (weights, opt, weights, norm), carries="optimizer_state"
+        )
+    pieces: dict[str, list[Event]] = {}
+    for e in ledger.events:
+        key = str(e.phase) if e.phase.kind == "update" else e.phase.kind
+        pieces.setdefault(key, []).append(e)
+    return Microbatch(pieces, bytes_per_device(layer), bytes_per_device(shared), keep)
 
 
 def _scaled(e: Event, factor: float, replica: int, **changes: Any) -> Event:
@@ -55,36 +135,84 @@ def _scaled(e: Event, factor: float, replica: int, **changes: Any) -> Event:
     )
 
 
-def _pieces(events: list[Event]) -> dict[str, list[Event]]:
-    """Compute and collective events of one microbatch by phase (transfers dropped:
-    resident weights never leave the device)."""
-    out: dict[str, list[Event]] = {}
-    for e in events:
-        if e.kind in ("compute", "collective"):
-            out.setdefault(e.phase, []).append(e)
-    return out
-
-
-def _selective(
-    pieces: dict[str, list[Event]], cfg: ModelConfig, par: Parallelism, b: int, seq: int,
-    keep: int,
-) -> int:  # fmt: skip
+def _selective(mb: Microbatch, cfg: ModelConfig, tensor: int, b: int, seq: int) -> Microbatch:
     """Selective recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation
     in Large Transformer Models", Section 4.2): keep everything but the attention core's
     s x s scores and probabilities, and recompute that core (Q K^T and probs V) in the
-    backward pass. Adds its forward FLOPs (flops.py) to each layer's backward and returns
-    the bytes a layer keeps per device without the two [b, A/t, s, s] tensors."""
+    backward pass. Adds its forward FLOPs (flops.py) to each layer's backward and keeps
+    per layer and device the bytes without the two [b, A/t, s, s] tensors."""
     core = flops.layer_forward(cfg, b, seq)
     extra = core["attn_scores"] + core["attn_context"]
-    backward = next(e for e in pieces["bwd0"] if e.kind == "compute")
-    pieces["bwd0"] = [
-        dataclasses.replace(e, flops=e.flops + extra, recompute_flops=e.recompute_flops + extra)
-        if e is backward
-        else e
-        for e in pieces["bwd0"]
-    ]
+    backward = mb.pieces["backward"]
+    compute = next(e for e in backward if e.kind == "compute")
+    added = dataclasses.replace(
+        compute, flops=compute.flops + extra, recompute_flops=compute.recompute_flops + extra
+    )
     itemsize = jnp.dtype(cfg.param_dtype).itemsize
-    return max(keep - 2 * b * (cfg.num_heads // par.tensor) * seq * seq * itemsize, 0)
+    keep = max(mb.keep_bytes - 2 * b * (cfg.num_heads // tensor) * seq * seq * itemsize, 0)
+    pieces = {**mb.pieces, "backward": [added if e is compute else e for e in backward]}
+    return dataclasses.replace(mb, pieces=pieces, keep_bytes=keep)
+
+
+def _step_events(
+    mb: Microbatch, sched: Schedule, model_cfg: ModelConfig, par: Parallelism,
+    microbatch_size: int, seq: int,
+) -> list[Event]:  # fmt: skip
+    """The step's ledger: the schedule's slots, then each stage's gradient all-reduce
+    (after its last backward) and optimizer updates."""
+    p, v, L, r = par.pipe, sched.virtual, model_cfg.num_layers, par.replica
+    per_chunk, last_vs = L // (p * v), p * v - 1
+    itemsize = jnp.dtype(model_cfg.param_dtype).itemsize  # activations' dtype
+    x_bytes = microbatch_size * seq * model_cfg.embed_dim * itemsize
+
+    def phase(kind: str, vs: int, micro: int) -> Phase:
+        return Phase(kind, vs, (vs * per_chunk, (vs + 1) * per_chunk), micro)  # type: ignore[arg-type]
+
+    def slot_events(slot: Slot) -> list[Event]:
+        vs, first, last = sched.virtual_stage(slot), ["embed"], ["head"]
+        if slot.kind == "F":
+            names = (first if vs == 0 else []) + ["forward"] + (last if vs == last_vs else [])
+            tag, to = phase("forward", vs, slot.microbatch), vs + 1
+        else:
+            names = ["backward"] + (["embed-backward"] if vs == 0 else [])
+            tag, to = phase("backward", vs, slot.microbatch), vs - 1
+        events = [
+            _scaled(e, per_chunk if name in ("forward", "backward") else 1, r, phase=tag)
+            for name in names
+            for e in mb.pieces[name]
+        ]
+        if 0 <= to <= last_vs and p > 1:  # to the next virtual stage, as its input
+            carries = "activations" if slot.kind == "F" else "gradients"
+            events.append(
+                Event(
+                    0, phase(tag.kind, to, slot.microbatch), "collective", carries,
+                    bytes=x_bytes * r * par.tensor, axis="pipe",
+                    devices=r * par.tensor, op="collective-permute", group=2,
+                )
+            )  # fmt: skip
+        return events
+
+    after = []
+    for s in range(p):
+        last_b = max(
+            (sl for sl in sched.slots if sl.stage == s and sl.kind == "B"), key=lambda sl: sl.time
+        )
+        shared = s in (0, p - 1)
+        grads = mb.layer_bytes * L // p + (mb.shared_bytes if shared else 0)
+        if r > 1:
+            after.append(
+                Event(
+                    0, phase("backward", sched.virtual_stage(last_b), last_b.microbatch),
+                    "collective", "gradients",
+                    bytes=round(2 * (r - 1) / r * grads * r * par.tensor), axis="replica",
+                    devices=r * par.tensor, op="all-reduce", group=r, stage=s,
+                )
+            )  # fmt: skip
+        update = Phase("update", s)
+        after += [_scaled(e, L // p, r, phase=update, stage=s) for e in mb.pieces["update0"]]
+        if shared:
+            after += [_scaled(e, 1, r, phase=update, stage=s) for e in mb.pieces["update-shared"]]
+    return assemble(sched, slot_events, after=after)
 
 
 def plan_resident(
@@ -115,87 +243,22 @@ def plan_resident(
     if L % (p * v):
         raise ConfigError(f"{L} layers do not split into pipe * virtual = {p * v} equal chunks")
     sched = make_schedule(schedule, p, m, v)
-    per_chunk = L // (p * v)
-
-    # one microbatch on one stage's tensor group, one layer a phase
-    stage_par = Parallelism(tensor=par.tensor)
-    mesh = mesh_from(stage_par, jax.devices()[: par.tensor])
-    activations = "recompute" if recompute == "full" else "keep"
-    phased = PhasedConfig(phases=L, activations=activations, optimizer_on="device")
     model = Model(model_cfg)
-    trainer = PhasedTrainer(model, mesh, TrainConfig(batch=microbatch_size, seq=seq), phased)
-    counted = Ledger()
-    plan = trainer.plan(ledger=counted)
-    pieces = _pieces(counted.events)
-    row = plan["per_phase"][0]
-    keep = row["activation_bytes_per_device"]  # per layer: residuals, or the layer input
+    mb = count_microbatch(model, par.tensor, microbatch_size, seq, recompute == "full")
     if recompute == "selective":
-        keep = _selective(pieces, model_cfg, par, microbatch_size, seq, keep)
-    layer_bytes = row["gathered_bytes_per_device"]
-    shared_bytes = plan["host_bytes_per_device"]["weights"] - L * layer_bytes
-
-    r, events = par.replica, []
-    last_b: dict[int, str] = {}
-    for slot in sorted(sched.slots, key=lambda s: (s.time, s.stage)):
-        tag, s, vs = f"{slot.kind}{slot.microbatch}", slot.stage, sched.virtual_stage(slot)
-        if slot.kind == "F":
-            names = (["embed"] if vs == 0 else []) + ["fwd0"]
-            names += ["head"] if vs == p * v - 1 else []
-            send = vs < p * v - 1
-        else:
-            names = ["bwd0"] + (["bwd-embed"] if vs == 0 else [])
-            send = vs > 0
-            last_b[s] = tag
-        for name in names:
-            factor = per_chunk if name in ("fwd0", "bwd0") else 1
-            events += [_scaled(e, factor, r, phase=tag, stage=s) for e in pieces[name]]
-        if send and p > 1:
-            itemsize = jnp.dtype(model_cfg.param_dtype).itemsize  # activations' dtype
-            x_bytes = microbatch_size * seq * model_cfg.embed_dim * itemsize
-            events.append(
-                Event(
-                    0,
-                    tag,
-                    "collective",
-                    "activations",
-                    bytes=x_bytes * r * par.tensor,
-                    axis="pipe",
-                    devices=r * par.tensor,
-                    op="collective-permute",
-                    group=2,
-                    stage=s,
-                )  # fmt: skip
-            )
-    for s in range(p):
-        grads = layer_bytes * L // p + (shared_bytes if s in (0, p - 1) else 0)
-        if r > 1:
-            sent = 2 * (r - 1) / r * grads
-            events.append(
-                Event(
-                    0,
-                    last_b[s],
-                    "collective",
-                    "gradients",
-                    bytes=round(sent * r * par.tensor),
-                    axis="replica",
-                    devices=r * par.tensor,
-                    op="all-reduce",
-                    group=r,
-                    stage=s,
-                )  # fmt: skip
-            )
-        events += [_scaled(e, L // p, r, phase=f"update{s}", stage=s) for e in pieces["update0"]]
-    ledger = Ledger()
-    ledger.events.extend(events)
+        mb = _selective(mb, model_cfg, par.tensor, microbatch_size, seq)
+    ledger = Ledger(_step_events(mb, sched, model_cfg, par, microbatch_size, seq))
     totals = ledger.step_totals(0)
 
     peak = max(sched.peak_activations(s) for s in range(p))
-    device_bytes = 4 * (layer_bytes * L // p + shared_bytes) + round(peak * per_chunk * v * keep)
+    per_chunk = L // (p * v)
+    weights = mb.layer_bytes * L // p + mb.shared_bytes
+    device_bytes = 4 * weights + round(peak * per_chunk * v * mb.keep_bytes)
     timeline, prediction = predict(
-        events, hardware, par, totals["model_flops"], batch * seq, {"device": device_bytes}
+        ledger.events, hardware, par, totals["model_flops"], batch * seq, {"device": device_bytes}
     )
     hardware_flops = sum(
-        e.flops for e in events if e.kind == "compute" and e.carries != "optimizer_state"
+        e.flops for e in ledger.events if e.kind == "compute" and e.carries != "optimizer_state"
     )
     step = prediction["step_time_s"]
     analytic = flops.training_step(model_cfg, batch, seq)

@@ -18,9 +18,9 @@ from typing import Any
 from shardemu.predict.costmodel import Span, Timeline
 
 _STREAM_ORDER = ("compute", "h2d", "d2h", "host")
-_COLOURS = {"fwd": "#4c72b0", "bwd": "#dd8452", "update": "#55a868", "embed": "#8c8c8c",
-            "head": "#8172b3", "shared": "#937860", "bwd-embed": "#c44e52",
-            "bwd-shared": "#da8bc3"}  # fmt: skip
+_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "update": "#55a868",
+            "embed": "#8c8c8c", "head": "#8172b3", "shared": "#937860",
+            "embed-backward": "#c44e52", "shared-backward": "#da8bc3"}  # fmt: skip
 
 
 def lanes(timeline: Timeline) -> list[tuple[int, str]]:
@@ -32,13 +32,6 @@ def lanes(timeline: Timeline) -> list[tuple[int, str]]:
         return stage, rank, stream
 
     return sorted({(s.stage, s.stream) for s in timeline.spans}, key=key)
-
-
-def phase_kind(phase: str) -> str:
-    """fwd3 -> fwd, update-shared -> update, bwd-embed stays whole."""
-    if phase in _COLOURS:
-        return phase
-    return phase.rstrip("0123456789").split("-")[0]
 
 
 def _name(span: Span) -> str:
@@ -70,7 +63,7 @@ def trace_events(timeline: Timeline) -> list[dict]:
                 "pid": span.stage,
                 "tid": order[(span.stage, span.stream)],
                 "args": {
-                    "phase": span.phase,
+                    "phase": str(span.phase),
                     "bytes": e.bytes,
                     "flops": e.flops,
                     "carries": e.carries,
@@ -104,7 +97,7 @@ def plot_timeline(timeline: Timeline, path: str | Path, title: str) -> Path:
     for span in timeline.spans:
         if span.duration <= 0:
             continue
-        kind = phase_kind(span.phase)
+        kind = span.phase.kind
         colour = _COLOURS.get(kind, "#cccccc")
         kinds_seen.setdefault(kind, colour)
         y = index[(span.stage, span.stream)]

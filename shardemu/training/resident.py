@@ -19,8 +19,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardemu.config import Parallelism, TrainConfig
+from shardemu.config import TrainConfig
 from shardemu.models import Model
+from shardemu.parallel.mesh import parallelism_of
 from shardemu.parallel.microbatch import accumulate
 from shardemu.parallel.pipeline import pipelined_loss_sums
 from shardemu.parallel.rules import (
@@ -33,10 +34,6 @@ from shardemu.parallel.rules import (
     resolve_specs,
 )
 from shardemu.training.optim import make_optimizer
-
-
-def parallelism_of(mesh: Mesh) -> Parallelism:
-    return Parallelism(**{name: int(size) for name, size in mesh.shape.items()})
 
 
 @dataclass

@@ -1,0 +1,111 @@
+"""Counting one compiled piece: XLA's cost analysis and the collectives in its HLO.
+
+A piece (a phase's layers, the embedding, the head, an optimizer update) is compiled
+once per abstract signature: shapes, dtypes, partition specs, memory kinds and the mesh's
+axis sizes, but not its devices, so identical pipeline stages share one count. Its FLOPs
+per device come from `compiled.cost_analysis()`, its collectives from
+`compiled.as_text()` (`collectives.py`). `piece_events` turns a count into ledger events.
+XLA counts a loop body once whatever its trip count, so a phase of k identical layers is
+counted as one layer and recorded `repeat`ed k times.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from shardemu.accounting.collectives import Collective, collectives
+from shardemu.accounting.ledger import Carries, Event, Phase, Where
+
+
+def abstract(tree: Any) -> Any:
+    """Shapes, dtypes and shardings of a tree of arrays (or of abstract values)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def signature(tree: Any) -> tuple:
+    """What a compilation depends on: structure, shapes, dtypes, specs, memory kinds."""
+
+    def leaf(x: Any) -> tuple:
+        s = x.sharding
+        where = (s.spec, s.memory_kind) if isinstance(s, NamedSharding) else repr(s)
+        return (x.shape, str(x.dtype), where)
+
+    return (jax.tree.structure(tree), tuple(leaf(x) for x in jax.tree.leaves(tree)))
+
+
+@dataclass(frozen=True)
+class Counted:
+    """What one compiled piece costs on its mesh, and the shardings of its outputs."""
+
+    flops_per_device: float
+    devices: int
+    collectives: tuple[Collective, ...]
+    out_shardings: Any
+
+
+class Counter:
+    """Compiles each piece once per signature and keeps its counts. Share one counter
+    between the trainers and plans that count the same pieces (a phase-count search, a
+    test suite) to compile each piece once."""
+
+    def __init__(self) -> None:
+        self._counted: dict[tuple, Counted] = {}
+
+    def count(self, name: str, fn: Any, mesh: Mesh, args: tuple, context: tuple = ()) -> Counted:
+        """Compile the jitted `fn` over the abstract `args` (once per signature).
+        `context`: the settings `fn` itself depends on (its optimizer, its rules), so
+        that pieces of one name built with other settings are counted apart."""
+        # the mesh's axis sizes, not its devices: identical stages share counts, but the
+        # same specs on a mesh of other sizes are other shards
+        key = (name, context, tuple(mesh.shape.items()), signature(abstract(args)))
+        if key not in self._counted:
+            compiled = fn.lower(*abstract(args)).compile()
+            self._counted[key] = Counted(
+                float(compiled.cost_analysis().get("flops", 0.0)),
+                mesh.size,
+                tuple(collectives(compiled.as_text(), mesh)),
+                compiled.output_shardings,
+            )
+        return self._counted[key]
+
+
+def piece_events(
+    counted: Counted,
+    step: int,
+    phase: Phase,
+    stage: int,
+    carries: Carries = "",
+    on: Where = "device",
+    repeat: int = 1,
+    recompute: float = 0.0,
+    axis_labels: dict[str, str] | None = None,
+) -> list[Event]:
+    """The ledger events of one counted piece run `repeat` times: its computation and
+    its collectives, grouped by (op, mesh axes, group size). `recompute`: FLOPs per
+    device and repeat that recompute a forward pass. `axis_labels` renames mesh axes to
+    the ones users know (a stage's `rts` sub-axis is part of `replica`)."""
+    labels = axis_labels or {}
+    n = counted.devices * repeat
+    events = [
+        Event(
+            step, phase, "compute", carries, flops=counted.flops_per_device * n,
+            devices=counted.devices, on=on, recompute_flops=recompute * n, stage=stage,
+        )
+    ]  # fmt: skip
+    grouped: dict[tuple, float] = defaultdict(float)
+    for c in counted.collectives:
+        label = "+".join(dict.fromkeys(labels.get(a, a) for a in c.axes))
+        grouped[(c.op, label, c.group)] += c.sent_bytes * n
+    events += [
+        Event(
+            step, phase, "collective", carries, round(sent), axis=label,
+            devices=counted.devices, op=op, group=group, stage=stage,
+        )
+        for (op, label, group), sent in grouped.items()
+    ]  # fmt: skip
+    return events

@@ -1,0 +1,123 @@
+"""Planning a phased run: how many phases, and the phase plan as data.
+
+Every answer comes from a dry run: one step of the phased program (`program.py`) in
+abstract mode, on shapes, with device tiers of unbounded capacity that record their
+high-water mark. The phase count for a memory budget is the fewest phases whose dry run
+fits; the plan's rows say per phase what it stores, gathers, keeps and moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from shardemu.accounting.ledger import Ledger
+from shardemu.errors import CapacityError, ConfigError
+from shardemu.phased.program import Layout, StepOutput, run_step
+from shardemu.phased.tiers import Tier, bytes_per_device
+
+if TYPE_CHECKING:
+    from shardemu.phased.trainer import PhasedTrainer
+
+
+def phase_slices(num_layers: int, phases: int, stages: int = 1) -> tuple[tuple[int, int], ...]:
+    """[start, end) layers of each phase: equal phases, a whole number per stage."""
+    if phases < 1 or num_layers % phases or phases % stages:
+        raise ConfigError(
+            f"--phases {phases} must divide the model's {num_layers} layers and be a multiple "
+            f"of pipe={stages}; use one of {valid_phase_counts(num_layers, stages)}"
+        )
+    n = num_layers // phases
+    return tuple((i * n, (i + 1) * n) for i in range(phases))
+
+
+def valid_phase_counts(num_layers: int, stages: int) -> list[int]:
+    return [n for n in range(stages, num_layers + 1, stages) if num_layers % n == 0]
+
+
+@dataclass
+class DryRun:
+    """One abstract step: its events, the device tiers it used, the program's output."""
+
+    ledger: Ledger
+    tiers: list[Tier]
+    output: StepOutput
+
+    @property
+    def device_peak(self) -> int:
+        return max(t.high_water for t in self.tiers)
+
+
+def dry_run(trainer: PhasedTrainer, layout: Layout) -> DryRun:
+    """One step of `trainer`'s program with `layout`, in abstract mode."""
+    ledger = Ledger()
+    tiers = [Tier(f"device (stage {s})", None) for s in range(trainer.par.pipe)]
+    ex = trainer.executor(ledger, tiers, real=False)
+    state = trainer.abstract_state(layout)
+    output = run_step(ex, layout, trainer.cfg, state, trainer.abstract_batches())
+    return DryRun(ledger, tiers, output)
+
+
+def fewest_phases_that_fit(trainer: PhasedTrainer, capacity: int) -> int:
+    """The largest phases whose step fits `capacity` bytes per device: tried in
+    abstract mode, fewest phases first."""
+    layers, pipe = trainer.model.cfg.num_layers, trainer.par.pipe
+    counts = valid_phase_counts(layers, pipe)
+    peak = 0
+    for n in counts:
+        peak = dry_run(trainer, trainer.layout(n)).device_peak
+        if peak <= capacity:
+            return n
+    raise CapacityError(
+        f"no phase count fits --device-memory {capacity:,}: even {counts[-1]} "
+        f"phases of one layer need {peak:,} bytes per device; raise "
+        f"--device-memory, add tensor sharding, use --rts, or --activations recompute"
+    )
+
+
+def phase_rows(trainer: PhasedTrainer, layout: Layout, output: StepOutput) -> list[dict]:
+    """Per phase: its stage and layers, weight bytes per device as stored and as
+    gathered, activation bytes kept for its backward, how often its weights come in
+    per step and what it writes back to the host tier."""
+    cfg, state = trainer.cfg, trainer.abstract_state(layout)
+    fetches = (1 if cfg.activations == "keep" else 2) + (cfg.optimizer_on == "device")
+    writes = ["gradients"] + (
+        ["weights", "optimizer_state"] if cfg.optimizer_on == "device" else []
+    )
+    return [
+        {
+            "phase": i,
+            "stage": layout.stage_of(i).index,
+            "layers": list(layout.slices[i]),
+            "fetches": fetches,
+            "writes": writes,
+            "weight_bytes_per_device": bytes_per_device(state.layers[i]),
+            "gathered_bytes_per_device": output.forward.gathered_bytes[i],
+            "activation_bytes_per_device": output.forward.activation_bytes[i],
+        }
+        for i in range(len(layout.slices))
+    ]
+
+
+def plan(trainer: PhasedTrainer, layout: Layout) -> tuple[dict[str, Any], Ledger]:
+    """The phase plan of `layout` as data, with the device tiers' peak and the step's
+    ledger totals, from one dry run; and that step's ledger."""
+    run = dry_run(trainer, layout)
+    state, cfg = trainer.abstract_state(layout), trainer.cfg
+    report = {
+        "phases": len(layout.slices),
+        "layers_per_phase": layout.layers_per_phase,
+        "rts": cfg.rts,
+        "rts_optimizer": cfg.rts_opt,
+        "activations": cfg.activations,
+        "optimizer_on": cfg.optimizer_on,
+        "device_memory": cfg.device_memory,
+        "device_high_water": run.device_peak,
+        "host_bytes_per_device": {
+            "weights": bytes_per_device([state.shared, state.layers]),
+            "optimizer_state": bytes_per_device([state.opt_shared, state.opt_layers]),
+        },
+        "per_phase": phase_rows(trainer, layout, run.output),
+        "step_totals": run.ledger.step_totals(0),
+    }
+    return report, run.ledger

@@ -1,0 +1,343 @@
+"""The phased step program: forward, backward and update, as separate functions.
+
+A step, for phases 0..N-1 of L/N layers each, spread over the pipeline stages in order:
+
+    shared weights (embedding, head)   host -> device, to the first stage (and the last)
+    forward  phase i = 0..N-1          weights_i host -> device (the next phase's are
+                                       requested before this one runs: a real prefetch,
+                                       since JAX dispatch is asynchronous; without
+                                       `prefetch`, requested when needed), all-gathered
+                                       over `replica` when rts > 1, x_{i+1} = layers_i(x_i);
+                                       between stages x moves point to point over `pipe`
+    head                               loss and d loss / d x_N
+    backward phase i = N-1..0          by the activation policy (`PhasedConfig`):
+                                       recompute / offload: weights_i come in again and
+                                       the phase's vjp recomputes its forward from x_i
+                                       (kept on device, or brought back from the host);
+                                       keep: the forward's residuals are still on device;
+                                       gradients leave reduced over `replica` (scattered
+                                       to the stored 1/rts shards), then device -> host
+    update                             clipped by the global gradient norm; in the host
+                                       tier, or on the device with weights, state and
+                                       gradients streamed in and out (`optimizer_on`)
+
+Every transfer, collective and computation goes through an `Executor` (real arrays or
+shapes, one code path); the functions here hold no state between steps. Each event's
+phase is a typed `Phase` (`accounting/ledger.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from shardemu.accounting.ledger import Phase
+from shardemu.config import PhasedConfig
+from shardemu.phased.executor import Executor, one_layer
+from shardemu.phased.stage import Stage
+from shardemu.phased.tiers import bytes_per_device
+
+SHARED, EMBED, HEAD = Phase("shared"), Phase("embed"), Phase("head")
+EMBED_BWD, SHARED_BWD = Phase("embed-backward"), Phase("shared-backward")
+
+
+@dataclass
+class PhasedState:
+    """Everything a phased run keeps between steps, all in the host tier."""
+
+    shared: Any  # embedding and head parameters (on the first stage's host memory)
+    layers: list[Any]  # per phase: stacked layer parameters [L/N, ...]
+    opt_shared: Any
+    opt_layers: list[Any]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which layers each phase runs and on which stage: `slices[i]` = [start, end)."""
+
+    slices: tuple[tuple[int, int], ...]
+    stages: tuple[Stage, ...]
+
+    @property
+    def layers_per_phase(self) -> int:
+        lo, hi = self.slices[0]
+        return hi - lo
+
+    def stage_of(self, phase: int) -> Stage:
+        return self.stages[phase * len(self.stages) // len(self.slices)]
+
+    def phase(self, kind: str, i: int) -> Phase:
+        return Phase(kind, i, self.slices[i])  # type: ignore[arg-type]
+
+
+@dataclass
+class Forward:
+    """What the forward pass leaves for the backward, and what each phase held."""
+
+    loss: Any
+    g_head: Any  # the head's gradient of the shared weights
+    g_x: Any  # d loss / d x_N
+    masks: dict[int, Any]  # attention mask on each stage
+    kept: dict[int, Any]  # per phase: its residuals (keep) or its input x_i
+    fetched: dict[int, Any]  # weights already requested for the backward
+    gathered_bytes: list[int] = field(default_factory=list)
+    activation_bytes: list[int] = field(default_factory=list)
+
+
+def fetch_layers(ex: Executor, lay: Layout, state: PhasedState, i: int, kind: str) -> Any:
+    """Phase i's stored weights, host tier -> its stage's device tier."""
+    st = lay.stage_of(i)
+    return ex.to_device(
+        st.index, f"w{i}", state.layers[i], st.layer_store, lay.phase(kind, i), "weights"
+    )
+
+
+def gather(
+    ex: Executor, cfg: PhasedConfig, st: Stage, key: str, stored: Any, part: str, phase: Phase,
+    repeat: int,
+) -> tuple[Any, str]:  # fmt: skip
+    """All-gather stored 1/rts shards over `replica` before a phase runs; returns the
+    weights to compute with and the device-tier key that now holds them."""
+    if cfg.rts == 1:
+        return stored, key
+    count = (one_layer(stored),) if part == "layers" else None
+    full = ex.run(
+        phase, f"gather-{part}", st.fn(f"gather-{part}"), st, (stored,),
+        count_args=count, repeat=repeat if count else 1, carries="weights",
+    )  # fmt: skip
+    ex.tiers[st.index].admit(f"{key}*", bytes_per_device(full), phase)
+    ex.tiers[st.index].release(key)
+    return full, f"{key}*"
+
+
+def fetch_shared(
+    ex: Executor, lay: Layout, cfg: PhasedConfig, state: PhasedState
+) -> dict[int, tuple[Any, str]]:
+    """The shared weights (embedding, head) on the first and the last stage, gathered:
+    per stage, the weights and their device-tier key."""
+    first, last = lay.stages[0], lay.stages[-1]
+    shared = {}
+    for st in {first.index: first, last.index: last}.values():
+        key = f"shared@{st.index}"
+        stored = ex.to_device(st.index, key, state.shared, st.shared_store, SHARED, "weights")
+        shared[st.index] = gather(ex, cfg, st, key, stored, "shared", SHARED, 1)
+    return shared
+
+
+def forward(
+    ex: Executor, lay: Layout, cfg: PhasedConfig, state: PhasedState, batches: dict[int, dict],
+    shared: dict[int, tuple[Any, str]],
+) -> Forward:  # fmt: skip
+    """Embedding, every phase in order (prefetching the next phase's weights), the head
+    and its loss."""
+    n, k = len(lay.slices), lay.layers_per_phase
+    first, last = lay.stages[0], lay.stages[-1]
+    x, mask = ex.run(EMBED, "embed", first.fn("embed"), first, (shared[0][0], batches[0]))
+    ex.tiers[first.index].admit("x0", bytes_per_device(x), EMBED)
+    out = Forward(None, None, None, {0: mask}, {}, {})
+    ahead = 1 if cfg.prefetch else 0  # phases fetched before the one that runs
+    fetched = {0: fetch_layers(ex, lay, state, 0, "forward")}
+    for i in range(n):
+        st, phase, tier = lay.stage_of(i), lay.phase("forward", i), ex.tiers[lay.stage_of(i).index]
+        if i + ahead < n and i + ahead not in fetched:
+            fetched[i + ahead] = fetch_layers(ex, lay, state, i + ahead, "forward")
+        if st.index not in out.masks:  # first phase of a later stage: x arrives over `pipe`
+            prev = lay.stage_of(i - 1)
+            x, out.masks[st.index] = ex.send(
+                prev.index, (x, mask), (st.act, st.mask), phase, "activations"
+            )
+            ex.tiers[prev.index].release(f"x{i}")
+            tier.admit(f"x{i}", bytes_per_device(x), phase)
+        mask = out.masks[st.index]
+        weights, held = gather(ex, cfg, st, f"w{i}", fetched.pop(i), "layers", phase, k)
+        out.gathered_bytes.append(bytes_per_device(weights))
+        args, count = (weights, x, mask), (one_layer(weights), x, mask)
+        if cfg.activations == "keep":
+            y, vjp = ex.run(phase, "fwd-keep", st.fn("fwd-keep"), st, args, count, k)
+            out.kept[i] = (vjp, count)
+            tier.admit(f"res{i}", bytes_per_device(vjp), phase)
+            tier.release(f"x{i}")
+            out.activation_bytes.append(bytes_per_device(vjp))
+        else:
+            y = ex.run(phase, "fwd", st.fn("fwd"), st, args, count, k)
+            out.activation_bytes.append(bytes_per_device(x))
+            out.kept[i] = x
+            if cfg.activations == "offload":
+                out.kept[i] = ex.to_host(st.index, x, st.act, phase, "activations")
+                tier.release(f"x{i}")
+        tier.release(held)
+        x = y
+        tier.admit(f"x{i + 1}", bytes_per_device(x), phase)
+    out.loss, (out.g_head, out.g_x) = ex.run(
+        HEAD, "head", last.fn("head"), last, (shared[last.index][0], x, batches[last.index])
+    )
+    ex.tiers[last.index].release(f"x{n}")
+    out.fetched = fetched
+    return out
+
+
+def recompute_flops(ex: Executor, st: Stage, count: tuple, g_x: Any) -> float:
+    """FLOPs per device of one layer's recomputation: its backward from the phase
+    input minus its backward from kept residuals. (Not the forward's count: XLA drops
+    the recomputed forward's last matmul, whose output the vjp never uses.)"""
+    _, vjp_one = ex.shape("fwd-keep", st.fn("fwd-keep"), st, count)
+    bwd = ex.count("bwd", st.fn("bwd"), st, (*count, g_x)).flops_per_device
+    kept = ex.count("bwd-keep", st.fn("bwd-keep"), st, (vjp_one, g_x))
+    return bwd - kept.flops_per_device
+
+
+def backward_phase(
+    ex: Executor, lay: Layout, cfg: PhasedConfig, fwd: Forward, i: int, g_x: Any,
+    restored: dict[int, Any],
+) -> tuple[Any, Any]:  # fmt: skip
+    """Phase i's backward: (its weight gradients, d loss / d x_i)."""
+    st, phase, k = lay.stage_of(i), lay.phase("backward", i), lay.layers_per_phase
+    tier = ex.tiers[st.index]
+    if cfg.activations == "keep":
+        vjp, count = fwd.kept.pop(i)
+        _, vjp_one = ex.shape("fwd-keep", st.fn("fwd-keep"), st, count)
+        g_w, g_x = ex.run(phase, "bwd-keep", st.fn("bwd-keep"), st, (vjp, g_x), (vjp_one, g_x), k)
+        tier.release(f"res{i}")
+        return g_w, g_x
+    x_i = restored.pop(i) if cfg.activations == "offload" else fwd.kept.pop(i)
+    mask = fwd.masks[st.index]
+    weights, held = gather(ex, cfg, st, f"w{i}", fwd.fetched.pop(i), "layers", phase, k)
+    count = (one_layer(weights), x_i, mask)
+    g_w, g_x = ex.run(
+        phase, "bwd", st.fn("bwd"), st, (weights, x_i, mask, g_x), (*count, g_x), k,
+        recompute=recompute_flops(ex, st, count, g_x),
+    )  # fmt: skip
+    tier.release(held)
+    tier.release(f"x{i}")
+    return g_w, g_x
+
+
+def backward(
+    ex: Executor, lay: Layout, cfg: PhasedConfig, state: PhasedState, fwd: Forward,
+    shared: dict[int, tuple[Any, str]], batches: dict[int, dict],
+) -> tuple[list[Any], Any, float]:  # fmt: skip
+    """Every phase in reverse (prefetching the previous phase's weights and restored
+    activations), then the embedding and the shared weights; the gradients end in the
+    host tier. Returns (per-phase gradients, shared gradients, global gradient norm)."""
+    n = len(lay.slices)
+    first, last = lay.stages[0], lay.stages[-1]
+    grads: list[Any] = [None] * n
+    squares: list[Any] = []
+    restored: dict[int, Any] = {}
+
+    def prefetch(j: int) -> None:
+        if cfg.activations == "keep":
+            return
+        fwd.fetched[j] = fetch_layers(ex, lay, state, j, "backward")
+        if cfg.activations == "offload":
+            sj = lay.stage_of(j)
+            restored[j] = ex.to_device(
+                sj.index, f"x{j}", fwd.kept[j], sj.act, lay.phase("backward", j), "activations"
+            )
+
+    ahead = 1 if cfg.prefetch else 0
+    prefetch(n - 1)
+    requested, g_x = {n - 1}, fwd.g_x
+    for i in reversed(range(n)):
+        st, phase = lay.stage_of(i), lay.phase("backward", i)
+        if i - ahead >= 0 and i - ahead not in requested:
+            requested.add(i - ahead)
+            prefetch(i - ahead)
+        if i + 1 < n and lay.stage_of(i + 1) is not st:
+            g_x = ex.send(lay.stage_of(i + 1).index, g_x, st.act, phase, "gradients")
+        g_w, g_x = backward_phase(ex, lay, cfg, fwd, i, g_x, restored)
+        squares.append(ex.run(phase, "sq-norm", st.fn("sq-norm"), st, (g_w,)))
+        grads[i] = ex.to_host(st.index, g_w, st.layer_store, phase, "gradients")
+
+    args = (shared[0][0], batches[0], g_x)
+    g_embed = ex.run(EMBED_BWD, "embed-bwd", first.fn("embed-bwd"), first, args)
+    g_head = fwd.g_head
+    if last is not first:  # the tied embedding's second term, from the head's stage
+        g_head = ex.send(last.index, g_head, first.shared_store, SHARED_BWD, "gradients")
+    g_shared = ex.run(EMBED_BWD, "add", first.fn("add"), first, (g_embed, g_head))
+    squares.append(ex.run(SHARED_BWD, "sq-norm", first.fn("sq-norm"), first, (g_shared,)))
+    shared_grads = ex.to_host(first.index, g_shared, first.shared_store, SHARED_BWD, "gradients")
+    for st_index, (_, key) in shared.items():
+        ex.tiers[st_index].release(key)
+    norm = math.sqrt(sum(float(s) for s in squares)) if ex.real else 0.0
+    return grads, shared_grads, norm
+
+
+def update_part(
+    ex: Executor, cfg: PhasedConfig, st: Stage, part: str, phase: Phase, grads: Any,
+    opt: Any, weights: Any, norm: float,
+) -> tuple[Any, Any]:  # fmt: skip
+    """The optimizer update of one phase's layers (or of the shared weights) where
+    `optimizer_on` says; the new weights and state end in the host tier."""
+    store = st.layer_store if part == "layers" else st.shared_store
+    opt_sh = st.layer_opt if part == "layers" else st.shared_opt
+    kind = "device" if cfg.optimizer_on == "device" else "pinned_host"
+    norm_sh = st.replicated.with_memory_kind(kind)
+    norm_arg = (
+        jax.device_put(np.float32(norm), norm_sh)
+        if ex.real
+        else jax.ShapeDtypeStruct((), np.float32, sharding=norm_sh)
+    )
+    name = f"update-{part}-{kind}"
+    if kind == "pinned_host":
+        return ex.run(
+            phase, name, st.fn(name), st, (grads, opt, weights, norm_arg),
+            carries="optimizer_state", on="host",
+        )  # fmt: skip
+    w = ex.to_device(st.index, "update:w", weights, store, phase, "weights")
+    o = ex.to_device(st.index, "update:opt", opt, opt_sh, phase, "optimizer_state")
+    g = ex.to_device(st.index, "update:g", grads, store, phase, "gradients")
+    new_w, new_o = ex.run(
+        phase, name, st.fn(name), st, (g, o, w, norm_arg), carries="optimizer_state"
+    )
+    for key in ("update:w", "update:opt", "update:g"):
+        ex.tiers[st.index].release(key)
+    return (
+        ex.to_host(st.index, new_w, store, phase, "weights"),
+        ex.to_host(st.index, new_o, opt_sh, phase, "optimizer_state"),
+    )
+
+
+def update(
+    ex: Executor, lay: Layout, cfg: PhasedConfig, state: PhasedState, grads: list[Any],
+    shared_grads: Any, norm: float,
+) -> PhasedState:  # fmt: skip
+    """Every phase's update, then the shared weights': the next step's state."""
+    layers, opt_layers = [], []
+    for i in range(len(lay.slices)):
+        w, o = update_part(
+            ex, cfg, lay.stage_of(i), "layers", lay.phase("update", i), grads[i],
+            state.opt_layers[i], state.layers[i], norm,
+        )  # fmt: skip
+        layers.append(w)
+        opt_layers.append(o)
+    shared_w, opt_shared = update_part(
+        ex, cfg, lay.stages[0], "shared", Phase("update"), shared_grads, state.opt_shared,
+        state.shared, norm,
+    )  # fmt: skip
+    return PhasedState(shared_w, layers, opt_shared, opt_layers)
+
+
+@dataclass
+class StepOutput:
+    state: PhasedState  # the next step's state
+    grads: PhasedState  # this step's gradients as they reached the host tier
+    loss: float
+    grad_norm: float
+    forward: Forward  # what each phase held (for the plan's rows)
+
+
+def run_step(
+    ex: Executor, lay: Layout, cfg: PhasedConfig, state: PhasedState, batches: dict[int, dict]
+) -> StepOutput:
+    """One training step: shared weights in, forward, backward, update."""
+    shared = fetch_shared(ex, lay, cfg, state)
+    fwd = forward(ex, lay, cfg, state, batches, shared)
+    grads, shared_grads, norm = backward(ex, lay, cfg, state, fwd, shared, batches)
+    new_state = update(ex, lay, cfg, state, grads, shared_grads, norm)
+    loss = float(fwd.loss) if ex.real else math.nan
+    return StepOutput(new_state, PhasedState(shared_grads, grads, None, []), loss, norm, fwd)
