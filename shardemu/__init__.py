@@ -11,18 +11,25 @@ The public API. Typical use, before anything touches a JAX device:
 
 from shardemu.config import (
     PRESETS,
-    ConfigError,
     ModelConfig,
     Parallelism,
     TrainConfig,
     get_preset,
 )
 from shardemu.data import SyntheticCorpus
-from shardemu.devices import DeviceError, use_virtual_devices
+from shardemu.devices import use_virtual_devices
+from shardemu.errors import (
+    CapacityError,
+    ConfigError,
+    DeviceError,
+    HardwareError,
+    RunDirError,
+    ShardemuError,
+    ShardingError,
+)
 from shardemu.models import Model, param_bytes, param_count
 from shardemu.parallel.mesh import AXIS_NAMES, PIPE, REPLICA, TENSOR, make_mesh
 from shardemu.parallel.rules import (
-    ShardingError,
     activation_rules,
     constrain,
     logical_to_spec,
@@ -32,8 +39,10 @@ from shardemu.parallel.rules import (
     resolve_specs,
 )
 from shardemu.report.describe import describe
+from shardemu.training.engine import Engine, PhasedEngine, ResidentEngine, StepResult
+from shardemu.training.loop import StepInfo, TrainLoop
 from shardemu.training.optim import make_optimizer
-from shardemu.training.resident import StepResult, Trainer
+from shardemu.training.resident import Trainer
 from shardemu.training.runner import RunResult, train
 
 __all__ = [
@@ -50,6 +59,15 @@ __all__ = [
     "RunResult",
     "ShardingError",
     "StepResult",
+    "StepInfo",
+    "TrainLoop",
+    "Engine",
+    "ResidentEngine",
+    "PhasedEngine",
+    "ShardemuError",
+    "CapacityError",
+    "HardwareError",
+    "RunDirError",
     "SyntheticCorpus",
     "TrainConfig",
     "Trainer",

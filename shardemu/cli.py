@@ -215,7 +215,7 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_run(args: argparse.Namespace) -> None:
     par = Parallelism.parse(args.mesh)
-    use_virtual_devices(args.devices or par.num_devices)
+    devices = use_virtual_devices(args.devices or par.num_devices)
     from shardemu.report.rundir import fmt_value
     from shardemu.training.runner import train  # after the device count is fixed
 
@@ -250,6 +250,7 @@ def cmd_run(args: argparse.Namespace) -> None:
             par,
             train_cfg,
             out=args.out,
+            devices=devices,
             on_step=on_step,
             phased=_phased(args),
             hardware=get_hardware(args.hardware) if args.hardware else None,

@@ -237,6 +237,7 @@ class TrainConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.01
     grad_clip: float = 1.0
+    schedule: str = "gpipe"  # the pipeline schedule, by name (parallel/pipeline.py)
 
     def __post_init__(self) -> None:
         _require_positive(

@@ -99,7 +99,7 @@ def _single_device_reference(model: Model, train: TrainConfig, steps: int) -> di
 def train_and_compare(assert_params_close):
     """Step `trainer` from (params, opt_state) through the reference's batches, checking
     every loss, the first step's gradients and the final parameters; returns the last
-    StepResult."""
+    ResidentOutput."""
     import chex
     import numpy as np
 

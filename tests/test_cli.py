@@ -1,21 +1,49 @@
-"""The `shardemu` command as a user types it, in fresh processes (each sets its own
-virtual device count): sharded and single-device loss curves agree, runs write their
-directories, bad input gives one clear line and exit status 2, never a traceback."""
+"""The `shardemu` command as a user types it, called in process (`cli.main(argv)`; the
+session's 8 virtual devices serve every device count up to 8), and once in a fresh
+process: sharded and single-device loss curves agree, runs write their directories, bad
+input gives one clear line and exit status 2, never a traceback."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
 from shardemu import Parallelism, describe, get_preset
+from shardemu.cli import main
 from shardemu.report.rundir import read_metrics
 
 
-def shardemu(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardemu.cli", *args], capture_output=True, text=True, timeout=300
-    )
+@dataclass
+class Outcome:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def shardemu(*args: str) -> Outcome:
+    """`shardemu ARGS` in this process: its exit status and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return Outcome(code, out.getvalue(), err.getvalue())
+
+
+def test_demo_in_a_fresh_process(tmp_path):
+    """The README's first command, as a new process sees it: the demo sets up its own
+    8 virtual devices, trains, prints the summary and writes the run directory."""
+    out = subprocess.run(
+        [sys.executable, "-m", "shardemu", "demo", "--steps", "3", "--out", str(tmp_path / "d")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "final_loss" in out.stdout and "tensor=2,replica=4" in out.stdout
+    records = read_metrics(tmp_path / "d")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert records[-1]["loss"] < records[0]["loss"]
 
 
 COMMON = ["--steps", "5", "--seed", "0"]

@@ -27,11 +27,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from shardemu.config import Parallelism, TrainConfig
+from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.models import Model
 from shardemu.parallel.microbatch import merge, split
 from shardemu.parallel.rules import constrain
-from shardemu.parallel.schedules import make_schedule
+from shardemu.parallel.schedules import SCHEDULES, make_schedule
 
 BUF_AXES = ("stages", "batch", "sequence", "embed")
 
@@ -91,14 +91,33 @@ def gpipe(
     return outs, order
 
 
+# Pipeline schedules executed for real, by name (`TrainConfig.schedule`); the others in
+# `schedules.py` are planned (`shardemu plan --schedule`) but not executed yet.
+EXECUTORS = {"gpipe": gpipe}
+
+
+def executor_for(schedule: str) -> Any:
+    """The executed pipeline called `schedule`, or an error naming the ones there are."""
+    if schedule not in EXECUTORS:
+        raise ConfigError(
+            f"pipeline schedule {schedule!r} is not executed for real; executed: "
+            f"{', '.join(EXECUTORS)} (every schedule in {', '.join(SCHEDULES)} can be planned "
+            f"with `shardemu plan --schedule`)"
+        )
+    return EXECUTORS[schedule]
+
+
 def pipelined_loss_sums(
-    model: Model, logical: Any, params: Any, batch: dict, stages: int, microbatches: int
-) -> tuple[tuple[jax.Array, ...], jax.Array]:
-    """The model's loss terms with its layers run as a GPipe pipeline; also the order."""
+    model: Model, logical: Any, params: Any, batch: dict, stages: int, microbatches: int,
+    schedule: str = "gpipe",
+) -> tuple[tuple[jax.Array, ...], jax.Array]:  # fmt: skip
+    """The model's loss terms with its layers run as the pipeline `schedule`; also the
+    executed order."""
     x_bsd, mask = model.embed(params, batch)
     key = model.stack_key
     stage_params = to_stages(params[key], logical[key], stages)
-    y_mbsd, order = gpipe(model, stage_params, split(x_bsd, microbatches), mask, stages)
+    run = executor_for(schedule)
+    y_mbsd, order = run(model, stage_params, split(x_bsd, microbatches), mask, stages)
     outputs = model.head(params, merge(y_mbsd))
     return model.loss_sums(outputs, batch), order
 
@@ -132,7 +151,7 @@ def transfer_bytes(model: Model, train: TrainConfig, par: Parallelism) -> int:
     one microbatch's activations [b, s, d]; every tensor device of a stage holds a full
     copy (activations are replicated over `tensor` between layers) and sends it, in every
     replica and accumulation step."""
-    sched = make_schedule("gpipe", par.pipe, train.microbatches)
+    sched = make_schedule(train.schedule, par.pipe, train.microbatches)
     itemsize = jnp.dtype(model.cfg.param_dtype).itemsize
     activation = train.microbatch_size(par) * train.seq * model.cfg.embed_dim * itemsize
     return sched.p2p_transfers * activation * par.tensor * par.replica * train.grad_accum

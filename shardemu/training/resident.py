@@ -23,7 +23,7 @@ from shardemu.config import TrainConfig
 from shardemu.models import Model
 from shardemu.parallel.mesh import parallelism_of
 from shardemu.parallel.microbatch import accumulate
-from shardemu.parallel.pipeline import pipelined_loss_sums
+from shardemu.parallel.pipeline import executor_for, pipelined_loss_sums
 from shardemu.parallel.rules import (
     Rules,
     activation_rules,
@@ -37,7 +37,7 @@ from shardemu.training.optim import make_optimizer
 
 
 @dataclass
-class StepResult:
+class ResidentOutput:
     params: Any
     opt_state: Any
     loss: jax.Array
@@ -56,6 +56,8 @@ class Trainer:
         train.check_fits(model.cfg, par)
         self.model, self.mesh, self.train, self.par = model, mesh, train, par
         self.pipelined = par.pipe > 1 or train.microbatches > 1
+        if self.pipelined:
+            executor_for(train.schedule)  # refuse a schedule not executed, before compiling
         self.rules = megatron_rules() if rules is None else rules
         axis_sizes = dict(mesh.shape)
 
@@ -127,6 +129,7 @@ class Trainer:
                 batch,
                 self.par.pipe,
                 self.train.microbatches,
+                self.train.schedule,
             )
         return self.model.forward_sums(params, batch), jnp.zeros((1, 1), jnp.int32)
 
@@ -168,8 +171,8 @@ class Trainer:
 
     def step(
         self, params: Any, opt_state: Any, batch: dict[str, Any], keep_grads: bool = False
-    ) -> StepResult:
+    ) -> ResidentOutput:
         """One optimizer step on a global batch. `params` and `opt_state` are donated.
         With `keep_grads`, the gradients (sharded like the parameters) come back too."""
         out = self.compiled(keep_grads)(params, opt_state, self.put_batch(batch))
-        return StepResult(*out)
+        return ResidentOutput(*out)

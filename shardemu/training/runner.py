@@ -1,4 +1,5 @@
-"""A training run end to end: mesh, engine, data, steps, run directory, summary."""
+"""A training run end to end: mesh, engine, the loop and its hooks (run directory,
+progress), summary, and the prediction on named hardware."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware
 from shardemu.report.rundir import RunDir, default_run_dir, summary_markdown
 from shardemu.report.views import write_views
+from shardemu.training.engine import Engine, PhasedEngine, ResidentEngine
+from shardemu.training.loop import TrainLoop
 from shardemu.training.resident import Trainer
 
 
@@ -55,110 +58,105 @@ def train(
     mesh = mesh_from(par, devices)
     model = Model(model_cfg)
     trainer = Trainer(model, mesh, train_cfg, rules)
-    phased_trainer = PhasedTrainer(model, mesh, train_cfg, phased, rules) if phased else None
-    params_abs, opt_abs, _ = trainer.abstract_inputs()
-    run = RunDir(out or default_run_dir(model_cfg.name))
-    phase_plan = phased_trainer.plan() if phased_trainer else None  # one abstract step
-    tokens_per_step = train_cfg.batch * train_cfg.seq
-    bubble = make_schedule("gpipe", par.pipe, train_cfg.microbatches).bubble_fraction
-    pipe_bytes = transfer_bytes(model, train_cfg, par)
-    run.write_config(
-        {
-            "model": dataclasses.asdict(model_cfg),
-            "parallelism": dataclasses.asdict(par),
-            "train": dataclasses.asdict(train_cfg),
-            "rules": [[name, axes] for name, axes in trainer.rules],
-            "param_count": param_count(trainer.param_shapes),
-            "param_bytes": param_bytes(trainer.param_shapes),
-            "param_bytes_per_device": bytes_per_device(params_abs),
-            "opt_state_bytes_per_device": bytes_per_device(opt_abs),
-            "device_count": mesh.size,
-            "platform": mesh.devices.flat[0].platform,
-            "devices": [str(d) for d in mesh.devices.flat],
-            "tokens_per_step": tokens_per_step,
-            "microbatch_size": train_cfg.microbatch_size(par),
-            "schedule": "gpipe",
-            "stage_plan": stage_plan(model, trainer.param_shapes, par.pipe),
-            "phased": dataclasses.asdict(phased) if phased else None,
-            "phase_plan": phase_plan,
-        }
+    engine: Engine = (
+        PhasedEngine(PhasedTrainer(model, mesh, train_cfg, phased, rules), trainer.param_shardings)
+        if phased
+        else ResidentEngine(trainer)
     )
-    model_flops = flops.training_step(model_cfg, train_cfg.batch, train_cfg.seq)
-    t0 = time.perf_counter()
-    if phased_trainer is None:
-        trainer.compiled()
-        params, opt_state = trainer.init(train_cfg.seed)
-    else:  # phased pieces compile on first use: step 0's time includes compilation
-        init = jax.jit(model.init_params, out_shardings=trainer.param_shardings)
-        state = phased_trainer.init(init(jax.random.key(train_cfg.seed)))
-    compile_s = time.perf_counter() - t0
-    corpus = SyntheticCorpus(model_cfg.vocab_size, seed=train_cfg.seed)
-    losses, times = [], []
+    run = RunDir(out or default_run_dir(model_cfg.name))
     try:
-        for step in range(train_cfg.steps):
-            batch = model.batch(corpus, step, train_cfg.batch, train_cfg.seq)
-            t0 = time.perf_counter()
-            if phased_trainer is None:
-                result = trainer.step(params, opt_state, batch)
-                loss = float(result.loss)  # waits for the step to finish
-                grad_norm = float(result.grad_norm)
-                params, opt_state = result.params, result.opt_state
-                extra: dict[str, Any] = {}
-            else:
-                presult = phased_trainer.step(state, batch)
-                state, loss, grad_norm = presult.state, presult.loss, presult.grad_norm
-                extra = phased_trainer.ledger.step_totals(step)
-            elapsed = time.perf_counter() - t0
-            losses.append(loss)
-            times.append(elapsed)
-            record = {
-                "step": step,
-                "loss": loss,
-                "grad_norm": grad_norm,
-                "step_time_s": elapsed,
-                "tokens": tokens_per_step,
-                "bubble_fraction": bubble,
-                "pipe_bytes": pipe_bytes,
-                "model_flops": model_flops,
-                **extra,
-            }
-            run.log_step(record)
-            if on_step is not None:
-                on_step(record)
-        median_s = statistics.median(times)
-        summary = {
-            "model": model_cfg.name,
-            "mesh": str(par),
-            "devices": mesh.size,
-            "param_count": param_count(trainer.param_shapes),
-            "param_bytes_per_device": bytes_per_device(params_abs),
-            "opt_state_bytes_per_device": bytes_per_device(opt_abs),
-            "steps": train_cfg.steps,
-            "global_batch": train_cfg.batch,
-            "seq": train_cfg.seq,
-            "microbatches": train_cfg.microbatches,
-            "grad_accum": train_cfg.grad_accum,
-            "bubble_fraction": bubble,
-            "first_loss": losses[0],
-            "final_loss": losses[-1],
-            "compile_s": compile_s,
-            "median_step_s": median_s,
-            "tokens_per_s": tokens_per_step / median_s,
-            "run_dir": str(run.path),
+        phase_plan = engine.trainer.plan() if phased else None  # one abstract step
+        run.write_config(_config(model, trainer, train_cfg, phased, phase_plan))
+        t0 = time.perf_counter()
+        state = engine.init(train_cfg.seed)  # phased pieces compile on first use
+        compile_s = time.perf_counter() - t0
+        corpus = SyntheticCorpus(model_cfg.vocab_size, seed=train_cfg.seed)
+        static = {
+            "tokens": train_cfg.batch * train_cfg.seq,
+            "bubble_fraction": make_schedule(
+                "gpipe", par.pipe, train_cfg.microbatches
+            ).bubble_fraction,
+            "pipe_bytes": transfer_bytes(model, train_cfg, par),
+            "model_flops": flops.training_step(model_cfg, train_cfg.batch, train_cfg.seq),
         }
-        if phased_trainer is not None:
-            phased_trainer.ledger.write(run.path / "ledger.json")
+        loop = TrainLoop(
+            engine, lambda step: model.batch(corpus, step, train_cfg.batch, train_cfg.seq), static
+        )
+        loop.add_hook(lambda info: run.log_step(info.record))
+        if on_step is not None:
+            loop.add_hook(lambda info: on_step(info.record))
+        _, records = loop.run(state, train_cfg.steps)
+        summary = _summary(model_cfg, par, train_cfg, trainer, records, compile_s, run.path)
+        if phased:
+            engine.trainer.ledger.write(run.path / "ledger.json")
         if hardware is not None:
             timeline, report = (
-                _predict_phased(phased_trainer, phase_plan, hardware, par, train_cfg)
-                if phased_trainer is not None
+                _predict_phased(engine.trainer, phase_plan, hardware, par, train_cfg)
+                if phased
                 else _predict_resident(model_cfg, hardware, par, train_cfg)
             )
             summary.update(_prediction_files(timeline, report, run.path, model_cfg.name, par))
         run.write_summary(summary_markdown("run", summary))
     finally:
         run.close()
-    return RunResult(run.path, losses, summary)
+    return RunResult(run.path, [r["loss"] for r in records], summary)
+
+
+def _config(
+    model: Model, trainer: Trainer, train_cfg: TrainConfig, phased: PhasedConfig | None,
+    phase_plan: dict[str, Any] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """config.json: every setting, the rules, sizes per device, devices, stage plan."""
+    params_abs, opt_abs, _ = trainer.abstract_inputs()
+    par, mesh = trainer.par, trainer.mesh
+    return {
+        "model": dataclasses.asdict(model.cfg),
+        "parallelism": dataclasses.asdict(par),
+        "train": dataclasses.asdict(train_cfg),
+        "rules": [[name, axes] for name, axes in trainer.rules],
+        "param_count": param_count(trainer.param_shapes),
+        "param_bytes": param_bytes(trainer.param_shapes),
+        "param_bytes_per_device": bytes_per_device(params_abs),
+        "opt_state_bytes_per_device": bytes_per_device(opt_abs),
+        "device_count": mesh.size,
+        "platform": mesh.devices.flat[0].platform,
+        "devices": [str(d) for d in mesh.devices.flat],
+        "tokens_per_step": train_cfg.batch * train_cfg.seq,
+        "microbatch_size": train_cfg.microbatch_size(par),
+        "schedule": train_cfg.schedule,
+        "stage_plan": stage_plan(model, trainer.param_shapes, par.pipe),
+        "phased": dataclasses.asdict(phased) if phased else None,
+        "phase_plan": phase_plan,
+    }
+
+
+def _summary(
+    model_cfg: ModelConfig, par: Parallelism, train_cfg: TrainConfig, trainer: Trainer,
+    records: list[dict[str, Any]], compile_s: float, run_path: Path,
+) -> dict[str, Any]:  # fmt: skip
+    """The table printed at the end (and summary.md)."""
+    params_abs, opt_abs, _ = trainer.abstract_inputs()
+    median_s = statistics.median(r["step_time_s"] for r in records)
+    return {
+        "model": model_cfg.name,
+        "mesh": str(par),
+        "devices": trainer.mesh.size,
+        "param_count": param_count(trainer.param_shapes),
+        "param_bytes_per_device": bytes_per_device(params_abs),
+        "opt_state_bytes_per_device": bytes_per_device(opt_abs),
+        "steps": train_cfg.steps,
+        "global_batch": train_cfg.batch,
+        "seq": train_cfg.seq,
+        "microbatches": train_cfg.microbatches,
+        "grad_accum": train_cfg.grad_accum,
+        "bubble_fraction": records[0]["bubble_fraction"],
+        "first_loss": records[0]["loss"],
+        "final_loss": records[-1]["loss"],
+        "compile_s": compile_s,
+        "median_step_s": median_s,
+        "tokens_per_s": train_cfg.batch * train_cfg.seq / median_s,
+        "run_dir": str(run_path),
+    }
 
 
 def _predict_phased(
