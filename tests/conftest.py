@@ -3,10 +3,13 @@
 Tests compile with XLA's CPU backend optimisation off: it halves compile time, which
 dominates this suite on 2 cores. It changes only LLVM code generation, after the SPMD
 partitioning that the tests exercise, and reference and sharded runs use it alike.
-Subprocesses started by the tests inherit it.
+Subprocesses started by the tests inherit it. A persistent compilation cache in a fresh
+temporary folder lets identical programs compile once per session: a phased piece is
+compiled to be counted (over shapes) and again to run (over arrays), to the same HLO.
 """
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
@@ -16,6 +19,9 @@ import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="shardemu-xla-"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 import pytest  # noqa: E402
 

@@ -138,7 +138,7 @@ def test_rts_gathers_over_replica_as_the_ring_formula_says(runs, tiny_model):
         expected = row["gathered_bytes_per_device"] * 3 / 4 * trainer.par.num_devices
         sent = sum(e.bytes for e in gathers)
         assert {e.op for e in gathers} == {"all-gather"}
-        if tiny_model.gpt:
+        if tiny_model.cfg.family == "gpt":
             assert {e.axis for e in gathers} == {"replica"}
             assert sent == pytest.approx(expected, rel=1e-6)
         else:
@@ -185,7 +185,7 @@ def test_abstract_plan_model_flops_match_the_analytic_formula():
 def test_pipeline_stages_with_phases(tiny_model, reference, assert_params_close):
     """pipe=2: each stage streams its own phases; x and its gradient cross over `pipe`.
     (GPT only: the stage logic is model-independent and BERT's run costs 10 s.)"""
-    if not tiny_model.gpt:
+    if tiny_model.cfg.family != "gpt":
         pytest.skip("covered by the GPT run")
     cfg = PhasedConfig(phases=2, rts=2)
     trainer, state, results = run_phased(
@@ -200,7 +200,7 @@ def test_device_memory_picks_the_fewest_phases_that_fit(tiny_model, runs):
     """With a budget, the phase count is the fewest whose abstract peak fits it; the
     real run of a plan peaks where its abstract step said. (GPT only: the choice does
     not depend on the model, and each budget costs a set of dry runs.)"""
-    if not tiny_model.gpt:
+    if tiny_model.cfg.family != "gpt":
         pytest.skip("covered by the GPT run")
     trainer = runs("1-rts1-recompute-host")[0]
     peaks = {n: trainer.plan(n)["device_high_water"] for n in (1, 2, 4)}

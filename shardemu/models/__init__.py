@@ -23,25 +23,12 @@ import numpy as np
 
 from shardemu.config import ModelConfig
 from shardemu.data import SyntheticCorpus
-from shardemu.models.bert import BERT, BertLayer, bert_loss_counts, bert_loss_sums
-from shardemu.models.gpt import GPT, GPTBlock, gpt_loss_counts, gpt_loss_sums
+from shardemu.models import bert, gpt  # noqa: F401  (each registers its family)
+from shardemu.models.family import FAMILIES, Family, LogicalAxes, LossTerms, get_family
 from shardemu.models.layers import layer_stack
-from shardemu.parallel.rules import LogicalAxes
 
 Batch = dict[str, jax.Array]
-LossTerms = tuple[jax.Array, ...]
-
-_BATCH_AXES: dict[str, dict[str, LogicalAxes]] = {
-    "gpt": {"tokens": ("batch", "sequence"), "targets": ("batch", "sequence")},
-    "bert": {
-        "tokens": ("batch", "sequence"),
-        "segments": ("batch", "sequence"),
-        "attention_mask": ("batch", "sequence"),
-        "mlm_targets": ("batch", "sequence"),
-        "mlm_weights": ("batch", "sequence"),
-        "next_sentence": ("batch",),
-    },
-}
+__all__ = ["FAMILIES", "Batch", "Family", "LogicalAxes", "LossTerms", "Model", "normalise"]
 
 
 def normalise(sums: LossTerms, counts: LossTerms) -> jax.Array:
@@ -52,29 +39,26 @@ def normalise(sums: LossTerms, counts: LossTerms) -> jax.Array:
 @dataclass(frozen=True)
 class Model:
     cfg: ModelConfig
+    family: Family = field(init=False)
     module: nn.Module = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "module", GPT(self.cfg) if self.gpt else BERT(self.cfg))
-
-    @property
-    def gpt(self) -> bool:
-        return self.cfg.family == "gpt"
+        family = get_family(self.cfg.family)
+        object.__setattr__(self, "family", family)
+        object.__setattr__(self, "module", family.module(self.cfg))
 
     @property
     def stack_key(self) -> str:
         """The parameter subtree holding the stacked layers."""
-        return "blocks" if self.gpt else "layers"
+        return self.family.stack_key
 
     @property
     def batch_axes(self) -> dict[str, LogicalAxes]:
         """Logical axes of every array in a training batch."""
-        return _BATCH_AXES[self.cfg.family]
+        return self.family.batch_axes
 
     def _inputs(self, batch: Batch) -> tuple[jax.Array, ...]:
-        if self.gpt:
-            return (batch["tokens"],)
-        return batch["tokens"], batch["segments"], batch["attention_mask"]
+        return tuple(batch[k] for k in self.family.inputs)
 
     def embed(self, params: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
         """Activations [b, s, d] and attention mask ([1, s, s] causal or [b, 1, s] keys)."""
@@ -83,17 +67,17 @@ class Model:
     def apply_layers(self, layer_params: dict, x_bsd: jax.Array, mask: jax.Array) -> jax.Array:
         """Run the layers stacked in `layer_params` (however many) over `x_bsd`."""
         length = jax.tree.leaves(layer_params)[0].shape[0]
-        stack = layer_stack(GPTBlock if self.gpt else BertLayer, self.cfg, length=length)
+        stack = layer_stack(self.family.layer, self.cfg, length=length)
         return stack.apply({"params": layer_params}, x_bsd, mask)[0]
 
     def head(self, params: dict, x_bsd: jax.Array) -> Any:
         return self.module.apply({"params": params}, x_bsd, method="head")
 
     def loss_sums(self, outputs: Any, batch: Batch) -> LossTerms:
-        return (gpt_loss_sums if self.gpt else bert_loss_sums)(outputs, batch)
+        return self.family.loss_sums(outputs, batch)
 
     def loss_counts(self, batch: Batch) -> LossTerms:
-        return (gpt_loss_counts if self.gpt else bert_loss_counts)(batch)
+        return self.family.loss_counts(batch)
 
     def forward_sums(self, params: dict, batch: Batch) -> LossTerms:
         """Embed, all layers, head: the summed loss terms of `batch`."""
@@ -108,13 +92,13 @@ class Model:
     def batch(
         self, corpus: SyntheticCorpus, step: int, size: int, seq: int
     ) -> dict[str, np.ndarray]:
-        if self.gpt:
-            return corpus.gpt_batch(step, size, seq)
-        return corpus.bert_batch(step, size, seq)
+        return self.family.make_batch(corpus, step, size, seq)
 
     def _init_inputs(self) -> tuple[jax.Array, ...]:
         ids = jnp.zeros((1, min(8, self.cfg.max_positions)), jnp.int32)
-        return (ids,) if self.gpt else (ids, ids, jnp.ones_like(ids))
+        return tuple(
+            jnp.ones_like(ids) if k == "attention_mask" else ids for k in self.family.inputs
+        )
 
     def _boxed_params(self, rng: jax.Array) -> dict:
         return self.module.init(rng, *self._init_inputs())["params"]

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from shardemu.config import ModelConfig
+from shardemu.models.family import Family, register
 from shardemu.models.layers import (
     ACT_BSD,
     Mlp,
@@ -107,3 +108,26 @@ def bert_loss_sums(
 def bert_loss_counts(batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
     masked = jnp.maximum(batch["mlm_weights"].astype(jnp.float32).sum(), 1.0)
     return masked, jnp.asarray(batch["next_sentence"].size, jnp.float32)
+
+
+FAMILY = register(
+    Family(
+        name="bert",
+        module=BERT,
+        layer=BertLayer,
+        stack_key="layers",
+        inputs=("tokens", "segments", "attention_mask"),
+        batch_axes={
+            "tokens": ("batch", "sequence"),
+            "segments": ("batch", "sequence"),
+            "attention_mask": ("batch", "sequence"),
+            "mlm_targets": ("batch", "sequence"),
+            "mlm_weights": ("batch", "sequence"),
+            "next_sentence": ("batch",),
+        },
+        loss_sums=bert_loss_sums,
+        loss_counts=bert_loss_counts,
+        make_batch=lambda corpus, step, size, seq: corpus.bert_batch(step, size, seq),
+        example_mask=True,
+    )
+)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from shardemu.config import ModelConfig
+from shardemu.models.family import Family, register
 from shardemu.models.layers import ACT_BSD, Mlp, SelfAttention, embed, layer_norm, layer_stack
 from shardemu.parallel.rules import constrain
 
@@ -74,3 +75,19 @@ def gpt_loss_sums(logits_bsv: jax.Array, batch: dict[str, jax.Array]) -> tuple[j
 
 def gpt_loss_counts(batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
     return (jnp.asarray(batch["targets"].size, jnp.float32),)
+
+
+FAMILY = register(
+    Family(
+        name="gpt",
+        module=GPT,
+        layer=GPTBlock,
+        stack_key="blocks",
+        inputs=("tokens",),
+        batch_axes={"tokens": ("batch", "sequence"), "targets": ("batch", "sequence")},
+        loss_sums=gpt_loss_sums,
+        loss_counts=gpt_loss_counts,
+        make_batch=lambda corpus, step, size, seq: corpus.gpt_batch(step, size, seq),
+        example_mask=False,
+    )
+)

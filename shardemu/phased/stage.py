@@ -158,7 +158,7 @@ class Stage:
         # attention masks: [b, 1, s] padding masks split like the batch (BERT), or one
         # [1, s, s] causal mask (GPT)
         self.mask = NamedSharding(
-            mesh, PartitionSpec(specs.act[0]) if model.cfg.family == "bert" else PartitionSpec()
+            mesh, PartitionSpec(specs.act[0]) if model.family.example_mask else PartitionSpec()
         )
         self.batch = {k: NamedSharding(mesh, s) for k, s in specs.batch.items()}
         self.replicated = NamedSharding(mesh, PartitionSpec())
