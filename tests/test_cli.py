@@ -32,6 +32,7 @@ def shardemu(*args: str) -> Outcome:
     return Outcome(code, out.getvalue(), err.getvalue())
 
 
+@pytest.mark.slow
 def test_demo_in_a_fresh_process(tmp_path):
     """The README's first command, as a new process sees it: the demo sets up its own
     8 virtual devices, trains, prints the summary and writes the run directory."""
@@ -75,6 +76,7 @@ def sharded_run(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt-tiny", "bert-tiny"])
 def test_sharded_and_single_device_runs_agree(model, tmp_path, sharded_run):
     common = ["run", "--model", model, *COMMON]
@@ -106,6 +108,7 @@ def test_sharded_and_single_device_runs_agree(model, tmp_path, sharded_run):
     assert (tmp_path / "a" / "summary.md").read_text().startswith("# shardemu run")
 
 
+@pytest.mark.slow
 def test_phased_run_agrees_with_resident_and_records_the_ledger(tmp_path, sharded_run):
     resident, resident_dir = sharded_run("gpt-tiny")
     args = ["--mesh", "tensor=2,replica=4", "--phased", "--phases", "2", "--rts", "4"]
@@ -137,6 +140,7 @@ def test_phased_run_agrees_with_resident_and_records_the_ledger(tmp_path, sharde
     assert h2d == a[0]["bytes_h2d"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "mesh", "microbatches"),
     [("gpt-tiny", "pipe=2,tensor=2,replica=2", "4"), ("bert-tiny", "pipe=4,replica=2", "2")],
@@ -181,6 +185,7 @@ def test_describe_json_reports_reference_counts(model, count):
     assert report["bytes_per_device"] == report["param_bytes"] == 4 * count
 
 
+@pytest.mark.slow
 def test_plan_and_describe_phased_count_without_weights():
     common = ["--model", "gpt-tiny", "--mesh", "pipe=2,tensor=2,replica=2", "--phased"]
     common += ["--rts", "2", "--batch", "8", "--seq", "16", "--json"]

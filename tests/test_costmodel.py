@@ -139,6 +139,7 @@ def test_profiles_and_profile_files(tmp_path):
         dataclasses.replace(HW, efficiency=1.5)
 
 
+@pytest.mark.slow
 def test_plan_writes_a_trace_that_adds_up(tmp_path):
     """The trace of a planned gpt-tiny step on pipe=2: every event complete, no overlap
     on a stream, and per stream the durations add up to the report's busy times."""
@@ -170,6 +171,7 @@ def test_plan_writes_a_trace_that_adds_up(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_resident_plan_recomputation_and_schedules():
     """Resident pipelined plans of gpt-tiny on pipe=2: recomputation trades FLOPs for
     memory (full > selective > none in executed FLOPs, the reverse in memory) at equal
@@ -197,6 +199,7 @@ def test_resident_plan_recomputation_and_schedules():
     assert full["bubble_fraction"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1), p=2, m=4
 
 
+@pytest.mark.slow
 def test_phased_passes_accumulate_one_counted_pass():
     """A batch of 8 as 4 pipelined passes of 1 sequence per replica: 4 times one pass's
     model FLOPs and gradient bytes, about half a batch of 16's FLOPs, and a step shorter

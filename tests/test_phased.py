@@ -20,6 +20,8 @@ from shardemu.phased.tiers import CapacityError
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.report.describe import describe
 
+pytestmark = pytest.mark.slow  # each case compiles and runs whole steps
+
 TRAIN = TrainConfig(batch=8, seq=16, seed=0)
 STEPS = 3
 CAPACITY = 10**7  # bytes per device: every run below must stay within it

@@ -30,6 +30,9 @@ STEPS = 3
 TRAIN = TrainConfig(batch=16, seq=16, seed=0)
 
 
+pytestmark = pytest.mark.slow  # each case compiles and runs whole steps
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model, single_device_reference):
     return single_device_reference(tiny_model, TRAIN, STEPS)
