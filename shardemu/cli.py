@@ -14,7 +14,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
 from shardemu.config import (
     ConfigError,
@@ -29,6 +28,7 @@ from shardemu.devices import use_virtual_devices
 from shardemu.errors import ShardemuError
 from shardemu.parallel.schedules import SCHEDULES
 from shardemu.predict.hardware import get_hardware
+from shardemu.report.tables import param_table, print_phase_plan, summary_table
 
 console = Console(stderr=True)
 
@@ -216,7 +216,6 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
 def cmd_run(args: argparse.Namespace) -> None:
     par = Parallelism.parse(args.mesh)
     devices = use_virtual_devices(args.devices or par.num_devices)
-    from shardemu.report.rundir import fmt_value
     from shardemu.training.runner import train  # after the device count is fixed
 
     train_cfg = TrainConfig(
@@ -255,10 +254,7 @@ def cmd_run(args: argparse.Namespace) -> None:
             phased=_phased(args),
             hardware=get_hardware(args.hardware) if args.hardware else None,
         )
-    table = Table(title=f"shardemu run: {model_cfg.name}", show_header=False)
-    for key, value in result.summary.items():
-        table.add_row(key, fmt_value(value))
-    Console().print(table)
+    Console().print(summary_table(f"shardemu run: {model_cfg.name}", result.summary))
 
 
 def demo_argv(steps: int, out: str | None) -> list[str]:
@@ -326,53 +322,12 @@ def cmd_describe(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    table = Table(title=f"{report['model']} on mesh {report['mesh']}  (- = replicated)")
-    table.add_column("path", no_wrap=True)
-    for col in ("shape", "logical axes", "spec"):
-        table.add_column(col)
-    table.add_column("bytes/device", justify="right")
-    for row in report["params"]:
-        table.add_row(
-            row["path"],
-            "x".join(map(str, row["shape"])),
-            " ".join(row["logical_axes"]),
-            " ".join(
-                "-" if a is None else "+".join(a) if isinstance(a, list) else a for a in row["spec"]
-            ),
-            f"{row['bytes_per_device']:,}",
-        )
     out = Console()
-    out.print(table)
+    out.print(param_table(report))
     for key in ("param_count", "param_bytes", "bytes_per_device"):
         out.print(f"{key}: {report[key]:,}")
     if phased:
-        _print_phase_plan(out, report["phase_plan"])
-
-
-def _print_phase_plan(out: Console, plan: dict[str, Any]) -> None:
-    settings = ", ".join(
-        f"{k}={plan[k]}" for k in ("rts", "rts_optimizer", "activations", "optimizer_on")
-    )
-    table = Table(title=f"phase plan: {plan['phases']} phases ({settings})")
-    columns = (
-        "phase", "stage", "layers", "weight_bytes_per_device", "gathered_bytes_per_device",
-        "activation_bytes_per_device", "fetches", "writes",
-    )  # fmt: skip
-    for col in columns:
-        table.add_column(col.replace("_per_device", "/device").replace("_", " "), justify="right")
-    for row in plan["per_phase"]:
-        table.add_row(
-            *(
-                f"{row[c]:,}" if isinstance(row[c], int) else "-".join(map(str, row[c]))
-                if c == "layers" else ", ".join(row[c]) if isinstance(row[c], list) else str(row[c])
-                for c in columns
-            )
-        )  # fmt: skip
-    out.print(table)
-    out.print(
-        f"device tier peak: {plan['device_high_water']:,} bytes/device"
-        + (f" of {plan['device_memory']:,}" if plan["device_memory"] else "")
-    )
+        print_phase_plan(out, report["phase_plan"])
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -384,7 +339,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         return
     use_virtual_devices(par.tensor * par.replica)  # one pipeline stage's devices
     from shardemu.predict.plan_phased import flatten, plan_phased
-    from shardemu.report.rundir import default_run_dir, fmt_value
+    from shardemu.report.rundir import default_run_dir
 
     model_cfg = _model_config(args)
     out = args.out or (default_run_dir(f"plan-{model_cfg.name}") if hardware else None)
@@ -397,13 +352,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
         print(json.dumps(report, indent=2))
         return
     out_console = Console()
-    table = Table(
-        title=f"shardemu plan: {report['model']} on mesh {report['mesh']}", show_header=False
+    out_console.print(
+        summary_table(f"shardemu plan: {report['model']} on mesh {report['mesh']}", flatten(report))
     )
-    for key, value in flatten(report).items():
-        table.add_row(key, fmt_value(value))
-    out_console.print(table)
-    _print_phase_plan(out_console, report["plan"])
+    print_phase_plan(out_console, report["plan"])
 
 
 def _plan_resident(args: argparse.Namespace, par: Parallelism, hardware: Any) -> None:
@@ -413,7 +365,7 @@ def _plan_resident(args: argparse.Namespace, par: Parallelism, hardware: Any) ->
     use_virtual_devices(par.tensor)  # one stage's tensor group counts a microbatch
     from shardemu.predict.plan_phased import flatten, write_plan_dir
     from shardemu.predict.plan_resident import plan_resident
-    from shardemu.report.rundir import default_run_dir, fmt_value
+    from shardemu.report.rundir import default_run_dir
 
     model_cfg = _model_config(args)
     micro = args.microbatch_size or args.batch // par.replica
@@ -428,19 +380,16 @@ def _plan_resident(args: argparse.Namespace, par: Parallelism, hardware: Any) ->
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    table = Table(title=f"shardemu plan: {report['model']} on {report['mesh']}", show_header=False)
-    for key, value in flatten(report).items():
-        table.add_row(key, fmt_value(value))
-    Console().print(table)
+    Console().print(
+        summary_table(f"shardemu plan: {report['model']} on {report['mesh']}", flatten(report))
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"run": cmd_run, "demo": cmd_demo, "describe": cmd_describe, "plan": cmd_plan}[
-        args.command
-    ]
+    commands = {"run": cmd_run, "demo": cmd_demo, "describe": cmd_describe, "plan": cmd_plan}
     try:
-        handler(args)
+        commands[args.command](args)
     except ShardemuError as err:
         console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         return 2

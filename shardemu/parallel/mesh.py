@@ -5,7 +5,8 @@ following Megatron-LM's rank order (tensor-parallel ranks fastest, pipeline rank
 slowest; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
 Clusters", Section 3.3): tensor parallelism exchanges the most data, so it gets the
 closest links. Axis types are `Auto` so GSPMD propagates shardings from the parameter
-and activation annotations; the returned object is a plain `jax.sharding.Mesh`.
+and activation annotations; the returned object is a plain `jax.sharding.Mesh` built by
+`jax.make_mesh` (which on accelerators may order devices by their physical topology).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from shardemu.config import Parallelism
@@ -45,8 +45,9 @@ def make_mesh(
             f"{par.num_devices} devices (shardemu.use_virtual_devices({par.num_devices}) "
             f"or --devices {par.num_devices})"
         )
-    grid = np.array(devs, dtype=object).reshape(pipe, replica, tensor)
-    return Mesh(grid, AXIS_NAMES, axis_types=(AxisType.Auto,) * len(AXIS_NAMES))
+    return jax.make_mesh(
+        (pipe, replica, tensor), AXIS_NAMES, (AxisType.Auto,) * len(AXIS_NAMES), devices=devs
+    )
 
 
 def mesh_from(par: Parallelism, devices: Sequence[jax.Device] | None = None) -> Mesh:

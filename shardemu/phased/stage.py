@@ -218,9 +218,7 @@ class Stage:
                 out_shardings=(self.replicated, (self.shared_store, self.act)),
             ),
             "add": lambda: jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b)),
-            "sq-norm": lambda: jax.jit(
-                lambda g: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g))
-            ),
+            "sq-norm": lambda: jax.jit(lambda g: optax.tree.norm(g, squared=True)),
         }
         for part in ("layers", "shared"):
             for kind in ("device", "pinned_host"):

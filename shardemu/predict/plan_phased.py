@@ -74,16 +74,7 @@ def plan_phased(
     # one stage's devices stand for every stage (identical stages count the same)
     stage = dataclasses.replace(par, pipe=1)
     mesh = mesh_from(stage, jax.devices()[: plan_devices(par)])
-    passes, pass_cfg = 1, train_cfg
-    if microbatch_size is not None:
-        per_pass = microbatch_size * par.replica
-        if train_cfg.batch % per_pass:
-            raise ConfigError(
-                f"--batch {train_cfg.batch} is not divisible by --microbatch-size * replica "
-                f"= {per_pass}"
-            )
-        passes = train_cfg.batch // per_pass
-        pass_cfg = dataclasses.replace(train_cfg, batch=per_pass)
+    passes, pass_cfg = _passes(train_cfg, par, microbatch_size)
     trainer = PhasedTrainer(model, mesh, pass_cfg, phased, rules, par.pipe)
     ledger = Ledger()
     plan = trainer.plan(ledger=ledger)
@@ -134,6 +125,22 @@ def plan_phased(
         write_plan_dir(Path(out), report, ledger, timeline)
     report["elapsed_s"] = time.perf_counter() - t0
     return report
+
+
+def _passes(
+    train_cfg: TrainConfig, par: Parallelism, microbatch_size: int | None
+) -> tuple[int, TrainConfig]:
+    """How many passes of `microbatch_size` sequences per replica make the batch, and
+    the training settings of one pass (the whole batch in one pass without it)."""
+    if microbatch_size is None:
+        return 1, train_cfg
+    per_pass = microbatch_size * par.replica
+    if train_cfg.batch % per_pass:
+        raise ConfigError(
+            f"--batch {train_cfg.batch} is not divisible by --microbatch-size * replica "
+            f"= {per_pass}"
+        )
+    return train_cfg.batch // per_pass, dataclasses.replace(train_cfg, batch=per_pass)
 
 
 def _in_flight_activations(plan: dict[str, Any], sched: Schedule, phased: PhasedConfig) -> int:

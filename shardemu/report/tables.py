@@ -1,0 +1,69 @@
+"""The tables a person reads in the terminal: a run's or a plan's summary, the
+parameter table of `describe`, and the phase plan."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from shardemu.report.rundir import fmt_value
+
+_PHASE_COLUMNS = (
+    "phase", "stage", "layers", "weight_bytes_per_device", "gathered_bytes_per_device",
+    "activation_bytes_per_device", "fetches", "writes",
+)  # fmt: skip
+
+
+def summary_table(title: str, fields: dict[str, Any]) -> Table:
+    """One row per field, values formatted as in summary.md."""
+    table = Table(title=title, show_header=False)
+    for key, value in fields.items():
+        table.add_row(key, fmt_value(value))
+    return table
+
+
+def param_table(report: dict[str, Any]) -> Table:
+    """`describe`'s parameter rows: path, shape, logical axes, spec, bytes per device."""
+    table = Table(title=f"{report['model']} on mesh {report['mesh']}  (- = replicated)")
+    table.add_column("path", no_wrap=True)
+    for col in ("shape", "logical axes", "spec"):
+        table.add_column(col)
+    table.add_column("bytes/device", justify="right")
+    for row in report["params"]:
+        spec = ("-" if a is None else "+".join(a) if isinstance(a, list) else a
+                for a in row["spec"])  # fmt: skip
+        table.add_row(
+            row["path"],
+            "x".join(map(str, row["shape"])),
+            " ".join(row["logical_axes"]),
+            " ".join(spec),
+            f"{row['bytes_per_device']:,}",
+        )
+    return table
+
+
+def _cell(column: str, value: Any) -> str:
+    if column == "layers":
+        return "-".join(map(str, value))
+    if isinstance(value, list):
+        return ", ".join(value)
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def print_phase_plan(out: Console, plan: dict[str, Any]) -> None:
+    """The phase plan's rows and the device tier's peak."""
+    settings = ", ".join(
+        f"{k}={plan[k]}" for k in ("rts", "rts_optimizer", "activations", "optimizer_on")
+    )
+    table = Table(title=f"phase plan: {plan['phases']} phases ({settings})")
+    for col in _PHASE_COLUMNS:
+        table.add_column(col.replace("_per_device", "/device").replace("_", " "), justify="right")
+    for row in plan["per_phase"]:
+        table.add_row(*(_cell(c, row[c]) for c in _PHASE_COLUMNS))
+    out.print(table)
+    out.print(
+        f"device tier peak: {plan['device_high_water']:,} bytes/device"
+        + (f" of {plan['device_memory']:,}" if plan["device_memory"] else "")
+    )
