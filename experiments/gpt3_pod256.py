@@ -5,7 +5,7 @@ because the weights do not fit"), in abstract mode: nothing is allocated.
    GC200's 900 MB of in-processor memory.
 2. Phased, bfloat16 weights, one layer a phase: the global batch of 1536 as 384 passes
    of one sequence (2048 tokens) per replica, pipelined over the 8 stages (1F1B; one pass
-   counted, the step assembled: `phased/passes.py`), each pass streaming its phases'
+   counted, the step assembled: `accounting/assemble.py`), each pass streaming its phases'
    weights again. The device-tier peak per IPU, the bytes streamed, and the predicted step
    time on the `ipu-pod256` profile, for replicated tensor sharding, activation policies
    and prefetch.
