@@ -82,8 +82,16 @@ def check_against_reference(trainer, state, results, reference, assert_params_cl
     assert_params_close(trainer.params(state), reference["final"], TRAIN.learning_rate)
 
 
+def bert_skips(model, name: str) -> None:
+    """BERT runs the rts=4 configurations (its 2-way NSP bias cannot split and is stored
+    whole; its padding mask is split like the batch); GPT runs them all."""
+    if model.cfg.family == "bert" and "rts4" not in name:
+        pytest.skip("GPT covers this configuration; BERT runs the rts=4 ones")
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_phased_equals_single_device(reference, runs, name, assert_params_close):
+def test_phased_equals_single_device(tiny_model, reference, runs, name, assert_params_close):
+    bert_skips(tiny_model, name)
     trainer, state, results = runs(name)
     check_against_reference(trainer, state, results, reference, assert_params_close)
     assert 0 < max(t.high_water for t in trainer.tiers) <= CAPACITY
@@ -111,6 +119,7 @@ def stored_bytes(model, rts: int) -> tuple[int, int]:
 def test_ledger_conserves_weight_and_gradient_bytes(tiny_model, runs, name):
     """Weights in per step = fetches x stored bytes (shared weights once, and again for
     an update on the device); gradients out = stored bytes once."""
+    bert_skips(tiny_model, name)
     trainer = runs(name)[0]
     phases, rts, _, activations, optimizer_on = CONFIGS[name]
     layers, shared = stored_bytes(tiny_model, rts)
@@ -149,10 +158,11 @@ def test_rts_gathers_over_replica_as_the_ring_formula_says(runs, tiny_model):
         assert row["weight_bytes_per_device"] * 4 == row["gathered_bytes_per_device"]
 
 
-def test_abstract_mode_counts_what_real_mode_did(runs):
+def test_abstract_mode_counts_what_real_mode_did(tiny_model, runs):
     """The plan is one step in abstract mode (shapes only): its ledger totals and its
     device-tier peak equal the real run's."""
-    for name in ("4-rts4-keep-host", "4-rts1-offload-device-opt4"):
+    names = ["4-rts4-keep-host", "4-rts1-offload-device-opt4", "1-rts4-offload-host"]
+    for name in names[::2] if tiny_model.cfg.family == "bert" else names[:2]:
         trainer = runs(name)[0]
         plan = trainer.plan()
         real = trainer.ledger.step_totals(1)

@@ -26,6 +26,10 @@ MESHES = {
 }
 CASES = [(*mesh, m, 1) for mesh, ms in MESHES.items() for m in ms]
 CASES += [(1, 1, 1, 1, 2), (2, 1, 2, 2, 2), (2, 2, 2, 1, 2)]  # gradient accumulation
+# BERT differs from GPT in the pipeline only by its per-example padding mask, which
+# travels with the microbatches: it runs the cases with several microbatches on both
+# pipeline depths and with accumulation (GPT runs them all)
+BERT_CASES = {(2, 2, 2, 4, 1), (4, 1, 2, 4, 1), (2, 1, 2, 2, 2), (4, 1, 1, 2, 1)}
 STEPS = 3
 TRAIN = TrainConfig(batch=16, seq=16, seed=0)
 
@@ -46,6 +50,11 @@ def reference(tiny_model, single_device_reference):
 def test_pipelined_equals_single_device(
     tiny_model, reference, pipe, tensor, replica, microbatches, accum, train_and_compare
 ):
+    if (
+        tiny_model.cfg.family == "bert"
+        and (pipe, tensor, replica, microbatches, accum) not in BERT_CASES
+    ):
+        pytest.skip("GPT covers this mesh; BERT runs the cases its padding mask changes")
     train = TrainConfig(
         batch=TRAIN.batch,
         seq=TRAIN.seq,
