@@ -26,6 +26,11 @@ def reference(tiny_model, tiny_train, single_device_reference):
     return single_device_reference(tiny_model, tiny_train, STEPS)
 
 
+# BERT's sharding differs from GPT's only in its heads (pooler, NSP, MLM bias): it runs
+# the two meshes that split them most (tensor 8, and tensor 2 with replicas)
+BERT_MESHES = {(2, 4), (8, 1)}
+
+
 @pytest.mark.parametrize(
     ("tensor", "replica"),
     [pytest.param(t, r, marks=() if (t, r) == (2, 4) else pytest.mark.slow) for t, r in MESHES],
@@ -34,6 +39,8 @@ def reference(tiny_model, tiny_train, single_device_reference):
 def test_sharded_equals_single_device(
     tiny_model, tiny_train, reference, tensor, replica, train_and_compare
 ):
+    if tiny_model.cfg.family == "bert" and (tensor, replica) not in BERT_MESHES:
+        pytest.skip("GPT covers this mesh; BERT runs the meshes that split its heads")
     devices = jax.devices()[: tensor * replica]
     trainer = Trainer(
         tiny_model, make_mesh(tensor=tensor, replica=replica, devices=devices), tiny_train
