@@ -27,6 +27,14 @@ def abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+def with_shardings(shapes: Any, shardings: Any) -> Any:
+    """`ShapeDtypeStruct`s of the shapes in `shapes`, each with its sharding from the
+    matching tree `shardings`: arrays to compile over, none allocated."""
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+    )
+
+
 def signature(tree: Any) -> tuple:
     """What a compilation depends on: structure, shapes, dtypes, specs, memory kinds."""
 

@@ -94,6 +94,15 @@ class Model:
     ) -> dict[str, np.ndarray]:
         return self.family.make_batch(corpus, step, size, seq)
 
+    def abstract_batch(self, size: int, seq: int, shardings: dict[str, Any]) -> Batch:
+        """A batch of `size` sequences of `seq` tokens as shapes, each array with its
+        sharding: what a step compiles over."""
+        dims = (size, seq)
+        return {
+            k: jax.ShapeDtypeStruct(dims[: len(axes)], np.int32, sharding=shardings[k])
+            for k, axes in self.batch_axes.items()
+        }
+
     def _init_inputs(self) -> tuple[jax.Array, ...]:
         ids = jnp.zeros((1, min(8, self.cfg.max_positions)), jnp.int32)
         return tuple(

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from shardemu.accounting.count import Counter
+from shardemu.accounting.count import Counter, with_shardings
 from shardemu.accounting.ledger import Ledger
 from shardemu.config import ConfigError, PhasedConfig, TrainConfig
 from shardemu.models import Model
@@ -140,11 +140,7 @@ class PhasedTrainer:
         first, tx_layers, tx_shared = self.stages[0], self.pieces.tx_layers, self.pieces.tx_shared
 
         def sds(shapes: Any, shardings: Any) -> Any:
-            return jax.tree.map(
-                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                shapes,
-                with_memory_kind(shardings, "pinned_host"),
-            )
+            return with_shardings(shapes, with_memory_kind(shardings, "pinned_host"))
 
         k = lay.layers_per_phase
         layer = jax.tree.map(
@@ -171,13 +167,9 @@ class PhasedTrainer:
 
     def abstract_batches(self) -> dict[int, dict]:
         """The batch as shapes on the stages that read it (the first, and the last)."""
-        dims = (self.train.batch, self.train.seq)
+        size, seq = self.train.batch, self.train.seq
         return {
-            st.index: {
-                k: jax.ShapeDtypeStruct(dims[: len(axes)], np.int32, sharding=st.batch[k])
-                for k, axes in self.model.batch_axes.items()
-            }
-            for st in self._batch_stages()
+            st.index: self.model.abstract_batch(size, seq, st.batch) for st in self._batch_stages()
         }
 
     # ---- one step ------------------------------------------------------------------------

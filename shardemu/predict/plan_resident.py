@@ -32,7 +32,7 @@ import numpy as np
 
 from shardemu.accounting import flops
 from shardemu.accounting.assemble import assemble
-from shardemu.accounting.count import Counter
+from shardemu.accounting.count import Counter, with_shardings
 from shardemu.accounting.ledger import Event, Ledger, Phase
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import Model, param_count
@@ -64,12 +64,6 @@ class Microbatch:
     keep_bytes: int
 
 
-def _sds(shapes: Any, shardings: Any) -> Any:
-    return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
-    )
-
-
 def count_microbatch(
     model: Model, tensor: int, microbatch_size: int, seq: int, full_recompute: bool,
     counter: Counter | None = None,
@@ -82,12 +76,9 @@ def count_microbatch(
     st = built.stages[0]
     ledger = Ledger()
     ex = Executor(ledger, [Tier("device", None)], AXIS_LABELS, False, counter or Counter())
-    shared = _sds(built.shared_shapes, st.shared_compute)
-    layer = _sds(built.layer_shape_one, st.layer_compute)
-    batch = {
-        k: jax.ShapeDtypeStruct((microbatch_size, seq)[: len(axes)], np.int32, sharding=st.batch[k])
-        for k, axes in model.batch_axes.items()
-    }
+    shared = with_shardings(built.shared_shapes, st.shared_compute)
+    layer = with_shardings(built.layer_shape_one, st.layer_compute)
+    batch = model.abstract_batch(microbatch_size, seq, st.batch)
     x, mask = ex.run(EMBED, "embed", st.fn("embed"), st, (shared, batch))
     if full_recompute:
         y, keep = ex.run(FORWARD, "fwd", st.fn("fwd"), st, (layer, x, mask)), bytes_per_device(x)
@@ -111,7 +102,7 @@ def count_microbatch(
         ("layers", Phase("update", 0), layer, st.layer_opt, built.tx_layers),
         ("shared", Phase("update"), shared, st.shared_opt, built.tx_shared),
     ):
-        opt = _sds(jax.eval_shape(tx.init, weights), opt_sh)
+        opt = with_shardings(jax.eval_shape(tx.init, weights), opt_sh)
         name = f"update-{part}-device"
         ex.run(
             phase, name, st.fn(name), st, (weights, opt, weights, norm), carries="optimizer_state"

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardemu.accounting.count import with_shardings
 from shardemu.config import TrainConfig
 from shardemu.models import Model
 from shardemu.parallel.mesh import parallelism_of
@@ -106,18 +107,11 @@ class Trainer:
         """Shapes and shardings of (params, opt_state, batch): enough to compile a step
         without allocating anything."""
 
-        def sds(shape_leaf: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(shape_leaf.shape, shape_leaf.dtype, sharding=sharding)
-
-        params = jax.tree.map(sds, self.param_shapes, self.param_shardings)
-        opt_state = jax.tree.map(
-            sds, jax.eval_shape(self.tx.init, self.param_shapes), self.opt_shardings
+        params = with_shardings(self.param_shapes, self.param_shardings)
+        opt_state = with_shardings(
+            jax.eval_shape(self.tx.init, self.param_shapes), self.opt_shardings
         )
-        dims = (self.train.batch, self.train.seq)
-        batch = {
-            k: jax.ShapeDtypeStruct(dims[: len(axes)], np.int32, sharding=self.batch_shardings[k])
-            for k, axes in self.model.batch_axes.items()
-        }
+        batch = self.model.abstract_batch(self.train.batch, self.train.seq, self.batch_shardings)
         return params, opt_state, batch
 
     def _loss_sums(self, params: Any, batch: dict) -> tuple[tuple[jax.Array, ...], jax.Array]:

@@ -66,7 +66,8 @@ def train(
     run = RunDir(out or default_run_dir(model_cfg.name))
     try:
         phase_plan = engine.trainer.plan() if phased else None  # one abstract step
-        run.write_config(_config(model, trainer, train_cfg, phased, phase_plan))
+        sizes = _sizes(trainer)
+        run.write_config(_config(model, trainer, train_cfg, phased, phase_plan, sizes))
         t0 = time.perf_counter()
         state = engine.init(train_cfg.seed)  # phased pieces compile on first use
         compile_s = time.perf_counter() - t0
@@ -86,7 +87,7 @@ def train(
         if on_step is not None:
             loop.add_hook(lambda info: on_step(info.record))
         _, records = loop.run(state, train_cfg.steps)
-        summary = _summary(model_cfg, par, train_cfg, trainer, records, compile_s, run.path)
+        summary = _summary(model_cfg, par, train_cfg, trainer, records, compile_s, run.path, sizes)
         if phased:
             engine.trainer.ledger.write(run.path / "ledger.json")
         if hardware is not None:
@@ -102,22 +103,32 @@ def train(
     return RunResult(run.path, [r["loss"] for r in records], summary)
 
 
+def _sizes(trainer: Trainer) -> dict[str, int]:
+    """Parameters, and bytes per device of the parameters and the optimizer state:
+    what both config.json and the summary report."""
+    params_abs, opt_abs, _ = trainer.abstract_inputs()
+    return {
+        "param_count": param_count(trainer.param_shapes),
+        "param_bytes_per_device": bytes_per_device(params_abs),
+        "opt_state_bytes_per_device": bytes_per_device(opt_abs),
+    }
+
+
 def _config(
     model: Model, trainer: Trainer, train_cfg: TrainConfig, phased: PhasedConfig | None,
-    phase_plan: dict[str, Any] | None,
+    phase_plan: dict[str, Any] | None, sizes: dict[str, int],
 ) -> dict[str, Any]:  # fmt: skip
     """config.json: every setting, the rules, sizes per device, devices, stage plan."""
-    params_abs, opt_abs, _ = trainer.abstract_inputs()
     par, mesh = trainer.par, trainer.mesh
     return {
         "model": dataclasses.asdict(model.cfg),
         "parallelism": dataclasses.asdict(par),
         "train": dataclasses.asdict(train_cfg),
         "rules": [[name, axes] for name, axes in trainer.rules],
-        "param_count": param_count(trainer.param_shapes),
+        "param_count": sizes["param_count"],
         "param_bytes": param_bytes(trainer.param_shapes),
-        "param_bytes_per_device": bytes_per_device(params_abs),
-        "opt_state_bytes_per_device": bytes_per_device(opt_abs),
+        "param_bytes_per_device": sizes["param_bytes_per_device"],
+        "opt_state_bytes_per_device": sizes["opt_state_bytes_per_device"],
         "device_count": mesh.size,
         "platform": mesh.devices.flat[0].platform,
         "devices": [str(d) for d in mesh.devices.flat],
@@ -132,18 +143,15 @@ def _config(
 
 def _summary(
     model_cfg: ModelConfig, par: Parallelism, train_cfg: TrainConfig, trainer: Trainer,
-    records: list[dict[str, Any]], compile_s: float, run_path: Path,
+    records: list[dict[str, Any]], compile_s: float, run_path: Path, sizes: dict[str, int],
 ) -> dict[str, Any]:  # fmt: skip
     """The table printed at the end (and summary.md)."""
-    params_abs, opt_abs, _ = trainer.abstract_inputs()
     median_s = statistics.median(r["step_time_s"] for r in records)
     return {
         "model": model_cfg.name,
         "mesh": str(par),
         "devices": trainer.mesh.size,
-        "param_count": param_count(trainer.param_shapes),
-        "param_bytes_per_device": bytes_per_device(params_abs),
-        "opt_state_bytes_per_device": bytes_per_device(opt_abs),
+        **sizes,
         "steps": train_cfg.steps,
         "global_batch": train_cfg.batch,
         "seq": train_cfg.seq,
