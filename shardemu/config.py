@@ -237,7 +237,9 @@ class TrainConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    schedule: str = "gpipe"  # the pipeline schedule, by name (parallel/pipeline.py)
+    schedule: str = "gpipe"  # the pipeline schedule, by name (parallel/schedules.py)
+    virtual: int = 1  # model chunks per pipeline stage (interleaved 1F1B)
+    stage_layers: tuple[int, ...] | None = None  # layers per stage (None: even)
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -247,7 +249,10 @@ class TrainConfig:
             seq=self.seq,
             microbatches=self.microbatches,
             grad_accum=self.grad_accum,
+            virtual=self.virtual,
         )
+        if self.stage_layers is not None:
+            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
         if self.optimizer not in ("adamw", "lamb"):
             raise ConfigError(f"optimizer must be 'adamw' or 'lamb', got {self.optimizer!r}")
         if self.learning_rate <= 0:

@@ -16,7 +16,7 @@ import pytest
 from shardemu.config import ConfigError, Parallelism, PhasedConfig, TrainConfig
 from shardemu.data import SyntheticCorpus
 from shardemu.parallel.mesh import make_mesh
-from shardemu.phased.tiers import CapacityError
+from shardemu.stages.tiers import CapacityError
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.report.describe import describe
 

@@ -96,7 +96,8 @@ class Schedule:
 Op = tuple[Kind, int, int]  # (kind, microbatch, chunk)
 
 
-def _programs(name: str, p: int, m: int, v: int) -> list[list[Op]]:
+def programs(name: str, p: int, m: int, v: int) -> list[list[Op]]:
+    """Each device's ordered operations (kind, microbatch, chunk): what it runs, not when."""
     if name == "gpipe":
         return [
             [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in reversed(range(m))]
@@ -180,5 +181,5 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -
             f"interleaved 1F1B needs microbatches divisible by stages (Megatron-LM's rule), "
             f"got m={microbatches}, p={stages}; use --microbatches {fix}"
         )
-    slots = simulate(_programs(name, stages, microbatches, virtual), stages, virtual)
+    slots = simulate(programs(name, stages, microbatches, virtual), stages, virtual)
     return Schedule(name, stages, microbatches, virtual, tuple(slots))

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from shardemu.accounting.ledger import Ledger
 from shardemu.errors import CapacityError, ConfigError
 from shardemu.phased.program import Layout, StepOutput, run_step
-from shardemu.phased.tiers import Tier, bytes_per_device
+from shardemu.stages.tiers import Tier, bytes_per_device
 
 if TYPE_CHECKING:
     from shardemu.phased.trainer import PhasedTrainer

@@ -37,9 +37,9 @@ import numpy as np
 
 from shardemu.accounting.ledger import Phase
 from shardemu.config import PhasedConfig
-from shardemu.phased.executor import Executor, one_layer
-from shardemu.phased.stage import Stage
-from shardemu.phased.tiers import bytes_per_device
+from shardemu.stages.executor import Executor, one_layer
+from shardemu.stages.stage import Stage
+from shardemu.stages.tiers import bytes_per_device
 
 SHARED, EMBED, HEAD = Phase("shared"), Phase("embed"), Phase("head")
 EMBED_BWD, SHARED_BWD = Phase("embed-backward"), Phase("shared-backward")

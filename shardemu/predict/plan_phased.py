@@ -1,7 +1,7 @@
 """Abstract mode: a phased training step counted on a mesh of any size, nothing allocated.
 
 The same `PhasedTrainer` that trains for real runs one step on `ShapeDtypeStruct`s
-(`phased/executor.py`): weights, optimizer state and batch are shapes with shardings,
+(`stages/executor.py`): weights, optimizer state and batch are shapes with shardings,
 transfers and the device tiers' bookkeeping happen on shapes, and only one layer of each
 distinct piece is compiled (its counts are reused for every identical layer and every
 identical pipeline stage). So GPT-3 175B on 256 virtual devices is planned on a laptop.

@@ -2,7 +2,7 @@
 microbatches flow through a pipeline schedule, gradients are all-reduced over `replica`.
 
 The work of one microbatch is counted, not guessed: on one pipeline stage's tensor
-devices (replica = 1), the stage pieces (`phased/stage.py`) are compiled over shapes and
+devices (replica = 1), the stage pieces (`stages/stage.py`) are compiled over shapes and
 counted (`accounting/count.py`): the embedding, one layer's forward (keeping its vjp
 residuals, or only its input with `recompute="full"`) and backward, the head and loss,
 the embedding's backward, and the optimizer updates on the device. A step's ledger is
@@ -39,10 +39,10 @@ from shardemu.models import Model, param_count
 from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import megatron_rules
 from shardemu.parallel.schedules import Schedule, Slot, make_schedule
-from shardemu.phased.executor import Executor
+from shardemu.stages.executor import Executor
 from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
-from shardemu.phased.stage import AXIS_LABELS, build_stages, stage_meshes, stage_rules
-from shardemu.phased.tiers import Tier, bytes_per_device
+from shardemu.stages.stage import AXIS_LABELS, build_stages, stage_meshes, stage_rules
+from shardemu.stages.tiers import Tier, bytes_per_device
 from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.plan_phased import padded_for

@@ -21,7 +21,7 @@ from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.pipeline import stage_plan, transfer_bytes
 from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import make_schedule
-from shardemu.phased.tiers import bytes_per_device
+from shardemu.stages.tiers import bytes_per_device
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware

@@ -24,7 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from shardemu.config import PhasedConfig, TrainConfig
 from shardemu.models import Model, normalise
 from shardemu.parallel.rules import Rules, activation_rules, logical_to_spec, resolve_specs
-from shardemu.phased.tiers import with_memory_kind
+from shardemu.stages.tiers import with_memory_kind
 from shardemu.training.optim import clip_by_norm, make_optimizer
 
 RTS = "rts"
@@ -196,9 +196,11 @@ class Stage:
         def layer_vjp(w: Any, x: jax.Array, mask: jax.Array) -> Any:
             return jax.vjp(lambda w_, x_: model.apply_layers(w_, x_, mask), w, x)
 
-        def head_loss(shared: Any, x: jax.Array, batch: dict) -> jax.Array:
+        def head_loss(shared: Any, x: jax.Array, batch: dict, counts: Any = None) -> jax.Array:
+            """The loss of `batch`; of a microbatch, its share of the whole batch's loss
+            when `counts` are the whole batch's (`models/__init__.py`)."""
             sums = model.loss_sums(model.head(shared, x), batch)
-            return normalise(sums, model.loss_counts(batch))
+            return normalise(sums, model.loss_counts(batch) if counts is None else counts)
 
         grads_out = {"out_shardings": (self.layer_store, self.act)}
         builders = {

@@ -18,11 +18,11 @@ from jax.sharding import Mesh, NamedSharding
 
 from shardemu.accounting.count import Counted, Counter, abstract, piece_events, signature
 from shardemu.accounting.ledger import Carries, Event, Ledger, Phase, Where
-from shardemu.phased.tiers import Tier, bytes_all_devices, bytes_per_device, with_memory_kind
+from shardemu.stages.tiers import Tier, bytes_all_devices, bytes_per_device, with_memory_kind
 
 
 class StageLike(Protocol):
-    """Where a piece runs: a pipeline stage's index and mesh (`phased/stage.py`)."""
+    """Where a piece runs: a pipeline stage's index and mesh (`stages/stage.py`)."""
 
     index: int
     mesh: Mesh
@@ -76,6 +76,25 @@ class Executor:
             )
         )  # fmt: skip
         return out
+
+    def exchange(
+        self, stage: int, tree_a: Any, to_b: Any, tree_b: Any, to_a: Any, phase: Phase,
+        carries: Carries,
+    ) -> tuple[Any, Any]:  # fmt: skip
+        """Two stages swap trees so that each can sum both: an all-reduce over `pipe`
+        between two stages (the tied embedding's gradient halves, as Megatron-LM sums
+        them), one event recorded on `stage`. `to_b`, `to_a`: the shardings on the
+        receiving stage. Returns (b's tree on a, a's tree on b)."""
+        at_b, at_a = self._place(tree_a, to_b), self._place(tree_b, to_a)
+        self.ledger.record(
+            Event(
+                self.step, phase, "collective", carries,
+                bytes_all_devices(at_b) + bytes_all_devices(at_a), axis="pipe",
+                devices=_devices(at_a) + _devices(at_b), op="all-reduce", group=2,
+                stage=stage,
+            )
+        )  # fmt: skip
+        return at_a, at_b
 
     def _place(self, tree: Any, shardings: Any) -> Any:
         if self.real:

@@ -1,0 +1,106 @@
+"""Which layers each pipeline stage runs: even stages, uneven `--stage-layers`, and the
+model chunks of interleaved schedules.
+
+With p stages and v chunks per stage there are p v virtual stages, run in model order:
+virtual stage j = chunk * p + stage holds the next block of layers (Narayanan et al.
+2021, "Efficient Large-Scale Language Model Training on GPU Clusters", Section 2.2.2:
+device s holds chunks s, s + p, ...). Stage s's n_s layers are split into v equal
+chunks, so virtual stage j has n_{j mod p} / v layers. Without `stage_layers` every
+stage gets L / p layers. Graphcore's BERT-Large on 4 IPUs puts fewer layers on the
+stage that also holds the embedding (Graphcore, "BERT-Large training on the IPU",
+pipeline configuration [3, 7, 7, 7]), which `stage_layers` expresses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardemu.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    stages: int  # p: pipeline stages (pipe slices)
+    virtual: int  # v: model chunks per stage
+    slices: tuple[tuple[int, int], ...]  # per virtual stage: its layers [start, end)
+
+    @property
+    def last(self) -> int:
+        """The last virtual stage: the one that runs the head and the loss."""
+        return len(self.slices) - 1
+
+    def stage_of(self, j: int) -> int:
+        return j % self.stages
+
+    def chunk_of(self, j: int) -> int:
+        return j // self.stages
+
+    def virtual_stage(self, stage: int, chunk: int) -> int:
+        return chunk * self.stages + stage
+
+    def layers_of(self, j: int) -> int:
+        lo, hi = self.slices[j]
+        return hi - lo
+
+    def stage_layers(self) -> list[int]:
+        """Layers per stage, all chunks together."""
+        return [
+            sum(self.layers_of(j) for j in range(s, len(self.slices), self.stages))
+            for s in range(self.stages)
+        ]
+
+
+def pipeline_layout(
+    num_layers: int, stages: int, virtual: int = 1, stage_layers: tuple[int, ...] | None = None
+) -> PipelineLayout:
+    """The layers of each virtual stage, or a clear error naming the value and the fix."""
+    if virtual < 1:
+        raise ConfigError(f"--virtual must be a positive number of chunks per stage, got {virtual}")
+    if stage_layers is None:
+        if num_layers % stages:
+            raise ConfigError(
+                f"{num_layers} layers do not split evenly over pipe={stages}; use a pipe size "
+                f"that divides {num_layers}, or give the layers of each stage with "
+                f"--stage-layers (e.g. {_suggest(num_layers, stages)})"
+            )
+        stage_layers = (num_layers // stages,) * stages
+    stage_layers = tuple(stage_layers)
+    if len(stage_layers) != stages:
+        raise ConfigError(
+            f"--stage-layers {_fmt(stage_layers)} gives {len(stage_layers)} stages but the "
+            f"mesh has pipe={stages}; give one layer count per stage"
+        )
+    if any(n < 1 for n in stage_layers):
+        raise ConfigError(
+            f"--stage-layers {_fmt(stage_layers)} has a stage without layers; every stage "
+            f"needs at least one (use a smaller pipe)"
+        )
+    if sum(stage_layers) != num_layers:
+        raise ConfigError(
+            f"--stage-layers {_fmt(stage_layers)} sums to {sum(stage_layers)} but the model "
+            f"has {num_layers} layers; the counts must add up to {num_layers}"
+        )
+    bad = [n for n in stage_layers if n % virtual]
+    if bad:
+        raise ConfigError(
+            f"--virtual {virtual} does not divide the {bad[0]} layers of a stage "
+            f"(layers per stage: {_fmt(stage_layers)}); each stage's layers split into "
+            f"--virtual equal chunks, so use a divisor of every stage's layer count"
+        )
+    slices, start = [], 0
+    for j in range(stages * virtual):
+        size = stage_layers[j % stages] // virtual
+        slices.append((start, start + size))
+        start += size
+    return PipelineLayout(stages, virtual, tuple(slices))
+
+
+def _fmt(counts: tuple[int, ...]) -> str:
+    return ",".join(map(str, counts))
+
+
+def _suggest(layers: int, stages: int) -> str:
+    base, extra = divmod(layers, stages)
+    if base == 0:
+        return f"a pipe of at most {layers}"
+    return _fmt(tuple(base + (s >= stages - extra) for s in range(stages)))

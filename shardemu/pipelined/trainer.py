@@ -1,0 +1,196 @@
+"""The pipelined engine: each pipeline stage holds its layers on its own devices and
+runs its schedule's program (`program.py`); GPipe, 1F1B and interleaved 1F1B are all
+executed for real (Huang et al. 2019; Narayanan et al. 2021).
+
+`PipelinedTrainer` holds what a pipelined run is made of: the stages (meshes over each
+`pipe` slice's tensor x replica devices, their shardings and compiled pieces,
+`stages/stage.py`), the layers of every virtual stage (`layout.py`), a device tier per
+stage that counts the activations it keeps for the backward pass, and the ledger that
+every piece, send and collective is recorded in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from shardemu.accounting.count import Counter
+from shardemu.accounting.ledger import Ledger
+from shardemu.config import PhasedConfig, TrainConfig
+from shardemu.models import Model
+from shardemu.parallel.mesh import parallelism_of
+from shardemu.parallel.rules import Rules, megatron_rules
+from shardemu.parallel.schedules import Slot, make_schedule
+from shardemu.pipelined.layout import pipeline_layout
+from shardemu.pipelined.program import PipelinedState, StepOutput, run_step, shared_holders
+from shardemu.stages.executor import Executor
+from shardemu.stages.stage import AXIS_LABELS, Stage, build_stages, stage_meshes, stage_rules
+from shardemu.stages.tiers import Tier, bytes_per_device
+
+
+@dataclass
+class PipelinedResult:
+    state: PipelinedState
+    loss: float
+    grad_norm: float
+    grads: dict | None  # the full gradient tree (when asked for)
+    order: list[list[Slot]]  # per accumulation pass, the operations as executed
+    peak_activations: list[float]  # per stage: most microbatches' activations held
+
+
+class PipelinedTrainer:
+    def __init__(
+        self,
+        model: Model,
+        mesh: Mesh,
+        train: TrainConfig,
+        rules: Rules | None = None,
+        counter: Counter | None = None,
+    ) -> None:
+        par = parallelism_of(mesh)
+        train.check_fits(model.cfg, par)
+        self.layout = pipeline_layout(
+            model.cfg.num_layers, par.pipe, train.virtual, train.stage_layers
+        )
+        self.schedule = make_schedule(train.schedule, par.pipe, train.microbatches, train.virtual)
+        self.model, self.mesh, self.train, self.par = model, mesh, train, par
+        self.rules = stage_rules(megatron_rules() if rules is None else rules)
+        self.pieces = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), self.rules)
+        self.stages: tuple[Stage, ...] = self.pieces.stages
+        self.holders = shared_holders(self.layout)
+        self.counter = Counter() if counter is None else counter
+        self._context = (model.cfg, train, self.rules, 1, 1)  # as PhasedTrainer's, rts = 1
+        self._shapes: dict = {}
+        self.ledger = Ledger()
+        self.tiers = [Tier(f"device (stage {s})", None) for s in range(par.pipe)]
+        self.steps_done = 0
+
+    def stage_of(self, j: int) -> Stage:
+        return self.stages[self.layout.stage_of(j)]
+
+    # ---- state -------------------------------------------------------------------------
+
+    def init(self, seed: int) -> PipelinedState:
+        """Fresh parameters (created sharded over the first stage's tensor axis, as the
+        single-device init would make them) placed on their stages."""
+        first, key = self.stages[0], self.model.stack_key
+        shardings = {**first.shared_store, key: first.layer_store}
+        params = jax.jit(self.model.init_params, out_shardings=shardings)(jax.random.key(seed))
+        return self.place(params)
+
+    def place(self, params: dict) -> PipelinedState:
+        """Split a full parameter tree into virtual stages and put each on its stage,
+        with the shared weights on the first and the last stage; fresh optimizer state."""
+        key, tx_layers = self.model.stack_key, self.pieces.tx_layers
+        shared = {k: v for k, v in params.items() if k != key}
+        chunks, opt_chunks = [], []
+        for j, (a, b) in enumerate(self.layout.slices):
+            st = self.stage_of(j)
+            layers = jax.tree.map(lambda x, a=a, b=b: x[a:b], params[key])
+            w = jax.device_put(layers, st.layer_store)
+            chunks.append(w)
+            opt_chunks.append(jax.jit(tx_layers.init, out_shardings=st.layer_opt)(w))
+        on = {s: jax.device_put(shared, self.stages[s].shared_store) for s in self.holders}
+        opt_on = {
+            s: jax.jit(self.pieces.tx_shared.init, out_shardings=self.stages[s].shared_opt)(w)
+            for s, w in on.items()
+        }
+        return PipelinedState(chunks, opt_chunks, on, opt_on)
+
+    def params(self, state: PipelinedState) -> dict:
+        """The full parameter tree (host copies reassembled)."""
+        return self._tree(state.chunks, state.shared[self.holders[0]])
+
+    def _tree(self, chunks: list[Any], shared: Any) -> dict:
+        layers = jax.tree.map(lambda *xs: np.concatenate(xs), *jax.device_get(chunks))
+        return {**jax.device_get(shared), self.model.stack_key: layers}
+
+    def sizes(self) -> dict[str, int]:
+        """Bytes per device of the parameters and of the optimizer state on the stage
+        that holds the most (the first or last, with the shared weights)."""
+
+        def most(trees: list[Any], shared: dict[int, Any]) -> int:
+            per_stage = [0] * self.par.pipe
+            for j, tree in enumerate(trees):
+                per_stage[self.layout.stage_of(j)] += bytes_per_device(tree)
+            for s, tree in shared.items():
+                per_stage[s] += bytes_per_device(tree)
+            return max(per_stage)
+
+        state = self.abstract_state()
+        return {
+            "param_bytes_per_device": most(state.chunks, state.shared),
+            "opt_state_bytes_per_device": most(state.opt_chunks, state.opt_shared),
+        }
+
+    def abstract_state(self) -> PipelinedState:
+        """The state as shapes with their shardings: nothing allocated."""
+        p = self.pieces
+
+        def sds(tree: Any, shardings: Any) -> Any:
+            return jax.tree.map(
+                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings
+            )
+
+        chunks, opt_chunks = [], []
+        for j in range(len(self.layout.slices)):
+            n, st = self.layout.layers_of(j), self.stage_of(j)
+            shapes = jax.tree.map(
+                lambda s, n=n: jax.ShapeDtypeStruct((n, *s.shape[1:]), s.dtype), p.layer_shape_one
+            )
+            chunks.append(sds(shapes, st.layer_store))
+            opt_chunks.append(sds(jax.eval_shape(p.tx_layers.init, shapes), st.layer_opt))
+        opt_shared = jax.eval_shape(p.tx_shared.init, p.shared_shapes)
+        return PipelinedState(
+            chunks,
+            opt_chunks,
+            {s: sds(p.shared_shapes, self.stages[s].shared_store) for s in self.holders},
+            {s: sds(opt_shared, self.stages[s].shared_opt) for s in self.holders},
+        )
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def _passes(self, batch: dict[str, np.ndarray]) -> list[list[dict[int, dict]]]:
+        """The batch as accumulation passes of microbatches, each on the stages that
+        read it. Pass a holds examples a, a + k, ...; its microbatch i every m-th of
+        those (the split of `parallel/microbatch.py`)."""
+        k, m = self.train.grad_accum, self.train.microbatches
+        readers = [self.stages[s] for s in self.holders]
+
+        def put(part: dict[str, np.ndarray]) -> dict[int, dict]:
+            return {
+                st.index: {
+                    name: jax.device_put(np.asarray(v, np.int32), st.batch[name])
+                    for name, v in part.items()
+                }
+                for st in readers
+            }
+
+        return [
+            [put({name: v[a::k][i::m] for name, v in batch.items()}) for i in range(m)]
+            for a in range(k)
+        ]
+
+    def step(
+        self, state: PipelinedState, batch: dict[str, np.ndarray], keep_grads: bool = False
+    ) -> PipelinedResult:
+        """One real step; its events go to `self.ledger` under the step's number."""
+        counts = tuple(np.float32(c) for c in self.model.loss_counts(batch))
+        on = {s: jax.device_put(counts, self.stages[s].replicated) for s in self.holders}
+        ex = Executor(
+            self.ledger, self.tiers, AXIS_LABELS, True, self.counter, self.steps_done,
+            self._shapes, self._context,
+        )  # fmt: skip
+        out: StepOutput = run_step(
+            ex, self.layout, self.stages, self.train.schedule, state, self._passes(batch), on,
+            self.model.family.example_mask,
+        )  # fmt: skip
+        self.steps_done += 1
+        grads = self._tree(out.chunk_grads, out.shared_grads) if keep_grads else None
+        return PipelinedResult(
+            out.state, out.loss, out.grad_norm, grads, out.order, out.peak_activations
+        )
