@@ -38,8 +38,15 @@ from shardemu.parallel.rules import (
     param_table,
     resolve_specs,
 )
+from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.report.describe import describe
-from shardemu.training.engine import Engine, PhasedEngine, ResidentEngine, StepResult
+from shardemu.training.engine import (
+    Engine,
+    PhasedEngine,
+    PipelinedEngine,
+    ResidentEngine,
+    StepResult,
+)
 from shardemu.training.loop import StepInfo, TrainLoop
 from shardemu.training.optim import make_optimizer
 from shardemu.training.resident import Trainer
@@ -70,6 +77,8 @@ __all__ = [
     "RunDirError",
     "SyntheticCorpus",
     "TrainConfig",
+    "PipelinedEngine",
+    "PipelinedTrainer",
     "Trainer",
     "activation_rules",
     "constrain",

@@ -17,7 +17,7 @@ def test_gpipe_and_1f1b_bubble(pm, name):
     assert make_schedule(name, p, m).bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
 
 
-@given(st.integers(1, 5), st.integers(1, 4), st.integers(1, 4))
+@given(st.integers(1, 5), st.integers(1, 4), st.integers(2, 4))
 def test_interleaved_bubble(p, groups, v):
     m = p * groups
     sched = make_schedule("interleaved", p, m, v)
@@ -32,7 +32,7 @@ def test_gpipe_holds_m_microbatches_and_1f1b_holds_p(pm):
     assert [one_f_one_b.peak_activations(s) for s in range(p)] == [min(p - s, m) for s in range(p)]
 
 
-@given(p_m, st.sampled_from(["gpipe", "1f1b", "interleaved"]), st.integers(1, 3))
+@given(p_m, st.sampled_from(["gpipe", "1f1b", "interleaved"]), st.integers(2, 3))
 def test_every_op_once_in_dependency_order(pm, name, v):
     p, m = pm
     if name != "interleaved":
@@ -68,3 +68,5 @@ def test_bad_schedules_are_refused():
         make_schedule("interleaved", 4, 6, 2)
     with pytest.raises(ConfigError, match="need 'interleaved'"):
         make_schedule("1f1b", 4, 8, 2)
+    with pytest.raises(ConfigError, match="interleaved 1F1B needs --virtual >= 2"):
+        make_schedule("interleaved", 4, 8, 1)

@@ -25,13 +25,13 @@ Carries = Literal["weights", "gradients", "activations", "optimizer_state", ""]
 Where = Literal["device", "host"]
 PhaseKind = Literal[
     "shared", "embed", "forward", "head", "backward", "embed-backward", "shared-backward",
-    "update",
+    "update", "step",
 ]  # fmt: skip
 Part = Literal["once", "F", "B", "update"]
 
 _PART: dict[str, Part] = {
     "shared": "once", "embed": "F", "forward": "F", "head": "F", "backward": "B",
-    "embed-backward": "B", "shared-backward": "B", "update": "update",
+    "embed-backward": "B", "shared-backward": "B", "update": "update", "step": "once",
 }  # fmt: skip
 _SHORT = {"forward": "fwd", "backward": "bwd", "embed-backward": "bwd-embed",
           "shared-backward": "bwd-shared"}  # fmt: skip
@@ -43,7 +43,8 @@ class Phase:
 
     kind    what the step was doing: fetching the shared weights (`shared`), the
             embedding, a forward phase of layers, the head and loss, a backward phase,
-            the embedding's and the shared weights' backward, or an optimizer update
+            the embedding's and the shared weights' backward, an optimizer update, or
+            (`step`) a resident step's whole forward and backward pass
     index   which phase of layers (forward, backward, update); None for the shared
             pieces (an update of the shared weights has no index)
     layers  the [start, end) layers it covers, where it covers layers

@@ -8,7 +8,9 @@ without allocating it; `shardemu.parallel.rules` maps those names to mesh axes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextvars
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import flax.linen as nn
 import jax
@@ -118,6 +120,21 @@ class Mlp(nn.Module):
         return constrain(out(h_bsf), ACT_BSD)
 
 
+_UNROLLED = contextvars.ContextVar("shardemu_unrolled_layers", default=False)
+
+
+@contextmanager
+def unrolled_layers() -> Iterator[None]:
+    """Trace layer stacks written out layer by layer instead of as a loop. XLA's cost
+    analysis counts a loop body once whatever its trip count, so a whole model is
+    counted unrolled (`training/resident.py`); training runs the loop."""
+    token = _UNROLLED.set(True)
+    try:
+        yield
+    finally:
+        _UNROLLED.reset(token)
+
+
 def layer_stack(
     block: type[nn.Module], cfg: ModelConfig, length: int | None = None, name: str | None = None
 ) -> nn.Module:
@@ -125,12 +142,14 @@ def layer_stack(
     leading `layers` axis and applied with `nn.scan` (one traced body, whatever the
     depth). The block is called as `block(x, mask) -> (x, None)`. A pipeline stage is a
     stack of its own length applied to its slice of the stacked parameters."""
+    length = cfg.num_layers if length is None else length
     scanned = nn.scan(
         block,
         variable_axes={"params": 0},
         split_rngs={"params": True},
         in_axes=(nn.broadcast,),
-        length=cfg.num_layers if length is None else length,
+        length=length,
+        unroll=length if _UNROLLED.get() else 1,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
     return scanned(cfg, name=name)

@@ -175,6 +175,11 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -
         )
     if name != "interleaved" and virtual != 1:
         raise ConfigError(f"{name} has one chunk per device; virtual stages need 'interleaved'")
+    if name == "interleaved" and virtual == 1:
+        raise ConfigError(
+            "interleaved 1F1B needs --virtual >= 2 model chunks per stage (with one chunk it "
+            "is plain 1f1b); use --virtual 2, or --schedule 1f1b"
+        )
     if name == "interleaved" and microbatches % stages:
         fix = stages * -(-microbatches // stages)
         raise ConfigError(

@@ -25,8 +25,8 @@ from shardemu.models import Model
 from shardemu.parallel.mesh import parallelism_of
 from shardemu.parallel.rules import Rules, megatron_rules
 from shardemu.phased import planner
-from shardemu.stages.executor import Executor
 from shardemu.phased.program import Layout, PhasedState, run_step
+from shardemu.stages.executor import Executor
 from shardemu.stages.stage import AXIS_LABELS, Stage, build_stages, stage_meshes, stage_rules
 from shardemu.stages.tiers import Tier, with_memory_kind
 

@@ -13,9 +13,14 @@ pipeline configuration [3, 7, 7, 7]), which `stage_layers` expresses.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
+
+import jax
 
 from shardemu.errors import ConfigError
+from shardemu.models import Model
 
 
 @dataclass(frozen=True)
@@ -104,3 +109,30 @@ def _suggest(layers: int, stages: int) -> str:
     if base == 0:
         return f"a pipe of at most {layers}"
     return _fmt(tuple(base + (s >= stages - extra) for s in range(stages)))
+
+
+def stage_plan(model: Model, lay: PipelineLayout) -> list[dict[str, Any]]:
+    """Per stage: its layers ([start, end) of each chunk), their parameters, the shared
+    (embedding and head) parameters it holds (the first and the last stage do), and the
+    bytes of both over all tensor shards."""
+    shapes, _ = model.abstract_params()
+    stack = jax.tree.leaves(shapes[model.stack_key])
+    per_layer = sum(math.prod(x.shape[1:]) for x in stack)
+    per_layer_bytes = sum(math.prod(x.shape[1:]) * x.dtype.itemsize for x in stack)
+    shared = [x for k, v in shapes.items() if k != model.stack_key for x in jax.tree.leaves(v)]
+    shared_params = sum(math.prod(x.shape) for x in shared)
+    shared_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in shared)
+    holders = {lay.stage_of(0), lay.stage_of(lay.last)}
+    plan = []
+    for s, n in enumerate(lay.stage_layers()):
+        holds = s in holders
+        plan.append(
+            {
+                "stage": s,
+                "layers": [list(lay.slices[j]) for j in range(s, len(lay.slices), lay.stages)],
+                "layer_params": n * per_layer,
+                "shared_params": shared_params if holds else 0,
+                "param_bytes": n * per_layer_bytes + (shared_bytes if holds else 0),
+            }
+        )
+    return plan

@@ -28,7 +28,14 @@ from shardemu.parallel.schedules import Slot, make_schedule
 from shardemu.pipelined.layout import pipeline_layout
 from shardemu.pipelined.program import PipelinedState, StepOutput, run_step, shared_holders
 from shardemu.stages.executor import Executor
-from shardemu.stages.stage import AXIS_LABELS, Stage, build_stages, stage_meshes, stage_rules
+from shardemu.stages.stage import (
+    AXIS_LABELS,
+    Stage,
+    build_stages,
+    init_params,
+    stage_meshes,
+    stage_rules,
+)
 from shardemu.stages.tiers import Tier, bytes_per_device
 
 
@@ -77,10 +84,7 @@ class PipelinedTrainer:
     def init(self, seed: int) -> PipelinedState:
         """Fresh parameters (created sharded over the first stage's tensor axis, as the
         single-device init would make them) placed on their stages."""
-        first, key = self.stages[0], self.model.stack_key
-        shardings = {**first.shared_store, key: first.layer_store}
-        params = jax.jit(self.model.init_params, out_shardings=shardings)(jax.random.key(seed))
-        return self.place(params)
+        return self.place(init_params(self.model, self.stages[0], seed))
 
     def place(self, params: dict) -> PipelinedState:
         """Split a full parameter tree into virtual stages and put each on its stage,

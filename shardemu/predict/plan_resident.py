@@ -39,13 +39,13 @@ from shardemu.models import Model, param_count
 from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import megatron_rules
 from shardemu.parallel.schedules import Schedule, Slot, make_schedule
-from shardemu.stages.executor import Executor
 from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
-from shardemu.stages.stage import AXIS_LABELS, build_stages, stage_meshes, stage_rules
-from shardemu.stages.tiers import Tier, bytes_per_device
 from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.plan_phased import padded_for
+from shardemu.stages.executor import Executor
+from shardemu.stages.stage import AXIS_LABELS, build_stages, stage_meshes, stage_rules
+from shardemu.stages.tiers import Tier, bytes_per_device
 
 Recompute = Literal["none", "selective", "full"]
 FORWARD, BACKWARD = Phase("forward", 0, (0, 1)), Phase("backward", 0, (0, 1))

@@ -280,3 +280,11 @@ def build_stages(
         for s, m in enumerate(meshes)
     )
     return Pieces(stages, tx_layers, tx_shared, one, shared)
+
+
+def init_params(model: Model, stage: Stage, seed: int) -> Any:
+    """Fresh parameters created on `stage`'s devices in its stored shardings (split over
+    `tensor`, so no device holds the whole model): the values of the single-device
+    init, for an engine to place where it keeps them."""
+    shardings = {**stage.shared_store, model.stack_key: stage.layer_store}
+    return jax.jit(model.init_params, out_shardings=shardings)(jax.random.key(seed))

@@ -2,10 +2,12 @@
 StepResult`.
 
 The training loop (`loop.py`) drives any engine the same way: it does not know whether
-weights stay on the devices (resident, `resident.py`, GPipe over `pipe` when the mesh
-has stages) or stream in from the host tier phase by phase (`phased/trainer.py`). A
-step's result carries its loss, its gradient norm and its counts (the ledger totals of
-the step: FLOPs, bytes by tier and by mesh axis), which the loop records.
+weights stay on the devices in one compiled step (resident, `resident.py`), sit on the
+devices of their pipeline stage (pipelined, `pipelined/trainer.py`), or stream in from
+the host tier phase by phase (`phased/trainer.py`). Every engine keeps a ledger of what
+each step computed and moved; a step's result carries its loss, its gradient norm and
+its counts (the ledger totals of the step: FLOPs, bytes by tier and by mesh axis),
+which the loop records.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import jax
 import numpy as np
 
+from shardemu.accounting.count import Counter
+from shardemu.accounting.ledger import Ledger
 from shardemu.phased.trainer import PhasedTrainer
+from shardemu.pipelined.trainer import PipelinedTrainer
+from shardemu.stages.stage import init_params
+from shardemu.stages.tiers import bytes_per_device
 from shardemu.training.resident import Trainer
 
 
@@ -33,12 +39,23 @@ class StepResult:
 
 class Engine(Protocol):
     name: str
+    ledger: Ledger
 
     def init(self, seed: int) -> Any:
         """Parameters and optimizer state, where this engine keeps them."""
 
     def step(self, state: Any, batch: dict[str, np.ndarray]) -> StepResult:
         """One optimizer step on a global batch (host arrays)."""
+
+    def sizes(self) -> dict[str, int]:
+        """Bytes per device of the parameters and of the optimizer state (the most
+        any device holds)."""
+
+
+def step_counts(ledger: Ledger, step: int) -> dict[str, Any]:
+    """A step's ledger totals, with the bytes sent between pipeline stages apart."""
+    counts = ledger.step_totals(step)
+    return {**counts, "pipe_bytes": counts["bytes_collective"].get("pipe", 0)}
 
 
 class ResidentEngine:
@@ -47,7 +64,8 @@ class ResidentEngine:
     name = "resident"
 
     def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
+        self.trainer, self.ledger, self.counter = trainer, Ledger(), Counter()
+        self.steps_done = 0
 
     def init(self, seed: int) -> tuple[Any, Any]:
         self.trainer.compiled()  # compile before the first step, so steps time alone
@@ -55,7 +73,54 @@ class ResidentEngine:
 
     def step(self, state: tuple[Any, Any], batch: dict[str, np.ndarray]) -> StepResult:
         out = self.trainer.step(*state, batch)
-        return StepResult((out.params, out.opt_state), float(out.loss), float(out.grad_norm))
+        step, self.steps_done = self.steps_done, self.steps_done + 1
+        self.ledger.events.extend(self.trainer.step_events(self.counter, step))
+        return StepResult(
+            (out.params, out.opt_state),
+            float(out.loss),
+            float(out.grad_norm),
+            step_counts(self.ledger, step),
+        )
+
+    def sizes(self) -> dict[str, int]:
+        params, opt_state, _ = self.trainer.abstract_inputs()
+        return {
+            "param_bytes_per_device": bytes_per_device(params),
+            "opt_state_bytes_per_device": bytes_per_device(opt_state),
+        }
+
+    def device_bytes(self) -> int:
+        """Per device: arguments (weights, optimizer state, batch) and temporaries
+        (activations) of the compiled step, by XLA's memory analysis."""
+        mem = self.trainer.compiled().memory_analysis()
+        return int(mem.argument_size_in_bytes + mem.temp_size_in_bytes)
+
+
+class PipelinedEngine:
+    """Each stage's layers on its devices; the schedule executed for real."""
+
+    name = "pipelined"
+
+    def __init__(self, trainer: PipelinedTrainer) -> None:
+        self.trainer, self.ledger = trainer, trainer.ledger
+
+    def init(self, seed: int) -> Any:
+        return self.trainer.init(seed)
+
+    def step(self, state: Any, batch: dict[str, np.ndarray]) -> StepResult:
+        out = self.trainer.step(state, batch)
+        counts = step_counts(self.ledger, self.trainer.steps_done - 1)
+        return StepResult(out.state, out.loss, out.grad_norm, counts)
+
+    def sizes(self) -> dict[str, int]:
+        return self.trainer.sizes()
+
+    def device_bytes(self) -> int:
+        """Per device, on the fullest stage: weights, optimizer state and the most
+        activations it kept for the backward pass (its device tier's high-water)."""
+        sizes = self.trainer.sizes()
+        held = max(t.high_water for t in self.trainer.tiers)
+        return sizes["param_bytes_per_device"] + sizes["opt_state_bytes_per_device"] + held
 
 
 class PhasedEngine:
@@ -63,16 +128,25 @@ class PhasedEngine:
 
     name = "phased"
 
-    def __init__(self, trainer: PhasedTrainer, init_shardings: Any) -> None:
-        """`init_shardings`: where to create the parameters before they go to the host
-        tier (the resident shardings: no device holds the whole model)."""
-        self.trainer, self.init_shardings = trainer, init_shardings
+    def __init__(self, trainer: PhasedTrainer) -> None:
+        self.trainer, self.ledger = trainer, trainer.ledger
 
     def init(self, seed: int) -> Any:
-        init = jax.jit(self.trainer.model.init_params, out_shardings=self.init_shardings)
-        return self.trainer.init(init(jax.random.key(seed)))
+        return self.trainer.init(init_params(self.trainer.model, self.trainer.stages[0], seed))
 
     def step(self, state: Any, batch: dict[str, np.ndarray]) -> StepResult:
         out = self.trainer.step(state, batch)
-        counts = self.trainer.ledger.step_totals(self.trainer.steps_done - 1)
+        counts = step_counts(self.ledger, self.trainer.steps_done - 1)
         return StepResult(out.state, out.loss, out.grad_norm, counts)
+
+    def sizes(self) -> dict[str, int]:
+        """Host-tier bytes per device of the fullest stage (the first holds the shared
+        weights too)."""
+        state, lay = self.trainer.abstract_state(), self.trainer.layout()
+        weights, opt = [0] * len(lay.stages), [0] * len(lay.stages)
+        for i, (w, o) in enumerate(zip(state.layers, state.opt_layers, strict=True)):
+            weights[lay.stage_of(i).index] += bytes_per_device(w)
+            opt[lay.stage_of(i).index] += bytes_per_device(o)
+        weights[0] += bytes_per_device(state.shared)
+        opt[0] += bytes_per_device(state.opt_shared)
+        return {"param_bytes_per_device": max(weights), "opt_state_bytes_per_device": max(opt)}

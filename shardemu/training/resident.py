@@ -1,11 +1,16 @@
-"""The training engine: all parameters and optimizer state live on the devices, sharded
-by the rules table; one `jax.jit` step runs forward, backward and the optax update.
+"""The resident engine: all parameters and optimizer state live on the devices, sharded
+over `tensor` and `replica` by the rules table; one `jax.jit` step runs forward,
+backward and the optax update.
 
-With pipe > 1 (or microbatches > 1) the layers run as a GPipe pipeline over the `pipe`
-axis (`parallel/pipeline.py`); with grad_accum > 1 the batch is processed in chunks whose
-gradients add up to the whole batch's (`parallel/microbatch.py`). On a 1-device mesh
-with neither, the step *is* plain single-device `jax.jit`: the reference every engine
-must agree with.
+With grad_accum > 1 the batch is processed in chunks whose gradients add up to the
+whole batch's (`parallel/microbatch.py`). On a 1-device mesh the step *is* plain
+single-device `jax.jit`: the reference every engine must agree with. Meshes with
+pipeline stages, and microbatched steps, run on the pipelined engine
+(`pipelined/trainer.py`).
+
+The step's ledger events are counted from the same step compiled with its layers
+unrolled (XLA's cost analysis counts a loop body once) and split in two pieces, the
+gradients and the update, so that the optimizer's FLOPs are not model FLOPs.
 """
 
 from __future__ import annotations
@@ -14,17 +19,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardemu.accounting.count import with_shardings
-from shardemu.config import TrainConfig
+from shardemu.accounting.count import Counted, Counter, piece_events, with_shardings
+from shardemu.accounting.ledger import Event, Phase
+from shardemu.config import ConfigError, TrainConfig
 from shardemu.models import Model
+from shardemu.models.layers import unrolled_layers
 from shardemu.parallel.mesh import parallelism_of
 from shardemu.parallel.microbatch import accumulate
-from shardemu.parallel.pipeline import executor_for, pipelined_loss_sums
 from shardemu.parallel.rules import (
     Rules,
     activation_rules,
@@ -44,7 +49,6 @@ class ResidentOutput:
     loss: jax.Array
     grad_norm: jax.Array
     grads: Any | None
-    order: jax.Array  # pipeline order [grad_accum, m + p - 1, p] (microbatch ids, -1 idle)
 
 
 class Trainer:
@@ -55,10 +59,13 @@ class Trainer:
     ) -> None:
         par = parallelism_of(mesh)
         train.check_fits(model.cfg, par)
+        if par.pipe > 1 or train.microbatches > 1:
+            raise ConfigError(
+                f"the resident Trainer runs whole-batch steps without pipeline stages (got "
+                f"pipe={par.pipe}, microbatches={train.microbatches}); pipelined steps run on "
+                f"shardemu.PipelinedTrainer"
+            )
         self.model, self.mesh, self.train, self.par = model, mesh, train, par
-        self.pipelined = par.pipe > 1 or train.microbatches > 1
-        if self.pipelined:
-            executor_for(train.schedule)  # refuse a schedule not executed, before compiling
         self.rules = megatron_rules() if rules is None else rules
         axis_sizes = dict(mesh.shape)
 
@@ -114,30 +121,25 @@ class Trainer:
         batch = self.model.abstract_batch(self.train.batch, self.train.seq, self.batch_shardings)
         return params, opt_state, batch
 
-    def _loss_sums(self, params: Any, batch: dict) -> tuple[tuple[jax.Array, ...], jax.Array]:
-        if self.pipelined:
-            return pipelined_loss_sums(
-                self.model,
-                self.param_logical,
-                params,
-                batch,
-                self.par.pipe,
-                self.train.microbatches,
-                self.train.schedule,
-            )
-        return self.model.forward_sums(params, batch), jnp.zeros((1, 1), jnp.int32)
-
-    def _step_fn(self, params: Any, opt_state: Any, batch: dict, keep_grads: bool):
+    def _grads(self, params: Any, batch: dict) -> tuple[jax.Array, Any]:
+        """The loss and gradients of the global batch (over its accumulation chunks)."""
         with activation_rules(self.mesh, self.rules):
             counts = self.model.loss_counts(batch)
-            loss, grads, order = accumulate(
-                self._loss_sums, counts, params, batch, self.train.grad_accum
-            )
+            loss, grads, _ = accumulate(
+                lambda p, b: (self.model.forward_sums(p, b), None),
+                counts, params, batch, self.train.grad_accum,
+            )  # fmt: skip
+        return loss, grads
+
+    def _update(self, grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
         updates, opt_state = self.tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), opt_state
+
+    def _step_fn(self, params: Any, opt_state: Any, batch: dict, keep_grads: bool):
+        loss, grads = self._grads(params, batch)
+        params, opt_state = self._update(grads, opt_state, params)
         grad_norm = optax.tree.norm(grads)
-        order = order.reshape(self.train.grad_accum, *order.shape[-2:])
-        return params, opt_state, loss, grad_norm, grads if keep_grads else None, order
+        return params, opt_state, loss, grad_norm, grads if keep_grads else None
 
     def compiled(self, keep_grads: bool = False) -> jax.stages.Compiled:
         """The step, lowered and compiled ahead of time over `abstract_inputs()`; compiled
@@ -157,7 +159,6 @@ class Trainer:
                 r,
                 r,
                 self.param_shardings if keep_grads else None,
-                r,
             ),
             donate_argnums=(0, 1),
         )
@@ -170,3 +171,30 @@ class Trainer:
         With `keep_grads`, the gradients (sharded like the parameters) come back too."""
         out = self.compiled(keep_grads)(params, opt_state, self.put_batch(batch))
         return ResidentOutput(*out)
+
+    def step_events(self, counter: Counter, step: int) -> list[Event]:
+        """The ledger events of one step: the gradients (forward and backward, with
+        their collectives by mesh axis) and the update, each compiled with the layers
+        unrolled and counted once per signature by `counter`."""
+        params, opt_state, batch = self.abstract_inputs()
+        r = self._replicated
+        context = (self.model.cfg, self.train, self.rules)
+        with unrolled_layers():
+            grads = self._count(
+                counter, "step-grads", self._grads, (params, batch), (r, self.param_shardings),
+                context,
+            )  # fmt: skip
+            update = self._count(
+                counter, "step-update", self._update, (params, opt_state, params),
+                (self.param_shardings, self.opt_shardings), context,
+            )  # fmt: skip
+        return [
+            *piece_events(grads, step, Phase("step"), 0),
+            *piece_events(update, step, Phase("update"), 0, carries="optimizer_state"),
+        ]
+
+    def _count(
+        self, counter: Counter, name: str, fn: Any, args: tuple, out: Any, context: tuple
+    ) -> Counted:
+        jitted = jax.jit(fn, out_shardings=out)
+        return counter.count(name, jitted, self.mesh, args, context)

@@ -1,0 +1,182 @@
+"""The `shardemu` command: `run`, `demo`, `describe`, `plan`.
+
+Virtual devices must be requested before JAX starts its backend, so `run` sets them up
+first thing, before anything touches a device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from shardemu.cli.args import build_parser, model_config, phased_config, pipeline_config
+from shardemu.config import ConfigError, Parallelism, TrainConfig
+from shardemu.devices import use_virtual_devices
+from shardemu.errors import ShardemuError
+from shardemu.predict.hardware import get_hardware
+from shardemu.report.tables import param_table, print_phase_plan, summary_table
+
+console = Console(stderr=True)
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    par = Parallelism.parse(args.mesh)
+    devices = use_virtual_devices(args.devices or par.num_devices)
+    from shardemu.training.runner import train  # after the device count is fixed
+
+    train_cfg = TrainConfig(
+        steps=args.steps,
+        batch=args.batch,
+        seq=args.seq,
+        seed=args.seed,
+        microbatches=args.microbatches,
+        grad_accum=args.grad_accum,
+        optimizer=args.optimizer,
+        learning_rate=args.lr,
+        warmup_steps=args.warmup,
+        **pipeline_config(args),
+    )
+    model_cfg = model_config(args)
+    console.print(f"[bold]shardemu run[/] {model_cfg.name} on mesh {par}: compiling ...")
+    with Progress(
+        TextColumn("step {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("train", total=train_cfg.steps, loss="-")
+
+        def on_step(record: dict[str, Any]) -> None:
+            progress.update(task, advance=1, loss=f"{record['loss']:.4f}")
+
+        result = train(
+            model_cfg,
+            par,
+            train_cfg,
+            out=args.out,
+            devices=devices,
+            on_step=on_step,
+            phased=phased_config(args),
+            hardware=get_hardware(args.hardware) if args.hardware else None,
+        )
+    Console().print(summary_table(f"shardemu run: {model_cfg.name}", result.summary))
+
+
+def demo_argv(steps: int, out: str | None) -> list[str]:
+    """The `shardemu run` command line the demo stands for."""
+    from shardemu.report.rundir import default_run_dir
+
+    return [
+        "run", "--model", "gpt-tiny", "--mesh", "tensor=2,replica=4", "--devices", "8",
+        "--steps", str(steps), "--batch", "16", "--seq", "64", "--seed", "0",
+        "--out", str(out or default_run_dir("demo")),
+    ]  # fmt: skip
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    argv = demo_argv(args.steps, args.out)
+    console.print(f"[dim]demo = shardemu {' '.join(argv)}[/]", highlight=False, soft_wrap=True)
+    cmd_run(build_parser().parse_args(argv))
+
+
+def cmd_describe(args: argparse.Namespace) -> None:
+    from shardemu.report.describe import describe
+
+    par = Parallelism.parse(args.mesh)
+    phased = phased_config(args)
+    if phased:  # the plan runs on one stage's virtual devices: set them up first
+        use_virtual_devices(par.tensor * par.replica)
+    model_cfg = model_config(args)
+    report = describe(model_cfg, par)
+    if phased:
+        from shardemu.predict.plan_phased import plan_phased
+
+        train_cfg = TrainConfig(batch=args.batch, seq=args.seq)
+        report["phase_plan"] = plan_phased(model_cfg, par, train_cfg, phased)["plan"]
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    out = Console()
+    out.print(param_table(report))
+    for key in ("param_count", "param_bytes", "bytes_per_device"):
+        out.print(f"{key}: {report[key]:,}")
+    if phased:
+        print_phase_plan(out, report["phase_plan"])
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    par = Parallelism.parse(args.mesh)
+    phased = phased_config(args)
+    hardware = get_hardware(args.hardware) if args.hardware else None
+    if phased is None:
+        _plan_resident(args, par, hardware)
+        return
+    use_virtual_devices(par.tensor * par.replica)  # one pipeline stage's devices
+    from shardemu.predict.plan_phased import flatten, plan_phased
+    from shardemu.report.rundir import default_run_dir
+
+    model_cfg = model_config(args)
+    out = args.out or (default_run_dir(f"plan-{model_cfg.name}") if hardware else None)
+    train_cfg = TrainConfig(batch=args.batch, seq=args.seq)
+    report = plan_phased(
+        model_cfg, par, train_cfg, phased, hardware=hardware, out=out,
+        microbatch_size=args.microbatch_size,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    out_console = Console()
+    out_console.print(
+        summary_table(f"shardemu plan: {report['model']} on mesh {report['mesh']}", flatten(report))
+    )
+    print_phase_plan(out_console, report["plan"])
+
+
+def _plan_resident(args: argparse.Namespace, par: Parallelism, hardware: Any) -> None:
+    """`shardemu plan` without --phased: a resident pipelined step on `hardware`."""
+    if hardware is None:
+        raise ConfigError("a resident plan predicts a step: give --hardware NAME (or add --phased)")
+    use_virtual_devices(par.tensor)  # one stage's tensor group counts a microbatch
+    from shardemu.predict.plan_phased import flatten, write_plan_dir
+    from shardemu.predict.plan_resident import plan_resident
+    from shardemu.report.rundir import default_run_dir
+
+    model_cfg = model_config(args)
+    micro = args.microbatch_size or args.batch // par.replica
+    pipeline = pipeline_config(args)
+    report, ledger, timeline = plan_resident(
+        model_cfg, par, args.batch, args.seq, micro, hardware, args.schedule, pipeline["virtual"],
+        args.recompute,
+    )  # fmt: skip
+    write_plan_dir(
+        Path(args.out or default_run_dir(f"plan-{model_cfg.name}")), report, ledger, timeline
+    )
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    Console().print(
+        summary_table(f"shardemu plan: {report['model']} on {report['mesh']}", flatten(report))
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    commands = {"run": cmd_run, "demo": cmd_demo, "describe": cmd_describe, "plan": cmd_plan}
+    try:
+        commands[args.command](args)
+    except ShardemuError as err:
+        console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""The command line's arguments, and the settings they stand for.
+
+Every flag is parsed here and turned into the config objects the library takes
+(`ModelConfig`, `TrainConfig`, `PhasedConfig`); `__init__.py` runs the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from shardemu.config import (
+    ConfigError,
+    ModelConfig,
+    PhasedConfig,
+    TrainConfig,
+    custom_model,
+    get_preset,
+)
+from shardemu.parallel.schedules import SCHEDULES
+
+
+def model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        required=True,
+        help="preset name (gpt-tiny, gpt2-small, bert-base, ...), or gpt / bert with --layers "
+        "--hidden --heads [--vocab]",
+    )
+    for flag in ("--layers", "--hidden", "--heads", "--vocab"):
+        p.add_argument(flag, type=int, default=None, help=f"custom model {flag[2:]}")
+    p.add_argument(
+        "--pad-vocab",
+        type=int,
+        default=None,
+        metavar="M",
+        help="round the vocabulary up to a multiple of M (Megatron's vocab padding)",
+    )
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    dims = {"--layers": args.layers, "--hidden": args.hidden, "--heads": args.heads}
+    if args.model in ("gpt", "bert"):
+        missing = [flag for flag, value in dims.items() if value is None]
+        if missing:
+            raise ConfigError(f"--model {args.model} needs {', '.join(missing)} (or a preset name)")
+        positions = getattr(args, "seq", None) or 0
+        cfg = custom_model(args.model, args.layers, args.hidden, args.heads, args.vocab, positions)
+    else:
+        given = [
+            flag for flag, value in {**dims, "--vocab": args.vocab}.items() if value is not None
+        ]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} go with --model gpt or --model bert, not a preset"
+            )
+        cfg = get_preset(args.model)
+    return cfg.pad_vocab(args.pad_vocab) if args.pad_vocab else cfg
+
+
+def run_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    p.add_argument(
+        "--devices", type=int, default=None, help="virtual CPU devices (default: the mesh size)"
+    )
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--batch", type=int, default=defaults.batch, help="global batch (all replicas)")
+    p.add_argument("--seq", type=int, default=defaults.seq, help="sequence length")
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=defaults.microbatches,
+        help="microbatches per step, run through the pipeline --schedule over the pipe axis",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=defaults.grad_accum,
+        help="gradient accumulation steps (global batch = b * M * replica * K)",
+    )
+    p.add_argument("--optimizer", choices=("adamw", "lamb"), default=defaults.optimizer)
+    p.add_argument("--lr", type=float, default=defaults.learning_rate, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=defaults.warmup_steps, help="warm-up steps")
+    p.add_argument("--out", default=None, help="run directory (default runs/<model>-<timestamp>)")
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="add the predicted step on a profile (ipu-pod16, a100-80gb, ...) or a .toml file",
+    )
+    phased_args(p)
+
+
+def phased_args(p: argparse.ArgumentParser) -> None:
+    d = PhasedConfig()
+    p.add_argument(
+        "--phased", action="store_true", help="weights in the host tier, streamed per phase"
+    )
+    p.add_argument(
+        "--phases",
+        type=int,
+        default=None,
+        help="phases (default: the fewest that fit --device-memory, else one per layer)",
+    )
+    p.add_argument(
+        "--device-memory", type=int, default=None, metavar="BYTES", help="device tier capacity"
+    )
+    p.add_argument("--rts", type=int, default=d.rts, help="replicated tensor sharding over replica")
+    p.add_argument(
+        "--rts-optimizer",
+        type=int,
+        default=None,
+        metavar="R2",
+        help="rts' for optimizer state: 1, --rts, or the replica size (default: --rts)",
+    )
+    p.add_argument(
+        "--activations",
+        choices=("keep", "offload", "recompute"),
+        default=d.activations,
+        help="what a phase's backward gets from its forward",
+    )
+    p.add_argument(
+        "--optimizer-on",
+        choices=("host", "device"),
+        default=d.optimizer_on,
+        help="where the update runs (host: the MemoryX arrangement)",
+    )
+    p.add_argument(
+        "--no-prefetch",
+        dest="prefetch",
+        action="store_false",
+        help="fetch a phase's weights only when it runs (default: one phase ahead)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardemu", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="train a model for real on a mesh of virtual devices")
+    model_args(run)
+    run.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R (missing axes are 1)")
+    run_args(run, TrainConfig())
+    pipeline_args(run, stage_layers=True)
+
+    demo = sub.add_parser(
+        "demo", help="a short gpt-tiny run on 8 virtual devices (tensor=2, replica=4)"
+    )
+    demo.add_argument("--steps", type=int, default=30)
+    demo.add_argument("--out", default=None, help="run directory (default runs/demo-<timestamp>)")
+
+    describe = sub.add_parser(
+        "describe", help="every parameter's shape, logical axes, spec and bytes per device"
+    )
+    model_args(describe)
+    describe.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R")
+    describe.add_argument("--json", action="store_true", help="emit JSON instead of a table")
+    shape_args(describe)
+    phased_args(describe)
+
+    plan = sub.add_parser(
+        "plan", help="count a phased step in abstract mode: any preset, any mesh, no weights"
+    )
+    model_args(plan)
+    plan.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R")
+    plan.add_argument("--json", action="store_true", help="emit JSON instead of a table")
+    plan.add_argument(
+        "--hardware",
+        default=None,
+        help="predict the step on a profile (ipu-pod256, a100-80gb, ...) or a .toml/.json file",
+    )
+    plan.add_argument(
+        "--out",
+        default=None,
+        help="run directory (default with --hardware: runs/plan-<model>-<time>)",
+    )
+    shape_args(plan)
+    phased_args(plan)
+    plan.add_argument(
+        "--microbatch-size",
+        type=int,
+        default=None,
+        help="sequences per microbatch per replica (default: the whole batch at once); "
+        "phased plans run the batch as pipelined passes of this size",
+    )
+    pipeline_args(plan, stage_layers=False)
+    plan.add_argument(
+        "--recompute",
+        choices=("none", "selective", "full"),
+        default="full",
+        help="resident plans: activation recomputation",
+    )
+    return parser
+
+
+def pipeline_args(p: argparse.ArgumentParser, stage_layers: bool) -> None:
+    p.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="1f1b",
+        help="pipeline schedule over the pipe axis (Narayanan et al. 2021)",
+    )
+    p.add_argument(
+        "--virtual",
+        type=int,
+        default=None,
+        metavar="V",
+        help="model chunks per stage, interleaved schedule only (default 2)",
+    )
+    if stage_layers:
+        p.add_argument(
+            "--stage-layers",
+            default=None,
+            metavar="N,N,...",
+            help="layers of each pipeline stage, e.g. 3,7,7,7 (default: even)",
+        )
+
+
+def pipeline_config(args: argparse.Namespace) -> dict[str, Any]:
+    """`TrainConfig`'s schedule, virtual and stage_layers from the flags."""
+    virtual = args.virtual
+    if virtual is None:
+        virtual = 2 if args.schedule == "interleaved" else 1
+    elif args.schedule != "interleaved" and virtual != 1:
+        raise ConfigError(
+            f"--virtual {virtual} splits stages into chunks, which only the interleaved "
+            f"schedule runs; add --schedule interleaved (or drop --virtual)"
+        )
+    text = getattr(args, "stage_layers", None)
+    stage_layers = None
+    if text is not None:
+        try:
+            stage_layers = tuple(int(n) for n in text.split(","))
+        except ValueError:
+            raise ConfigError(
+                f"--stage-layers needs comma-separated layer counts, one per stage "
+                f"(e.g. 3,7,7,7), got {text!r}"
+            ) from None
+    return {"schedule": args.schedule, "virtual": virtual, "stage_layers": stage_layers}
+
+
+def shape_args(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    p.add_argument("--batch", type=int, default=d.batch, help="global batch (all replicas)")
+    p.add_argument("--seq", type=int, default=d.seq, help="sequence length")
+
+
+def phased_config(args: argparse.Namespace) -> PhasedConfig | None:
+    """The phased settings, or None; phased flags without --phased are an error."""
+    d = PhasedConfig()
+    given = [
+        flag
+        for flag, value, default in (
+            ("--phases", args.phases, None),
+            ("--device-memory", args.device_memory, None),
+            ("--rts", args.rts, d.rts),
+            ("--rts-optimizer", args.rts_optimizer, None),
+            ("--activations", args.activations, d.activations),
+            ("--optimizer-on", args.optimizer_on, d.optimizer_on),
+            ("--no-prefetch", args.prefetch, d.prefetch),
+        )
+        if value != default
+    ]
+    if not args.phased:
+        if given:
+            raise ConfigError(f"{', '.join(given)} need --phased")
+        return None
+    return PhasedConfig(
+        phases=args.phases,
+        device_memory=args.device_memory,
+        rts=args.rts,
+        rts_optimizer=args.rts_optimizer,
+        activations=args.activations,
+        optimizer_on=args.optimizer_on,
+        prefetch=args.prefetch,
+    )
