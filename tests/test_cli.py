@@ -207,8 +207,44 @@ def test_plan_and_describe_phased_count_without_weights():
         (["run", "--model", "gpt-9000"], "unknown model 'gpt-9000'"),
         (
             ["run", "--model", "gpt-tiny", "--mesh", "pipe=3"],
-            "('layers', size 4) is not divisible by mesh axis 'pipe' (size 3)",
+            "4 layers do not split evenly over pipe=3; use a pipe size that divides 4, or give "
+            "the layers of each stage with --stage-layers (e.g. 1,1,2)",
         ),
+        (
+            ["run", "--model", "gpt-tiny", "--mesh", "pipe=2", "--stage-layers", "1,2"],
+            "--stage-layers 1,2 sums to 3 but the model has 4 layers",
+        ),
+        (
+            ["run", "--model", "gpt-tiny", "--mesh", "pipe=2", "--stage-layers", "1,1,2"],
+            "--stage-layers 1,1,2 gives 3 stages but the mesh has pipe=2",
+        ),
+        (
+            ["run", "--model", "gpt-tiny", "--mesh", "pipe=2", "--stage-layers", "0,4"],
+            "--stage-layers 0,4 has a stage without layers",
+        ),
+        (
+            ["run", "--model", "gpt-tiny", "--mesh", "pipe=2", "--stage-layers", "1;3"],
+            "--stage-layers needs comma-separated layer counts",
+        ),
+        (
+            ["run", "--model", "gpt-tiny", "--mesh", "pipe=2", "--stage-layers", "1,3",
+             "--schedule", "interleaved", "--microbatches", "2"],
+            "--virtual 2 does not divide the 1 layers of a stage",
+        ),  # fmt: skip
+        (
+            ["run", "--model", "gpt-tiny", "--mesh", "pipe=2", "--schedule", "interleaved",
+             "--virtual", "1", "--microbatches", "2"],
+            "interleaved 1F1B needs --virtual >= 2",
+        ),  # fmt: skip
+        (
+            ["run", "--model", "gpt-tiny", "--mesh", "pipe=2", "--virtual", "2"],
+            "only the interleaved schedule runs; add --schedule interleaved",
+        ),
+        (
+            ["run", "--model", "gpt-tiny", "--mesh", "pipe=2", "--schedule", "interleaved",
+             "--virtual", "0", "--microbatches", "2"],
+            "TrainConfig.virtual must be a positive integer, got 0",
+        ),  # fmt: skip
         (["describe", "--model", "gpt2-small", "--mesh", "tensor=8"], "--pad-vocab"),
         (
             ["run", "--model", "gpt-tiny", "--mesh", "replica=4", "--batch", "6"],
