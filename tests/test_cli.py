@@ -166,8 +166,17 @@ def test_pipelined_run_agrees_with_single_device(model, mesh, microbatches, tmp_
     assert a[0]["pipe_bytes"] > 0 and b[0]["pipe_bytes"] == 0 and b[0]["bubble_fraction"] == 0
     plan = json.loads((tmp_path / "p" / "config.json").read_text())["stage_plan"]
     assert [s["layers"] for s in plan] == [
-        [i * 4 // pipe, (i + 1) * 4 // pipe] for i in range(pipe)
+        [[i * 4 // pipe, (i + 1) * 4 // pipe]] for i in range(pipe)
     ]
+    assert [s["shared_params"] > 0 for s in plan] == [i in (0, pipe - 1) for i in range(pipe)]
+    # both runs write their own ledger: compute on every stage and sends over pipe; the
+    # resident step's gradients and update, with its collectives
+    ledger = json.loads((tmp_path / "p" / "ledger.json").read_text())
+    assert {e["stage"] for e in ledger if e["kind"] == "compute"} == set(range(pipe))
+    sent = sum(e["bytes"] for e in ledger if e["step"] == 0 and e["axis"] == "pipe")
+    assert sent == a[0]["pipe_bytes"] == a[0]["bytes_collective"]["pipe"]
+    single_ledger = json.loads((tmp_path / "s" / "ledger.json").read_text())
+    assert {e["phase"]["kind"] for e in single_ledger} == {"step", "update"}
 
 
 @pytest.mark.parametrize(
@@ -227,13 +236,35 @@ def test_plan_and_describe_phased_count_without_weights():
             "--stage-layers needs comma-separated layer counts",
         ),
         (
-            ["run", "--model", "gpt-tiny", "--mesh", "pipe=2", "--stage-layers", "1,3",
-             "--schedule", "interleaved", "--microbatches", "2"],
+            [
+                "run",
+                "--model",
+                "gpt-tiny",
+                "--mesh",
+                "pipe=2",
+                "--stage-layers",
+                "1,3",
+                "--schedule",
+                "interleaved",
+                "--microbatches",
+                "2",
+            ],
             "--virtual 2 does not divide the 1 layers of a stage",
         ),  # fmt: skip
         (
-            ["run", "--model", "gpt-tiny", "--mesh", "pipe=2", "--schedule", "interleaved",
-             "--virtual", "1", "--microbatches", "2"],
+            [
+                "run",
+                "--model",
+                "gpt-tiny",
+                "--mesh",
+                "pipe=2",
+                "--schedule",
+                "interleaved",
+                "--virtual",
+                "1",
+                "--microbatches",
+                "2",
+            ],
             "interleaved 1F1B needs --virtual >= 2",
         ),  # fmt: skip
         (
@@ -241,8 +272,19 @@ def test_plan_and_describe_phased_count_without_weights():
             "only the interleaved schedule runs; add --schedule interleaved",
         ),
         (
-            ["run", "--model", "gpt-tiny", "--mesh", "pipe=2", "--schedule", "interleaved",
-             "--virtual", "0", "--microbatches", "2"],
+            [
+                "run",
+                "--model",
+                "gpt-tiny",
+                "--mesh",
+                "pipe=2",
+                "--schedule",
+                "interleaved",
+                "--virtual",
+                "0",
+                "--microbatches",
+                "2",
+            ],
             "TrainConfig.virtual must be a positive integer, got 0",
         ),  # fmt: skip
         (["describe", "--model", "gpt2-small", "--mesh", "tensor=8"], "--pad-vocab"),

@@ -16,9 +16,9 @@ import pytest
 from shardemu.config import ConfigError, Parallelism, PhasedConfig, TrainConfig
 from shardemu.data import SyntheticCorpus
 from shardemu.parallel.mesh import make_mesh
-from shardemu.stages.tiers import CapacityError
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.report.describe import describe
+from shardemu.stages.tiers import CapacityError
 
 pytestmark = pytest.mark.slow  # each case compiles and runs whole steps
 
