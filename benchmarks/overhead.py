@@ -3,8 +3,11 @@
 For a small GPT and a small BERT at the same global batch, every mesh runs the same
 training step (same losses, as tests/test_engine.py and tests/test_pipeline.py show);
 this measures what sharding over virtual CPU devices costs in wall time, tensor and
-replica meshes and pipelined (GPipe) ones. `flops ratio` is XLA's executed FLOPs summed
-over devices divided by the single-device step's: it shows repeated work. All meshes
+replica meshes and pipelined ones under every schedule (GPipe, 1F1B, interleaved 1F1B
+where the stages' layers split into two chunks). `flops ratio` is the step's forward
+and backward FLOPs from its ledger (XLA's counts, summed over devices; the optimizer,
+which every replica repeats by design, left out) divided by the single-device step's:
+above 1 is work the mesh repeats. All meshes
 are measured in one process, so ratios compare like with like; absolute times depend on
 this machine and its load.
 
@@ -29,7 +32,17 @@ jax.config.update("jax_num_cpu_devices", 8)
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from shardemu import Model, ModelConfig, SyntheticCorpus, TrainConfig, Trainer, make_mesh  # noqa: E402
+from shardemu import (  # noqa: E402
+    Model,
+    ModelConfig,
+    PipelinedEngine,
+    PipelinedTrainer,
+    ResidentEngine,
+    SyntheticCorpus,
+    TrainConfig,
+    Trainer,
+    make_mesh,
+)
 from shardemu.report.rundir import versions  # noqa: E402
 
 MODELS = [
@@ -47,43 +60,46 @@ MODELS = [
         gelu_approximate=False,
     ),
 ]
-# (pipe, tensor, replica, microbatches); the first is the single-device baseline
+# (pipe, tensor, replica, microbatches, schedule); the first is the single-device baseline
 MESHES = [
-    (1, 1, 1, 1),
-    (1, 1, 8, 1),
-    (1, 2, 4, 1),
-    (1, 4, 2, 1),
-    (1, 8, 1, 1),
-    (2, 2, 2, 4),
-    (2, 1, 4, 2),
-    (4, 1, 2, 4),
-    (4, 2, 1, 4),
+    (1, 1, 1, 1, None),
+    (1, 1, 8, 1, None),
+    (1, 2, 4, 1, None),
+    (1, 4, 2, 1, None),
+    (1, 8, 1, 1, None),
+    *(
+        (p, t, r, m, schedule)
+        for p, t, r, m in ((2, 2, 2, 4), (2, 1, 4, 2), (4, 1, 2, 4), (4, 2, 1, 4))
+        for schedule in ("gpipe", "1f1b", "interleaved")
+        if schedule != "interleaved" or p == 2  # 4 layers on 4 stages: no second chunk
+    ),
 ]
 
 
 def time_steps(model: Model, mesh: tuple[int, int, int], train: TrainConfig, steps: int) -> dict:
     devices = jax.devices()[: mesh[0] * mesh[1] * mesh[2]]
-    trainer = Trainer(model, make_mesh(*mesh, devices=devices), train)
-    t0 = time.perf_counter()
-    compiled = trainer.compiled()
-    compile_s = time.perf_counter() - t0
-    flops_per_device = compiled.cost_analysis()["flops"]
-    params, opt_state = trainer.init(train.seed)
+    grid = make_mesh(*mesh, devices=devices)
+    pipelined = mesh[0] > 1 or train.microbatches > 1
+    engine = (
+        PipelinedEngine(PipelinedTrainer(model, grid, train))
+        if pipelined
+        else ResidentEngine(Trainer(model, grid, train))
+    )
+    state = engine.init(train.seed)
     corpus = SyntheticCorpus(model.cfg.vocab_size, seed=train.seed)
-    times, losses = [], []
-    for step in range(steps + 2):  # two warm-up steps are not timed
-        batch = trainer.put_batch(model.batch(corpus, step, train.batch, train.seq))
+    times, losses, counts = [], [], {}
+    for step in range(steps + 2):  # two warm-up steps (compilation) are not timed
+        batch = model.batch(corpus, step, train.batch, train.seq)
         t0 = time.perf_counter()
-        result = trainer.step(params, opt_state, batch)
-        losses.append(float(result.loss))
+        result = engine.step(state, batch)
         if step >= 2:
             times.append(time.perf_counter() - t0)
-        params, opt_state = result.params, result.opt_state
+        losses.append(result.loss)
+        state, counts = result.state, result.counts
     return {
         "median_step_s": statistics.median(times),
-        "compile_s": compile_s,
         "losses": losses,
-        "flops_per_device": flops_per_device,
+        "flops": counts["model_flops"],
     }
 
 
@@ -100,8 +116,13 @@ def main() -> None:
     for cfg in MODELS:
         model = Model(cfg)
         base = None
-        for pipe, tensor, replica, micro in MESHES:
-            train = dataclasses.replace(train, microbatches=micro)
+        for pipe, tensor, replica, micro, schedule in MESHES:
+            train = dataclasses.replace(
+                train,
+                microbatches=micro,
+                schedule=schedule or "1f1b",
+                virtual=2 if schedule == "interleaved" else 1,
+            )
             r = time_steps(model, (pipe, tensor, replica), train, args.steps)
             base = base or r
             devices = pipe * tensor * replica
@@ -112,13 +133,13 @@ def main() -> None:
                     "tensor": tensor,
                     "replica": replica,
                     "microbatches": micro,
+                    "schedule": schedule,
                     "devices": devices,
                     "median_step_s": r["median_step_s"],
                     "ratio_to_single_device": r["median_step_s"] / base["median_step_s"],
-                    # executed FLOPs, all devices, over the single-device step's: > 1 is
-                    # work the mesh repeats (bubble iterations, replicated embedding/head)
-                    "flops_ratio": r["flops_per_device"] * devices / base["flops_per_device"],
-                    "compile_s": r["compile_s"],
+                    # forward and backward FLOPs, all devices, over the single-device
+                    # step's: > 1 is work the mesh repeats
+                    "flops_ratio": r["flops"] / base["flops"],
                     "max_loss_rel_diff": max(
                         abs(a - b) / abs(b)
                         for a, b in zip(r["losses"], base["losses"], strict=True)
@@ -133,10 +154,10 @@ def main() -> None:
         "model",
         "p x t x r",
         "M",
+        "schedule",
         "step s",
         "ratio",
         "flops ratio",
-        "compile s",
         "loss rel diff",
     )
     for col in cols:
@@ -146,10 +167,10 @@ def main() -> None:
             row["model"],
             f"{row['pipe']} x {row['tensor']} x {row['replica']}",
             str(row["microbatches"]),
+            row["schedule"] or "-",
             f"{row['median_step_s']:.4f}",
             f"{row['ratio_to_single_device']:.2f}",
             f"{row['flops_ratio']:.2f}",
-            f"{row['compile_s']:.1f}",
             f"{row['max_loss_rel_diff']:.1e}",
         )
     Console().print(table)
