@@ -1,5 +1,5 @@
-"""Splitting a global batch into chunks (microbatches, accumulation steps) and merging
-them back, without moving data between replicas.
+"""Splitting a global batch into chunks (accumulation steps) without moving data between
+replicas, and accumulating their gradients.
 
 Chunk k holds examples k, k+n, k+2n, ...: with the batch split over `replica` in
 contiguous blocks of B/r, each block holds B/(r n) examples of every chunk, so the split
@@ -22,15 +22,6 @@ def split(tree: Any, n: int) -> Any:
 
     def one(x: jax.Array) -> jax.Array:
         return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
-
-    return jax.tree.map(one, tree)
-
-
-def merge(tree: Any) -> Any:
-    """The inverse of `split`: [n, B/n, ...] -> [B, ...]."""
-
-    def one(x: jax.Array) -> jax.Array:
-        return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
     return jax.tree.map(one, tree)
 

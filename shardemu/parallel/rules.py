@@ -6,7 +6,6 @@ Models name every parameter and key activation dimension with a logical axis:
     sequence  token positions of an activation       heads     attention heads A
     head_dim  width of one head d/A                  mlp       feed-forward width d_ff
     vocab     vocabulary rows V                      layers    stacked transformer layers L
-    stages    pipeline stages p (pipeline buffers)
     position  rows of a learned position table       segment   rows of BERT's segment table
     classes   outputs of a small classifier head     embed_out second width of a d x d matrix
 
@@ -16,7 +15,7 @@ Section 3): the embedding is vocab-parallel, QKV and the first MLP matrix are
 column-parallel (split on heads / mlp), the attention output and second MLP matrix are
 row-parallel (split on their input heads / mlp), and the batch is split over `replica`.
 Stacked layers are split over `pipe` in contiguous blocks: pipeline stages (GPipe-style,
-Huang et al. 2019); `stages` names the stage axis of pipeline buffers.
+Huang et al. 2019).
 
 Resolution is strict, unlike flax's and t5x's: an unknown logical name, a mesh axis used
 twice in one tensor, or an axis that does not divide a dimension is an error naming the
@@ -53,7 +52,6 @@ def megatron_rules() -> Rules:
         ("mlp", "tensor"),
         ("vocab", "tensor"),
         ("layers", "pipe"),
-        ("stages", "pipe"),
         ("position", None),
         ("segment", None),
         ("classes", None),
@@ -66,7 +64,7 @@ _FIX_HINTS = {
     "heads": "use a model whose head count the axis divides",
     "mlp": "use a model whose MLP width the axis divides",
     "batch": "use a global --batch that is a multiple of the axis size",
-    "layers": "use a pipe size that divides the layer count (uneven stages are refused)",
+    "layers": "use a pipe size that divides the layer count (or --stage-layers)",
 }
 
 

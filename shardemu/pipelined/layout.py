@@ -37,9 +37,6 @@ class PipelineLayout:
     def stage_of(self, j: int) -> int:
         return j % self.stages
 
-    def chunk_of(self, j: int) -> int:
-        return j // self.stages
-
     def virtual_stage(self, stage: int, chunk: int) -> int:
         return chunk * self.stages + stage
 
@@ -59,8 +56,6 @@ def pipeline_layout(
     num_layers: int, stages: int, virtual: int = 1, stage_layers: tuple[int, ...] | None = None
 ) -> PipelineLayout:
     """The layers of each virtual stage, or a clear error naming the value and the fix."""
-    if virtual < 1:
-        raise ConfigError(f"--virtual must be a positive number of chunks per stage, got {virtual}")
     if stage_layers is None:
         if num_layers % stages:
             raise ConfigError(

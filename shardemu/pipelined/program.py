@@ -24,7 +24,7 @@ No work is repeated (as in Megatron-LM, Narayanan et al. 2021):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -58,7 +58,7 @@ class StepOutput:
     loss: float
     grad_norm: float
     order: list[list[Slot]]  # per accumulation pass: the operations as executed
-    peak_activations: list[float] = field(default_factory=list)  # per stage, microbatches
+    peak_activations: list[float]  # per stage, in microbatches
 
 
 class Sums:
@@ -244,14 +244,14 @@ def _global_norm(
 ) -> float:  # fmt: skip
     """The gradient norm over the whole model (clipping needs it on every stage), each
     gradient counted once."""
-    squares = [
-        ex.run(Phase("update", j, lay.slices[j]), "sq-norm", st.fn("sq-norm"), st, (g,))
-        for j, g in enumerate(chunk_grads)
-        for st in (stages[lay.stage_of(j)],)
+    parts = [
+        (Phase("update", j, lay.slices[j]), lay.stage_of(j), g) for j, g in enumerate(chunk_grads)
     ]
     first = min(shared_grads)
-    st = stages[first]
-    squares.append(ex.run(Phase("update"), "sq-norm", st.fn("sq-norm"), st, (shared_grads[first],)))
+    parts.append((Phase("update"), first, shared_grads[first]))
+    squares = [
+        ex.run(phase, "sq-norm", stages[s].fn("sq-norm"), stages[s], (g,)) for phase, s, g in parts
+    ]
     return math.sqrt(sum(float(s) for s in squares)) if ex.real else 0.0
 
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from shardemu.accounting.count import Counter
+from shardemu.accounting.count import Counter, with_shardings
 from shardemu.accounting.ledger import Ledger
 from shardemu.config import PhasedConfig, TrainConfig
 from shardemu.models import Model
@@ -134,26 +134,21 @@ class PipelinedTrainer:
     def abstract_state(self) -> PipelinedState:
         """The state as shapes with their shardings: nothing allocated."""
         p = self.pieces
-
-        def sds(tree: Any, shardings: Any) -> Any:
-            return jax.tree.map(
-                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings
-            )
-
         chunks, opt_chunks = [], []
         for j in range(len(self.layout.slices)):
             n, st = self.layout.layers_of(j), self.stage_of(j)
             shapes = jax.tree.map(
                 lambda s, n=n: jax.ShapeDtypeStruct((n, *s.shape[1:]), s.dtype), p.layer_shape_one
             )
-            chunks.append(sds(shapes, st.layer_store))
-            opt_chunks.append(sds(jax.eval_shape(p.tx_layers.init, shapes), st.layer_opt))
+            chunks.append(with_shardings(shapes, st.layer_store))
+            opt_shapes = jax.eval_shape(p.tx_layers.init, shapes)
+            opt_chunks.append(with_shardings(opt_shapes, st.layer_opt))
         opt_shared = jax.eval_shape(p.tx_shared.init, p.shared_shapes)
         return PipelinedState(
             chunks,
             opt_chunks,
-            {s: sds(p.shared_shapes, self.stages[s].shared_store) for s in self.holders},
-            {s: sds(opt_shared, self.stages[s].shared_opt) for s in self.holders},
+            {s: with_shardings(p.shared_shapes, self.stages[s].shared_store) for s in self.holders},
+            {s: with_shardings(opt_shared, self.stages[s].shared_opt) for s in self.holders},
         )
 
     # ---- one step ------------------------------------------------------------------------

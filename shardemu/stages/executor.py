@@ -1,6 +1,7 @@
-"""One code path for real and abstract phased execution.
+"""One code path for real and abstract execution of stage programs.
 
-The phased program hands every transfer and every computation to an `Executor`. In real
+The phased and pipelined programs hand every transfer and every computation to an
+`Executor`. In real
 mode transfers are `jax.device_put`s between memory kinds and computations run; in
 abstract mode both return `ShapeDtypeStruct`s with the same shapes and shardings, so a
 GPT-3-sized step can be planned on a laptop: nothing is allocated, and only the pieces

@@ -12,13 +12,14 @@ which the loop records.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from shardemu.accounting.count import Counter
-from shardemu.accounting.ledger import Ledger
+from shardemu.accounting.ledger import Event, Ledger
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.stages.stage import init_params
@@ -64,17 +65,19 @@ class ResidentEngine:
     name = "resident"
 
     def __init__(self, trainer: Trainer) -> None:
-        self.trainer, self.ledger, self.counter = trainer, Ledger(), Counter()
+        self.trainer, self.ledger = trainer, Ledger()
         self.steps_done = 0
+        self._events: list[Event] = []  # every step's, counted once
 
     def init(self, seed: int) -> tuple[Any, Any]:
-        self.trainer.compiled()  # compile before the first step, so steps time alone
+        self.trainer.compiled()  # compile (and count) before the first step, so steps time alone
+        self._events = self.trainer.step_events(Counter(), 0)
         return self.trainer.init(seed)
 
     def step(self, state: tuple[Any, Any], batch: dict[str, np.ndarray]) -> StepResult:
         out = self.trainer.step(*state, batch)
         step, self.steps_done = self.steps_done, self.steps_done + 1
-        self.ledger.events.extend(self.trainer.step_events(self.counter, step))
+        self.ledger.events.extend(dataclasses.replace(e, step=step) for e in self._events)
         return StepResult(
             (out.params, out.opt_state),
             float(out.loss),
