@@ -1,5 +1,6 @@
 """Errors a user can fix. Every one derives from `ShardemuError`, which the CLI catches
-and prints as one line (exit status 2); anything else is a bug and keeps its traceback.
+and prints as one line with exit status `exit_code` (2 unless a subclass says otherwise);
+anything else is a bug and keeps its traceback.
 
 Each subclass also derives from the built-in exception it refines, so code that catches
 `ValueError` or `RuntimeError` keeps working.
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 class ShardemuError(Exception):
     """A request shardemu cannot serve; the message names the value and the fix."""
+
+    exit_code = 2
 
 
 class ConfigError(ShardemuError, ValueError):
@@ -34,3 +37,22 @@ class HardwareError(ShardemuError, ValueError):
 
 class RunDirError(ShardemuError, FileExistsError):
     """A run directory cannot be created where asked (it exists and is not empty)."""
+
+
+class CheckpointError(ShardemuError, RuntimeError):
+    """A checkpoint is missing, or cannot be restored onto the requested run."""
+
+
+class NonFiniteError(ShardemuError, FloatingPointError):
+    """Training diverged: a step's loss or gradient norm is NaN or infinite."""
+
+    exit_code = 3
+
+
+class RunInterrupted(ShardemuError):
+    """SIGINT or SIGTERM stopped a run between two steps; its exit status is 128 + the
+    signal's number, as a shell reports a process killed by it."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -3,33 +3,15 @@ session's 8 virtual devices serve every device count up to 8), and once in a fre
 process: sharded and single-device loss curves agree, runs write their directories, bad
 input gives one clear line and exit status 2, never a traceback."""
 
-import contextlib
-import io
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import pytest
+from cli_helpers import shardemu
 
 from shardemu import Parallelism, describe, get_preset
-from shardemu.cli import main
 from shardemu.report.rundir import read_metrics
-
-
-@dataclass
-class Outcome:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def shardemu(*args: str) -> Outcome:
-    """`shardemu ARGS` in this process: its exit status and what it printed."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return Outcome(code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.slow

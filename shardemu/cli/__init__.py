@@ -7,6 +7,7 @@ first thing, before anything touches a device.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -15,7 +16,13 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from shardemu.cli.args import build_parser, model_config, phased_config, pipeline_config
+from shardemu.cli.args import (
+    build_parser,
+    given_options,
+    model_config,
+    phased_config,
+    pipeline_config,
+)
 from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.devices import use_virtual_devices
 from shardemu.errors import ShardemuError
@@ -25,11 +32,15 @@ from shardemu.report.tables import param_table, print_phase_plan, summary_table
 console = Console(stderr=True)
 
 
-def cmd_run(args: argparse.Namespace) -> None:
-    par = Parallelism.parse(args.mesh)
-    devices = use_virtual_devices(args.devices or par.num_devices)
-    from shardemu.training.runner import train  # after the device count is fixed
+RESUME_MAY_CHANGE = {"resume", "steps", "mesh", "devices", "out", "hardware", "checkpoint_every"}
 
+
+def cmd_run(args: argparse.Namespace) -> None:
+    if args.resume is not None:
+        _run_resumed(args)
+        return
+    par = Parallelism.parse(args.mesh)
+    devices = use_virtual_devices(args.devices if args.devices is not None else par.num_devices)
     train_cfg = TrainConfig(
         steps=args.steps,
         batch=args.batch,
@@ -43,6 +54,47 @@ def cmd_run(args: argparse.Namespace) -> None:
         **pipeline_config(args),
     )
     model_cfg = model_config(args)
+    _train_with_progress(
+        model_cfg, par, train_cfg, devices, out=args.out, phased=phased_config(args),
+        hardware=get_hardware(args.hardware) if args.hardware else None,
+        checkpoint_every=args.checkpoint_every,
+    )  # fmt: skip
+
+
+def _run_resumed(args: argparse.Namespace) -> None:
+    """`run --resume RUN_DIR`: the run's own settings, with the few that may change."""
+    fixed = sorted(args.given - RESUME_MAY_CHANGE)
+    if fixed:
+        flags = ", ".join("--" + dest.replace("_", "-") for dest in fixed)
+        raise ConfigError(
+            f"{flags} cannot change when resuming: the run's settings come from "
+            f"{args.resume}/config.json; only --steps, --mesh, --devices, --out, --hardware "
+            f"and --checkpoint-every may be given with --resume"
+        )
+    from shardemu.training.runner import resume_settings
+
+    model_cfg, par, train_cfg, phased, rules, every = resume_settings(args.resume)
+    if "mesh" in args.given:
+        par = Parallelism.parse(args.mesh)
+    if "steps" in args.given:
+        train_cfg = dataclasses.replace(train_cfg, steps=args.steps)
+    devices = use_virtual_devices(args.devices if args.devices is not None else par.num_devices)
+    _train_with_progress(
+        model_cfg, par, train_cfg, devices, out=args.out, phased=phased,
+        hardware=get_hardware(args.hardware) if args.hardware else None, rules=rules,
+        checkpoint_every=args.checkpoint_every if "checkpoint_every" in args.given else every,
+        resume=args.resume,
+    )  # fmt: skip
+
+
+def _train_with_progress(
+    model_cfg: Any, par: Parallelism, train_cfg: TrainConfig, devices: Any,
+    **kwargs: Any,
+) -> None:  # fmt: skip
+    """`train` with a progress bar on stderr, then the summary table on stdout. The
+    caller has fixed the device count, so the runner may be imported now."""
+    from shardemu.training.runner import train
+
     console.print(f"[bold]shardemu run[/] {model_cfg.name} on mesh {par}: compiling ...")
     with Progress(
         TextColumn("step {task.completed}/{task.total}"),
@@ -55,18 +107,9 @@ def cmd_run(args: argparse.Namespace) -> None:
         task = progress.add_task("train", total=train_cfg.steps, loss="-")
 
         def on_step(record: dict[str, Any]) -> None:
-            progress.update(task, advance=1, loss=f"{record['loss']:.4f}")
+            progress.update(task, completed=record["step"] + 1, loss=f"{record['loss']:.4f}")
 
-        result = train(
-            model_cfg,
-            par,
-            train_cfg,
-            out=args.out,
-            devices=devices,
-            on_step=on_step,
-            phased=phased_config(args),
-            hardware=get_hardware(args.hardware) if args.hardware else None,
-        )
+        result = train(model_cfg, par, train_cfg, devices=devices, on_step=on_step, **kwargs)
     Console().print(summary_table(f"shardemu run: {model_cfg.name}", result.summary))
 
 
@@ -84,7 +127,7 @@ def demo_argv(steps: int, out: str | None) -> list[str]:
 def cmd_demo(args: argparse.Namespace) -> None:
     argv = demo_argv(args.steps, args.out)
     console.print(f"[dim]demo = shardemu {' '.join(argv)}[/]", highlight=False, soft_wrap=True)
-    cmd_run(build_parser().parse_args(argv))
+    cmd_run(parse(argv))
 
 
 def cmd_describe(args: argparse.Namespace) -> None:
@@ -167,14 +210,22 @@ def _plan_resident(args: argparse.Namespace, par: Parallelism, hardware: Any) ->
     )
 
 
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The parsed command line, with `given`: the options it writes out."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.given = given_options(parser, argv)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(sys.argv[1:] if argv is None else argv)
     commands = {"run": cmd_run, "demo": cmd_demo, "describe": cmd_describe, "plan": cmd_plan}
     try:
         commands[args.command](args)
     except ShardemuError as err:
         console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
-        return 2
+        return err.exit_code
     return 0
 
 

@@ -20,10 +20,10 @@ from shardemu.config import (
 from shardemu.parallel.schedules import SCHEDULES
 
 
-def model_args(p: argparse.ArgumentParser) -> None:
+def model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument(
         "--model",
-        required=True,
+        required=required,
         help="preset name (gpt-tiny, gpt2-small, bert-base, ...), or gpt / bert with --layers "
         "--hidden --heads [--vocab]",
     )
@@ -39,6 +39,8 @@ def model_args(p: argparse.ArgumentParser) -> None:
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
+    if args.model is None:
+        raise ConfigError("the following argument is required: --model (or --resume RUN_DIR)")
     dims = {"--layers": args.layers, "--hidden": args.hidden, "--heads": args.heads}
     if args.model in ("gpt", "bert"):
         missing = [flag for flag, value in dims.items() if value is None]
@@ -82,6 +84,20 @@ def run_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     p.add_argument("--lr", type=float, default=defaults.learning_rate, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=defaults.warmup_steps, help="warm-up steps")
     p.add_argument("--out", default=None, help="run directory (default runs/<model>-<timestamp>)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="save the state to RUN_DIR/checkpoints every K steps and at the end",
+    )
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue RUN_DIR from its last checkpoint, with its own settings (--steps, "
+        "--mesh, --devices, --out, --hardware and --checkpoint-every may change)",
+    )
     p.add_argument(
         "--hardware",
         default=None,
@@ -133,11 +149,15 @@ def phased_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardemu", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="shardemu", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="train a model for real on a mesh of virtual devices")
-    model_args(run)
+    run = sub.add_parser(
+        "run", help="train a model for real on a mesh of virtual devices", allow_abbrev=False
+    )
+    model_args(run, required=False)
     run.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R (missing axes are 1)")
     run_args(run, TrainConfig())
     pipeline_args(run, stage_layers=True)
@@ -189,7 +209,21 @@ def build_parser() -> argparse.ArgumentParser:
         default="full",
         help="resident plans: activation recomputation",
     )
+    for command in sub.choices.values():
+        command.allow_abbrev = False  # a flag is written in full: `given_options` relies on it
+    parser.commands = sub.choices
     return parser
+
+
+def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The destinations of the options `argv` writes out for its command (the ones a
+    user chose, as opposed to defaults). Abbreviations are off, so an option is given
+    exactly when its full name, or `name=value`, is one of the words."""
+    command = parser.commands.get(argv[0]) if argv else None
+    if command is None:
+        return set()
+    words = {word.split("=", 1)[0] for word in argv[1:] if word.startswith("-")}
+    return {a.dest for a in command._actions if words.intersection(a.option_strings)}
 
 
 def pipeline_args(p: argparse.ArgumentParser, stage_layers: bool) -> None:

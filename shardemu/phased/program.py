@@ -45,6 +45,7 @@ SHARED, EMBED, HEAD = Phase("shared"), Phase("embed"), Phase("head")
 EMBED_BWD, SHARED_BWD = Phase("embed-backward"), Phase("shared-backward")
 
 
+@jax.tree_util.register_dataclass
 @dataclass
 class PhasedState:
     """Everything a phased run keeps between steps, all in the host tier."""

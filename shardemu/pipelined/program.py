@@ -40,6 +40,7 @@ from shardemu.stages.tiers import bytes_per_device
 SHARED_BWD = Phase("shared-backward")
 
 
+@jax.tree_util.register_dataclass
 @dataclass
 class PipelinedState:
     """Everything a pipelined run keeps between steps, on the devices of its stage."""

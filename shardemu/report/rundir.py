@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import platform
+import shutil
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -37,15 +39,27 @@ def default_run_dir(name: str, root: str | Path = "runs") -> Path:
 
 
 class RunDir:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, reopen: bool = False) -> None:
+        """A new run directory, which must not exist or be empty; or, with `reopen`, an
+        existing one whose metrics.jsonl starts again empty (a resumed run writes the
+        steps it keeps back first)."""
         self.path = Path(path)
-        if self.path.exists() and any(self.path.iterdir()):
+        if self.path.exists() and not self.path.is_dir():
+            raise RunDirError(f"--out {self.path} is a file, not a directory; choose another --out")
+        self.created = not self.path.exists()
+        if not (reopen or self.created) and any(self.path.iterdir()):
             raise RunDirError(
                 f"run directory {self.path} already exists and is not empty; "
                 f"choose another --out or remove it"
             )
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._metrics = (self.path / "metrics.jsonl").open("a", encoding="utf-8")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._metrics = (self.path / "metrics.jsonl").open("w", encoding="utf-8")
+        except OSError as err:
+            raise RunDirError(
+                f"cannot write the run directory {self.path}: {err.strerror}"
+            ) from None
+        self.logged = 0
 
     def write_config(self, config: dict[str, Any]) -> None:
         record = {
@@ -57,14 +71,34 @@ class RunDir:
         (self.path / "config.json").write_text(json.dumps(record, indent=2) + "\n")
 
     def log_step(self, metrics: dict[str, Any]) -> None:
-        self._metrics.write(json.dumps(metrics) + "\n")
+        """One step's line; NaN and infinities become null (JSON has neither)."""
+        self._metrics.write(json.dumps(json_safe(metrics), allow_nan=False) + "\n")
         self._metrics.flush()
+        self.logged += 1
 
     def write_summary(self, markdown: str) -> None:
         (self.path / "summary.md").write_text(markdown)
 
     def close(self) -> None:
         self._metrics.close()
+
+    def discard_if_empty(self) -> None:
+        """Remove the directory this run created when no step got into it, so a run
+        that failed before its first step leaves nothing that blocks its --out."""
+        self.close()
+        if self.created and self.logged == 0:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None, at any depth."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

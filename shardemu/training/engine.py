@@ -52,6 +52,9 @@ class Engine(Protocol):
         """Bytes per device of the parameters and of the optimizer state (the most
         any device holds)."""
 
+    def start_at(self, steps_done: int) -> None:
+        """Number the next step `steps_done` (a run resumed from a checkpoint)."""
+
 
 def step_counts(ledger: Ledger, step: int) -> dict[str, Any]:
     """A step's ledger totals, with the bytes sent between pipeline stages apart."""
@@ -73,6 +76,9 @@ class ResidentEngine:
         self.trainer.compiled()  # compile (and count) before the first step, so steps time alone
         self._events = self.trainer.step_events(Counter(), 0)
         return self.trainer.init(seed)
+
+    def start_at(self, steps_done: int) -> None:
+        self.steps_done = steps_done
 
     def step(self, state: tuple[Any, Any], batch: dict[str, np.ndarray]) -> StepResult:
         out = self.trainer.step(*state, batch)
@@ -110,6 +116,9 @@ class PipelinedEngine:
     def init(self, seed: int) -> Any:
         return self.trainer.init(seed)
 
+    def start_at(self, steps_done: int) -> None:
+        self.trainer.steps_done = steps_done
+
     def step(self, state: Any, batch: dict[str, np.ndarray]) -> StepResult:
         out = self.trainer.step(state, batch)
         counts = step_counts(self.ledger, self.trainer.steps_done - 1)
@@ -136,6 +145,9 @@ class PhasedEngine:
 
     def init(self, seed: int) -> Any:
         return self.trainer.init(init_params(self.trainer.model, self.trainer.stages[0], seed))
+
+    def start_at(self, steps_done: int) -> None:
+        self.trainer.steps_done = steps_done
 
     def step(self, state: Any, batch: dict[str, np.ndarray]) -> StepResult:
         out = self.trainer.step(state, batch)

@@ -49,10 +49,20 @@ class TrainLoop:
             raise ValueError(f"a hook's `every` must be >= 1, got {every}")
         self._hooks.append((fn, every))
 
-    def run(self, state: Any, steps: int) -> tuple[Any, list[dict[str, Any]]]:
-        """`steps` steps from `state`: the final state and every step's record."""
+    def run(
+        self,
+        state: Any,
+        steps: int,
+        start: int = 0,
+        stop_requested: Callable[[], bool] = lambda: False,
+    ) -> tuple[Any, list[dict[str, Any]]]:
+        """Steps `start` .. `steps - 1` from `state` (the state after `start` steps): the
+        final state and every step's record. `stop_requested` is asked before each step;
+        when it says yes the loop ends there, so a step is never cut in half."""
         records = []
-        for step in range(steps):
+        for step in range(start, steps):
+            if stop_requested():
+                break
             batch = self.batches(step)
             t0 = time.perf_counter()
             result = self.engine.step(state, batch)  # loss and norm are host floats: done

@@ -4,6 +4,8 @@ progress), summary, and the prediction on named hardware."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import signal
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -17,18 +19,21 @@ from jax.sharding import Mesh
 from shardemu.accounting import flops
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.data import SyntheticCorpus
+from shardemu.errors import CheckpointError, NonFiniteError, RunInterrupted
 from shardemu.models import Model, param_bytes, param_count
 from shardemu.parallel.mesh import mesh_from, parallelism_of
-from shardemu.parallel.rules import Rules
+from shardemu.parallel.rules import Rules, megatron_rules
 from shardemu.parallel.schedules import make_schedule
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.layout import pipeline_layout, stage_plan
 from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware
-from shardemu.report.rundir import RunDir, default_run_dir, summary_markdown
+from shardemu.report.rundir import RunDir, default_run_dir, read_metrics, summary_markdown
 from shardemu.report.views import write_views
+from shardemu.training.checkpoint import Checkpoints
 from shardemu.training.engine import Engine, PhasedEngine, PipelinedEngine, ResidentEngine
+from shardemu.training.faults import StopSignals, check_finite
 from shardemu.training.loop import TrainLoop
 from shardemu.training.resident import Trainer
 
@@ -50,50 +55,156 @@ def train(
     on_step: Callable[[dict[str, Any]], None] | None = None,
     phased: PhasedConfig | None = None,
     hardware: Hardware | None = None,
+    checkpoint_every: int | None = None,
+    resume: str | Path | None = None,
 ) -> RunResult:
     """Train `model_cfg` on a `par` mesh for `train_cfg.steps` steps and record the run:
     resident (one compiled step), pipelined (pipe > 1 or microbatches > 1: the schedule
     executed stage by stage), or with `phased` weights in the host tier streamed in
     phase by phase. Every engine writes `ledger.json`; with `hardware`, the last step's
-    ledger is predicted on that hardware, with trace.json and timeline.png."""
+    ledger is predicted on that hardware, with trace.json and timeline.png.
+
+    `checkpoint_every` K saves the state every K steps and at the end
+    (`checkpoint.py`). `resume` continues the run directory `resume` from its last
+    checkpoint (from step 0 when it has none), in place unless `out` names another
+    directory; its settings must be the run's own (`resume_settings`), the mesh may
+    differ. SIGINT or SIGTERM stop the run after the current step (`RunInterrupted`);
+    a non-finite loss or gradient norm stops it with `NonFiniteError`."""
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise ConfigError(
+            f"--checkpoint-every must be a positive number of steps, got {checkpoint_every}"
+        )
     mesh = mesh_from(par, devices)
     model = Model(model_cfg)
     engine = _engine(model, mesh, train_cfg, phased, rules)
-    run = RunDir(out or default_run_dir(model_cfg.name))
+    phase_plan = engine.trainer.plan() if phased else None  # one abstract step
+    sizes = {"param_count": param_count(model.abstract_params()[0]), **engine.sizes()}
+    config = _config(model, engine, mesh, train_cfg, phased, phase_plan, sizes, rules)
+    layout = {"engine": engine.name, "stage_plan": [s["layers"] for s in config["stage_plan"]]}
+    if phased:
+        layout["phases"] = [list(s) for s in engine.trainer.slices]
+    start, previous, source = 0, [], None
+    if resume is not None:
+        source = Checkpoints(resume)
+        start = source.latest() or 0
+        if start >= train_cfg.steps:
+            raise ConfigError(
+                f"{resume} has a checkpoint after {start} steps; give --steps more than {start}"
+            )
+        if start > 0:
+            source.check_layout(start, layout)
+        previous = [r for r in read_metrics(resume) if r["step"] < start]
+        out = out or resume
+    out = Path(out or default_run_dir(model_cfg.name))
+    run = RunDir(out, reopen=resume is not None and out.resolve() == Path(resume).resolve())
     try:
-        phase_plan = engine.trainer.plan() if phased else None  # one abstract step
-        sizes = {"param_count": param_count(model.abstract_params()[0]), **engine.sizes()}
-        run.write_config(_config(model, engine, mesh, train_cfg, phased, phase_plan, sizes))
-        t0 = time.perf_counter()
-        state = engine.init(train_cfg.seed)  # pipelined and phased pieces compile on first use
-        compile_s = time.perf_counter() - t0
-        corpus = SyntheticCorpus(model_cfg.vocab_size, seed=train_cfg.seed)
-        schedule = make_schedule(
-            train_cfg.schedule, par.pipe, train_cfg.microbatches, train_cfg.virtual
-        )
-        static = {
-            "tokens": train_cfg.batch * train_cfg.seq,
-            "bubble_fraction": schedule.bubble_fraction if engine.name == "pipelined" else 0.0,
-            "model_flops_analytic": flops.training_step(model_cfg, train_cfg.batch, train_cfg.seq),
-        }
-        loop = TrainLoop(
-            engine, lambda step: model.batch(corpus, step, train_cfg.batch, train_cfg.seq), static
-        )
-        loop.add_hook(lambda info: run.log_step(info.record))
-        if on_step is not None:
-            loop.add_hook(lambda info: on_step(info.record))
-        _, records = loop.run(state, train_cfg.steps)
+        for record in previous:
+            run.log_step(record)
+        resumed = {"resumed_from": {"run_dir": str(resume), "steps_done": start}} if resume else {}
+        run.write_config({**config, "checkpoint_every": checkpoint_every, **resumed})
+        with StopSignals() as signals:
+            t0 = time.perf_counter()
+            state = engine.init(train_cfg.seed)  # pipelined and phased pieces compile on first use
+            compile_s = time.perf_counter() - t0
+            if source is not None and start > 0:
+                state = source.restore(start, state)
+                engine.start_at(start)
+            saved = Checkpoints(run.path) if checkpoint_every else None
+            loop = _loop(model, engine, par, train_cfg)
+            loop.add_hook(lambda info: run.log_step(info.record))
+            loop.add_hook(lambda info: check_finite(info.record, train_cfg.learning_rate))
+            if on_step is not None:
+                loop.add_hook(lambda info: on_step(info.record))
+            if saved is not None:
+                loop.add_hook(
+                    lambda info: saved.save(info.step + 1, info.result.state, layout),
+                    every=checkpoint_every,
+                )
+            state, records = loop.run(state, train_cfg.steps, start, signals.requested)
+        done = start + len(records)
+        stopped = signals.received
+        if stopped is not None and run.logged == 0:
+            raise RunInterrupted(
+                f"{signal.Signals(stopped).name} before the first step finished: nothing "
+                f"was written", stopped
+            )  # fmt: skip
+        if stopped is not None and saved is not None and saved.latest() != done:
+            saved.save(done, state, layout)
         summary = _summary(
-            model_cfg, par, train_cfg, mesh.size, records, compile_s, run.path, sizes
+            model_cfg, par, train_cfg, mesh.size, previous + records, compile_s, run.path, sizes
         )
+        summary["status"] = "completed" if stopped is None else f"interrupted at step {done}"
         engine.ledger.write(run.path / "ledger.json")
-        if hardware is not None:
-            timeline, report = _predict(engine, phase_plan, hardware, par, train_cfg)
+        if hardware is not None and records:
+            timeline, report = _predict(
+                engine, phase_plan, hardware, par, done - 1, train_cfg.batch * train_cfg.seq
+            )
             summary.update(_prediction_files(timeline, report, run.path, model_cfg.name, par))
         run.write_summary(summary_markdown("run", summary))
+        if stopped is not None:
+            raise RunInterrupted(_resume_hint(stopped, run.path, done, saved is not None), stopped)
+    except NonFiniteError as err:
+        run.write_summary(f"# shardemu run: {model_cfg.name}\n\nstopped: {err}\n")
+        raise
+    except BaseException:
+        run.discard_if_empty()
+        raise
     finally:
         run.close()
-    return RunResult(run.path, [r["loss"] for r in records], summary)
+    return RunResult(run.path, [r["loss"] for r in previous + records], summary)
+
+
+def _loop(model: Model, engine: Engine, par: Parallelism, train_cfg: TrainConfig) -> TrainLoop:
+    """The training loop over the synthetic corpus: step k trains on batch k."""
+    corpus = SyntheticCorpus(model.cfg.vocab_size, seed=train_cfg.seed)
+    schedule = make_schedule(
+        train_cfg.schedule, par.pipe, train_cfg.microbatches, train_cfg.virtual
+    )
+    static = {
+        "tokens": train_cfg.batch * train_cfg.seq,
+        "bubble_fraction": schedule.bubble_fraction if engine.name == "pipelined" else 0.0,
+        "model_flops_analytic": flops.training_step(model.cfg, train_cfg.batch, train_cfg.seq),
+    }
+    return TrainLoop(
+        engine, lambda step: model.batch(corpus, step, train_cfg.batch, train_cfg.seq), static
+    )
+
+
+def _resume_hint(signum: int, run_path: Path, done: int, checkpointed: bool) -> str:
+    """The one line an interrupted run ends with: where it stopped, how to go on."""
+    how = (
+        f"resume with: shardemu run --resume {run_path}"
+        if checkpointed
+        else f"it had no --checkpoint-every, so shardemu run --resume {run_path} starts over"
+    )
+    return f"{signal.Signals(signum).name}: stopped after {done} steps; {how}"
+
+
+def resume_settings(
+    run_dir: str | Path,
+) -> tuple[ModelConfig, Parallelism, TrainConfig, PhasedConfig | None, Rules, int | None]:
+    """The settings a run directory was made with (its config.json): model, mesh,
+    training, phased settings, rules and checkpoint interval."""
+    path = Path(run_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(
+            f"--resume {run_dir}: cannot read {path} ({err}); give a run directory that "
+            f"shardemu run wrote"
+        ) from None
+    rules = tuple(
+        (name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in cfg["rules"]
+    )
+    phased = PhasedConfig(**cfg["phased"]) if cfg["phased"] else None
+    return (
+        ModelConfig(**cfg["model"]),
+        Parallelism(**cfg["parallelism"]),
+        TrainConfig(**cfg["train"]),
+        phased,
+        rules,
+        cfg.get("checkpoint_every"),
+    )
 
 
 def _engine(
@@ -118,8 +229,10 @@ def _engine(
 def _config(
     model: Model, engine: Engine, mesh: Mesh, train_cfg: TrainConfig,
     phased: PhasedConfig | None, phase_plan: dict[str, Any] | None, sizes: dict[str, int],
+    rules: Rules | None,
 ) -> dict[str, Any]:  # fmt: skip
-    """config.json: every setting, the rules, sizes per device, devices, stage plan."""
+    """config.json: every setting, the rules (over the mesh, as given: the engines
+    derive their stage rules from them), sizes per device, devices, stage plan."""
     par = parallelism_of(mesh)
     shapes, _ = model.abstract_params()
     lay = pipeline_layout(model.cfg.num_layers, par.pipe, train_cfg.virtual, train_cfg.stage_layers)
@@ -128,7 +241,7 @@ def _config(
         "parallelism": dataclasses.asdict(par),
         "train": dataclasses.asdict(train_cfg),
         "engine": engine.name,
-        "rules": [[name, axes] for name, axes in engine.trainer.rules],
+        "rules": [[name, axes] for name, axes in (megatron_rules() if rules is None else rules)],
         "param_count": sizes["param_count"],
         "param_bytes": param_bytes(shapes),
         "param_bytes_per_device": sizes["param_bytes_per_device"],
@@ -174,12 +287,11 @@ def _summary(
 
 def _predict(
     engine: Engine, plan: dict[str, Any] | None, hw: Hardware, par: Parallelism,
-    train_cfg: TrainConfig,
+    last: int, tokens: int,
 ) -> tuple[Timeline, dict[str, Any]]:  # fmt: skip
     """The run's own last step (its ledger) on `hw`. Memory per device: a phased run's
     from its phase plan; a pipelined run's from its fullest stage (weights, optimizer
     state, kept activations); a resident run's from XLA's memory analysis of its step."""
-    last = train_cfg.steps - 1
     events = engine.ledger.step(last)
     totals = engine.ledger.step_totals(last)
     if plan is not None:
@@ -189,7 +301,6 @@ def _predict(
         }
     else:
         memory = {"device": engine.device_bytes()}
-    tokens = train_cfg.batch * train_cfg.seq
     return predict(events, hw, par, totals["model_flops"], tokens, memory)
 
 

@@ -1,0 +1,63 @@
+"""Runs that stop early, and stop cleanly: a signal between two steps, a step that
+diverged.
+
+SIGINT (Ctrl-C) and SIGTERM (a scheduler's kill) are caught and remembered; the loop
+finishes the step it is in and stops before the next, so the run directory, the
+checkpoint and the summary are written whole. A second signal of either kind gives up
+waiting and raises `KeyboardInterrupt` at once.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+from shardemu.errors import NonFiniteError
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopSignals:
+    """A context in which SIGINT and SIGTERM request a stop instead of killing.
+
+    Outside the main thread Python cannot install handlers; there the context does
+    nothing and `received` stays None."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def requested(self) -> bool:
+        return self.received is not None
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping now")
+        self.received = signum
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def check_finite(record: dict[str, Any], learning_rate: float) -> None:
+    """Raise `NonFiniteError` when a step's loss or gradient norm is NaN or infinite."""
+    bad = {k: record[k] for k in ("loss", "grad_norm") if not math.isfinite(record[k])}
+    if bad:
+        values = ", ".join(f"{k} = {v}" for k, v in bad.items())
+        raise NonFiniteError(
+            f"training diverged at step {record['step']}: {values}. The usual cause is a "
+            f"learning rate too high for this model (--lr {learning_rate:g}): lower it or "
+            f"add --warmup steps; the metrics and checkpoints before step {record['step']} "
+            f"are kept"
+        )

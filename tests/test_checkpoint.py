@@ -1,0 +1,143 @@
+"""Checkpoints, resume and faults, through the command line: a run cut after 2 steps
+and resumed equals, bit for bit, the run that was never cut (resident, pipelined and
+phased); a checkpoint restores onto another mesh; SIGINT stops a real process cleanly;
+a diverging run stops with exit status 3 and valid metrics."""
+
+import json
+import math
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from cli_helpers import shardemu
+
+from shardemu.report.rundir import read_metrics
+
+TINY = ["--model", "gpt-tiny", "--batch", "8", "--seq", "16", "--seed", "0"]
+ENGINES = {
+    "resident": ["--mesh", "tensor=2,replica=2"],
+    "pipelined": ["--mesh", "pipe=2,replica=2", "--microbatches", "2"],
+    "phased": ["--mesh", "tensor=2,replica=2", "--phased", "--phases", "2"],
+}
+
+
+def losses(run_dir) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per engine: an uninterrupted 3-step run with checkpoints after steps 2 and 3."""
+    cache = {}
+
+    def get(engine):
+        if engine not in cache:
+            out = tmp_path_factory.mktemp(engine) / "full"
+            args = ["run", *TINY, *ENGINES[engine], "--steps", "3", "--out", str(out)]
+            outcome = shardemu(*args, "--checkpoint-every", "2")
+            assert outcome.returncode == 0, outcome.stderr
+            cache[engine] = out
+        return cache[engine]
+
+    return get
+
+
+def cut_after_two_steps(full, path):
+    """A copy of the run `full` as if it had died after writing step 2's metrics but
+    before its last checkpoint, while writing a later one: checkpoint 3 gone, and a
+    temporary directory (orbax writes into one, then renames it) left behind."""
+    shutil.copytree(full, path)
+    shutil.rmtree(path / "checkpoints" / "3")
+    (path / "checkpoints" / "3.orbax-checkpoint-tmp-1700000000").mkdir()
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_resume_is_bit_identical(engine, runs, tmp_path):
+    full = runs(engine)
+    resumed = cut_after_two_steps(full, tmp_path / "resumed")
+    out = shardemu("run", "--resume", str(resumed), "--steps", "3")
+    assert out.returncode == 0, out.stderr
+    assert losses(resumed) == losses(full)  # exactly: the same state and batches
+    assert [r["step"] for r in read_metrics(resumed)] == [0, 1, 2]  # step 2 once
+    config = json.loads((resumed / "config.json").read_text())
+    assert config["resumed_from"] == {"run_dir": str(resumed), "steps_done": 2}
+    assert config["engine"] == engine
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir() if p.name.isdigit()) == [
+        "2",
+        "3",
+    ]
+
+
+@pytest.mark.slow
+def test_restore_onto_another_mesh_reshards(runs, tmp_path):
+    """tensor=2,replica=2 written, one device restored: the third step equals the
+    uninterrupted run's within the tolerance of a different mesh."""
+    full = runs("resident")
+    cut = cut_after_two_steps(full, tmp_path / "cut")
+    new = tmp_path / "one-device"
+    args = ["run", "--resume", str(cut), "--steps", "3", "--mesh", "tensor=1", "--devices", "1"]
+    out = shardemu(*args, "--out", str(new))
+    assert out.returncode == 0, out.stderr
+    assert losses(new)[:2] == losses(full)[:2]  # the kept steps are carried over
+    assert math.isclose(losses(new)[2], losses(full)[2], rel_tol=1e-5)
+    assert json.loads((new / "config.json").read_text())["device_count"] == 1
+    assert losses(cut) == losses(full)  # the source directory is untouched
+
+
+@pytest.mark.slow
+def test_resume_refuses_what_it_cannot_restore(runs, tmp_path):
+    cut = runs("pipelined")
+    other = shardemu("run", "--resume", str(cut), "--steps", "4", "--mesh", "replica=2")
+    assert other.returncode == 2
+    assert "cannot be restored as" in other.stderr and "Traceback" not in other.stderr
+    changed = shardemu("run", "--resume", str(cut), "--lr", "0.1")
+    assert changed.returncode == 2 and "--lr cannot change when resuming" in changed.stderr
+    done = shardemu("run", "--resume", str(cut), "--steps", "3")
+    assert done.returncode == 2 and "give --steps more than 3" in done.stderr
+    missing = shardemu("run", "--resume", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "config.json" in missing.stderr
+
+
+@pytest.mark.slow
+def test_sigint_stops_after_the_step_and_resume_goes_on(tmp_path):
+    out = tmp_path / "run"
+    argv = ["run", *TINY, "--steps", "10000", "--checkpoint-every", "1", "--out", str(out)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardemu", *argv], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert f"resume with: shardemu run --resume {out}" in " ".join(stderr.split())
+    records = read_metrics(out)  # every line is valid JSON
+    done = len(records)
+    assert [r["step"] for r in records] == list(range(done))
+    assert f"interrupted at step {done}" in (out / "summary.md").read_text()
+    resumed = shardemu("run", "--resume", str(out), "--steps", str(done + 1))
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["step"] for r in read_metrics(out)] == list(range(done + 1))
+
+
+def test_divergence_stops_with_exit_3_and_valid_metrics(tmp_path):
+    out = tmp_path / "diverged"
+    result = shardemu("run", *TINY, "--steps", "4", "--lr", "1e30", "--out", str(out))
+    assert result.returncode == 3, result.stderr
+    message = " ".join(result.stderr.split())
+    assert "training diverged at step" in message and "--lr 1e+30" in message
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=pytest.fail) for line in lines]  # no NaN
+    assert records[-1]["loss"] is None or records[-1]["grad_norm"] is None
+    assert "stopped: training diverged" in (out / "summary.md").read_text()
