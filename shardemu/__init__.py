@@ -20,10 +20,13 @@ from shardemu.data import SyntheticCorpus
 from shardemu.devices import use_virtual_devices
 from shardemu.errors import (
     CapacityError,
+    CheckpointError,
     ConfigError,
     DeviceError,
     HardwareError,
+    NonFiniteError,
     RunDirError,
+    RunInterrupted,
     ShardemuError,
     ShardingError,
 )
@@ -50,7 +53,7 @@ from shardemu.training.engine import (
 from shardemu.training.loop import StepInfo, TrainLoop
 from shardemu.training.optim import make_optimizer
 from shardemu.training.resident import Trainer
-from shardemu.training.runner import RunResult, train
+from shardemu.training.runner import RunResult, resume_settings, train
 
 __all__ = [
     "AXIS_NAMES",
@@ -62,7 +65,9 @@ __all__ = [
     "DeviceError",
     "Model",
     "ModelConfig",
+    "NonFiniteError",
     "Parallelism",
+    "RunInterrupted",
     "RunResult",
     "ShardingError",
     "StepResult",
@@ -73,6 +78,7 @@ __all__ = [
     "PhasedEngine",
     "ShardemuError",
     "CapacityError",
+    "CheckpointError",
     "HardwareError",
     "RunDirError",
     "SyntheticCorpus",
@@ -93,6 +99,7 @@ __all__ = [
     "param_count",
     "param_table",
     "resolve_specs",
+    "resume_settings",
     "train",
     "use_virtual_devices",
 ]

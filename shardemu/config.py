@@ -21,6 +21,7 @@ Model presets and their sources:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,8 +33,24 @@ OptimizerName = Literal["adamw", "lamb"]
 
 def _require_positive(owner: str, **values: int) -> None:
     for name, value in values.items():
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+def _require_finite(owner: str, positive: bool, **values: float) -> None:
+    """Each value a finite real number, > 0 or >= 0 (NaN fails every comparison, so
+    it is tested for apart)."""
+    for name, value in values.items():
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or value < 0 or (positive and value == 0):
+            bound = "> 0" if positive else ">= 0"
+            raise ConfigError(f"{owner}.{name} must be a finite number {bound}, got {value!r}")
+
+
+SEED_LIMIT = 2**32  # numpy.random.default_rng and jax.random.key take seeds below this
+# Tokens per step beyond which shapes stop being countable: activations are tokens x width
+# elements, and XLA's dimension arithmetic is int64 (2**40 tokens x 2**17 width < 2**63).
+MAX_TOKENS_PER_STEP = 2**40
 
 
 @dataclass(frozen=True)
@@ -67,6 +84,9 @@ class ModelConfig:
             max_positions=self.max_positions,
             type_vocab_size=self.type_vocab_size,
         )
+        _require_finite(
+            "ModelConfig", True, layer_norm_eps=self.layer_norm_eps, init_std=self.init_std
+        )
         if self.embed_dim % self.num_heads:
             raise ConfigError(
                 f"ModelConfig.embed_dim={self.embed_dim} is not divisible by "
@@ -89,6 +109,11 @@ class ModelConfig:
         """Round the vocabulary up to a multiple, as Megatron-LM's
         `--make-vocab-size-divisible-by` does, so a vocab-parallel embedding divides."""
         _require_positive("pad_vocab", multiple=multiple)
+        if multiple > self.vocab_size:
+            raise ConfigError(
+                f"--pad-vocab {multiple} is larger than {self.name}'s vocabulary of "
+                f"{self.vocab_size}; pad to a multiple such as 128 (times --mesh tensor)"
+            )
         padded = -(-self.vocab_size // multiple) * multiple
         return self.replace(vocab_size=padded)
 
@@ -163,7 +188,8 @@ def custom_model(
     make = _gpt if family == "gpt" else _bert
     cfg = make(f"{family}-L{layers}-H{hidden}-A{heads}", layers, hidden, heads)
     return cfg.replace(
-        vocab_size=vocab or cfg.vocab_size, max_positions=max(positions, cfg.max_positions)
+        vocab_size=cfg.vocab_size if vocab is None else vocab,
+        max_positions=max(positions, cfg.max_positions),
     )
 
 
@@ -255,13 +281,21 @@ class TrainConfig:
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
         if self.optimizer not in ("adamw", "lamb"):
             raise ConfigError(f"optimizer must be 'adamw' or 'lamb', got {self.optimizer!r}")
-        if self.learning_rate <= 0:
-            raise ConfigError(f"learning_rate must be positive, got {self.learning_rate}")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
+        _require_finite(
+            "TrainConfig", True, learning_rate=self.learning_rate, grad_clip=self.grad_clip
+        )
+        _require_finite("TrainConfig", False, weight_decay=self.weight_decay)
+        for name in ("warmup_steps", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"TrainConfig.{name} must be an integer >= 0, got {value!r}")
+        if self.batch * self.seq > MAX_TOKENS_PER_STEP:
             raise ConfigError(
-                "warmup_steps and weight_decay must be >= 0 and grad_clip > 0, got "
-                f"{self.warmup_steps}, {self.weight_decay}, {self.grad_clip}"
+                f"--batch {self.batch} x --seq {self.seq} = {self.batch * self.seq:.3g} tokens "
+                f"per step is more than shardemu counts (2**40); use a smaller --batch"
             )
+        if self.seed >= SEED_LIMIT:
+            raise ConfigError(f"--seed {self.seed} is too large; use 0 <= seed < 2**32")
 
     def check_fits(self, model: ModelConfig, parallelism: Parallelism) -> None:
         """Refuse settings the model or mesh cannot take, before anything compiles."""

@@ -12,6 +12,10 @@ import jax
 
 from shardemu.errors import DeviceError
 
+# Past 2048 virtual CPU devices XLA refuses to compile in one process ("Multiprocess
+# computations aren't implemented on the CPU backend"; measured with jax 0.10.2).
+MAX_VIRTUAL_DEVICES = 2048
+
 
 def use_virtual_devices(n: int) -> list[jax.Device]:
     """Make JAX present `n` virtual CPU devices and return them.
@@ -25,6 +29,12 @@ def use_virtual_devices(n: int) -> list[jax.Device]:
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise DeviceError(f"use_virtual_devices needs a positive device count, got {n!r}")
+    if n > MAX_VIRTUAL_DEVICES:
+        raise DeviceError(
+            f"{n} virtual devices are more than the {MAX_VIRTUAL_DEVICES} that XLA's CPU "
+            f"backend compiles for in one process; use a smaller mesh (plans count a "
+            f"representative stage: `shardemu plan` without --phased needs only --mesh tensor)"
+        )
     try:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:  # the backend already started: its device count is fixed

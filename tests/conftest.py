@@ -22,6 +22,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="shardemu-xla-"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+assert len(jax.devices()) == 8  # start the backend now: no command can change the count
 
 import pytest  # noqa: E402
 

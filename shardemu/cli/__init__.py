@@ -24,7 +24,7 @@ from shardemu.cli.args import (
     pipeline_config,
 )
 from shardemu.config import ConfigError, Parallelism, TrainConfig
-from shardemu.devices import use_virtual_devices
+from shardemu.devices import MAX_VIRTUAL_DEVICES, use_virtual_devices
 from shardemu.errors import ShardemuError
 from shardemu.predict.hardware import get_hardware
 from shardemu.report.tables import param_table, print_phase_plan, summary_table
@@ -95,8 +95,8 @@ def _train_with_progress(
     caller has fixed the device count, so the runner may be imported now."""
     from shardemu.training.runner import train
 
-    console.print(f"[bold]shardemu run[/] {model_cfg.name} on mesh {par}: compiling ...")
     with Progress(
+        TextColumn(f"[bold]shardemu run[/] {model_cfg.name} on {par}: {{task.description}}"),
         TextColumn("step {task.completed}/{task.total}"),
         BarColumn(),
         TextColumn("loss {task.fields[loss]}"),
@@ -104,10 +104,15 @@ def _train_with_progress(
         console=console,
         transient=True,
     ) as progress:
-        task = progress.add_task("train", total=train_cfg.steps, loss="-")
+        task = progress.add_task("compiling", total=train_cfg.steps, loss="-")
 
         def on_step(record: dict[str, Any]) -> None:
-            progress.update(task, completed=record["step"] + 1, loss=f"{record['loss']:.4f}")
+            progress.update(
+                task,
+                description="training",
+                completed=record["step"] + 1,
+                loss=f"{record['loss']:.4f}",
+            )
 
         result = train(model_cfg, par, train_cfg, devices=devices, on_step=on_step, **kwargs)
     Console().print(summary_table(f"shardemu run: {model_cfg.name}", result.summary))
@@ -126,8 +131,10 @@ def demo_argv(steps: int, out: str | None) -> list[str]:
 
 def cmd_demo(args: argparse.Namespace) -> None:
     argv = demo_argv(args.steps, args.out)
-    console.print(f"[dim]demo = shardemu {' '.join(argv)}[/]", highlight=False, soft_wrap=True)
     cmd_run(parse(argv))
+    console.print(
+        f"[dim]the demo was: shardemu {' '.join(argv)}[/]", highlight=False, soft_wrap=True
+    )
 
 
 def cmd_describe(args: argparse.Namespace) -> None:
@@ -156,58 +163,70 @@ def cmd_describe(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
+    """Every setting is checked before anything is counted or written."""
+    from shardemu.predict.plan_phased import flatten, plan_devices
+    from shardemu.report.rundir import default_run_dir, require_new
+
     par = Parallelism.parse(args.mesh)
     phased = phased_config(args)
     hardware = get_hardware(args.hardware) if args.hardware else None
-    if phased is None:
-        _plan_resident(args, par, hardware)
-        return
-    use_virtual_devices(par.tensor * par.replica)  # one pipeline stage's devices
-    from shardemu.predict.plan_phased import flatten, plan_phased
-    from shardemu.report.rundir import default_run_dir
-
-    model_cfg = model_config(args)
-    out = args.out or (default_run_dir(f"plan-{model_cfg.name}") if hardware else None)
-    train_cfg = TrainConfig(batch=args.batch, seq=args.seq)
-    report = plan_phased(
-        model_cfg, par, train_cfg, phased, hardware=hardware, out=out,
-        microbatch_size=args.microbatch_size,
-    )  # fmt: skip
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return
-    out_console = Console()
-    out_console.print(
-        summary_table(f"shardemu plan: {report['model']} on mesh {report['mesh']}", flatten(report))
-    )
-    print_phase_plan(out_console, report["plan"])
-
-
-def _plan_resident(args: argparse.Namespace, par: Parallelism, hardware: Any) -> None:
-    """`shardemu plan` without --phased: a resident pipelined step on `hardware`."""
-    if hardware is None:
+    if phased is None and hardware is None:
         raise ConfigError("a resident plan predicts a step: give --hardware NAME (or add --phased)")
-    use_virtual_devices(par.tensor)  # one stage's tensor group counts a microbatch
-    from shardemu.predict.plan_phased import flatten, write_plan_dir
-    from shardemu.predict.plan_resident import plan_resident
-    from shardemu.report.rundir import default_run_dir
-
     model_cfg = model_config(args)
-    micro = args.microbatch_size or args.batch // par.replica
-    pipeline = pipeline_config(args)
-    report, ledger, timeline = plan_resident(
-        model_cfg, par, args.batch, args.seq, micro, hardware, args.schedule, pipeline["virtual"],
-        args.recompute,
-    )  # fmt: skip
-    write_plan_dir(
-        Path(args.out or default_run_dir(f"plan-{model_cfg.name}")), report, ledger, timeline
-    )
+    train_cfg = TrainConfig(batch=args.batch, seq=args.seq, **pipeline_config(args))
+    train_cfg.check_fits(model_cfg, par)
+    micro = args.microbatch_size
+    if micro is not None and (micro < 1 or args.batch % (par.replica * micro)):
+        raise ConfigError(
+            f"--microbatch-size {micro} must be positive and divide the batch per replica "
+            f"(--batch {args.batch} / replica={par.replica})"
+        )
+    if phased is not None and plan_devices(par) > MAX_VIRTUAL_DEVICES:
+        raise ConfigError(
+            f"a phased plan counts one stage on tensor x replica = {plan_devices(par)} "
+            f"virtual devices, more than the {MAX_VIRTUAL_DEVICES} XLA's CPU backend compiles "
+            f"for in one process; plan a smaller replica, or plan without --phased (it "
+            f"counts one tensor group)"
+        )
+    out = args.out or (default_run_dir(f"plan-{model_cfg.name}") if hardware else None)
+    if out is not None:
+        require_new(Path(out))
+    if phased is None:
+        report = _plan_resident(args, model_cfg, par, train_cfg, micro, hardware, Path(out))
+    else:
+        use_virtual_devices(plan_devices(par))  # one pipeline stage's devices
+        from shardemu.predict.plan_phased import plan_phased
+
+        report = plan_phased(
+            model_cfg, par, train_cfg, phased, hardware=hardware, out=out, microbatch_size=micro
+        )
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    Console().print(
+    table = Console()
+    table.print(
         summary_table(f"shardemu plan: {report['model']} on {report['mesh']}", flatten(report))
     )
+    if phased is not None:
+        print_phase_plan(table, report["plan"])
+
+
+def _plan_resident(
+    args: argparse.Namespace, model_cfg: Any, par: Parallelism, train_cfg: TrainConfig,
+    micro: int | None, hardware: Any, out: Path,
+) -> dict[str, Any]:  # fmt: skip
+    """`shardemu plan` without --phased: a resident pipelined step on `hardware`."""
+    use_virtual_devices(par.tensor)  # one stage's tensor group counts a microbatch
+    from shardemu.predict.plan_phased import write_plan_dir
+    from shardemu.predict.plan_resident import plan_resident
+
+    report, ledger, timeline = plan_resident(
+        model_cfg, par, train_cfg.batch, train_cfg.seq,
+        micro if micro is not None else train_cfg.batch // par.replica, hardware,
+        train_cfg.schedule, train_cfg.virtual, args.recompute,
+    )  # fmt: skip
+    write_plan_dir(out, report, ledger, timeline)
+    return report
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -219,7 +238,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse(sys.argv[1:] if argv is None else argv)
+    except SystemExit as done:  # --help, or a usage error argparse has printed
+        return int(done.code or 0)
     commands = {"run": cmd_run, "demo": cmd_demo, "describe": cmd_describe, "plan": cmd_plan}
     try:
         commands[args.command](args)

@@ -7,7 +7,7 @@ Every flag is parsed here and turned into the config objects the library takes
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, NoReturn
 
 from shardemu.config import (
     ConfigError,
@@ -57,7 +57,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
                 f"{', '.join(given)} go with --model gpt or --model bert, not a preset"
             )
         cfg = get_preset(args.model)
-    return cfg.pad_vocab(args.pad_vocab) if args.pad_vocab else cfg
+    return cfg if args.pad_vocab is None else cfg.pad_vocab(args.pad_vocab)
 
 
 def run_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
@@ -148,10 +148,16 @@ def phased_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr (exit status 2), like every
+    other error of shardemu, instead of the usage text and the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="shardemu", description=__doc__.splitlines()[0], allow_abbrev=False
-    )
+    parser = OneLineErrors(prog="shardemu", description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser(

@@ -170,8 +170,7 @@ def resolve_specs(
     if len(problems) == 1:
         raise ShardingError(problems[0])
     if problems:
-        listed = "\n  ".join(problems)
-        raise ShardingError(f"{len(problems)} parameters cannot be sharded:\n  {listed}")
+        raise ShardingError(f"{len(problems)} parameters cannot be sharded: {'; '.join(problems)}")
     return specs
 
 

@@ -63,6 +63,12 @@ class PhasedTrainer:
         self.emulated = emulated_stages is not None
         train.check_fits(model.cfg, par)
         cfg.check_mesh(par)
+        if model.cfg.num_layers % par.pipe:
+            raise ConfigError(
+                f"{model.cfg.num_layers} layers do not split evenly over pipe={par.pipe}; "
+                f"phased stages run the same phases each, so use a pipe size that divides "
+                f"{model.cfg.num_layers}"
+            )
         if train.microbatches > 1 or train.grad_accum > 1:
             raise ConfigError(
                 "phased execution runs the whole batch through each phase, so its weights "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,11 @@ GB = 1e9
 # benchmarks/validation.py together (A100, TPU v4, H100), never per result; the IPU and
 # CS-2 profiles keep 0.4 and 0.5, for which we have no published step times to check.
 MATMUL_EFFICIENCY = 0.7
+
+
+def _real(value: Any) -> bool:
+    """A finite int or float (not a bool, not NaN, not infinite)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -51,16 +57,20 @@ class Hardware:
             "intra_node_gbps", "inter_node_gbps", "host_tflops",
         ):  # fmt: skip
             value = getattr(self, key)
-            if not isinstance(value, int | float) or value <= 0:
+            if not _real(value) or value <= 0:
                 raise HardwareError(
-                    f"hardware {self.name!r}: {key} must be a positive number, got {value!r}"
+                    f"hardware {self.name!r}: {key} must be a finite positive number, got {value!r}"
                 )
-        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+        if (
+            not isinstance(self.devices_per_node, int)
+            or isinstance(self.devices_per_node, bool)
+            or self.devices_per_node < 1
+        ):
             raise HardwareError(
                 f"hardware {self.name!r}: devices_per_node must be a positive integer, "
                 f"got {self.devices_per_node!r}"
             )
-        if not 0 < self.efficiency <= 1:
+        if not (_real(self.efficiency) and 0 < self.efficiency <= 1):
             raise HardwareError(
                 f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency!r}"
             )
@@ -222,6 +232,16 @@ def load_profile(path: str | Path) -> Hardware:
         data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
         raise HardwareError(f"hardware profile {str(path)!r} does not parse: {err}") from None
+    if not isinstance(data, dict):
+        raise HardwareError(
+            f"hardware profile {str(path)!r} holds a {type(data).__name__}; it must be a "
+            f"table (TOML) or an object (JSON) of Hardware keys, e.g. peak_tflops = 312"
+        )
+    for key in ("name", "description", "base"):
+        if not isinstance(data.get(key, ""), str):
+            raise HardwareError(
+                f"hardware profile {str(path)!r}: {key} must be a string, got {data[key]!r}"
+            )
     fields = {f.name for f in dataclasses.fields(Hardware)}
     base = data.pop("base", None)
     unknown = sorted(set(data) - fields)

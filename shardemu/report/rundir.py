@@ -38,20 +38,27 @@ def default_run_dir(name: str, root: str | Path = "runs") -> Path:
     return Path(root) / f"{name}-{stamp}"
 
 
+def require_new(path: Path) -> None:
+    """Refuse a run directory that would overwrite anything: a file, or a directory
+    that is not empty."""
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"--out {path} is a file, not a directory; choose another --out")
+    if path.exists() and any(path.iterdir()):
+        raise RunDirError(
+            f"run directory {path} already exists and is not empty; "
+            f"choose another --out or remove it"
+        )
+
+
 class RunDir:
     def __init__(self, path: str | Path, reopen: bool = False) -> None:
         """A new run directory, which must not exist or be empty; or, with `reopen`, an
         existing one whose metrics.jsonl starts again empty (a resumed run writes the
         steps it keeps back first)."""
         self.path = Path(path)
-        if self.path.exists() and not self.path.is_dir():
-            raise RunDirError(f"--out {self.path} is a file, not a directory; choose another --out")
         self.created = not self.path.exists()
-        if not (reopen or self.created) and any(self.path.iterdir()):
-            raise RunDirError(
-                f"run directory {self.path} already exists and is not empty; "
-                f"choose another --out or remove it"
-            )
+        if not reopen:
+            require_new(self.path)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self._metrics = (self.path / "metrics.jsonl").open("w", encoding="utf-8")

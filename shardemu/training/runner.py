@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import statistics
 import time
@@ -74,6 +75,7 @@ def train(
         raise ConfigError(
             f"--checkpoint-every must be a positive number of steps, got {checkpoint_every}"
         )
+    _check_host_memory(model_cfg, train_cfg)
     mesh = mesh_from(par, devices)
     model = Model(model_cfg)
     engine = _engine(model, mesh, train_cfg, phased, rules)
@@ -152,6 +154,20 @@ def train(
     finally:
         run.close()
     return RunResult(run.path, [r["loss"] for r in previous + records], summary)
+
+
+def _check_host_memory(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
+    """Refuse a run whose batch cannot fit this machine: one layer's input activations
+    (batch x seq x width float32 values, all virtual devices together) is a floor on
+    what a step holds."""
+    floor = train_cfg.batch * train_cfg.seq * model_cfg.embed_dim * 4
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if floor > memory:
+        raise ConfigError(
+            f"--batch {train_cfg.batch} x --seq {train_cfg.seq} of {model_cfg.name} needs at "
+            f"least {floor:,} bytes for one layer's activations, more than this machine's "
+            f"{memory:,}; run a smaller batch, or count it with `shardemu plan`"
+        )
 
 
 def _loop(model: Model, engine: Engine, par: Parallelism, train_cfg: TrainConfig) -> TrainLoop:

@@ -1,0 +1,301 @@
+"""Every bad input is answered before anything is written: one line on stderr naming
+the value and the fix, exit status 2, never a traceback. A table of named command
+lines, a table of Python API calls, and a hypothesis search over command lines with
+one field broken."""
+
+import math
+
+import pytest
+from cli_helpers import shardemu
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shardemu as api
+from shardemu.predict.hardware import Hardware, get_hardware
+
+GPT = ["run", "--model", "gpt-tiny", "--steps", "1", "--batch", "8", "--seq", "16"]
+CUSTOM = ["run", "--model", "gpt", "--layers", "2", "--hidden", "64", "--heads", "4"]
+PHASED = ["plan", "--model", "gpt-tiny", "--phased"]
+A100 = ["plan", "--model", "gpt-tiny", "--hardware", "a100-80gb"]
+PIPE2 = ["--mesh", "pipe=2", "--microbatches", "2"]
+
+
+def row(name, args, message):
+    return pytest.param(args, message, id=name)
+
+
+CLI_ROWS = [
+    # numbers: zero, negative, not finite, not a number; a zero is never "not given"
+    row("steps-0", [*GPT, "--steps", "0"], "TrainConfig.steps must be a positive integer, got 0"),
+    row("steps-negative", [*GPT, "--steps", "-1"], "steps must be a positive integer, got -1"),
+    row("steps-text", [*GPT, "--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
+    row("batch-0", [*GPT, "--batch", "0"], "batch must be a positive integer, got 0"),
+    row("seq-0", [*GPT, "--seq", "0"], "seq must be a positive integer, got 0"),
+    row("seed-negative", [*GPT, "--seed", "-1"], "seed must be an integer >= 0, got -1"),
+    row("seed-huge", [*GPT, "--seed", str(2**70)], "use 0 <= seed < 2**32"),
+    row("microbatches-0", [*GPT, "--microbatches", "0"], "microbatches must be a positive"),
+    row("grad-accum-0", [*GPT, "--grad-accum", "0"], "grad_accum must be a positive integer"),
+    row("lr-0", [*GPT, "--lr", "0"], "learning_rate must be a finite number > 0, got 0.0"),
+    row("lr-negative", [*GPT, "--lr", "-1"], "learning_rate must be a finite number > 0"),
+    row("lr-nan", [*GPT, "--lr", "nan"], "learning_rate must be a finite number > 0, got nan"),
+    row("lr-inf", [*GPT, "--lr", "inf"], "learning_rate must be a finite number > 0, got inf"),
+    row("lr-overflow", [*GPT, "--lr", "1e400"], "learning_rate must be a finite number > 0"),
+    row("warmup-negative", [*GPT, "--warmup", "-1"], "warmup_steps must be an integer >= 0"),
+    row("devices-0", [*GPT, "--devices", "0"], "needs a positive device count, got 0"),
+    row("devices-negative", [*GPT, "--devices", "-2"], "needs a positive device count, got -2"),
+    row("devices-mismatch", [*GPT, "--mesh", "tensor=2,replica=2", "--devices", "3"],
+        "needs 4 device(s) but 3 were given"),  # fmt: skip
+    row("devices-8-for-4", [*GPT, "--mesh", "tensor=2,replica=2", "--devices", "8"],
+        "needs 4 device(s) but 8 were given"),  # fmt: skip
+    row("vocab-0", [*CUSTOM, "--vocab", "0"], "vocab_size must be a positive integer, got 0"),
+    row("vocab-negative", [*CUSTOM, "--vocab", "-1"], "vocab_size must be a positive integer"),
+    row("layers-0", [*CUSTOM[:4], "0", *CUSTOM[5:]], "layers must be a positive integer, got 0"),
+    row("hidden-not-heads", [*CUSTOM[:6], "65", *CUSTOM[7:]], "--hidden 65 is not divisible"),
+    row("heads-0", [*CUSTOM[:8], "0"], "heads must be a positive integer, got 0"),
+    row("custom-missing", ["run", "--model", "gpt"], "--model gpt needs --layers, --hidden"),
+    row("preset-with-layers", [*GPT, "--layers", "2"], "--layers go with --model gpt"),
+    row("no-model", ["run"], "the following argument is required: --model"),
+    row("unknown-model", ["run", "--model", "gpt-9000"], "unknown model 'gpt-9000'"),
+    row("pad-vocab-0", [*GPT, "--pad-vocab", "0"], "multiple must be a positive integer, got 0"),
+    row("pad-vocab-negative", [*GPT, "--pad-vocab", "-8"], "must be a positive integer, got -8"),
+    row("pad-vocab-huge", [*GPT, "--pad-vocab", str(10**12)], "is larger than gpt-tiny's vocab"),
+    row("describe-pad-vocab-0", ["describe", "--model", "gpt-tiny", "--pad-vocab", "0"],
+        "must be a positive integer, got 0"),  # fmt: skip
+    row("describe-unpadded", ["describe", "--model", "gpt2-small", "--mesh", "tensor=8"],
+        "--pad-vocab"),  # fmt: skip
+    row("optimizer-unknown", [*GPT, "--optimizer", "sgd"], "invalid choice: 'sgd'"),
+    row("flag-unknown", [*GPT, "--lerning-rate", "1"], "unrecognized arguments: --lerning-rate"),
+    row("flag-abbreviated", [*GPT, "--ste", "2"], "unrecognized arguments: --ste"),
+    # meshes
+    row("mesh-tensor-0", [*GPT, "--mesh", "tensor=0"], "tensor must be a positive integer, got 0"),
+    row("mesh-negative", [*GPT, "--mesh", "tensor=-2"], "tensor must be a positive integer"),
+    row("mesh-axis-unknown", [*GPT, "--mesh", "foo=2"], "bad mesh item 'foo=2'"),
+    row("mesh-size-text", [*GPT, "--mesh", "tensor=two"], "needs an integer size, got 'two'"),
+    row("mesh-axis-twice", [*GPT, "--mesh", "tensor=2,tensor=2"], "'tensor' given twice"),
+    row("mesh-no-size", [*GPT, "--mesh", "pipe"], "bad mesh item 'pipe'"),
+    row("mesh-heads-3", [*GPT, "--mesh", "tensor=3"], "is not divisible by mesh axis 'tensor'"),
+    row("mesh-huge", [*GPT, "--mesh", "tensor=1048576"], "more than the 2048"),
+    row("pipe-5", [*GPT, "--mesh", "pipe=5"], "4 layers do not split evenly over pipe=5"),
+    row("pipe-3", ["run", "--model", "gpt-tiny", "--mesh", "pipe=3"],
+        "give the layers of each stage with --stage-layers (e.g. 1,1,2)"),  # fmt: skip
+    row("batch-replica", [*GPT, "--batch", "7", "--mesh", "replica=2"],
+        "--batch 7 is not divisible by replica=2"),  # fmt: skip
+    row("batch-replica-4", ["run", "--model", "gpt-tiny", "--mesh", "replica=4", "--batch", "6"],
+        "--batch 6 is not divisible by replica=4"),  # fmt: skip
+    row("batch-microbatches", [*GPT, "--microbatches", "3", "--mesh", "pipe=2"],
+        "not divisible by replica * microbatches * grad_accum = 1 * 3 * 1 = 3"),  # fmt: skip
+    row("batch-accum", [*GPT, "--grad-accum", "3"], "= 1 * 1 * 3 = 3; use a multiple of 3"),
+    row("seq-huge", [*GPT, "--seq", "100000"], "--seq 100000 exceeds gpt-tiny's 128 positions"),
+    row("bert-seq-4", ["run", "--model", "bert-tiny", "--seq", "4"], "need --seq >= 8, got 4"),
+    # pipelines
+    row("schedule-unknown", [*GPT, "--schedule", "foo"], "argument --schedule: invalid choice"),
+    row("virtual-0", [*GPT, *PIPE2, "--schedule", "interleaved", "--virtual", "0"],
+        "TrainConfig.virtual must be a positive integer, got 0"),  # fmt: skip
+    row("virtual-negative", [*GPT, *PIPE2, "--schedule", "interleaved", "--virtual", "-1"],
+        "virtual must be a positive integer, got -1"),  # fmt: skip
+    row("virtual-1-interleaved", [*GPT, *PIPE2, "--schedule", "interleaved", "--virtual", "1"],
+        "interleaved 1F1B needs --virtual >= 2"),  # fmt: skip
+    row("virtual-without-interleaved", [*GPT, "--mesh", "pipe=2", "--virtual", "2"],
+        "only the interleaved schedule runs; add --schedule interleaved"),  # fmt: skip
+    row("virtual-not-dividing", [*GPT, *PIPE2, "--stage-layers", "1,3", "--schedule",
+        "interleaved"], "--virtual 2 does not divide the 1 layers of a stage"),  # fmt: skip
+    row("stage-layers-sum", [*GPT, "--mesh", "pipe=2", "--stage-layers", "1,2"],
+        "--stage-layers 1,2 sums to 3 but the model has 4 layers"),  # fmt: skip
+    row("stage-layers-count", [*GPT, "--mesh", "pipe=2", "--stage-layers", "1,1,2"],
+        "--stage-layers 1,1,2 gives 3 stages but the mesh has pipe=2"),  # fmt: skip
+    row("stage-layers-empty-stage", [*GPT, "--mesh", "pipe=2", "--stage-layers", "0,4"],
+        "--stage-layers 0,4 has a stage without layers"),  # fmt: skip
+    row("stage-layers-text", [*GPT, "--mesh", "pipe=2", "--stage-layers", "1;3"],
+        "--stage-layers needs comma-separated layer counts"),  # fmt: skip
+    row("stage-layers-no-pipe", [*GPT, "--stage-layers", "2,2"], "gives 2 stages but the mesh"),
+    row("stage-layers-phased", [*GPT, "--mesh", "pipe=2", "--stage-layers", "1,3", "--phased"],
+        "drop --stage-layers or --phased"),  # fmt: skip
+    # phased settings
+    row("phases-0", [*GPT, "--phased", "--phases", "0"], "phases must be a positive integer"),
+    row("phases-3", [*GPT, "--phased", "--phases", "3"], "--phases 3 must divide the model's 4"),
+    row("rts-0", [*GPT, "--phased", "--rts", "0"], "rts must be a positive integer, got 0"),
+    row("rts-without-phased", [*GPT, "--rts", "2"], "--rts need --phased"),
+    row("rts-optimizer-3", [*GPT, "--phased", "--mesh", "replica=4", "--rts-optimizer", "3"],
+        "--rts-optimizer 3 must be 1, --rts (1) or the replica size (4)"),  # fmt: skip
+    row("device-memory-0", [*GPT, "--phased", "--device-memory", "0"],
+        "--device-memory must be positive, got 0"),  # fmt: skip
+    row("device-memory-negative", [*GPT, "--phased", "--device-memory", "-5"],
+        "--device-memory must be positive, got -5"),  # fmt: skip
+    row("device-memory-too-small", [*GPT, "--phased", "--device-memory", "10"],
+        "no phase count fits --device-memory 10"),  # fmt: skip
+    # run directories and checkpoints
+    row("checkpoint-every-0", [*GPT, "--checkpoint-every", "0"],
+        "--checkpoint-every must be a positive number of steps, got 0"),  # fmt: skip
+    row("checkpoint-every-negative", [*GPT, "--checkpoint-every", "-1"],
+        "--checkpoint-every must be a positive number of steps, got -1"),  # fmt: skip
+    row("resume-missing", ["run", "--resume", "/nonexistent/run"], "cannot read"),
+    # hardware
+    row("hardware-unknown", [*GPT, "--hardware", "gpu-9000"], "unknown hardware 'gpu-9000'"),
+    row("hardware-no-file", [*GPT, "--hardware", "/nonexistent/hw.toml"],
+        "cannot read hardware profile"),  # fmt: skip
+    # plans
+    row("plan-no-hardware", ["plan", "--model", "gpt-tiny"], "add --phased"),
+    row("plan-hardware-unknown", [*PHASED, "--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
+    row("plan-rts-3", [*PHASED, "--mesh", "replica=4", "--rts", "3"],
+        "--rts 3 does not divide replica=4"),  # fmt: skip
+    row("plan-microbatch-0", [*A100, "--microbatch-size", "0"], "--microbatch-size 0 must be"),
+    row("plan-microbatch-negative", [*A100, "--microbatch-size", "-1"], "--microbatch-size -1"),
+    row("plan-microbatch-3", [*A100, "--microbatch-size", "3"], "divide the batch per replica"),
+    row("plan-batch-0", [*A100, "--batch", "0"], "batch must be a positive integer, got 0"),
+    row("plan-seq-huge", [*A100, "--seq", "100000"], "exceeds gpt-tiny's 128 positions"),
+    row("plan-virtual-0", [*A100, "--mesh", "pipe=2", "--schedule", "interleaved", "--virtual",
+        "0"], "virtual must be a positive integer, got 0"),  # fmt: skip
+    row("plan-phased-pipe-3", [*PHASED, "--mesh", "pipe=3"], "4 layers do not split evenly"),
+    row("plan-phased-too-wide", [*PHASED, "--model", "gpt3-175b", "--mesh", "tensor=8,replica=512",
+        "--batch", "512"], "tensor x replica = 4096 virtual devices, more than the 2048"),  # fmt: skip
+    row("demo-steps-0", ["demo", "--steps", "0"], "steps must be a positive integer, got 0"),
+]  # fmt: skip
+
+
+def one_clear_error(out, message):
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("error: ") and message in lines[0]
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), CLI_ROWS)
+def test_bad_command_line_is_one_clear_error(args, message):
+    one_clear_error(shardemu(*args), message)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("[1, 2]", "holds a list; it must be a table (TOML) or an object (JSON)"),
+        ('{"base": "a100-80gb", "peak_tflops": NaN}', "must be a finite positive number, got nan"),
+        ('{"base": "a100-80gb", "peak_tflops": -1}', "must be a finite positive number, got -1"),
+        ('{"base": "a100-80gb", "peak_tflops": "fast"}', "got 'fast'"),
+        ('{"base": "a100-80gb", "devices_per_node": true}', "must be a positive integer, got True"),
+        ('{"base": "a100-80gb", "efficiency": 1.5}', "efficiency must be in (0, 1]"),
+        ('{"base": "a100-80gb", "name": 3}', "name must be a string, got 3"),
+        ('{"base": "a100-80gb", "speed": 3}', "unknown key(s) speed"),
+        ('{"base": "h900"}', "unknown base 'h900'"),
+        ('{"peak_tflops": 100}', "is missing"),
+        ("{", "does not parse"),
+    ],
+)
+def test_bad_hardware_profile_is_one_clear_error(content, message, tmp_path):
+    path = tmp_path / "hw.json"
+    path.write_text(content)
+    one_clear_error(shardemu(*GPT, "--hardware", str(path)), message)
+
+
+def test_out_must_not_overwrite(tmp_path):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text("{}")
+    one_clear_error(shardemu(*GPT, "--out", str(tmp_path / "file")), "is a file")
+    one_clear_error(shardemu(*GPT, "--out", str(tmp_path / "full")), "is not empty")
+    plan = [*A100, "--out", str(tmp_path / "full")]
+    one_clear_error(shardemu(*plan), "already exists and is not empty")
+    assert (tmp_path / "full" / "config.json").read_text() == "{}"  # nothing overwritten
+
+
+def test_a_run_refused_before_its_first_step_leaves_nothing(tmp_path):
+    out = tmp_path / "run"
+    one_clear_error(shardemu(*GPT, "--mesh", "tensor=3", "--out", str(out)), "not divisible")
+    one_clear_error(shardemu(*GPT, "--phased", "--device-memory", "10", "--out", str(out)), "fits")
+    assert not out.exists()
+
+
+NAN = math.nan
+API_ROWS = [
+    (lambda: api.TrainConfig(learning_rate=NAN), "learning_rate must be a finite number > 0"),
+    (lambda: api.TrainConfig(seed=-1), "seed must be an integer >= 0"),
+    (lambda: api.TrainConfig(steps=True), "steps must be a positive integer, got True"),
+    (lambda: api.TrainConfig(grad_clip=math.inf), "grad_clip must be a finite number > 0"),
+    (lambda: api.TrainConfig(weight_decay=-0.1), "weight_decay must be a finite number >= 0"),
+    (lambda: api.TrainConfig(optimizer="sgd"), "optimizer must be 'adamw' or 'lamb'"),
+    (lambda: api.Parallelism(tensor=0), "tensor must be a positive integer"),
+    (lambda: api.Parallelism(pipe=1.5), "pipe must be a positive integer, got 1.5"),
+    (lambda: api.get_preset("gpt-tiny").replace(init_std=NAN), "init_std must be a finite"),
+    (lambda: api.get_preset("gpt-tiny").replace(layer_norm_eps=0.0), "layer_norm_eps must be"),
+    (lambda: api.get_preset("gpt-tiny").replace(family="t5"), "family must be 'gpt' or 'bert'"),
+    (lambda: api.get_preset("gpt-tiny").replace(param_dtype="int8"), "param_dtype must be"),
+    (lambda: api.get_preset("gpt-tiny").replace(num_heads=3), "not divisible by num_heads=3"),
+    (lambda: api.get_preset("gpt-tiny").pad_vocab(0), "must be a positive integer, got 0"),
+    (lambda: api.get_preset("nope"), "unknown model 'nope'"),
+    (lambda: api.Parallelism.parse("tensor=2,pipe=x"), "needs an integer size, got 'x'"),
+    (lambda: api.use_virtual_devices(0), "needs a positive device count, got 0"),
+    (lambda: api.use_virtual_devices(4096), "more than the 2048"),
+    (lambda: api.make_mesh(tensor=3), "needs 3 device(s)"),
+    (lambda: get_hardware("tpu-v9"), "unknown hardware 'tpu-v9'"),
+    (lambda: Hardware("x", NAN, 1, 1, 1, 1, 1, 1), "peak_tflops must be a finite positive"),
+    (lambda: Hardware("x", 1, 1, 1, 1, 1, 1, 0), "devices_per_node must be a positive integer"),
+    (lambda: Hardware("x", 1, 1, 1, 1, 1, 1, 1, efficiency=NAN), "efficiency must be in"),
+    (lambda: api.resume_settings("/nonexistent"), "cannot read /nonexistent/config.json"),
+]
+
+
+@pytest.mark.parametrize(("call", "message"), API_ROWS)
+def test_bad_python_call_is_a_shardemu_error(call, message):
+    with pytest.raises(api.ShardemuError) as err:
+        call()
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+# --- hypothesis: a valid tiny command line, then one field broken -----------------
+
+VALID = {
+    "--model": "gpt-tiny", "--steps": "1", "--batch": "4", "--seq": "8", "--seed": "0",
+    "--mesh": "tensor=1", "--lr": "0.001",
+}  # fmt: skip
+BROKEN = {
+    "--steps": ["0", "-3", "x", "1.5", "nan"],
+    "--batch": ["0", "-4", "3x", "inf", str(10**40)],
+    "--seq": ["0", "-8", "100000", "nan"],
+    "--seed": ["-1", str(2**64), "zero", "1e3"],
+    "--lr": ["0", "-1", "nan", "inf", "-inf", "1e999", "fast"],
+    "--mesh": ["tensor=0", "tensor=3", "pipe=3", "replica=-1", "tensor", "tensor=2,tensor=2",
+               "tensor=99999"],
+    "--devices": ["0", "-1", "3", "9999", "x"],
+    "--microbatches": ["0", "-2", "3"],
+    "--grad-accum": ["0", "5", "x"],
+    "--warmup": ["-1", "1.5"],
+    "--pad-vocab": ["0", "-128", str(10**9)],
+    "--checkpoint-every": ["0", "-1", "y"],
+    "--virtual": ["0", "-1", "3"],
+    "--hardware": ["gpu-9000", "/nonexistent.toml", "a.yaml"],
+}  # fmt: skip
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(flag=st.sampled_from(sorted(BROKEN)), data=st.data())
+def test_a_command_line_with_one_broken_field_is_refused(flag, data, tmp_path):
+    """Each field here is broken so that no run is possible: it must be refused with
+    one clear line, before anything compiles or is written."""
+    value = data.draw(st.sampled_from(BROKEN[flag]), label=flag)
+    args = {**VALID, flag: value, "--out": str(tmp_path / f"run{abs(hash((flag, value)))}")}
+    out = shardemu("run", *[word for pair in args.items() for word in pair])
+    assert out.returncode == 2, (flag, value, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), (flag, value, out.stderr)
+    assert not (tmp_path / f"run{abs(hash((flag, value)))}").exists()
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    mesh=st.sampled_from(["tensor=1", "tensor=2", "replica=2", "tensor=2,replica=2"]),
+    seed=st.integers(0, 2**32 - 1),
+    steps=st.integers(1, 2),
+)
+def test_a_valid_command_line_runs(mesh, seed, steps, tmp_path_factory):
+    """The other half of the search: valid tiny command lines run to the end."""
+    out_dir = tmp_path_factory.mktemp("valid") / "run"
+    args = {**VALID, "--mesh": mesh, "--seed": str(seed), "--steps": str(steps)}
+    out = shardemu("run", *[w for pair in args.items() for w in pair], "--out", str(out_dir))
+    assert out.returncode == 0, out.stderr
+    assert len((out_dir / "metrics.jsonl").read_text().splitlines()) == steps
