@@ -4,8 +4,9 @@ Tests compile with XLA's CPU backend optimisation off: it halves compile time, w
 dominates this suite on 2 cores. It changes only LLVM code generation, after the SPMD
 partitioning that the tests exercise, and reference and sharded runs use it alike.
 Subprocesses started by the tests inherit it. A persistent compilation cache in a fresh
-temporary folder lets identical programs compile once per session: a phased piece is
-compiled to be counted (over shapes) and again to run (over arrays), to the same HLO.
+temporary folder, shared by the pytest-xdist workers, lets identical programs compile
+once per session: a phased piece is compiled to be counted (over shapes) and again to
+run (over arrays), to the same HLO, and test files share the steps they both run.
 """
 
 import os
@@ -19,7 +20,9 @@ import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="shardemu-xla-"))
+# one cache for the whole session: the xdist workers inherit the folder the controller made
+os.environ.setdefault("SHARDEMU_TEST_XLA_CACHE", tempfile.mkdtemp(prefix="shardemu-xla-"))
+jax.config.update("jax_compilation_cache_dir", os.environ["SHARDEMU_TEST_XLA_CACHE"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 assert len(jax.devices()) == 8  # start the backend now: no command can change the count

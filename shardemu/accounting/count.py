@@ -82,6 +82,12 @@ class Counter:
         return self._counted[key]
 
 
+# The process's counter: every engine counts into it unless given its own, so a second
+# run of the same settings in one process (a resumed run, a sweep, a test suite) counts
+# nothing again.
+PROCESS_COUNTER = Counter()
+
+
 def piece_events(
     counted: Counted,
     step: int,

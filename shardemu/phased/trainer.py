@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from shardemu.accounting.count import Counter, with_shardings
+from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Ledger
 from shardemu.config import ConfigError, PhasedConfig, TrainConfig
 from shardemu.models import Model
@@ -79,7 +79,7 @@ class PhasedTrainer:
         meshes = stage_meshes(mesh, cfg.rts) * (emulated_stages or 1)
         self.pieces = build_stages(model, meshes, train, cfg, self.rules)
         self.stages: tuple[Stage, ...] = self.pieces.stages
-        self.counter = Counter() if counter is None else counter
+        self.counter = PROCESS_COUNTER if counter is None else counter
         # what a piece compiles to depends on these settings as well as on its inputs
         self._context = (model.cfg, train, self.rules, cfg.rts, cfg.rts_opt)
         self._shapes: dict = {}

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from shardemu.accounting.count import Counter, with_shardings
+from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Ledger
 from shardemu.config import PhasedConfig, TrainConfig
 from shardemu.models import Model
@@ -69,7 +69,7 @@ class PipelinedTrainer:
         self.pieces = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), self.rules)
         self.stages: tuple[Stage, ...] = self.pieces.stages
         self.holders = shared_holders(self.layout)
-        self.counter = Counter() if counter is None else counter
+        self.counter = PROCESS_COUNTER if counter is None else counter
         self._context = (model.cfg, train, self.rules, 1, 1)  # as PhasedTrainer's, rts = 1
         self._shapes: dict = {}
         self.ledger = Ledger()

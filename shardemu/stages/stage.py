@@ -12,6 +12,7 @@ reduced and scattered to the stored sharding. Optimizer state is stored over rts
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from shardemu.config import PhasedConfig, TrainConfig
+from shardemu.config import ModelConfig, PhasedConfig, TrainConfig
 from shardemu.models import Model, normalise
 from shardemu.parallel.rules import Rules, activation_rules, logical_to_spec, resolve_specs
 from shardemu.stages.tiers import with_memory_kind
@@ -261,7 +262,17 @@ def build_stages(
 ) -> Pieces:
     """One `Stage` per mesh, with the specs of `rules` (already `stage_rules`) and
     `cfg`'s rts and rts'; optimizers without clipping (the update clips by the global
-    norm it is given)."""
+    norm it is given). Stages keep no state but their jitted pieces, so trainers of the
+    same settings in one process (a resumed run, a sweep) share them, traced once."""
+    return _stages(model.cfg, tuple(meshes), train, cfg, rules)
+
+
+@functools.lru_cache(maxsize=32)
+def _stages(
+    model_cfg: ModelConfig, meshes: tuple[Mesh, ...], train: TrainConfig, cfg: PhasedConfig,
+    rules: Rules,
+) -> Pieces:  # fmt: skip
+    model = Model(model_cfg)
     sizes = dict(meshes[0].shape)
     key = model.stack_key
     shapes, logical = model.abstract_params()

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from shardemu.accounting.count import Counter
+from shardemu.accounting.count import PROCESS_COUNTER
 from shardemu.accounting.ledger import Event, Ledger
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.trainer import PipelinedTrainer
@@ -74,7 +74,7 @@ class ResidentEngine:
 
     def init(self, seed: int) -> tuple[Any, Any]:
         self.trainer.compiled()  # compile (and count) before the first step, so steps time alone
-        self._events = self.trainer.step_events(Counter(), 0)
+        self._events = self.trainer.step_events(PROCESS_COUNTER, 0)
         return self.trainer.init(seed)
 
     def start_at(self, steps_done: int) -> None:

@@ -41,6 +41,8 @@ from shardemu.parallel.rules import (
 )
 from shardemu.training.optim import make_optimizer
 
+_COMPILED: dict[tuple, jax.stages.Compiled] = {}  # Trainer.compiled's, process-wide
+
 
 @dataclass
 class ResidentOutput:
@@ -91,7 +93,6 @@ class Trainer:
             check_divisible(f"batch array {key!r} {shape}", shape, axes, spec, axis_sizes)
             self.batch_shardings[key] = NamedSharding(mesh, spec)
         self._replicated = replicated
-        self._compiled: dict[bool, jax.stages.Compiled] = {}
 
     def init(self, seed: int) -> tuple[Any, Any]:
         """Parameters and optimizer state, created directly in their shardings."""
@@ -143,10 +144,14 @@ class Trainer:
 
     def compiled(self, keep_grads: bool = False) -> jax.stages.Compiled:
         """The step, lowered and compiled ahead of time over `abstract_inputs()`; compiled
-        once per flag and kept for the Trainer's life."""
-        if keep_grads not in self._compiled:
-            self._compiled[keep_grads] = self._compile(keep_grads)
-        return self._compiled[keep_grads]
+        once per process for each (model, settings, rules, mesh, flag), so a second
+        Trainer of the same settings (a resumed run, a sweep) reuses it."""
+        key = (self.model.cfg, self.train, self.rules, self.mesh, keep_grads)
+        if key not in _COMPILED:
+            if len(_COMPILED) >= 32:
+                _COMPILED.pop(next(iter(_COMPILED)))  # the oldest
+            _COMPILED[key] = self._compile(keep_grads)
+        return _COMPILED[key]
 
     def _compile(self, keep_grads: bool) -> jax.stages.Compiled:
         r = self._replicated
