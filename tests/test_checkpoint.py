@@ -13,10 +13,12 @@ import time
 
 import pytest
 from cli_helpers import shardemu
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shardemu.report.rundir import read_metrics
 
-TINY = ["--model", "gpt-tiny", "--batch", "8", "--seq", "16", "--seed", "0"]
+TINY = ["--model", "gpt-tiny", "--batch", "8", "--seq", "16"]
 ENGINES = {
     "resident": ["--mesh", "tensor=2,replica=2"],
     "pipelined": ["--mesh", "pipe=2,replica=2", "--microbatches", "2"],
@@ -36,7 +38,8 @@ def runs(tmp_path_factory):
     def get(engine):
         if engine not in cache:
             out = tmp_path_factory.mktemp(engine) / "full"
-            args = ["run", *TINY, *ENGINES[engine], "--steps", "3", "--out", str(out)]
+            args = ["run", *TINY, *ENGINES[engine], "--steps", "3", "--seed", "0"]
+            args += ["--out", str(out)]
             outcome = shardemu(*args, "--checkpoint-every", "2")
             assert outcome.returncode == 0, outcome.stderr
             cache[engine] = out
@@ -141,3 +144,26 @@ def test_divergence_stops_with_exit_3_and_valid_metrics(tmp_path):
     records = [json.loads(line, parse_constant=pytest.fail) for line in lines]  # no NaN
     assert records[-1]["loss"] is None or records[-1]["grad_norm"] is None
     assert "stopped: training diverged" in (out / "summary.md").read_text()
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    steps=st.integers(1, 2),
+    every=st.sampled_from([None, 1, 2]),
+)
+def test_a_valid_command_line_runs(seed, steps, every, runs, tmp_path_factory):
+    """The valid half of the command-line search (test_bad_input.py has the broken
+    half): tiny runs with any seed, step count and checkpoint interval run to the end.
+    They share the resident runs' settings, so they share its compiled step."""
+    runs("resident")
+    out_dir = tmp_path_factory.mktemp("valid") / "run"
+    extra = [] if every is None else ["--checkpoint-every", str(every)]
+    args = ["run", *TINY, *ENGINES["resident"], "--seed", str(seed), "--steps", str(steps)]
+    out = shardemu(*args, *extra, "--out", str(out_dir))
+    assert out.returncode == 0, out.stderr
+    assert [r["step"] for r in read_metrics(out_dir)] == list(range(steps))
+    assert (out_dir / "checkpoints").exists() == (every is not None)
