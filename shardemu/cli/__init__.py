@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from shardemu.cli.args import (
 from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.devices import MAX_VIRTUAL_DEVICES, use_virtual_devices
 from shardemu.errors import ShardemuError
+from shardemu.launch import join, process_index
 from shardemu.predict.hardware import get_hardware
 from shardemu.report.tables import param_table, print_phase_plan, summary_table
 
@@ -40,7 +42,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         _run_resumed(args)
         return
     par = Parallelism.parse(args.mesh)
-    devices = use_virtual_devices(args.devices if args.devices is not None else par.num_devices)
+    devices = _devices(args, par)
     train_cfg = TrainConfig(
         steps=args.steps,
         batch=args.batch,
@@ -59,6 +61,48 @@ def cmd_run(args: argparse.Namespace) -> None:
         hardware=get_hardware(args.hardware) if args.hardware else None,
         checkpoint_every=args.checkpoint_every,
     )  # fmt: skip
+
+
+def _devices(args: argparse.Namespace, par: Parallelism) -> list[Any]:
+    """The run's devices: virtual ones in this process, or, in a process the launcher
+    started (`--processes`), the global devices of all of them."""
+    count = args.devices if args.devices is not None else par.num_devices
+    if process_index() is None:
+        return use_virtual_devices(count)
+    import jax
+
+    join(count)
+    if process_index() != 0:  # the run directory is process 0's
+        args.out = tempfile.mkdtemp(prefix=f"shardemu-process-{process_index()}-")
+    return jax.devices()
+
+
+def _launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """`run --processes N`: check what the processes could not do, then launch them."""
+    n, par = args.processes, Parallelism.parse(args.mesh)
+    count = args.devices if args.devices is not None else par.num_devices
+    if n < 1 or count % n:
+        raise ConfigError(
+            f"--processes {n} must be positive and divide the {count} devices (each "
+            f"process brings the same number)"
+        )
+    unsupported = [
+        flag
+        for flag, used in (
+            ("--mesh pipe > 1", par.pipe > 1), ("--microbatches > 1", args.microbatches > 1),
+            ("--phased", args.phased), ("--checkpoint-every", args.checkpoint_every is not None),
+            ("--resume", args.resume is not None),
+        )
+        if used
+    ]  # fmt: skip
+    if unsupported:
+        raise ConfigError(
+            f"--processes runs resident steps only for now; {', '.join(unsupported)} "
+            f"is not supported across processes yet (drop --processes)"
+        )
+    from shardemu.launch import launch
+
+    return launch(n, argv)
 
 
 def _run_resumed(args: argparse.Namespace) -> None:
@@ -244,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(done.code or 0)
     commands = {"run": cmd_run, "demo": cmd_demo, "describe": cmd_describe, "plan": cmd_plan}
     try:
+        if args.command == "run" and args.processes is not None and process_index() is None:
+            return _launch(args, sys.argv[1:] if argv is None else argv)
         commands[args.command](args)
     except ShardemuError as err:
         console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)

@@ -92,6 +92,14 @@ def run_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
         help="save the state to RUN_DIR/checkpoints every K steps and at the end",
     )
     p.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run as N processes on this machine, joined by jax.distributed with gloo "
+        "collectives, each with devices / N virtual devices (resident runs)",
+    )
+    p.add_argument(
         "--resume",
         default=None,
         metavar="RUN_DIR",

@@ -1,0 +1,124 @@
+"""Several processes, one mesh: `shardemu run ... --processes N`, or
+`python -m shardemu.launch -n N -- run ...`.
+
+The launcher starts N copies of the command on this machine. Each joins one JAX
+distributed system (`jax.distributed.initialize`, the coordinator on a free local port)
+with CPU collectives over gloo, brings `devices / N` virtual devices, and sees the
+global mesh: the same code a cluster's hosts run, one per host. Process 0 writes the
+run directory; the others keep theirs in a temporary folder.
+
+A process that fails takes the run with it: the launcher stops the others (SIGTERM,
+then SIGKILL) and exits with the failed process's status and one line saying which.
+Inside a process, JAX's heartbeat (`HEARTBEAT_S`) ends one whose peer vanished without
+the launcher, instead of waiting on a collective for ever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+ENV_ID, ENV_COUNT, ENV_COORDINATOR = (
+    "SHARDEMU_PROCESS_ID",
+    "SHARDEMU_NUM_PROCESSES",
+    "SHARDEMU_COORDINATOR",
+)
+HEARTBEAT_S = 10  # a peer silent this long is dead (jax.distributed's default is 100 s)
+STOP_GRACE_S = 10  # after SIGTERM, how long the others get before SIGKILL
+
+
+def process_index() -> int | None:
+    """This process's index when the launcher started it, else None."""
+    value = os.environ.get(ENV_ID)
+    return None if value is None else int(value)
+
+
+def join(devices: int) -> None:
+    """Join the launcher's distributed system with `devices` in all; call it before
+    anything touches a JAX device."""
+    import jax
+
+    count = int(os.environ[ENV_COUNT])
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_num_cpu_devices", devices // count)
+    jax.distributed.initialize(
+        os.environ[ENV_COORDINATOR], num_processes=count, process_id=process_index(),
+        initialization_timeout=120, heartbeat_timeout_seconds=HEARTBEAT_S,
+    )  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(count: int, argv: list[str]) -> int:
+    """Run `shardemu ARGV` as `count` processes; their exit status (the first failure's)."""
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "shardemu", *argv],
+            env={**os.environ, ENV_ID: str(i), ENV_COUNT: str(count), ENV_COORDINATOR: coordinator},
+            stdout=None if i == 0 else subprocess.DEVNULL,
+        )
+        for i in range(count)
+    ]
+    forward = lambda signum, _frame: [p.send_signal(signum) for p in procs if p.poll() is None]  # noqa: E731
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                index, code = failed[0]
+                _stop(procs)
+                how = f"signal {-code}" if code < 0 else f"status {code}"
+                print(
+                    f"error: process {index} of {count} ended with {how}; the others were "
+                    f"stopped", file=sys.stderr, flush=True,
+                )  # fmt: skip
+                return 128 - code if code < 0 else code
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process still running, SIGKILL those that outlive the grace."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m shardemu.launch", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("-n", type=int, required=True, help="processes")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- run ARGS...")
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.n < 1 or not command:
+        parser.error("give -n N (N >= 1) and a command after --")
+    return launch(args.n, command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Two processes, one mesh (`run --processes 2`): jax.distributed with gloo CPU
+collectives, four virtual devices each, the same losses as one process of eight; and a
+process that dies takes the run down with one clear line, instead of a hang."""
+
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from cli_helpers import shardemu
+
+from shardemu.report.rundir import read_metrics
+
+ARGS = ["run", "--model", "gpt-tiny", "--mesh", "tensor=2,replica=4", "--batch", "8"]
+ARGS += ["--seq", "16", "--seed", "0"]
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def environ(pid: int) -> bytes:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return f.read()
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_and_a_lost_process_stops_the_run(tmp_path):
+    out = tmp_path / "two"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "shardemu", *ARGS, "--steps", "100000", "--processes", "2",
+         "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    one = shardemu(*ARGS, "--steps", "3", "--out", str(tmp_path / "one"))  # meanwhile
+    assert one.returncode == 0, one.stderr
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and launcher.poll() is None:
+        if (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 3:
+            break
+        time.sleep(0.2)
+    assert launcher.poll() is None, launcher.stderr.read()
+    for a, b in zip(read_metrics(out)[:3], read_metrics(tmp_path / "one"), strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["loss"], b["loss"])
+    config = (out / "config.json").read_text()
+    assert '"device_count": 8' in config
+
+    pids = children(launcher.pid)
+    assert len(pids) == 2
+    second = next(p for p in pids if b"SHARDEMU_PROCESS_ID=1\0" in environ(p))
+    killed_at = time.monotonic()
+    subprocess.run(["kill", "-9", str(second)], check=True)
+    _, stderr = launcher.communicate(timeout=60)
+    assert time.monotonic() - killed_at < 60
+    assert launcher.returncode == 128 + signal.SIGKILL
+    assert "process 1 of 2 ended with signal 9; the others were stopped" in stderr
+    assert not any(p in children(launcher.pid) for p in pids)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--processes", "3"], "--processes 3 must be positive and divide the 8 devices"),
+        (["--processes", "0"], "--processes 0 must be positive"),
+        (["--processes", "2", "--checkpoint-every", "1"], "--checkpoint-every is not supported"),
+        (["--processes", "2", "--mesh", "pipe=2,tensor=2,replica=2"], "--mesh pipe > 1"),
+    ],
+)
+def test_what_processes_cannot_do_is_refused(extra, message):
+    out = shardemu(*ARGS, *extra)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
