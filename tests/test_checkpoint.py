@@ -67,6 +67,8 @@ def test_resume_is_bit_identical(engine, runs, tmp_path):
     assert out.returncode == 0, out.stderr
     assert losses(resumed) == losses(full)  # exactly: the same state and batches
     assert [r["step"] for r in read_metrics(resumed)] == [0, 1, 2]  # step 2 once
+    ledger = json.loads((resumed / "ledger.json").read_text())
+    assert ledger == json.loads((full / "ledger.json").read_text())  # every step's events
     config = json.loads((resumed / "config.json").read_text())
     assert config["resumed_from"] == {"run_dir": str(resumed), "steps_done": 2}
     assert config["engine"] == engine

@@ -145,5 +145,7 @@ class Ledger:
         """The events, each phase as its fields plus its readable `name`."""
         return [{**dataclasses.asdict(e), "phase": e.phase.to_json()} for e in self.events]
 
-    def write(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json()) + "\n")
+    def write(self, path: str | Path, before: list[dict[str, Any]] = ()) -> None:
+        """ledger.json: `before` (earlier steps' events as JSON, from a resumed run's
+        previous ledger.json) and then these events."""
+        Path(path).write_text(json.dumps([*before, *self.to_json()]) + "\n")

@@ -85,7 +85,7 @@ def train(
     layout = {"engine": engine.name, "stage_plan": [s["layers"] for s in config["stage_plan"]]}
     if phased:
         layout["phases"] = [list(s) for s in engine.trainer.slices]
-    start, previous, source = 0, [], None
+    start, previous, ledger_before, source = 0, [], [], None
     if resume is not None:
         source = Checkpoints(resume)
         start = source.latest() or 0
@@ -96,6 +96,7 @@ def train(
         if start > 0:
             source.check_layout(start, layout)
         previous = [r for r in read_metrics(resume) if r["step"] < start]
+        ledger_before = [e for e in _read_ledger(resume) if e["step"] < start]
         out = out or resume
     out = Path(out or default_run_dir(model_cfg.name))
     run = RunDir(out, reopen=resume is not None and out.resolve() == Path(resume).resolve())
@@ -136,7 +137,7 @@ def train(
             model_cfg, par, train_cfg, mesh.size, previous + records, compile_s, run.path, sizes
         )
         summary["status"] = "completed" if stopped is None else f"interrupted at step {done}"
-        engine.ledger.write(run.path / "ledger.json")
+        engine.ledger.write(run.path / "ledger.json", ledger_before)
         if hardware is not None and records:
             timeline, report = _predict(
                 engine, phase_plan, hardware, par, done - 1, train_cfg.batch * train_cfg.seq
@@ -168,6 +169,12 @@ def _check_host_memory(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
             f"least {floor:,} bytes for one layer's activations, more than this machine's "
             f"{memory:,}; run a smaller batch, or count it with `shardemu plan`"
         )
+
+
+def _read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
+    """A run directory's ledger.json events (none if the run never finished one)."""
+    path = Path(run_dir) / "ledger.json"
+    return json.loads(path.read_text()) if path.exists() else []
 
 
 def _loop(model: Model, engine: Engine, par: Parallelism, train_cfg: TrainConfig) -> TrainLoop:
