@@ -105,16 +105,12 @@ class ResidentEngine:
         return int(mem.argument_size_in_bytes + mem.temp_size_in_bytes)
 
 
-class PipelinedEngine:
-    """Each stage's layers on its devices; the schedule executed for real."""
+class _StagedEngine:
+    """What the pipelined and phased engines share: their trainer keeps the ledger and
+    numbers the steps, and a step's counts are its ledger totals."""
 
-    name = "pipelined"
-
-    def __init__(self, trainer: PipelinedTrainer) -> None:
+    def __init__(self, trainer: PipelinedTrainer | PhasedTrainer) -> None:
         self.trainer, self.ledger = trainer, trainer.ledger
-
-    def init(self, seed: int) -> Any:
-        return self.trainer.init(seed)
 
     def start_at(self, steps_done: int) -> None:
         self.trainer.steps_done = steps_done
@@ -123,6 +119,16 @@ class PipelinedEngine:
         out = self.trainer.step(state, batch)
         counts = step_counts(self.ledger, self.trainer.steps_done - 1)
         return StepResult(out.state, out.loss, out.grad_norm, counts)
+
+
+class PipelinedEngine(_StagedEngine):
+    """Each stage's layers on its devices; the schedule executed for real."""
+
+    name = "pipelined"
+    trainer: PipelinedTrainer
+
+    def init(self, seed: int) -> Any:
+        return self.trainer.init(seed)
 
     def sizes(self) -> dict[str, int]:
         return self.trainer.sizes()
@@ -135,24 +141,14 @@ class PipelinedEngine:
         return sizes["param_bytes_per_device"] + sizes["opt_state_bytes_per_device"] + held
 
 
-class PhasedEngine:
+class PhasedEngine(_StagedEngine):
     """Weights and optimizer state in the host tier, streamed per phase."""
 
     name = "phased"
-
-    def __init__(self, trainer: PhasedTrainer) -> None:
-        self.trainer, self.ledger = trainer, trainer.ledger
+    trainer: PhasedTrainer
 
     def init(self, seed: int) -> Any:
         return self.trainer.init(init_params(self.trainer.model, self.trainer.stages[0], seed))
-
-    def start_at(self, steps_done: int) -> None:
-        self.trainer.steps_done = steps_done
-
-    def step(self, state: Any, batch: dict[str, np.ndarray]) -> StepResult:
-        out = self.trainer.step(state, batch)
-        counts = step_counts(self.ledger, self.trainer.steps_done - 1)
-        return StepResult(out.state, out.loss, out.grad_norm, counts)
 
     def sizes(self) -> dict[str, int]:
         """Host-tier bytes per device of the fullest stage (the first holds the shared
