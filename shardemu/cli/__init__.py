@@ -27,14 +27,15 @@ from shardemu.cli.args import (
 from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.devices import MAX_VIRTUAL_DEVICES, use_virtual_devices
 from shardemu.errors import ShardemuError
-from shardemu.launch import join, process_index
+from shardemu.launch import join, launch, process_index
 from shardemu.predict.hardware import get_hardware
 from shardemu.report.tables import param_table, print_phase_plan, summary_table
 
 console = Console(stderr=True)
 
 
-RESUME_MAY_CHANGE = {"resume", "steps", "mesh", "devices", "out", "hardware", "checkpoint_every"}
+# the options a resumed run may set; its other settings are the run's own (config.json)
+RESUME_MAY_CHANGE = ("steps", "mesh", "devices", "out", "hardware", "checkpoint_every")
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -63,10 +64,19 @@ def cmd_run(args: argparse.Namespace) -> None:
     )  # fmt: skip
 
 
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _device_count(args: argparse.Namespace, par: Parallelism) -> int:
+    """--devices, or the mesh's size."""
+    return args.devices if args.devices is not None else par.num_devices
+
+
 def _devices(args: argparse.Namespace, par: Parallelism) -> list[Any]:
     """The run's devices: virtual ones in this process, or, in a process the launcher
     started (`--processes`), the global devices of all of them."""
-    count = args.devices if args.devices is not None else par.num_devices
+    count = _device_count(args, par)
     if process_index() is None:
         return use_virtual_devices(count)
     import jax
@@ -80,7 +90,7 @@ def _devices(args: argparse.Namespace, par: Parallelism) -> list[Any]:
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     """`run --processes N`: check what the processes could not do, then launch them."""
     n, par = args.processes, Parallelism.parse(args.mesh)
-    count = args.devices if args.devices is not None else par.num_devices
+    count = _device_count(args, par)
     if n < 1 or count % n:
         raise ConfigError(
             f"--processes {n} must be positive and divide the {count} devices (each "
@@ -100,20 +110,18 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
             f"--processes runs resident steps only for now; {', '.join(unsupported)} "
             f"is not supported across processes yet (drop --processes)"
         )
-    from shardemu.launch import launch
-
     return launch(n, argv)
 
 
 def _run_resumed(args: argparse.Namespace) -> None:
     """`run --resume RUN_DIR`: the run's own settings, with the few that may change."""
-    fixed = sorted(args.given - RESUME_MAY_CHANGE)
+    fixed = sorted(args.given - {"resume", *RESUME_MAY_CHANGE})
     if fixed:
-        flags = ", ".join("--" + dest.replace("_", "-") for dest in fixed)
+        may = [_flag(dest) for dest in RESUME_MAY_CHANGE]
         raise ConfigError(
-            f"{flags} cannot change when resuming: the run's settings come from "
-            f"{args.resume}/config.json; only --steps, --mesh, --devices, --out, --hardware "
-            f"and --checkpoint-every may be given with --resume"
+            f"{', '.join(_flag(dest) for dest in fixed)} cannot change when resuming: the "
+            f"run's settings come from {args.resume}/config.json; only {', '.join(may[:-1])} "
+            f"and {may[-1]} may be given with --resume"
         )
     from shardemu.training.runner import resume_settings
 
@@ -122,7 +130,7 @@ def _run_resumed(args: argparse.Namespace) -> None:
         par = Parallelism.parse(args.mesh)
     if "steps" in args.given:
         train_cfg = dataclasses.replace(train_cfg, steps=args.steps)
-    devices = use_virtual_devices(args.devices if args.devices is not None else par.num_devices)
+    devices = _devices(args, par)
     _train_with_progress(
         model_cfg, par, train_cfg, devices, out=args.out, phased=phased,
         hardware=get_hardware(args.hardware) if args.hardware else None, rules=rules,

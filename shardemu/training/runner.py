@@ -100,6 +100,7 @@ def train(
         out = out or resume
     out = Path(out or default_run_dir(model_cfg.name))
     run = RunDir(out, reopen=resume is not None and out.resolve() == Path(resume).resolve())
+    saved: Checkpoints | None = None
     try:
         for record in previous:
             run.log_step(record)
@@ -154,6 +155,9 @@ def train(
         raise
     finally:
         run.close()
+        for checkpoints in (source, saved):
+            if checkpoints is not None:
+                checkpoints.close()
     return RunResult(run.path, [r["loss"] for r in previous + records], summary)
 
 
