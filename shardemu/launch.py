@@ -70,7 +70,12 @@ def launch(count: int, argv: list[str]) -> int:
         )
         for i in range(count)
     ]
-    forward = lambda signum, _frame: [p.send_signal(signum) for p in procs if p.poll() is None]  # noqa: E731
+    def forward(signum: int, _frame: object) -> None:
+        """Ctrl-C or SIGTERM to the launcher reaches every process still running."""
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         while True:
