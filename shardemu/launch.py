@@ -70,6 +70,7 @@ def launch(count: int, argv: list[str]) -> int:
         )
         for i in range(count)
     ]
+
     def forward(signum: int, _frame: object) -> None:
         """Ctrl-C or SIGTERM to the launcher reaches every process still running."""
         for p in procs:
