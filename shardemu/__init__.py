@@ -9,6 +9,13 @@ The public API. Typical use, before anything touches a JAX device:
     trainer = shardemu.Trainer(model, mesh, shardemu.TrainConfig())
 """
 
+from importlib import metadata
+
+try:
+    __version__ = metadata.version("shardemu")
+except metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
+
 from shardemu.config import (
     PRESETS,
     ModelConfig,
@@ -43,6 +50,7 @@ from shardemu.parallel.rules import (
 )
 from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.report.describe import describe
+from shardemu.tracking import Tracker, Trackers, TrackingConfig
 from shardemu.training.engine import (
     Engine,
     PhasedEngine,
@@ -53,7 +61,7 @@ from shardemu.training.engine import (
 from shardemu.training.loop import StepInfo, TrainLoop
 from shardemu.training.optim import make_optimizer
 from shardemu.training.resident import Trainer
-from shardemu.training.runner import RunResult, resume_settings, train
+from shardemu.training.runner import RunResult, RunSettings, resume_settings, train
 
 __all__ = [
     "AXIS_NAMES",
@@ -69,6 +77,10 @@ __all__ = [
     "Parallelism",
     "RunInterrupted",
     "RunResult",
+    "RunSettings",
+    "Tracker",
+    "Trackers",
+    "TrackingConfig",
     "ShardingError",
     "StepResult",
     "StepInfo",
@@ -102,4 +114,5 @@ __all__ = [
     "resume_settings",
     "train",
     "use_virtual_devices",
+    "__version__",
 ]

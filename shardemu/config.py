@@ -319,6 +319,11 @@ class TrainConfig:
                 f" = {split}; use a multiple of {split}"
             )
 
+    @property
+    def tokens(self) -> int:
+        """Tokens per step, all replicas."""
+        return self.batch * self.seq
+
     def microbatch_size(self, parallelism: Parallelism) -> int:
         """Sequences per microbatch per replica (the b of b * r)."""
         return self.batch // (parallelism.replica * self.microbatches * self.grad_accum)

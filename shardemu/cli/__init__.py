@@ -23,7 +23,9 @@ from shardemu.cli.args import (
     model_config,
     phased_config,
     pipeline_config,
+    tracking_config,
 )
+from shardemu.cli.config_file import apply_settings, read_settings
 from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.devices import MAX_VIRTUAL_DEVICES, use_virtual_devices
 from shardemu.errors import ShardemuError
@@ -35,7 +37,9 @@ console = Console(stderr=True)
 
 
 # the options a resumed run may set; its other settings are the run's own (config.json)
-RESUME_MAY_CHANGE = ("steps", "mesh", "devices", "out", "hardware", "checkpoint_every")
+RESUME_MAY_CHANGE = (
+    "steps", "mesh", "devices", "out", "hardware", "checkpoint_every", "wandb", "tensorboard",
+)  # fmt: skip
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -60,7 +64,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     _train_with_progress(
         model_cfg, par, train_cfg, devices, out=args.out, phased=phased_config(args),
         hardware=get_hardware(args.hardware) if args.hardware else None,
-        checkpoint_every=args.checkpoint_every,
+        checkpoint_every=args.checkpoint_every, tracking=tracking_config(args),
     )  # fmt: skip
 
 
@@ -125,17 +129,22 @@ def _run_resumed(args: argparse.Namespace) -> None:
         )
     from shardemu.training.runner import resume_settings
 
-    model_cfg, par, train_cfg, phased, rules, every = resume_settings(args.resume)
-    if "mesh" in args.given:
-        par = Parallelism.parse(args.mesh)
+    was = resume_settings(args.resume)
+    par = Parallelism.parse(args.mesh) if "mesh" in args.given else was.parallelism
+    train_cfg = was.train
     if "steps" in args.given:
         train_cfg = dataclasses.replace(train_cfg, steps=args.steps)
+    tracking = was.tracking
+    if args.given & {"wandb", "tensorboard"}:
+        tracking = tracking_config(args)
     devices = _devices(args, par)
     _train_with_progress(
-        model_cfg, par, train_cfg, devices, out=args.out, phased=phased,
-        hardware=get_hardware(args.hardware) if args.hardware else None, rules=rules,
-        checkpoint_every=args.checkpoint_every if "checkpoint_every" in args.given else every,
-        resume=args.resume,
+        was.model, par, train_cfg, devices, out=args.out, phased=was.phased,
+        hardware=get_hardware(args.hardware) if args.hardware else None, rules=was.rules,
+        checkpoint_every=(
+            args.checkpoint_every if "checkpoint_every" in args.given else was.checkpoint_every
+        ),
+        resume=args.resume, tracking=tracking,
     )  # fmt: skip
 
 
@@ -216,12 +225,21 @@ def cmd_describe(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     """Every setting is checked before anything is counted or written."""
-    from shardemu.predict.plan_phased import flatten, plan_devices
+    from shardemu.predict.plan_phased import plan_devices
+    from shardemu.report.plandir import flatten
     from shardemu.report.rundir import default_run_dir, require_new
 
     par = Parallelism.parse(args.mesh)
     phased = phased_config(args)
     hardware = get_hardware(args.hardware) if args.hardware else None
+    tracking = tracking_config(args)
+    if tracking is not None:
+        tracking.check_installed()
+        if args.out is None and hardware is None:
+            raise ConfigError(
+                "--wandb and --tensorboard log a plan's run directory: give --out DIR "
+                "(or --hardware, which writes one)"
+            )
     if phased is None and hardware is None:
         raise ConfigError("a resident plan predicts a step: give --hardware NAME (or add --phased)")
     model_cfg = model_config(args)
@@ -244,14 +262,17 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if out is not None:
         require_new(Path(out))
     if phased is None:
-        report = _plan_resident(args, model_cfg, par, train_cfg, micro, hardware, Path(out))
+        report = _plan_resident(
+            args, model_cfg, par, train_cfg, micro, hardware, Path(out), tracking
+        )
     else:
         use_virtual_devices(plan_devices(par))  # one pipeline stage's devices
         from shardemu.predict.plan_phased import plan_phased
 
         report = plan_phased(
-            model_cfg, par, train_cfg, phased, hardware=hardware, out=out, microbatch_size=micro
-        )
+            model_cfg, par, train_cfg, phased, hardware=hardware, out=out,
+            microbatch_size=micro, tracking=tracking,
+        )  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -265,19 +286,19 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 def _plan_resident(
     args: argparse.Namespace, model_cfg: Any, par: Parallelism, train_cfg: TrainConfig,
-    micro: int | None, hardware: Any, out: Path,
+    micro: int | None, hardware: Any, out: Path, tracking: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """`shardemu plan` without --phased: a resident pipelined step on `hardware`."""
     use_virtual_devices(par.tensor)  # one stage's tensor group counts a microbatch
-    from shardemu.predict.plan_phased import write_plan_dir
     from shardemu.predict.plan_resident import plan_resident
+    from shardemu.report.plandir import write_plan_dir
 
     report, ledger, timeline = plan_resident(
         model_cfg, par, train_cfg.batch, train_cfg.seq,
         micro if micro is not None else train_cfg.batch // par.replica, hardware,
         train_cfg.schedule, train_cfg.virtual, args.recompute,
     )  # fmt: skip
-    write_plan_dir(out, report, ledger, timeline)
+    write_plan_dir(out, report, ledger, timeline, tracking)
     return report
 
 
@@ -286,19 +307,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.given = given_options(parser, argv)
+    if getattr(args, "config", None) is not None:
+        command = parser.commands[args.command]
+        apply_settings(command, args, read_settings(args.config), args.config)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse(sys.argv[1:] if argv is None else argv)
-    except SystemExit as done:  # --help, or a usage error argparse has printed
-        return int(done.code or 0)
+    argv = sys.argv[1:] if argv is None else argv
     commands = {"run": cmd_run, "demo": cmd_demo, "describe": cmd_describe, "plan": cmd_plan}
     try:
+        args = parse(argv)
         if args.command == "run" and args.processes is not None and process_index() is None:
-            return _launch(args, sys.argv[1:] if argv is None else argv)
+            return _launch(args, argv)
         commands[args.command](args)
+    except SystemExit as done:  # --help, --version, or a usage error argparse has printed
+        return int(done.code or 0)
     except ShardemuError as err:
         console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         return err.exit_code

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, NoReturn
 
+from shardemu import __version__
 from shardemu.config import (
     ConfigError,
     ModelConfig,
@@ -18,6 +19,7 @@ from shardemu.config import (
     get_preset,
 )
 from shardemu.parallel.schedules import SCHEDULES
+from shardemu.tracking import DEFAULT_WANDB_PROJECT, TrackingConfig
 
 
 def model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -156,6 +158,37 @@ def phased_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def tracking_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--wandb",
+        nargs="?",
+        const=DEFAULT_WANDB_PROJECT,
+        default=None,
+        metavar="PROJECT",
+        help=f"log to Weights & Biases, offline unless WANDB_MODE says otherwise "
+        f"(project default {DEFAULT_WANDB_PROJECT!r}; needs shardemu[wandb])",
+    )
+    p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="write TensorBoard event files to RUN_DIR/tensorboard (needs shardemu[tensorboard])",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="settings from a .toml file (keys are these flags) or a run's config.json; "
+        "flags given here win",
+    )
+
+
+def tracking_config(args: argparse.Namespace) -> TrackingConfig | None:
+    """The trackers the flags ask for beside the run directory (None: none)."""
+    if args.wandb is None and not args.tensorboard:
+        return None
+    return TrackingConfig(wandb=args.wandb, tensorboard=args.tensorboard)
+
+
 class OneLineErrors(argparse.ArgumentParser):
     """argparse whose usage errors are one line on stderr (exit status 2), like every
     other error of shardemu, instead of the usage text and the error."""
@@ -166,6 +199,7 @@ class OneLineErrors(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrors(prog="shardemu", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"shardemu {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser(
@@ -175,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R (missing axes are 1)")
     run_args(run, TrainConfig())
     pipeline_args(run, stage_layers=True)
+    tracking_args(run)
 
     demo = sub.add_parser(
         "demo", help="a short gpt-tiny run on 8 virtual devices (tensor=2, replica=4)"
@@ -223,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="full",
         help="resident plans: activation recomputation",
     )
+    tracking_args(plan)
     for command in sub.choices.values():
         command.allow_abbrev = False  # a flag is written in full: `given_options` relies on it
     parser.commands = sub.choices

@@ -10,7 +10,6 @@ identical pipeline stage). So GPT-3 175B on 256 virtual devices is planned on a 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -26,10 +25,10 @@ from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.phased.trainer import PhasedTrainer
-from shardemu.predict.costmodel import Timeline, predict
+from shardemu.predict.costmodel import predict
 from shardemu.predict.hardware import Hardware
-from shardemu.report.rundir import summary_markdown
-from shardemu.report.views import write_views
+from shardemu.report.plandir import write_plan_dir
+from shardemu.tracking import TrackingConfig
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
@@ -57,15 +56,15 @@ def plan_phased(
     hardware: Hardware | None = None,
     out: str | Path | None = None,
     microbatch_size: int | None = None,
+    tracking: TrackingConfig | None = None,
 ) -> dict[str, Any]:
     """Count one phased step in abstract mode: the JSON `shardemu plan --json` prints.
     The pipeline's stages are planned on one stage's devices (`plan_devices`); a
     vocabulary the tensor axis does not divide is padded (`padded_for`).
     With `hardware`, add the predicted step (`costmodel.py`); with `out`, write the run
-    directory (config.json, ledger.json, summary.md, and with hardware trace.json and
-    timeline.png). With `microbatch_size` b, the batch runs as passes of b sequences per
-    replica, pipelined over the stages (`accounting/assemble.py`, a 1F1B schedule):
-    one pass is counted.
+    directory and log to the `tracking` trackers (`report/plandir.py`). With
+    `microbatch_size` b, the batch runs as passes of b sequences per replica, pipelined
+    over the stages (`accounting/assemble.py`, a 1F1B schedule): one pass is counted.
     Needs `plan_devices(par)` JAX devices (virtual CPU devices will do)."""
     t0 = time.perf_counter()
     given_vocab = model_cfg.vocab_size
@@ -97,7 +96,7 @@ def plan_phased(
         "param_bytes": param_bytes(shapes),
         "batch": train_cfg.batch,
         "seq": train_cfg.seq,
-        "tokens_per_step": train_cfg.batch * train_cfg.seq,
+        "tokens_per_step": train_cfg.tokens,
         **totals,
         "model_flops_analytic": analytic,
         "model_flops_rel_err": totals["model_flops"] / analytic - 1,
@@ -112,7 +111,7 @@ def plan_phased(
         report["vocab_padded_from"] = given_vocab
     timeline = None
     if hardware is not None:
-        tokens = train_cfg.batch * train_cfg.seq
+        tokens = train_cfg.tokens
         timeline, prediction = predict(
             ledger.events, hardware, par, totals["model_flops"], tokens, report["memory_per_device"]
         )
@@ -122,7 +121,7 @@ def plan_phased(
             for (stage, stream), busy in sorted(timeline.stream_totals().items())
         }
     if out is not None:
-        write_plan_dir(Path(out), report, ledger, timeline)
+        write_plan_dir(Path(out), report, ledger, timeline, tracking)
     report["elapsed_s"] = time.perf_counter() - t0
     return report
 
@@ -154,30 +153,3 @@ def _in_flight_activations(plan: dict[str, Any], sched: Schedule, phased: Phased
             per_stage.get(row["stage"], 0) + row["activation_bytes_per_device"]
         )
     return max(round((sched.peak_activations(s) - 1) * kept) for s, kept in per_stage.items())
-
-
-def write_plan_dir(
-    out: Path, report: dict[str, Any], ledger: Ledger, timeline: Timeline | None
-) -> None:
-    """The run directory of a plan: config.json (the report), ledger.json, summary.md and,
-    with a prediction, trace.json and timeline.png."""
-    out.mkdir(parents=True, exist_ok=True)
-    ledger.write(out / "ledger.json")
-    if timeline is not None:
-        title = f"{report['model']} on {report['mesh']}, {report['hardware']}"
-        report.update(write_views(timeline, out, title))
-    (out / "config.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "summary.md").write_text(summary_markdown("plan", flatten(report)))
-
-
-def flatten(report: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """The report as one level of dotted keys, without the per-phase plan."""
-    flat: dict[str, Any] = {}
-    for key, value in report.items():
-        if key in ("plan", "stream_busy_s"):
-            continue
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat

@@ -2,7 +2,9 @@
 
 Layout (DESIGN.md, "A run directory"): `config.json` (written before the first step),
 `metrics.jsonl` (one line per step, flushed each step, so a crashed run keeps what it
-did), `summary.md` (written at the end).
+did), `summary.md` (written at the end). A plan writes the same layout, with one
+record: the step it counted. `RunDir` is the tracker that is always on
+(`shardemu.tracking`).
 """
 
 from __future__ import annotations
@@ -51,11 +53,13 @@ def require_new(path: Path) -> None:
 
 
 class RunDir:
-    def __init__(self, path: str | Path, reopen: bool = False) -> None:
+    name = "run_dir"
+
+    def __init__(self, path: str | Path, reopen: bool = False, command: str = "run") -> None:
         """A new run directory, which must not exist or be empty; or, with `reopen`, an
         existing one whose metrics.jsonl starts again empty (a resumed run writes the
-        steps it keeps back first)."""
-        self.path = Path(path)
+        steps it keeps back first). `command` titles summary.md."""
+        self.path, self.command = Path(path), command
         self.created = not self.path.exists()
         if not reopen:
             require_new(self.path)
@@ -68,7 +72,8 @@ class RunDir:
             ) from None
         self.logged = 0
 
-    def write_config(self, config: dict[str, Any]) -> None:
+    def log_config(self, config: dict[str, Any]) -> None:
+        """config.json: the settings, with when, how (argv) and with which versions."""
         record = {
             "created": dt.datetime.now(dt.UTC).isoformat(),
             "argv": sys.argv,
@@ -77,22 +82,29 @@ class RunDir:
         }
         (self.path / "config.json").write_text(json.dumps(record, indent=2) + "\n")
 
-    def log_step(self, metrics: dict[str, Any]) -> None:
-        """One step's line; NaN and infinities become null (JSON has neither)."""
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """One step's line (the record carries its step); NaN and infinities become
+        null (JSON has neither)."""
         self._metrics.write(json.dumps(json_safe(metrics), allow_nan=False) + "\n")
         self._metrics.flush()
         self.logged += 1
 
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        self.write_summary(summary_markdown(self.command, summary))
+
     def write_summary(self, markdown: str) -> None:
         (self.path / "summary.md").write_text(markdown)
 
-    def close(self) -> None:
+    def log_artifact(self, path: Path) -> None:
+        """The run's files are written into the run directory already."""
+
+    def finish(self) -> None:
         self._metrics.close()
 
     def discard_if_empty(self) -> None:
         """Remove the directory this run created when no step got into it, so a run
         that failed before its first step leaves nothing that blocks its --out."""
-        self.close()
+        self.finish()
         if self.created and self.logged == 0:
             shutil.rmtree(self.path, ignore_errors=True)
 

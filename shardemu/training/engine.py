@@ -55,6 +55,10 @@ class Engine(Protocol):
     def start_at(self, steps_done: int) -> None:
         """Number the next step `steps_done` (a run resumed from a checkpoint)."""
 
+    def device_bytes(self) -> int:
+        """The device tier's high-water mark so far, in bytes per device (the fullest
+        device)."""
+
 
 def step_counts(ledger: Ledger, step: int) -> dict[str, Any]:
     """A step's ledger totals, with the bytes sent between pipeline stages apart."""
@@ -161,3 +165,8 @@ class PhasedEngine(_StagedEngine):
         weights[0] += bytes_per_device(state.shared)
         opt[0] += bytes_per_device(state.opt_shared)
         return {"param_bytes_per_device": max(weights), "opt_state_bytes_per_device": max(opt)}
+
+    def device_bytes(self) -> int:
+        """The fullest stage's device tier at its high-water: the phase's weights,
+        gradients and activations in flight (`Tier`)."""
+        return max(t.high_water for t in self.trainer.tiers)

@@ -8,7 +8,7 @@ directory, progress bars and trackers are hooks: adding one does not touch the l
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ class StepInfo:
 
 
 Hook = Callable[[StepInfo], None]
+Derive = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 class TrainLoop:
@@ -36,11 +37,14 @@ class TrainLoop:
         engine: Engine,
         batches: Callable[[int], dict[str, np.ndarray]],
         static: dict[str, Any] | None = None,
+        derive: Sequence[Derive] = (),
     ) -> None:
         """`batches(step)` gives each step's global batch; `static` adds fields that
         every step's record carries (tokens per step, the analytic model FLOPs, ...),
-        which the engine's own counts override."""
+        which the engine's own counts override; each of `derive` adds fields computed
+        from the record so far (throughput, the learning rate, a prediction)."""
         self.engine, self.batches, self.static = engine, batches, static or {}
+        self.derive = list(derive)
         self._hooks: list[tuple[Hook, int]] = []
 
     def add_hook(self, fn: Hook, every: int = 1) -> None:
@@ -76,6 +80,8 @@ class TrainLoop:
                 **self.static,
                 **result.counts,
             }
+            for fn in self.derive:
+                record.update(fn(record))
             records.append(record)
             info = StepInfo(step, record, result)
             for fn, every in self._hooks:

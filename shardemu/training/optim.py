@@ -47,6 +47,19 @@ def scale_by_layerwise_trust_ratio(stacked: object) -> optax.GradientTransformat
     return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
 
 
+def learning_rate(cfg: TrainConfig) -> optax.ScalarOrSchedule:
+    """A linear warm-up from 0 over `warmup_steps`, then the constant peak rate."""
+    if cfg.warmup_steps:
+        return optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+    return cfg.learning_rate
+
+
+def learning_rate_at(cfg: TrainConfig, step: int) -> float:
+    """The rate step `step` (from 0) applies: optax counts updates from 0."""
+    lr = learning_rate(cfg)
+    return float(lr(step)) if callable(lr) else float(lr)
+
+
 def make_optimizer(
     cfg: TrainConfig, params: object, logical: object, clip: bool = True
 ) -> optax.GradientTransformation:
@@ -55,11 +68,7 @@ def make_optimizer(
     `params` (arrays or shapes) and `logical` (their logical axes) fix the tree structure
     for the weight-decay mask and LAMB's per-layer trust ratio. `clip=False` leaves out
     the clipping, for engines that update in pieces and clip with `clip_by_norm`."""
-    lr = (
-        optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
-        if cfg.warmup_steps
-        else cfg.learning_rate
-    )
+    lr = learning_rate(cfg)
     mask = decay_mask(params)
     if cfg.optimizer == "adamw":
         opt = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=cfg.weight_decay, mask=mask)

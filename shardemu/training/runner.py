@@ -4,6 +4,7 @@ progress), summary, and the prediction on named hardware."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import Mesh
@@ -30,13 +31,18 @@ from shardemu.pipelined.layout import pipeline_layout, stage_plan
 from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware
-from shardemu.report.rundir import RunDir, default_run_dir, read_metrics, summary_markdown
+from shardemu.report.rundir import RunDir, default_run_dir, read_metrics
 from shardemu.report.views import write_views
+from shardemu.tracking import Trackers, TrackingConfig, open_trackers
 from shardemu.training.checkpoint import Checkpoints
 from shardemu.training.engine import Engine, PhasedEngine, PipelinedEngine, ResidentEngine
 from shardemu.training.faults import StopSignals, check_finite
 from shardemu.training.loop import TrainLoop
+from shardemu.training.optim import learning_rate_at
 from shardemu.training.resident import Trainer
+
+# the files a run hands its trackers as artifacts, when it wrote them
+RUN_FILES = ("config.json", "ledger.json", "summary.md", "trace.json", "timeline.png")
 
 
 @dataclass
@@ -58,23 +64,29 @@ def train(
     hardware: Hardware | None = None,
     checkpoint_every: int | None = None,
     resume: str | Path | None = None,
+    tracking: TrackingConfig | None = None,
 ) -> RunResult:
     """Train `model_cfg` on a `par` mesh for `train_cfg.steps` steps and record the run:
     resident (one compiled step), pipelined (pipe > 1 or microbatches > 1: the schedule
     executed stage by stage), or with `phased` weights in the host tier streamed in
-    phase by phase. Every engine writes `ledger.json`; with `hardware`, the last step's
-    ledger is predicted on that hardware, with trace.json and timeline.png.
+    phase by phase. Every engine writes `ledger.json`; with `hardware`, every step is
+    predicted on that hardware from its own ledger, and the last one drawn (trace.json,
+    timeline.png).
 
-    `checkpoint_every` K saves the state every K steps and at the end
-    (`checkpoint.py`). `resume` continues the run directory `resume` from its last
-    checkpoint (from step 0 when it has none), in place unless `out` names another
-    directory; its settings must be the run's own (`resume_settings`), the mesh may
-    differ. SIGINT or SIGTERM stop the run after the current step (`RunInterrupted`);
-    a non-finite loss or gradient norm stops it with `NonFiniteError`."""
+    The run directory logs the config, every step and the summary; `tracking` adds
+    W&B and TensorBoard beside it (`shardemu.tracking`). `checkpoint_every` K saves the
+    state every K steps and at the end (`checkpoint.py`). `resume` continues the run
+    directory `resume` from its last checkpoint (from step 0 when it has none), in place
+    unless `out` names another directory; its settings must be the run's own
+    (`resume_settings`), the mesh may differ. SIGINT or SIGTERM stop the run after the
+    current step (`RunInterrupted`); a non-finite loss or gradient norm stops it with
+    `NonFiniteError`."""
     if checkpoint_every is not None and checkpoint_every < 1:
         raise ConfigError(
             f"--checkpoint-every must be a positive number of steps, got {checkpoint_every}"
         )
+    if tracking is not None:
+        tracking.check_installed()
     _check_host_memory(model_cfg, train_cfg)
     mesh = mesh_from(par, devices)
     model = Model(model_cfg)
@@ -100,12 +112,22 @@ def train(
         out = out or resume
     out = Path(out or default_run_dir(model_cfg.name))
     run = RunDir(out, reopen=resume is not None and out.resolve() == Path(resume).resolve())
+    trackers: Trackers | None = None
     saved: Checkpoints | None = None
     try:
         for record in previous:
-            run.log_step(record)
+            run.log(record)
+        trackers = open_trackers(tracking, run)
         resumed = {"resumed_from": {"run_dir": str(resume), "steps_done": start}} if resume else {}
-        run.write_config({**config, "checkpoint_every": checkpoint_every, **resumed})
+        trackers.log_config(
+            {
+                **config,
+                "checkpoint_every": checkpoint_every,
+                "hardware": hardware.name if hardware is not None else None,
+                "tracking": dataclasses.asdict(tracking or TrackingConfig()),
+                **resumed,
+            }
+        )
         with StopSignals() as signals:
             t0 = time.perf_counter()
             state = engine.init(train_cfg.seed)  # pipelined and phased pieces compile on first use
@@ -114,8 +136,13 @@ def train(
                 state = source.restore(start, state)
                 engine.start_at(start)
             saved = Checkpoints(run.path) if checkpoint_every else None
-            loop = _loop(model, engine, par, train_cfg)
-            loop.add_hook(lambda info: run.log_step(info.record))
+            predictor = None
+            if hardware is not None:
+                predictor = functools.partial(
+                    _predict, engine, phase_plan, hardware, par, tokens=train_cfg.tokens
+                )
+            loop = _loop(model, engine, par, train_cfg, predictor)
+            loop.add_hook(lambda info: trackers.log(info.record, info.step))
             loop.add_hook(lambda info: check_finite(info.record, train_cfg.learning_rate))
             if on_step is not None:
                 loop.add_hook(lambda info: on_step(info.record))
@@ -139,12 +166,11 @@ def train(
         )
         summary["status"] = "completed" if stopped is None else f"interrupted at step {done}"
         engine.ledger.write(run.path / "ledger.json", ledger_before)
-        if hardware is not None and records:
-            timeline, report = _predict(
-                engine, phase_plan, hardware, par, done - 1, train_cfg.batch * train_cfg.seq
-            )
+        if predictor is not None and records:
+            timeline, report = predictor(done - 1)
             summary.update(_prediction_files(timeline, report, run.path, model_cfg.name, par))
-        run.write_summary(summary_markdown("run", summary))
+        trackers.log_summary(summary)
+        trackers.log_artifacts([run.path / name for name in RUN_FILES])
         if stopped is not None:
             raise RunInterrupted(_resume_hint(stopped, run.path, done, saved is not None), stopped)
     except NonFiniteError as err:
@@ -154,7 +180,9 @@ def train(
         run.discard_if_empty()
         raise
     finally:
-        run.close()
+        if trackers is not None:
+            trackers.finish()
+        run.finish()
         for checkpoints in (source, saved):
             if checkpoints is not None:
                 checkpoints.close()
@@ -181,19 +209,42 @@ def _read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
-def _loop(model: Model, engine: Engine, par: Parallelism, train_cfg: TrainConfig) -> TrainLoop:
-    """The training loop over the synthetic corpus: step k trains on batch k."""
+def _loop(
+    model: Model, engine: Engine, par: Parallelism, train_cfg: TrainConfig,
+    predictor: Callable[[int], tuple[Timeline, dict[str, Any]]] | None,
+) -> TrainLoop:  # fmt: skip
+    """The training loop over the synthetic corpus (step k trains on batch k). A step's
+    record carries, besides the engine's counts: the learning rate it applied, tokens
+    and sequences per second, the device tier's high-water mark and, with a
+    `predictor`, the step's predicted time on the hardware."""
     corpus = SyntheticCorpus(model.cfg.vocab_size, seed=train_cfg.seed)
     schedule = make_schedule(
         train_cfg.schedule, par.pipe, train_cfg.microbatches, train_cfg.virtual
     )
     static = {
-        "tokens": train_cfg.batch * train_cfg.seq,
+        "tokens": train_cfg.tokens,
+        "sequences": train_cfg.batch,
         "bubble_fraction": schedule.bubble_fraction if engine.name == "pipelined" else 0.0,
         "model_flops_analytic": flops.training_step(model.cfg, train_cfg.batch, train_cfg.seq),
     }
+
+    def rates(record: dict[str, Any]) -> dict[str, Any]:
+        seconds = record["step_time_s"]
+        return {
+            "learning_rate": learning_rate_at(train_cfg, record["step"]),
+            "tokens_per_s": record["tokens"] / seconds,
+            "sequences_per_s": record["sequences"] / seconds,
+            "device_high_water_bytes": engine.device_bytes(),
+        }
+
+    def predicted(record: dict[str, Any]) -> dict[str, Any]:
+        return {"predicted_step_s": predictor(record["step"])[1]["step_time_s"]}
+
     return TrainLoop(
-        engine, lambda step: model.batch(corpus, step, train_cfg.batch, train_cfg.seq), static
+        engine,
+        lambda step: model.batch(corpus, step, train_cfg.batch, train_cfg.seq),
+        static,
+        [rates] if predictor is None else [rates, predicted],
     )
 
 
@@ -207,11 +258,20 @@ def _resume_hint(signum: int, run_path: Path, done: int, checkpointed: bool) -> 
     return f"{signal.Signals(signum).name}: stopped after {done} steps; {how}"
 
 
-def resume_settings(
-    run_dir: str | Path,
-) -> tuple[ModelConfig, Parallelism, TrainConfig, PhasedConfig | None, Rules, int | None]:
-    """The settings a run directory was made with (its config.json): model, mesh,
-    training, phased settings, rules and checkpoint interval."""
+class RunSettings(NamedTuple):
+    """Everything a run directory's config.json says the run was made with."""
+
+    model: ModelConfig
+    parallelism: Parallelism
+    train: TrainConfig
+    phased: PhasedConfig | None
+    rules: Rules
+    checkpoint_every: int | None
+    tracking: TrackingConfig | None
+
+
+def resume_settings(run_dir: str | Path) -> RunSettings:
+    """The settings a run directory was made with (its config.json)."""
     path = Path(run_dir) / "config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -223,14 +283,15 @@ def resume_settings(
     rules = tuple(
         (name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in cfg["rules"]
     )
-    phased = PhasedConfig(**cfg["phased"]) if cfg["phased"] else None
-    return (
+    tracking = cfg.get("tracking")
+    return RunSettings(
         ModelConfig(**cfg["model"]),
         Parallelism(**cfg["parallelism"]),
         TrainConfig(**cfg["train"]),
-        phased,
+        PhasedConfig(**cfg["phased"]) if cfg["phased"] else None,
         rules,
         cfg.get("checkpoint_every"),
+        TrackingConfig(**tracking) if tracking and any(tracking.values()) else None,
     )
 
 
@@ -276,7 +337,7 @@ def _config(
         "device_count": mesh.size,
         "platform": mesh.devices.flat[0].platform,
         "devices": [str(d) for d in mesh.devices.flat],
-        "tokens_per_step": train_cfg.batch * train_cfg.seq,
+        "tokens_per_step": train_cfg.tokens,
         "microbatch_size": train_cfg.microbatch_size(par),
         "schedule": train_cfg.schedule,
         "stage_plan": stage_plan(model, lay),
@@ -307,20 +368,20 @@ def _summary(
         "final_loss": records[-1]["loss"],
         "compile_s": compile_s,
         "median_step_s": median_s,
-        "tokens_per_s": train_cfg.batch * train_cfg.seq / median_s,
+        "tokens_per_s": train_cfg.tokens / median_s,
         "run_dir": str(run_path),
     }
 
 
 def _predict(
     engine: Engine, plan: dict[str, Any] | None, hw: Hardware, par: Parallelism,
-    last: int, tokens: int,
+    step: int, tokens: int,
 ) -> tuple[Timeline, dict[str, Any]]:  # fmt: skip
-    """The run's own last step (its ledger) on `hw`. Memory per device: a phased run's
+    """The run's own step `step` (its ledger) on `hw`. Memory per device: a phased run's
     from its phase plan; a pipelined run's from its fullest stage (weights, optimizer
     state, kept activations); a resident run's from XLA's memory analysis of its step."""
-    events = engine.ledger.step(last)
-    totals = engine.ledger.step_totals(last)
+    events = engine.ledger.step(step)
+    totals = engine.ledger.step_totals(step)
     if plan is not None:
         memory = {
             "device": plan["device_high_water"],

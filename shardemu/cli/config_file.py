@@ -1,0 +1,192 @@
+"""Settings from a file: `--config FILE.toml` (every flag is a key) or a run
+directory's `config.json` (`shardemu run --config runs/x/config.json` re-runs it).
+
+A key is a flag's name without the dashes (`grad-accum`) or its Python name
+(`grad_accum`); flags given on the command line win over the file. The same
+`apply_settings` sets a sweep's trial parameters (`sweep.py`), so a file, a sweep and
+the command line are typed and checked alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from shardemu.cli.args import model_config
+from shardemu.config import (
+    PRESETS,
+    ConfigError,
+    ModelConfig,
+    Parallelism,
+    PhasedConfig,
+    TrainConfig,
+)
+from shardemu.parallel.rules import megatron_rules
+
+# keys that make no sense inside a settings file
+_NOT_SETTINGS = ("help", "config", "resume", "version")
+_KINDS = {int: "an integer", float: "a number", str: "a string"}
+
+
+def read_settings(path: str | Path) -> dict[str, Any]:
+    """The settings in `path`: a TOML file of flags, or a run directory's config.json
+    turned back into the flags that make the same run."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"--config {path}: cannot read it ({err.strerror})") from None
+    try:
+        if path.suffix == ".toml":
+            return tomllib.loads(text)
+        if path.suffix == ".json":
+            data = json.loads(text)
+            if not isinstance(data, dict):
+                raise ConfigError(f"--config {path} holds a {type(data).__name__}, not settings")
+            return run_flags(data, path) if "train" in data and "model" in data else data
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        kind = path.suffix[1:].upper()
+        raise ConfigError(f"--config {path} is not valid {kind}: {err}") from None
+    raise ConfigError(f"--config {path}: give a .toml file of flags or a run's config.json")
+
+
+def apply_settings(
+    command: argparse.ArgumentParser, args: argparse.Namespace, settings: dict[str, Any],
+    source: str,
+) -> None:  # fmt: skip
+    """Set `settings` on `args` for the flags the command line did not give
+    (`args.given`), typed and checked as argparse would; an unknown key, a value of the
+    wrong type or outside its choices is an error naming the key and `source`."""
+    keys = _keys(command)
+    for key, value in settings.items():
+        action = keys.get(key)
+        if action is None:
+            near = difflib.get_close_matches(key, list(keys), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(
+                f"unknown key {key!r} in {source}{hint} (the keys are the flags of "
+                f"`shardemu {command.prog.split()[-1]}`, without the dashes)"
+            )
+        if action.dest in args.given:
+            continue
+        setattr(args, action.dest, _typed(action, key, value, source))
+
+
+def _keys(command: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every name a setting may have: the flag without dashes, and its destination."""
+    keys: dict[str, argparse.Action] = {}
+    for action in command._actions:
+        if action.dest in _NOT_SETTINGS or not action.option_strings:
+            continue
+        for option in action.option_strings:
+            if option.startswith("--"):
+                keys[option[2:]] = action
+        keys.setdefault(action.dest, action)
+    return keys
+
+
+def _typed(action: argparse.Action, key: str, value: Any, source: str) -> Any:
+    """`value` as the flag's destination holds it."""
+    flag = "--" + key.replace("_", "-")
+    if isinstance(action, argparse._StoreConstAction):  # store_true / store_false
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} in {source} is a switch: give true or false, not {value!r}")
+        named = key != action.dest  # `no-prefetch = true` means prefetch = False
+        return (action.const if value else action.default) if named else value
+    if action.nargs == "?" and isinstance(value, bool):  # `wandb = true`: the default project
+        return action.const if value else None
+    kind = action.type or str
+    ok = (
+        (kind is int and isinstance(value, int) and not isinstance(value, bool))
+        or (kind is float and isinstance(value, int | float) and not isinstance(value, bool))
+        or (kind is str and isinstance(value, str))
+    )
+    if not ok:
+        raise ConfigError(f"{key} = {value!r} in {source}: {flag} takes {_KINDS[kind]}")
+    value = kind(value)
+    if action.choices is not None and value not in action.choices:
+        raise ConfigError(
+            f"{key} = {value!r} in {source}: {flag} is one of {', '.join(map(str, action.choices))}"
+        )
+    return value
+
+
+def run_flags(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The flags of `shardemu run` that make the run a config.json records. Settings
+    no flag can express (a model or rules set from Python) are refused, named."""
+    try:
+        model = ModelConfig(**cfg["model"])
+        par = Parallelism(**cfg["parallelism"])
+        train = TrainConfig(**cfg["train"])
+        phased = PhasedConfig(**cfg["phased"]) if cfg.get("phased") else None
+    except (KeyError, TypeError) as err:
+        raise ConfigError(f"--config {path} is not a run's config.json ({err})") from None
+    flags: dict[str, Any] = {**_model_flags(model, train.seq, path), "mesh": _mesh(par)}
+    if cfg.get("device_count", par.num_devices) != par.num_devices:
+        flags["devices"] = cfg["device_count"]
+    flags |= {
+        "steps": train.steps, "batch": train.batch, "seq": train.seq, "seed": train.seed,
+        "microbatches": train.microbatches, "grad_accum": train.grad_accum,
+        "optimizer": train.optimizer, "lr": train.learning_rate, "warmup": train.warmup_steps,
+        "schedule": train.schedule, "virtual": train.virtual,
+    }  # fmt: skip
+    if train.stage_layers is not None:
+        flags["stage_layers"] = ",".join(map(str, train.stage_layers))
+    unexpressed = {
+        f"train.{f.name}": getattr(train, f.name)
+        for f in dataclasses.fields(TrainConfig)
+        if f.name in ("weight_decay", "grad_clip")
+        and getattr(train, f.name) != getattr(TrainConfig(), f.name)
+    }
+    if cfg.get("rules") not in (None, [[n, a] for n, a in megatron_rules()]):
+        unexpressed["rules"] = "not the default"
+    if unexpressed:
+        raise ConfigError(
+            f"--config {path}: {', '.join(f'{k}={v}' for k, v in unexpressed.items())} "
+            f"have no flag; re-run it from Python with shardemu.train"
+        )
+    if phased is not None:
+        flags |= {"phased": True, **dataclasses.asdict(phased)}
+    if cfg.get("checkpoint_every") is not None:
+        flags["checkpoint_every"] = cfg["checkpoint_every"]
+    flags |= {k: v for k, v in (cfg.get("tracking") or {}).items() if v}
+    if cfg.get("hardware"):
+        flags["hardware"] = cfg["hardware"]
+    return flags
+
+
+def _mesh(par: Parallelism) -> str:
+    return f"pipe={par.pipe},tensor={par.tensor},replica={par.replica}"
+
+
+def _model_flags(model: ModelConfig, seq: int, path: Path) -> dict[str, Any]:
+    """--model (a preset, with --pad-vocab when padded) or --model gpt|bert with its
+    dimensions; checked by building the model back as the command line would."""
+    preset = PRESETS.get(model.name)
+    if preset is not None:
+        flags: dict[str, Any] = {"model": model.name}
+        if model.vocab_size != preset.vocab_size:
+            flags["pad_vocab"] = model.vocab_size
+    else:
+        flags = {
+            "model": model.family, "layers": model.num_layers, "hidden": model.embed_dim,
+            "heads": model.num_heads, "vocab": model.vocab_size,
+        }  # fmt: skip
+    names = ("model", "layers", "hidden", "heads", "vocab", "pad_vocab")
+    rebuilt = model_config(argparse.Namespace(**{n: flags.get(n) for n in names}, seq=seq))
+    if rebuilt != model:
+        differ = [
+            f.name
+            for f in dataclasses.fields(model)
+            if getattr(model, f.name) != getattr(rebuilt, f.name)
+        ]
+        raise ConfigError(
+            f"--config {path}: the model {model.name} differs from what flags build "
+            f"({', '.join(differ)}); re-run it from Python with shardemu.train"
+        )
+    return flags
