@@ -50,7 +50,7 @@ from shardemu.parallel.rules import (
 )
 from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.report.describe import describe
-from shardemu.tracking import Tracker, Trackers, TrackingConfig
+from shardemu.report.trackers import Tracker, Trackers, TrackingConfig
 from shardemu.training.engine import (
     Engine,
     PhasedEngine,

@@ -1,4 +1,4 @@
-"""The `shardemu` command: `run`, `demo`, `describe`, `plan`.
+"""The `shardemu` command: `run`, `demo`, `describe`, `plan`, `compare`, `sweep`.
 
 Virtual devices must be requested before JAX starts its backend, so `run` sets them up
 first thing, before anything touches a device.
@@ -7,7 +7,9 @@ first thing, before anything touches a device.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import sys
 import tempfile
@@ -302,6 +304,61 @@ def _plan_resident(
     return report
 
 
+def cmd_compare(args: argparse.Namespace) -> None:
+    from shardemu.report.compare import compare, find_runs, plot_compare
+    from shardemu.report.tables import compare_table
+
+    runs = find_runs(args.runs)
+    report = {**compare(runs), "plot": str(plot_compare(runs, Path(args.plot)))}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    Console().print(compare_table(report, [r.name for r in runs]))
+    console.print(f"plot: {report['plot']}", highlight=False)
+
+
+def _devices_needed(args: argparse.Namespace) -> int:
+    """The virtual devices a run or plan command line needs in this process."""
+    par = Parallelism.parse(args.mesh)
+    if args.command == "run":
+        return _device_count(args, par)
+    from shardemu.predict.plan_phased import plan_devices
+
+    return plan_devices(par) if args.phased else par.tensor
+
+
+def cmd_sweep(args: argparse.Namespace) -> None:
+    """Every trial's settings are checked, and the devices the widest needs set up,
+    before the first trial; trials then run in this process, one after another."""
+    from shardemu.report.sweep import load_sweep, run_sweep
+
+    sweep = load_sweep(args.sweep_file)
+    if args.count is not None and args.count < 1:
+        raise ConfigError(f"--count {args.count} must be a positive number of trials")
+    out = Path(args.out or f"runs/sweep-{Path(args.sweep_file).stem}")
+    parser = build_parser()
+
+    def trial_args(params: dict[str, Any], run_dir: Path) -> argparse.Namespace:
+        trial = parser.parse_args([sweep.command, "--out", str(run_dir)])
+        trial.given = {"out"}
+        where = f"{sweep.source} ({run_dir.name})"
+        apply_settings(parser.commands[sweep.command], trial, params, where)
+        return trial
+
+    use_virtual_devices(max(_devices_needed(trial_args(p, out)) for p in sweep.trials()))
+
+    def run_trial(params: dict[str, Any], run_dir: Path) -> None:
+        with contextlib.redirect_stdout(io.StringIO()):  # one line per trial, not its table
+            COMMANDS[sweep.command](trial_args(params, run_dir))
+
+    table = run_sweep(
+        sweep, out, run_trial, args.count, log=lambda line: console.print(line, highlight=False)
+    )
+    finished = sum(r["status"] == "finished" for r in table)
+    Console().print((out / "summary.md").read_text(), highlight=False)
+    console.print(f"{finished} of {len(table)} trials finished; {out}/sweep.json", highlight=False)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     """The parsed command line, with `given`: the options it writes out."""
     parser = build_parser()
@@ -313,14 +370,19 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+COMMANDS = {
+    "run": cmd_run, "demo": cmd_demo, "describe": cmd_describe, "plan": cmd_plan,
+    "compare": cmd_compare, "sweep": cmd_sweep,
+}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"run": cmd_run, "demo": cmd_demo, "describe": cmd_describe, "plan": cmd_plan}
     try:
         args = parse(argv)
         if args.command == "run" and args.processes is not None and process_index() is None:
             return _launch(args, argv)
-        commands[args.command](args)
+        COMMANDS[args.command](args)
     except SystemExit as done:  # --help, --version, or a usage error argparse has printed
         return int(done.code or 0)
     except ShardemuError as err:

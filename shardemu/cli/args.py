@@ -19,7 +19,7 @@ from shardemu.config import (
     get_preset,
 )
 from shardemu.parallel.schedules import SCHEDULES
-from shardemu.tracking import DEFAULT_WANDB_PROJECT, TrackingConfig
+from shardemu.report.trackers import DEFAULT_WANDB_PROJECT, TrackingConfig
 
 
 def model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser(
         "plan", help="count a phased step in abstract mode: any preset, any mesh, no weights"
     )
-    model_args(plan)
+    model_args(plan, required=False)  # required, but it may come from --config
     plan.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R")
     plan.add_argument("--json", action="store_true", help="emit JSON instead of a table")
     plan.add_argument(
@@ -259,6 +259,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="resident plans: activation recomputation",
     )
     tracking_args(plan)
+    compare = sub.add_parser(
+        "compare", help="runs side by side: the settings that differ, final metrics, a plot"
+    )
+    compare.add_argument(
+        "runs", nargs="+", metavar="RUN_DIR", help="run directories, globs, or directories of runs"
+    )
+    compare.add_argument("--json", action="store_true", help="emit JSON instead of a table")
+    compare.add_argument(
+        "--plot", default="compare.png", metavar="PNG", help="where the figure goes"
+    )
+
+    sweep = sub.add_parser(
+        "sweep", help="run or plan every trial of a W&B-style sweep file (TOML), resumably"
+    )
+    sweep.add_argument("sweep_file", metavar="SWEEP.toml")
+    sweep.add_argument(
+        "--out", default=None, help="sweep directory (default runs/sweep-<file name>)"
+    )
+    sweep.add_argument(
+        "--count", type=int, default=None, metavar="N", help="run at most N unfinished trials"
+    )
     for command in sub.choices.values():
         command.allow_abbrev = False  # a flag is written in full: `given_options` relies on it
     parser.commands = sub.choices

@@ -28,7 +28,7 @@ from shardemu.phased.trainer import PhasedTrainer
 from shardemu.predict.costmodel import predict
 from shardemu.predict.hardware import Hardware
 from shardemu.report.plandir import write_plan_dir
-from shardemu.tracking import TrackingConfig
+from shardemu.report.trackers import TrackingConfig
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 

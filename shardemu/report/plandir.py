@@ -15,8 +15,8 @@ from typing import Any
 from shardemu.accounting.ledger import Ledger
 from shardemu.predict.costmodel import Timeline
 from shardemu.report.rundir import RunDir
+from shardemu.report.trackers import TrackingConfig, open_trackers
 from shardemu.report.views import write_views
-from shardemu.tracking import TrackingConfig, open_trackers
 
 # a plan's counts under the names a run's step record gives them
 _COUNTS = (

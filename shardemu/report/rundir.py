@@ -4,7 +4,7 @@ Layout (DESIGN.md, "A run directory"): `config.json` (written before the first s
 `metrics.jsonl` (one line per step, flushed each step, so a crashed run keeps what it
 did), `summary.md` (written at the end). A plan writes the same layout, with one
 record: the step it counted. `RunDir` is the tracker that is always on
-(`shardemu.tracking`).
+(`shardemu.report.trackers`).
 """
 
 from __future__ import annotations

@@ -67,3 +67,26 @@ def print_phase_plan(out: Console, plan: dict[str, Any]) -> None:
         f"device tier peak: {plan['device_high_water']:,} bytes/device"
         + (f" of {plan['device_memory']:,}" if plan["device_memory"] else "")
     )
+
+
+def compare_table(report: dict[str, Any], names: list[str]) -> Table:
+    """`compare`'s table: a column per run; the settings that differ, then the final
+    metrics."""
+    table = Table(title=f"shardemu compare: {len(names)} runs")
+    table.add_column("", no_wrap=True)
+    for name in names:
+        table.add_column(name, justify="right")
+    for section, rows in (
+        ("settings that differ", report["settings_differ"]),
+        ("final metrics", report["final"]),
+    ):
+        table.add_row(f"[bold]{section}[/]", *[""] * len(names))
+        if not rows:
+            table.add_row("  (none)", *[""] * len(names))
+        for key, values in rows.items():
+            table.add_row(f"  {key}", *("-" if v is None else _short(fmt_value(v)) for v in values))
+    return table
+
+
+def _short(text: str, width: int = 40) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"

@@ -32,8 +32,8 @@ from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware
 from shardemu.report.rundir import RunDir, default_run_dir, read_metrics
+from shardemu.report.trackers import Trackers, TrackingConfig, open_trackers
 from shardemu.report.views import write_views
-from shardemu.tracking import Trackers, TrackingConfig, open_trackers
 from shardemu.training.checkpoint import Checkpoints
 from shardemu.training.engine import Engine, PhasedEngine, PipelinedEngine, ResidentEngine
 from shardemu.training.faults import StopSignals, check_finite
@@ -74,7 +74,7 @@ def train(
     timeline.png).
 
     The run directory logs the config, every step and the summary; `tracking` adds
-    W&B and TensorBoard beside it (`shardemu.tracking`). `checkpoint_every` K saves the
+    W&B and TensorBoard beside it (`shardemu.report.trackers`). `checkpoint_every` K saves the
     state every K steps and at the end (`checkpoint.py`). `resume` continues the run
     directory `resume` from its last checkpoint (from step 0 when it has none), in place
     unless `out` names another directory; its settings must be the run's own

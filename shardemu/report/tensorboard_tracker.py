@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shardemu.tracking.base import scalars
+from shardemu.report.trackers import scalars
 
 TENSORBOARD_DIR = "tensorboard"
 

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from shardemu.tracking.base import scalars
+from shardemu.report.trackers import scalars
 
 
 class WandbTracker:
