@@ -181,23 +181,19 @@ def _train_with_progress(
     Console().print(summary_table(f"shardemu run: {model_cfg.name}", result.summary))
 
 
-def demo_argv(steps: int, out: str | None) -> list[str]:
-    """The `shardemu run` command line the demo stands for."""
-    from shardemu.report.rundir import default_run_dir
-
-    return [
-        "run", "--model", "gpt-tiny", "--mesh", "tensor=2,replica=4", "--devices", "8",
-        "--steps", str(steps), "--batch", "16", "--seq", "64", "--seed", "0",
-        "--out", str(out or default_run_dir("demo")),
-    ]  # fmt: skip
-
-
 def cmd_demo(args: argparse.Namespace) -> None:
-    argv = demo_argv(args.steps, args.out)
-    cmd_run(parse(argv))
-    console.print(
-        f"[dim]the demo was: shardemu {' '.join(argv)}[/]", highlight=False, soft_wrap=True
-    )
+    """Three runs of gpt-tiny (`demo.py`), then what they show."""
+    from shardemu.cli.demo import demo_runs, story
+
+    runs = demo_runs(args.steps, args.out)
+    for name, argv in runs.items():
+        console.print(f"[dim]{name}: shardemu {' '.join(argv)}[/]", highlight=False, soft_wrap=True)
+        if name == "sharded":  # its table is the one to read
+            cmd_run(parse(argv))
+        else:
+            with contextlib.redirect_stdout(io.StringIO()):
+                cmd_run(parse(argv))
+    Console().print(story({name: Path(argv[-1]) for name, argv in runs.items()}))
 
 
 def cmd_describe(args: argparse.Namespace) -> None:
