@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from shardemu.cli.args import (
@@ -187,7 +188,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
     runs = demo_runs(args.steps, args.out)
     for name, argv in runs.items():
-        console.print(f"[dim]{name}: shardemu {' '.join(argv)}[/]", highlight=False, soft_wrap=True)
+        console.print(
+            f"[dim]{name}: shardemu {escape(' '.join(argv))}[/]", highlight=False, soft_wrap=True
+        )
         if name == "sharded":  # its table is the one to read
             cmd_run(parse(argv))
         else:
@@ -310,7 +313,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
         print(json.dumps(report, indent=2))
         return
     Console().print(compare_table(report, [r.name for r in runs]))
-    console.print(f"plot: {report['plot']}", highlight=False)
+    console.print(f"plot: {report['plot']}", highlight=False, markup=False)
 
 
 def _devices_needed(args: argparse.Namespace) -> int:
@@ -348,11 +351,19 @@ def cmd_sweep(args: argparse.Namespace) -> None:
             COMMANDS[sweep.command](trial_args(params, run_dir))
 
     table = run_sweep(
-        sweep, out, run_trial, args.count, log=lambda line: console.print(line, highlight=False)
+        sweep,
+        out,
+        run_trial,
+        args.count,
+        log=lambda line: console.print(line, highlight=False, markup=False),
     )
     finished = sum(r["status"] == "finished" for r in table)
-    Console().print((out / "summary.md").read_text(), highlight=False)
-    console.print(f"{finished} of {len(table)} trials finished; {out}/sweep.json", highlight=False)
+    Console().print((out / "summary.md").read_text(), highlight=False, markup=False)
+    console.print(
+        f"{finished} of {len(table)} trials finished; {out}/sweep.json",
+        highlight=False,
+        markup=False,
+    )
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -382,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as done:  # --help, --version, or a usage error argparse has printed
         return int(done.code or 0)
     except ShardemuError as err:
-        console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         return err.exit_code
     return 0
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shardemu.report.trackers import scalars
+from shardemu.report.trackers import step_scalars
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -25,7 +25,7 @@ class TensorboardTracker:
         self.writer.add_text("config", _code(json.dumps(config, indent=2, default=str)), 0)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        for tag, value in scalars(metrics).items():
+        for tag, value in step_scalars(metrics).items():
             self.writer.add_scalar(tag, value, step)
         self.writer.flush()
 

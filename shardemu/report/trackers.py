@@ -58,6 +58,13 @@ def scalars(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
+def step_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A step record's scalars without the step itself (the x axis, given apart)."""
+    out = scalars(record)
+    out.pop("step", None)
+    return out
+
+
 class Trackers:
     """Several trackers as one: each call goes to every tracker in order. `finish`
     reaches every tracker even when one of them fails, then raises the first error."""

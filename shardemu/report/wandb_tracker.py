@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from shardemu.report.trackers import scalars
+from shardemu.report.trackers import scalars, step_scalars
 
 
 class WandbTracker:
@@ -37,7 +37,7 @@ class WandbTracker:
         self.run.config.update(config, allow_val_change=True)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        self.run.log(scalars(metrics), step=step)
+        self.run.log(step_scalars(metrics), step=step)
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         """Numbers as numbers; every other field (names, paths) as text."""

@@ -1,0 +1,282 @@
+"""Experiment tracking as a user meets it: W&B and TensorBoard files hold what
+metrics.jsonl holds (read back with wandb's own record format and TensorBoard's event
+reader), plans write a run directory too, `compare` names exactly the settings that
+differ, `--config` re-runs a run, and an interrupted sweep resumes with only the
+trials it had not finished."""
+
+import json
+import struct
+
+import pytest
+from cli_helpers import shardemu
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from wandb.proto import wandb_internal_pb2
+
+from shardemu import __version__
+from shardemu.report.rundir import read_metrics
+from shardemu.report.sweep import load_sweep
+from shardemu.report.trackers import step_scalars
+
+RUN = ["run", "--model", "gpt-tiny", "--mesh", "tensor=2", "--steps", "3", "--batch", "4",
+       "--seq", "16", "--seed", "0"]  # fmt: skip
+
+
+def wandb_records(run_dir):
+    """Every record of the offline W&B run under `run_dir`, parsed from its
+    `run-<id>.wandb` file: W&B's LevelDB-style log (a 7-byte file header, then 32 KiB
+    blocks of chunks, each `crc32 <I, length <H, type <B` with types full=1, first=2,
+    middle=3, last=4) of `wandb_internal_pb2.Record` protobufs."""
+    (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    raw, pos, block, chunks, records = path.read_bytes(), 7, 32768, b"", []
+    assert raw[:4] == b":W&B"
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        if kind == 0:
+            break
+        chunks += raw[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            records.append(record)
+            chunks = b""
+    return records
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory):
+    """One run logged to the run directory, W&B (offline) and TensorBoard at once."""
+    out = tmp_path_factory.mktemp("tracked") / "run"
+    result = shardemu(*RUN, "--wandb", "--tensorboard", "--hardware", "ipu-pod16",
+                      "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_every_step_logs_rates_memory_and_prediction(tracked):
+    for record in read_metrics(tracked):
+        assert record["learning_rate"] == 3e-3
+        assert record["tokens_per_s"] == pytest.approx(64 / record["step_time_s"])
+        assert record["sequences_per_s"] == pytest.approx(4 / record["step_time_s"])
+        assert record["device_high_water_bytes"] > 0
+        assert record["predicted_step_s"] > 0
+        assert record["bytes_collective"]["tensor"] > 0
+
+
+def _items(items):
+    """W&B's key/value items as a dict (a key is `key`, or `nested_key` joined by /)."""
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+
+
+def test_wandb_offline_run_holds_the_same_history_config_and_summary(tracked):
+    records = wandb_records(tracked)
+    kinds = [r.WhichOneof("record_type") for r in records]
+    history = [r.history for r, kind in zip(records, kinds, strict=True) if kind == "history"]
+    expected = [step_scalars(r) for r in read_metrics(tracked)]
+    assert [h.step.num for h in history] == [0, 1, 2]
+    got = [_items(h.item) for h in history]
+    assert [{k: g[k] for k in e} for g, e in zip(got, expected, strict=True)] == expected
+    config = {}
+    for r, kind in zip(records, kinds, strict=True):
+        if kind in ("run", "config"):
+            config |= _items((r.run.config if kind == "run" else r.config).update)
+    written = json.loads((tracked / "config.json").read_text())
+    assert config["train"] == written["train"] and config["model"] == written["model"]
+    summary = {}
+    for r, kind in zip(records, kinds, strict=True):
+        if kind == "summary":
+            summary |= _items(r.summary.update)
+    assert summary["final_loss"] == read_metrics(tracked)[-1]["loss"]
+    assert summary["hardware"] == "ipu-pod16"
+    (artifact,) = [r.artifact for r, kind in zip(records, kinds, strict=True) if kind == "artifact"]
+    files = {entry.path for entry in artifact.manifest.contents}
+    assert files == {"config.json", "ledger.json", "summary.md", "trace.json", "timeline.png"}
+
+
+def test_tensorboard_scalars_equal_metrics_jsonl(tracked):
+    events = EventAccumulator(str(tracked / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    expected = [step_scalars(r) for r in read_metrics(tracked)]
+    assert set(events.Tags()["scalars"]) == set(expected[0])
+    for tag in expected[0]:
+        got = events.Scalars(tag)
+        assert [e.step for e in got] == [0, 1, 2]
+        # event files store float32
+        assert [e.value for e in got] == pytest.approx([x[tag] for x in expected], rel=1e-6)
+    assert {"config/text_summary", "summary/text_summary"} <= set(events.Tags()["tensors"])
+
+
+def test_a_missing_tracker_package_names_its_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    out = shardemu(*RUN, "--wandb", "--out", str(tmp_path / "run"))
+    assert out.returncode == 2
+    assert "pip install 'shardemu[wandb]'" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_plan_writes_a_run_directory_and_logs_to_trackers(tmp_path):
+    out = tmp_path / "plan"
+    result = shardemu("plan", "--model", "gpt-tiny", "--mesh", "tensor=2,replica=2",
+                      "--hardware", "ipu-pod16", "--tensorboard", "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (record,) = read_metrics(out)
+    report = json.loads((out / "config.json").read_text())
+    assert record["predicted_step_s"] == report["step_time_s"]
+    assert record["flops"] == report["flops"]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("predicted_step_s")] == pytest.approx(
+        [report["step_time_s"]], rel=1e-6
+    )
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """The same run twice, the second at another learning rate (one device)."""
+    root = tmp_path_factory.mktemp("compare")
+    base = ["run", "--model", "gpt-tiny", "--steps", "2", "--batch", "4", "--seq", "16"]
+    for name, lr in (("a", "3e-3"), ("b", "1e-3")):
+        assert shardemu(*base, "--lr", lr, "--out", str(root / name)).returncode == 0
+    return root
+
+
+def test_compare_names_exactly_the_settings_that_differ(two_runs, tmp_path):
+    plot = tmp_path / "cmp.png"
+    out = shardemu("compare", str(two_runs / "*"), "--json", "--plot", str(plot))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["settings_differ"] == {"train.learning_rate": [3e-3, 1e-3]}
+    losses = [read_metrics(two_runs / name)[-1]["loss"] for name in ("a", "b")]
+    assert report["final"]["loss"] == losses
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = shardemu("compare", str(two_runs / "a"), str(two_runs / "b"), "--plot", str(plot))
+    assert "train.learning_rate" in table.stdout and "final metrics" in table.stdout
+
+
+def test_config_json_reruns_the_same_run_and_flags_win(two_runs, tmp_path):
+    config = two_runs / "b" / "config.json"
+    again = shardemu("run", "--config", str(config), "--out", str(tmp_path / "again"))
+    assert again.returncode == 0, again.stderr
+    assert [r["loss"] for r in read_metrics(tmp_path / "again")] == [
+        r["loss"] for r in read_metrics(two_runs / "b")
+    ]
+    toml = tmp_path / "run.toml"
+    toml.write_text('model = "gpt-tiny"\nsteps = 3\nbatch = 4\nseq = 16\nlr = 1e-3\n')
+    shorter = shardemu("run", "--config", str(toml), "--steps", "1", "--out", str(tmp_path / "t"))
+    assert shorter.returncode == 0, shorter.stderr
+    (record,) = read_metrics(tmp_path / "t")
+    assert record["loss"] == read_metrics(two_runs / "b")[0]["loss"]
+
+
+SWEEP = """
+command = "run"
+method = "grid"
+metric = { name = "loss", goal = "minimize" }
+[parameters]
+model = { value = "gpt-tiny" }
+steps = { value = 2 }
+batch = { value = 4 }
+seq = { value = 16 }
+lr = { values = [1e-3, 3e-3] }
+seed = { values = [0, 1] }
+"""
+
+
+def test_an_interrupted_sweep_resumes_with_the_unfinished_trials(tmp_path, monkeypatch):
+    import shardemu.cli as cli
+
+    path, out = tmp_path / "sweep.toml", tmp_path / "sweep"
+    path.write_text(SWEEP)
+    real, ran = cli.COMMANDS["run"], []
+
+    def interrupted_after_two(args):
+        ran.append(args.out)
+        if len(ran) == 3:  # the third trial is cut off after it began writing
+            (tmp_path / "sweep" / "trial-002").mkdir()
+            raise KeyboardInterrupt
+        real(args)
+
+    monkeypatch.setitem(cli.COMMANDS, "run", interrupted_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        shardemu("sweep", str(path), "--out", str(out))
+    finished = sorted(p.parent.name for p in out.glob("*/trial.json"))
+    assert finished == ["trial-000", "trial-001"]
+
+    ran.clear()
+    monkeypatch.setitem(cli.COMMANDS, "run", lambda args: (ran.append(args.out), real(args)))
+    result = shardemu("sweep", str(path), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert [p.split("/")[-1] for p in ran] == ["trial-002", "trial-003"]
+    table = json.loads((out / "sweep.json").read_text())["trials"]
+    losses = [t["loss"] for t in table]
+    assert losses == sorted(losses) and len(losses) == 4
+    for t in table:
+        assert t["loss"] == read_metrics(t["run_dir"])[-1]["loss"]
+        assert (
+            json.loads((out / t["trial"] / "config.json").read_text())["train"]["seed"]
+            == (t["parameters"]["seed"])
+        )
+    assert (out / "summary.md").read_text().count("| finished |") == 4
+
+
+def test_random_sweeps_draw_the_same_trials_within_their_ranges(tmp_path):
+    path = tmp_path / "random.toml"
+    path.write_text(
+        'method = "random"\nrun_cap = 5\nmetric = { name = "loss" }\n[parameters]\n'
+        'lr = { distribution = "log_uniform_values", min = 1e-4, max = 1e-2 }\n'
+        'warmup = { distribution = "int_uniform", min = 0, max = 10 }\n'
+        "seed = { values = [0, 1] }\n"
+    )
+    trials = load_sweep(path).trials()
+    assert trials == load_sweep(path).trials() and len(trials) == 5
+    for t in trials:
+        assert 1e-4 <= t["lr"] <= 1e-2 and 0 <= t["warmup"] <= 10 and t["seed"] in (0, 1)
+        assert isinstance(t["warmup"], int)
+
+
+def test_version():
+    out = shardemu("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"shardemu {__version__}"
+
+
+BAD_FILES = [
+    ("run.toml", 'lrr = 1e-3\n', ["run", "--config", "{}"], "unknown key 'lrr'"),
+    ("run.toml", 'lr = "fast"\n', ["run", "--config", "{}"], "--lr takes a number"),
+    ("run.toml", 'schedule = "zigzag"\n', ["run", "--config", "{}"], "--schedule is one of"),
+    ("run.toml", "phased = 1\n", ["run", "--config", "{}"], "phased in"),
+    ("run.toml", "lr = \n", ["run", "--config", "{}"], "is not valid TOML"),
+    ("config.json", '{"model": {"name": "x"}, "train": {}}', ["run", "--config", "{}"],
+     "is not a run's config.json"),
+    ("s.toml", 'method = "bayes"\n[parameters]\nlr = { value = 1 }\n', ["sweep", "{}"],
+     "grid and random are supported"),
+    ("s.toml", 'metric = { name = "loss" }\nspeed = 1\n', ["sweep", "{}"], "unknown key 'speed'"),
+    ("s.toml", 'metric = { name = "loss" }\n[parameters]\nlr = { distribution = "uniform", '
+     'min = 0, max = 1 }\n', ["sweep", "{}"], "goes with method = \"random\""),
+    ("s.toml", 'metric = { name = "loss" }\n[parameters]\nlrr = { value = 1 }\n',
+     ["sweep", "{}"], "unknown key 'lrr'"),
+    ("s.toml", 'metric = { name = "loss" }\nmethod = "random"\n[parameters]\nlr = { value = 1 }\n',
+     ["sweep", "{}"], "needs run_cap"),
+    ("s.toml", 'metric = { name = "loss", goal = "best" }\n[parameters]\nlr = { value = 1 }\n',
+     ["sweep", "{}"], "goal"),
+    ("none", "", ["compare", "{}"], "matches no run directory"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "content", "argv", "message"), BAD_FILES)
+def test_bad_settings_files_are_one_clear_error(tmp_path, name, content, argv, message):
+    path = tmp_path / name
+    if content:
+        path.write_text(content)
+    target = str(path) if content else str(tmp_path / "none*")
+    out = shardemu(*[a.format(target) for a in argv])
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert message in lines[0], lines[0]
