@@ -17,16 +17,23 @@ from shardemu.report.rundir import read_metrics
 @pytest.mark.slow
 def test_demo_in_a_fresh_process(tmp_path):
     """The README's first command, as a new process sees it: the demo sets up its own
-    8 virtual devices, trains, prints the summary and writes the run directory."""
+    8 virtual devices, makes its three runs, prints the sharded run's summary and the
+    story, and writes the run directories."""
     out = subprocess.run(
         [sys.executable, "-m", "shardemu", "demo", "--steps", "3", "--out", str(tmp_path / "d")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "final_loss" in out.stdout and "tensor=2,replica=4" in out.stdout
-    records = read_metrics(tmp_path / "d")
-    assert [r["step"] for r in records] == [0, 1, 2]
-    assert records[-1]["loss"] < records[0]["loss"]
+    assert "what the demo showed" in out.stdout and "shardemu compare" in out.stdout
+    runs = {
+        name: read_metrics(tmp_path / "d" / name) for name in ("sharded", "one-device", "phased")
+    }
+    for records in runs.values():
+        assert [r["step"] for r in records] == [0, 1, 2]
+        assert records[-1]["loss"] < records[0]["loss"]
+    assert runs["phased"][0]["bytes_h2d_weights"] > 0
+    assert (tmp_path / "d" / "sharded" / "trace.json").exists()
 
 
 COMMON = ["--steps", "5", "--seed", "0"]
