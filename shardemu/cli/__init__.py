@@ -89,8 +89,9 @@ def _devices(args: argparse.Namespace, par: Parallelism) -> list[Any]:
     import jax
 
     join(count)
-    if process_index() != 0:  # the run directory is process 0's
+    if process_index() != 0:  # the run directory and the trackers are process 0's
         args.out = tempfile.mkdtemp(prefix=f"shardemu-process-{process_index()}-")
+        args.wandb, args.tensorboard = None, False
     return jax.devices()
 
 
@@ -186,6 +187,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     """Three runs of gpt-tiny (`demo.py`), then what they show."""
     from shardemu.cli.demo import demo_runs, story
 
+    if args.steps < 1:
+        raise ConfigError(f"demo --steps must be a positive integer, got {args.steps}")
     runs = demo_runs(args.steps, args.out)
     for name, argv in runs.items():
         console.print(

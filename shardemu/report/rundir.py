@@ -35,6 +35,17 @@ def versions() -> dict[str, str]:
     return out
 
 
+def config_record(settings: dict[str, Any]) -> dict[str, Any]:
+    """What config.json and every tracker's config hold: the settings, with when, how
+    (argv) and with which versions the run was made."""
+    return {
+        "created": dt.datetime.now(dt.UTC).isoformat(),
+        "argv": sys.argv,
+        "versions": versions(),
+        **settings,
+    }
+
+
 def default_run_dir(name: str, root: str | Path = "runs") -> Path:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     return Path(root) / f"{name}-{stamp}"
@@ -73,14 +84,8 @@ class RunDir:
         self.logged = 0
 
     def log_config(self, config: dict[str, Any]) -> None:
-        """config.json: the settings, with when, how (argv) and with which versions."""
-        record = {
-            "created": dt.datetime.now(dt.UTC).isoformat(),
-            "argv": sys.argv,
-            "versions": versions(),
-            **config,
-        }
-        (self.path / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+        """config.json: the settings (`config_record`)."""
+        (self.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
         """One step's line (the record carries its step); NaN and infinities become

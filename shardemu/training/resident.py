@@ -15,6 +15,7 @@ gradients and the update, so that the optimizer's FLOPs are not model FLOPs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,7 +147,7 @@ class Trainer:
         """The step, lowered and compiled ahead of time over `abstract_inputs()`; compiled
         once per process for each (model, settings, rules, mesh, flag), so a second
         Trainer of the same settings (a resumed run, a sweep) reuses it."""
-        key = (self.model.cfg, self.train, self.rules, self.mesh, keep_grads)
+        key = (self.model.cfg, self._program_settings, self.rules, self.mesh, keep_grads)
         if key not in _COMPILED:
             if len(_COMPILED) >= 32:
                 _COMPILED.pop(next(iter(_COMPILED)))  # the oldest
@@ -177,13 +178,20 @@ class Trainer:
         out = self.compiled(keep_grads)(params, opt_state, self.put_batch(batch))
         return ResidentOutput(*out)
 
+    @property
+    def _program_settings(self) -> TrainConfig:
+        """The settings the step's program depends on: not the step count or the seed,
+        so runs that differ only in those (a sweep over seeds, a resumed run) share one
+        compilation and one count."""
+        return dataclasses.replace(self.train, steps=1, seed=0)
+
     def step_events(self, counter: Counter, step: int) -> list[Event]:
         """The ledger events of one step: the gradients (forward and backward, with
         their collectives by mesh axis) and the update, each compiled with the layers
         unrolled and counted once per signature by `counter`."""
         params, opt_state, batch = self.abstract_inputs()
         r = self._replicated
-        context = (self.model.cfg, self.train, self.rules)
+        context = (self.model.cfg, self._program_settings, self.rules)
         with unrolled_layers():
             grads = self._count(
                 counter, "step-grads", self._grads, (params, batch), (r, self.param_shardings),

@@ -31,7 +31,7 @@ from shardemu.pipelined.layout import pipeline_layout, stage_plan
 from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware
-from shardemu.report.rundir import RunDir, default_run_dir, read_metrics
+from shardemu.report.rundir import RunDir, config_record, default_run_dir, read_metrics
 from shardemu.report.trackers import Trackers, TrackingConfig, open_trackers
 from shardemu.report.views import write_views
 from shardemu.training.checkpoint import Checkpoints
@@ -120,13 +120,15 @@ def train(
         trackers = open_trackers(tracking, run)
         resumed = {"resumed_from": {"run_dir": str(resume), "steps_done": start}} if resume else {}
         trackers.log_config(
-            {
-                **config,
-                "checkpoint_every": checkpoint_every,
-                "hardware": hardware.name if hardware is not None else None,
-                "tracking": dataclasses.asdict(tracking or TrackingConfig()),
-                **resumed,
-            }
+            config_record(
+                {
+                    **config,
+                    "checkpoint_every": checkpoint_every,
+                    "hardware": hardware.name if hardware is not None else None,
+                    "tracking": dataclasses.asdict(tracking or TrackingConfig()),
+                    **resumed,
+                }
+            )
         )
         with StopSignals() as signals:
             t0 = time.perf_counter()
