@@ -11,77 +11,44 @@ from cli_helpers import shardemu
 from shardemu import Parallelism, describe, get_preset
 from shardemu.report.rundir import read_metrics
 
+DEMO_STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """`shardemu demo --steps 5`: the README's first command (in this process; a fresh
+    process setting up its own virtual devices is the SIGINT test's in
+    test_checkpoint.py). Its sharded, one-device and phased runs are the runs the tests
+    below compare."""
+    root = tmp_path_factory.mktemp("demo") / "d"
+    return shardemu("demo", "--steps", str(DEMO_STEPS), "--out", str(root)), root
+
 
 @pytest.mark.slow
-def test_demo_makes_its_three_runs_and_tells_what_they_show(tmp_path):
-    """The README's first command (in this process: a fresh process setting up its own
-    virtual devices is the SIGINT test's in test_checkpoint.py): three runs, the sharded
-    run's summary, the story, and the run directories."""
-    out = shardemu("demo", "--steps", "3", "--out", str(tmp_path / "d"))
+def test_demo_makes_its_three_runs_and_tells_what_they_show(demo):
+    out, root = demo
     assert out.returncode == 0, out.stderr
     assert "final_loss" in out.stdout and "tensor=2,replica=4" in out.stdout
-    assert "what the demo showed" in out.stdout and "shardemu compare" in out.stdout
-    runs = {
-        name: read_metrics(tmp_path / "d" / name) for name in ("sharded", "one-device", "phased")
-    }
-    for records in runs.values():
-        assert [r["step"] for r in records] == [0, 1, 2]
+    assert "what the demo showed" in out.stdout and f"shardemu compare {root}" in out.stdout
+    for name, steps in (("sharded", DEMO_STEPS), ("one-device", DEMO_STEPS), ("phased", 3)):
+        records = read_metrics(root / name)
+        assert [r["step"] for r in records] == list(range(steps))
         assert records[-1]["loss"] < records[0]["loss"]
-    assert runs["phased"][0]["bytes_h2d_weights"] > 0
-    assert (tmp_path / "d" / "sharded" / "trace.json").exists()
-
-
-COMMON = ["--steps", "5", "--seed", "0"]
-
-
-@pytest.fixture(scope="module")
-def cli_run(tmp_path_factory):
-    """`shardemu run --model M --mesh MESH [--devices N] --steps 5 --seed 0`, once per
-    (M, MESH, N) in this module."""
-    cache = {}
-
-    def get(model, mesh, devices=None):
-        key = (model, mesh, devices)
-        if key not in cache:
-            out = tmp_path_factory.mktemp(model) / "run"
-            extra = ["--devices", str(devices)] if devices else []
-            args = ["run", "--model", model, *COMMON, "--mesh", mesh, *extra, "--out", str(out)]
-            cache[key] = (shardemu(*args), out)
-        return cache[key]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def sharded_run(cli_run):
-    """The sharded run of M: tensor=2, replica=4."""
-    return lambda model: cli_run(model, "tensor=2,replica=4")
-
-
-@pytest.fixture(scope="module")
-def single_run(cli_run):
-    """The single-device run of M: the witness the sharded and pipelined runs match."""
-    return lambda model: cli_run(model, "pipe=1,tensor=1,replica=1", devices=1)
+    assert (root / "sharded" / "trace.json").exists()
 
 
 @pytest.mark.slow
-def test_sharded_and_single_device_runs_agree(tmp_path, sharded_run, single_run):
+def test_sharded_and_single_device_runs_agree(demo):
     """(GPT: BERT's sharded steps are compared with one device in test_engine.py, and its
     pipelined CLI run below.)"""
-    model = "gpt-tiny"
-    sharded, sharded_dir = sharded_run(model)
-    single, single_dir = single_run(model)
-    (tmp_path / "a").symlink_to(sharded_dir)
-    (tmp_path / "b").symlink_to(single_dir)
-    assert sharded.returncode == 0, sharded.stderr
-    assert single.returncode == 0, single.stderr
-    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
-    assert [r["step"] for r in a] == list(range(5))
+    root = demo[1]
+    a, b = read_metrics(root / "sharded"), read_metrics(root / "one-device")
+    assert [r["step"] for r in a] == list(range(DEMO_STEPS))
     for ra, rb in zip(a, b, strict=True):
         assert abs(ra["loss"] - rb["loss"]) <= 1e-4 * abs(rb["loss"])
     assert a[-1]["loss"] < a[0]["loss"] - 0.2  # it learns
 
-    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    config = json.loads((root / "sharded" / "config.json").read_text())
     assert config["device_count"] == 8 and config["parallelism"] == {
         "pipe": 1,
         "tensor": 2,
@@ -89,22 +56,19 @@ def test_sharded_and_single_device_runs_agree(tmp_path, sharded_run, single_run)
     }
     assert config["param_count"] > 0 and config["param_bytes"] == 4 * config["param_count"]
     assert {"jax", "flax", "optax"} <= set(config["versions"])
-    assert config["train"]["batch"] == 8 and config["model"]["name"] == model
+    assert config["train"]["batch"] == 16 and config["model"]["name"] == "gpt-tiny"
     # bytes per device: JAX's NamedSharding.shard_shape (run) vs our rules table (describe)
-    described = describe(get_preset(model), Parallelism(tensor=2, replica=4))
+    described = describe(get_preset("gpt-tiny"), Parallelism(tensor=2, replica=4))
     assert config["param_bytes_per_device"] == described["bytes_per_device"]
-    assert (tmp_path / "a" / "summary.md").read_text().startswith("# shardemu run")
+    assert (root / "sharded" / "summary.md").read_text().startswith("# shardemu run")
 
 
 @pytest.mark.slow
-def test_phased_run_agrees_with_resident_and_records_the_ledger(tmp_path, sharded_run):
-    resident, resident_dir = sharded_run("gpt-tiny")
-    args = ["--mesh", "tensor=2,replica=4", "--phased", "--phases", "2", "--rts", "4"]
-    args += ["--hardware", "ipu-pod16", "--out", str(tmp_path)]
-    phased = shardemu("run", "--model", "gpt-tiny", *COMMON, *args)
-    assert phased.returncode == 0, phased.stderr
-    a, b = read_metrics(tmp_path), read_metrics(resident_dir)
-    for ra, rb in zip(a, b, strict=True):
+def test_phased_run_agrees_with_resident_and_records_the_ledger(demo):
+    root = demo[1]
+    phased = root / "phased"
+    a, b = read_metrics(phased), read_metrics(root / "sharded")
+    for ra, rb in zip(a, b, strict=False):  # the demo's phased run is 3 steps
         assert abs(ra["loss"] - rb["loss"]) <= 1e-4 * abs(rb["loss"])
     fields = {
         "flops",
@@ -117,36 +81,32 @@ def test_phased_run_agrees_with_resident_and_records_the_ledger(tmp_path, sharde
     assert fields <= set(a[0])
     assert a[0]["flops"] > a[0]["model_flops"] > 0  # each phase's backward recomputes it
     assert {"replica", "tensor"} <= set(a[0]["bytes_collective"])  # rts gathers, Megatron
-    plan = json.loads((tmp_path / "config.json").read_text())["phase_plan"]
+    plan = json.loads((phased / "config.json").read_text())["phase_plan"]
     assert plan["phases"] == 2 and plan["rts"] == 4
     assert plan["step_totals"]["bytes_h2d"] == a[0]["bytes_h2d"]  # abstract = real
-    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    trace = json.loads((phased / "trace.json").read_text())["traceEvents"]
     assert any(e["ph"] == "X" and e["cat"] == "h2d" for e in trace)
-    assert "predicted_step_s" in (tmp_path / "summary.md").read_text()
-    ledger = json.loads((tmp_path / "ledger.json").read_text())
+    assert "predicted_step_s" in (phased / "summary.md").read_text()
+    ledger = json.loads((phased / "ledger.json").read_text())
     h2d = sum(e["bytes"] for e in ledger if e["step"] == 0 and e["kind"] == "h2d")
     assert h2d == a[0]["bytes_h2d"] > 0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("model", "mesh", "microbatches"),
-    [("gpt-tiny", "pipe=2,tensor=2,replica=2", "4")],  # BERT: test_pipeline.py
-)
-def test_pipelined_run_agrees_with_single_device(model, mesh, microbatches, tmp_path, single_run):
+def test_pipelined_run_agrees_with_single_device(demo, tmp_path):
+    """gpt-tiny on pipe=2,tensor=2,replica=2 with 4 microbatches, the demo's settings
+    (BERT: test_pipeline.py)."""
+    root, pipe = demo[1], 2
     piped = shardemu(
-        "run", "--model", model, *COMMON, "--mesh", mesh, "--microbatches", microbatches,
-        "--out", str(tmp_path / "p"),
+        "run", "--model", "gpt-tiny", "--batch", "16", "--seq", "64", "--seed", "0",
+        "--steps", str(DEMO_STEPS), "--mesh", "pipe=2,tensor=2,replica=2",
+        "--microbatches", "4", "--out", str(tmp_path / "p"),
     )  # fmt: skip
-    single, single_dir = single_run(model)
-    (tmp_path / "s").symlink_to(single_dir)
     assert piped.returncode == 0, piped.stderr
-    assert single.returncode == 0, single.stderr
-    a, b = read_metrics(tmp_path / "p"), read_metrics(tmp_path / "s")
+    a, b = read_metrics(tmp_path / "p"), read_metrics(root / "one-device")
     for ra, rb in zip(a, b, strict=True):
         assert abs(ra["loss"] - rb["loss"]) <= 1e-4 * abs(rb["loss"])
-    pipe, m = int(mesh.split(",")[0].split("=")[1]), int(microbatches)
-    assert a[0]["bubble_fraction"] == pytest.approx((pipe - 1) / (m + pipe - 1))
+    assert a[0]["bubble_fraction"] == pytest.approx((pipe - 1) / (4 + pipe - 1))
     assert a[0]["pipe_bytes"] > 0 and b[0]["pipe_bytes"] == 0 and b[0]["bubble_fraction"] == 0
     plan = json.loads((tmp_path / "p" / "config.json").read_text())["stage_plan"]
     assert [s["layers"] for s in plan] == [
@@ -159,7 +119,7 @@ def test_pipelined_run_agrees_with_single_device(model, mesh, microbatches, tmp_
     assert {e["stage"] for e in ledger if e["kind"] == "compute"} == set(range(pipe))
     sent = sum(e["bytes"] for e in ledger if e["step"] == 0 and e["axis"] == "pipe")
     assert sent == a[0]["pipe_bytes"] == a[0]["bytes_collective"]["pipe"]
-    single_ledger = json.loads((tmp_path / "s" / "ledger.json").read_text())
+    single_ledger = json.loads((root / "one-device" / "ledger.json").read_text())
     assert {e["phase"]["kind"] for e in single_ledger} == {"step", "update"}
 
 

@@ -270,6 +270,8 @@ BAD_FILES = [
      ["sweep", "{}"], "needs run_cap"),
     ("s.toml", 'metric = { name = "loss", goal = "best" }\n[parameters]\nlr = { value = 1 }\n',
      ["sweep", "{}"], "goal"),
+    ("s.toml", 'metric = { name = "loss" }\n[parameters]\nprocesses = { value = 2 }\n',
+     ["sweep", "{}"], "trials run in the sweep's process"),
     ("none", "", ["compare", "{}"], "matches no run directory"),
 ]  # fmt: skip
 

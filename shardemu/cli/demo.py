@@ -2,7 +2,7 @@
 
 1. *sharded*: tensor=2 x replica=4 on 8 virtual devices, predicted on an IPU-POD16;
 2. *one-device*: the same steps on one device, which it must equal;
-3. *phased*: the same model with its weights in the host tier, streamed in per phase
+3. *phased*: the same model with its weights in the host tier, streamed in two phases
    and sharded over the replicas (replicated tensor sharding, rts=4).
 """
 
@@ -33,8 +33,9 @@ def demo_runs(steps: int, out: str | None) -> dict[str, list[str]]:
             "--out", str(root / "one-device"),
         ],
         "phased": [
-            "run", *common, "--mesh", MESH, "--devices", "8", "--phased", "--rts", "4",
-            "--steps", str(min(steps, PHASED_STEPS)), "--out", str(root / "phased"),
+            "run", *common, "--mesh", MESH, "--devices", "8", "--phased", "--phases", "2",
+            "--rts", "4", "--steps", str(min(steps, PHASED_STEPS)), "--hardware", HARDWARE,
+            "--out", str(root / "phased"),
         ],
     }  # fmt: skip
 

@@ -31,6 +31,13 @@ _TOP_KEYS = ("command", "method", "metric", "parameters", "run_cap", "name", "de
 _DISTRIBUTIONS = (
     "constant", "categorical", "int_uniform", "uniform", "log_uniform_values", "q_uniform",
 )  # fmt: skip
+# flags a trial cannot take, and why
+_NOT_PARAMETERS = {
+    "out": "the sweep sets each trial's --out",
+    "processes": "trials run in the sweep's process, one after another",
+    "resume": "a sweep resumes by itself: run the same sweep command again",
+    "config": "give the settings as parameters",
+}
 TRIAL_FILE = "trial.json"
 RANDOM_SEED = 0  # random trials are drawn from a fixed seed, so a resumed sweep draws the same
 
@@ -98,8 +105,9 @@ def load_sweep(path: str | Path) -> Sweep:
         raise ConfigError(
             f"{path} has no [parameters]: give at least one, e.g. lr = {{ values = [1e-3, 3e-3] }}"
         )
-    if "out" in parameters:
-        raise ConfigError(f"out in {path}'s parameters: the sweep sets each trial's --out")
+    for key, why in _NOT_PARAMETERS.items():
+        if key in parameters:
+            raise ConfigError(f"{key} in {path}'s parameters: {why}")
     for name, spec in parameters.items():
         _check_parameter(name, spec, method, path)
     run_cap = cfg.get("run_cap")
