@@ -257,6 +257,7 @@ BAD_FILES = [
     ("run.toml", 'schedule = "zigzag"\n', ["run", "--config", "{}"], "--schedule is one of"),
     ("run.toml", "phased = 1\n", ["run", "--config", "{}"], "phased in"),
     ("run.toml", "lr = \n", ["run", "--config", "{}"], "is not valid TOML"),
+    ("run.toml", 'resume = "runs/x"\n', ["run", "--config", "{}"], "is not a setting"),
     ("config.json", '{"model": {"name": "x"}, "train": {}}', ["run", "--config", "{}"],
      "is not a run's config.json"),
     ("s.toml", 'method = "bayes"\n[parameters]\nlr = { value = 1 }\n', ["sweep", "{}"],

@@ -65,6 +65,11 @@ def apply_settings(
     keys = _keys(command)
     for key, value in settings.items():
         action = keys.get(key)
+        if key.replace("-", "_") in _NOT_SETTINGS:
+            raise ConfigError(
+                f"{key} in {source} is not a setting; give --{key.replace('_', '-')} on the "
+                f"command line"
+            )
         if action is None:
             near = difflib.get_close_matches(key, list(keys), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
