@@ -246,6 +246,61 @@ class Parallelism:
         return f"pipe={self.pipe},tensor={self.tensor},replica={self.replica}"
 
 
+BLOCK_SIZES = (1, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class SparsityConfig:
+    """Block sparsity of the layers' dense weights (MISSION.md, "Dynamic sparse
+    pre-training of BERT"; Dietrich et al. 2021, RigL: Evci et al. 2020).
+
+    sparsity       fraction of each sparse weight's blocks that are zero, in [0, 1)
+    block          square blocks of 1, 4, 8 or 16 weights on a side
+    mode           `static` keeps the initial random pattern; `dynamic` prunes and
+                   regrows blocks `updates` times over the run
+    updates        pattern updates over the run (dynamic), every steps // updates steps
+    prune_ratio    the fraction of non-zero blocks pruned at the first update, decayed
+                   by a cosine to 0 at the last step
+    regrow         which zero blocks come back: `random`, or the largest `gradient` norm
+    distribution   `uniform`: every weight at `sparsity`; `erk`: Erdos-Renyi-Kernel
+                   densities (Evci et al. 2020, section 3), the same total
+    """
+
+    sparsity: float = 0.9
+    block: int = 16
+    mode: Literal["static", "dynamic"] = "static"
+    updates: int = 160
+    prune_ratio: float = 0.5
+    regrow: Literal["random", "gradient"] = "random"
+    distribution: Literal["uniform", "erk"] = "uniform"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sparsity, int | float) or not 0 <= self.sparsity < 1:
+            raise ConfigError(
+                f"--sparsity {self.sparsity} must be in [0, 1): the fraction of zero blocks "
+                f"(0.9 keeps 10% of the weights)"
+            )
+        if self.block not in BLOCK_SIZES:
+            raise ConfigError(
+                f"--block {self.block} must be one of {', '.join(map(str, BLOCK_SIZES))}"
+            )
+        choices = {"mode": ("static", "dynamic"), "regrow": ("random", "gradient"),
+                   "distribution": ("uniform", "erk")}  # fmt: skip
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(
+                    f"sparse {name} must be one of {', '.join(allowed)}, got {value!r}"
+                )
+        _require_positive("SparsityConfig", updates=self.updates)
+        if not isinstance(self.prune_ratio, int | float) or not 0 < self.prune_ratio <= 1:
+            raise ConfigError(f"--prune-ratio {self.prune_ratio} must be in (0, 1]")
+
+    @property
+    def density(self) -> float:
+        return 1.0 - self.sparsity
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run. `batch` is the global batch (sequences per step, all replicas):
@@ -266,8 +321,11 @@ class TrainConfig:
     schedule: str = "gpipe"  # the pipeline schedule, by name (parallel/schedules.py)
     virtual: int = 1  # model chunks per pipeline stage (interleaved 1F1B)
     stage_layers: tuple[int, ...] | None = None  # layers per stage (None: even)
+    sparsity: SparsityConfig | None = None  # block-sparse layer weights (None: dense)
 
     def __post_init__(self) -> None:
+        if isinstance(self.sparsity, dict):  # from config.json
+            object.__setattr__(self, "sparsity", SparsityConfig(**self.sparsity))
         _require_positive(
             "TrainConfig",
             steps=self.steps,
@@ -296,6 +354,12 @@ class TrainConfig:
             )
         if self.seed >= SEED_LIMIT:
             raise ConfigError(f"--seed {self.seed} is too large; use 0 <= seed < 2**32")
+        sparse = self.sparsity
+        if sparse is not None and sparse.mode == "dynamic" and sparse.updates > self.steps:
+            raise ConfigError(
+                f"--sparse-updates {sparse.updates} is more than the {self.steps} steps; "
+                f"update the pattern at most once a step (--sparse-updates <= --steps)"
+            )
 
     def check_fits(self, model: ModelConfig, parallelism: Parallelism) -> None:
         """Refuse settings the model or mesh cannot take, before anything compiles."""

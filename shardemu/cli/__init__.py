@@ -26,6 +26,7 @@ from shardemu.cli.args import (
     model_config,
     phased_config,
     pipeline_config,
+    sparsity_config,
     tracking_config,
 )
 from shardemu.cli.config_file import apply_settings, read_settings
@@ -61,6 +62,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         optimizer=args.optimizer,
         learning_rate=args.lr,
         warmup_steps=args.warmup,
+        sparsity=sparsity_config(args),
         **pipeline_config(args),
     )
     model_cfg = model_config(args)

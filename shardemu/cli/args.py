@@ -14,6 +14,7 @@ from shardemu.config import (
     ConfigError,
     ModelConfig,
     PhasedConfig,
+    SparsityConfig,
     TrainConfig,
     custom_model,
     get_preset,
@@ -114,6 +115,58 @@ def run_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
         help="add the predicted step on a profile (ipu-pod16, a100-80gb, ...) or a .toml file",
     )
     phased_args(p)
+    sparsity_args(p)
+
+
+def sparsity_args(p: argparse.ArgumentParser) -> None:
+    d = SparsityConfig()
+    p.add_argument(
+        "--sparsity",
+        type=float,
+        default=None,
+        metavar="S",
+        help="block-sparse layer kernels: the fraction of zero blocks, in [0, 1)",
+    )
+    p.add_argument("--block", type=int, default=d.block, help="square blocks: 1, 4, 8 or 16")
+    p.add_argument(
+        "--sparse-mode", choices=("static", "dynamic"), default=d.mode,
+        help="static pattern, or dynamic prune-and-regrow",
+    )  # fmt: skip
+    p.add_argument(
+        "--sparse-updates", type=int, default=d.updates, metavar="N",
+        help="dynamic: pattern updates over the run",
+    )  # fmt: skip
+    p.add_argument(
+        "--prune-ratio", type=float, default=d.prune_ratio,
+        help="dynamic: fraction of non-zero blocks pruned at first, cosine-decayed",
+    )  # fmt: skip
+    p.add_argument(
+        "--regrow", choices=("random", "gradient"), default=d.regrow,
+        help="dynamic: which zero blocks regrow",
+    )  # fmt: skip
+    p.add_argument(
+        "--sparse-distribution", choices=("uniform", "erk"), default=d.distribution,
+        help="the same density in every kernel, or Erdos-Renyi-Kernel",
+    )  # fmt: skip
+
+
+def sparsity_config(args: argparse.Namespace) -> SparsityConfig | None:
+    """The sparsity settings, or None; sparse flags without --sparsity are an error."""
+    d = SparsityConfig()
+    fields = {
+        "block": ("--block", args.block, d.block),
+        "mode": ("--sparse-mode", args.sparse_mode, d.mode),
+        "updates": ("--sparse-updates", args.sparse_updates, d.updates),
+        "prune_ratio": ("--prune-ratio", args.prune_ratio, d.prune_ratio),
+        "regrow": ("--regrow", args.regrow, d.regrow),
+        "distribution": ("--sparse-distribution", args.sparse_distribution, d.distribution),
+    }
+    if args.sparsity is None:
+        given = [flag for flag, value, default in fields.values() if value != default]
+        if given:
+            raise ConfigError(f"{', '.join(given)} need --sparsity")
+        return None
+    return SparsityConfig(args.sparsity, **{name: v[1] for name, v in fields.items()})
 
 
 def phased_args(p: argparse.ArgumentParser) -> None:

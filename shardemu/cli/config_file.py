@@ -155,6 +155,13 @@ def run_flags(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
             f"--config {path}: {', '.join(f'{k}={v}' for k, v in unexpressed.items())} "
             f"have no flag; re-run it from Python with shardemu.train"
         )
+    if train.sparsity is not None:
+        sparse = train.sparsity
+        flags |= {
+            "sparsity": sparse.sparsity, "block": sparse.block, "sparse_mode": sparse.mode,
+            "sparse_updates": sparse.updates, "prune_ratio": sparse.prune_ratio,
+            "regrow": sparse.regrow, "sparse_distribution": sparse.distribution,
+        }  # fmt: skip
     if phased is not None:
         flags |= {"phased": True, **dataclasses.asdict(phased)}
     if cfg.get("checkpoint_every") is not None:

@@ -66,6 +66,17 @@ def step_counts(ledger: Ledger, step: int) -> dict[str, Any]:
     return {**counts, "pipe_bytes": counts["bytes_collective"].get("pipe", 0)}
 
 
+def sparse_flops(counts: dict[str, Any], sparse: dict[str, float], tokens: int) -> dict[str, Any]:
+    """`density` and `model_flops_sparse`: XLA counts a masked matmul as dense, so the
+    model FLOPs less what the zero weights would not cost in a sparse kernel: 2 FLOPs per
+    weight per token in each of the forward, data-gradient and weight-gradient matmuls,
+    all three scaled by density (Dietrich et al. 2021, appendix A.2)."""
+    return {
+        "density": sparse["density"],
+        "model_flops_sparse": counts["model_flops"] - 6 * tokens * sparse["zero_weights"],
+    }
+
+
 class ResidentEngine:
     """Weights and optimizer state on the devices; one compiled step (`Trainer`)."""
 
@@ -88,11 +99,12 @@ class ResidentEngine:
         out = self.trainer.step(*state, batch)
         step, self.steps_done = self.steps_done, self.steps_done + 1
         self.ledger.events.extend(dataclasses.replace(e, step=step) for e in self._events)
+        counts = step_counts(self.ledger, step)
+        sparse = self.trainer.sparse_counts(out.opt_state)
+        if sparse:
+            counts |= sparse_flops(counts, sparse, self.trainer.train.tokens)
         return StepResult(
-            (out.params, out.opt_state),
-            float(out.loss),
-            float(out.grad_norm),
-            step_counts(self.ledger, step),
+            (out.params, out.opt_state), float(out.loss), float(out.grad_norm), counts
         )
 
     def sizes(self) -> dict[str, int]:

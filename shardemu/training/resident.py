@@ -40,6 +40,14 @@ from shardemu.parallel.rules import (
     named_shardings,
     resolve_specs,
 )
+from shardemu.sparsity import (
+    SparseState,
+    apply_masks,
+    check_blocks,
+    mask_counts,
+    opt_state_shardings,
+    wrap_optax,
+)
 from shardemu.training.optim import make_optimizer
 
 _COMPILED: dict[tuple, jax.stages.Compiled] = {}  # Trainer.compiled's, process-wide
@@ -78,15 +86,18 @@ class Trainer:
         )
         self.param_shardings = named_shardings(mesh, self.param_specs)
 
-        self.tx = make_optimizer(train, self.param_shapes, self.param_logical)
+        inner = make_optimizer(train, self.param_shapes, self.param_logical)
+        self.tx, sparse = inner, train.sparsity
+        if sparse is not None:
+            check_blocks(
+                self.param_shapes, self.param_logical, self.param_specs, axis_sizes, sparse.block
+            )
+            self.tx = wrap_optax(inner, sparse, self.param_logical, train.steps, train.seed)
         replicated = NamedSharding(mesh, PartitionSpec())
-        self.opt_shardings = optax.tree_map_params(
-            self.tx,
-            lambda _, sharding: sharding,
-            jax.eval_shape(self.tx.init, self.param_shapes),
-            self.param_shardings,
-            transform_non_params=lambda _: replicated,
-        )
+        self.opt_shardings = opt_state_shardings(
+            inner, jax.eval_shape(self.tx.init, self.param_shapes), self.param_shardings,
+            self.param_logical, replicated,
+        )  # fmt: skip
         self.batch_shardings = {}
         for key, axes in model.batch_axes.items():
             spec = logical_to_spec(axes, self.rules, f"batch array {key!r}")
@@ -100,7 +111,10 @@ class Trainer:
 
         def init_fn(rng: jax.Array) -> tuple[Any, Any]:
             params = self.model.init_params(rng)
-            return params, self.tx.init(params)
+            opt_state = self.tx.init(params)
+            if isinstance(opt_state, SparseState):  # the pattern's zeros start at zero
+                params = apply_masks(params, opt_state.masks)
+            return params, opt_state
 
         fn = jax.jit(init_fn, out_shardings=(self.param_shardings, self.opt_shardings))
         return fn(jax.random.key(seed))
@@ -182,8 +196,18 @@ class Trainer:
     def _program_settings(self) -> TrainConfig:
         """The settings the step's program depends on: not the step count or the seed,
         so runs that differ only in those (a sweep over seeds, a resumed run) share one
-        compilation and one count."""
+        compilation and one count. (A sparse step's pattern updates depend on both.)"""
+        if self.train.sparsity is not None:
+            return self.train
         return dataclasses.replace(self.train, steps=1, seed=0)
+
+    def sparse_counts(self, opt_state: Any) -> dict[str, float]:
+        """`density` (non-zero / all weights of the sparse kernels) and `zero_weights`,
+        read from the masks in the optimizer state; empty for a dense run."""
+        if not isinstance(opt_state, SparseState):
+            return {}
+        nonzero, total = (int(x) for x in jax.jit(mask_counts)(opt_state.masks))
+        return {"density": nonzero / total, "zero_weights": total - nonzero}
 
     def step_events(self, counter: Counter, step: int) -> list[Event]:
         """The ledger events of one step: the gradients (forward and backward, with
