@@ -247,6 +247,7 @@ class Parallelism:
 
 
 BLOCK_SIZES = (1, 4, 8, 16)
+DATASETS = ("synthetic", "stdlib")  # data.CORPORA
 
 
 @dataclass(frozen=True)
@@ -322,6 +323,7 @@ class TrainConfig:
     virtual: int = 1  # model chunks per pipeline stage (interleaved 1F1B)
     stage_layers: tuple[int, ...] | None = None  # layers per stage (None: even)
     sparsity: SparsityConfig | None = None  # block-sparse layer weights (None: dense)
+    data: str = "synthetic"  # the training text: `synthetic` or `stdlib` (data.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.sparsity, dict):  # from config.json
@@ -354,6 +356,8 @@ class TrainConfig:
             )
         if self.seed >= SEED_LIMIT:
             raise ConfigError(f"--seed {self.seed} is too large; use 0 <= seed < 2**32")
+        if self.data not in DATASETS:
+            raise ConfigError(f"--data {self.data!r} is not one of {', '.join(DATASETS)}")
         sparse = self.sparsity
         if sparse is not None and sparse.mode == "dynamic" and sparse.updates > self.steps:
             raise ConfigError(

@@ -1,4 +1,5 @@
-"""A deterministic synthetic corpus with learnable structure; nothing is downloaded.
+"""Training text without a download: a synthetic corpus with learnable structure, and
+the Python standard library's own source as bytes (`--data stdlib`).
 
 Text is a mixture of `topics` sparse Markov chains over the word ids: under topic t a
 word w is followed by one of `branching` successors `succ[t, w, :]`, uniformly. The
@@ -13,13 +14,22 @@ topic (NotNext, label 1); 15% of word positions are chosen for prediction, of wh
 become [MASK], 10% a random word and 10% stay unchanged. Lengths vary so that padding
 (and the attention mask) is exercised.
 
-A batch depends only on (corpus seed, step, batch, seq): the same global batch reaches
-every mesh, which is what makes sharded and single-device runs comparable.
+A batch depends only on (corpus seed, split, step, batch, seq): the same global batch
+reaches every mesh, which is what makes sharded and single-device runs comparable. Each
+corpus has a `validation` split that training never sees: for the synthetic corpus,
+other draws from the same chains; for the standard library, one file in ten.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import sysconfig
+from pathlib import Path
+
 import numpy as np
+
+from shardemu.errors import ConfigError
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
 FIRST_WORD = 4  # ids below this are special tokens
@@ -33,6 +43,7 @@ class SyntheticCorpus:
         topics: int = 8,
         branching: int = 4,
         zipf: float = 1.1,
+        split: str = "train",
     ):
         if vocab_size < FIRST_WORD + branching:
             raise ValueError(
@@ -41,6 +52,7 @@ class SyntheticCorpus:
             )
         self.vocab_size = vocab_size
         self.seed = seed
+        self.split = _split_id(split)
         self.topics = topics
         self.branching = branching
         table_rng = np.random.default_rng([seed, 0xC0])
@@ -51,7 +63,9 @@ class SyntheticCorpus:
         )
 
     def _rng(self, step: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed, step])
+        # the training split keeps the streams it always had
+        key = [self.seed, step] if self.split == 0 else [self.seed, step, self.split]
+        return np.random.default_rng(key)
 
     def _chains(
         self, rng: np.random.Generator, topic: np.ndarray, first: np.ndarray, length: int
@@ -85,13 +99,8 @@ class SyntheticCorpus:
             n_real = int(rng.integers((3 * seq) // 4, seq + 1))
             words = n_real - 3
             len_a = int(rng.integers(1, words))
-            topic_a = int(rng.integers(0, self.topics))
-            a_then_b = self._chains(rng, np.array([topic_a]), self._random_words(rng, 1), words)[0]
-            b = a_then_b[len_a:]
-            if next_sentence[i]:
-                other = (topic_a + int(rng.integers(1, self.topics))) % self.topics
-                b = self._chains(rng, np.array([other]), self._random_words(rng, 1), len(b))[0]
-            row = np.concatenate([[CLS], a_then_b[:len_a], [SEP], b, [SEP]])
+            a, b = self._pair(rng, words, len_a, bool(next_sentence[i]))
+            row = np.concatenate([[CLS], a, [SEP], b, [SEP]])
             tokens[i, :n_real] = row
             segments[i, len_a + 2 : n_real] = 1
         attention_mask = (tokens != PAD).astype(np.int32)
@@ -104,6 +113,19 @@ class SyntheticCorpus:
             "mlm_weights": weights,
             "next_sentence": next_sentence,
         }
+
+    def _pair(
+        self, rng: np.random.Generator, words: int, len_a: int, unrelated: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Sentences A and B of `words` words in all: B continues A's chain, or (when
+        `unrelated`) comes from another topic."""
+        topic_a = int(rng.integers(0, self.topics))
+        a_then_b = self._chains(rng, np.array([topic_a]), self._random_words(rng, 1), words)[0]
+        b = a_then_b[len_a:]
+        if unrelated:
+            other = (topic_a + int(rng.integers(1, self.topics))) % self.topics
+            b = self._chains(rng, np.array([other]), self._random_words(rng, 1), len(b))[0]
+        return a_then_b[:len_a], b
 
     def _mask(
         self, rng: np.random.Generator, tokens: np.ndarray, rate: float = 0.15
@@ -121,3 +143,78 @@ class SyntheticCorpus:
             swap = chosen[(u >= 0.8) & (u < 0.9)]
             masked[i, swap] = self._random_words(rng, len(swap))
         return masked, tokens.copy(), weights
+
+
+SPLITS = ("train", "validation")
+
+
+def _split_id(split: str) -> int:
+    if split not in SPLITS:
+        raise ConfigError(f"a corpus split is one of {', '.join(SPLITS)}, got {split!r}")
+    return SPLITS.index(split)
+
+
+BYTES = 256  # byte-level tokens: a byte b is token FIRST_WORD + b
+
+
+@functools.cache
+def stdlib_text(split: str) -> np.ndarray:
+    """The bytes of the standard library's `.py` files (site-packages and tests left
+    out), in path order; a file belongs to `validation` when the first byte of the MD5
+    of its relative path is below 26 (about one in ten), else to `train`. Every
+    installation of one Python version gives the same text."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if "site-packages" in rel or "/test" in f"/{rel}":
+            continue
+        held_out = hashlib.md5(rel.encode()).digest()[0] < 26
+        if held_out == (split == "validation"):
+            chunks.append(path.read_bytes())
+    return np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
+
+
+class StdlibCorpus(SyntheticCorpus):
+    """Byte-level text of the Python standard library's source (`stdlib_text`): real
+    text with real structure, so sparse and dense models can differ in quality. GPT
+    reads spans of it; BERT's sentence B is the span after A (IsNext) or a span from
+    elsewhere (NotNext). Masking and special tokens are the synthetic corpus's."""
+
+    def __init__(self, vocab_size: int, seed: int = 0, split: str = "train") -> None:
+        if vocab_size < FIRST_WORD + BYTES:
+            raise ConfigError(
+                f"--data stdlib has {FIRST_WORD + BYTES} tokens (256 bytes and 4 special); "
+                f"the model's vocabulary of {vocab_size} is too small (use --vocab 260 or more)"
+            )
+        self.vocab_size, self.seed, self.split = vocab_size, seed, _split_id(split)
+        self.text = stdlib_text(split).astype(np.int32) + FIRST_WORD
+
+    def _span(self, rng: np.random.Generator, length: int) -> np.ndarray:
+        start = int(rng.integers(0, len(self.text) - length))
+        return self.text[start : start + length]
+
+    def gpt_batch(self, step: int, batch: int, seq: int) -> dict[str, np.ndarray]:
+        rng = self._rng(step)
+        text = np.stack([self._span(rng, seq + 1) for _ in range(batch)])
+        return {"tokens": text[:, :-1], "targets": text[:, 1:]}
+
+    def _pair(
+        self, rng: np.random.Generator, words: int, len_a: int, unrelated: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        a_then_b = self._span(rng, words)
+        b = self._span(rng, words - len_a) if unrelated else a_then_b[len_a:]
+        return a_then_b[:len_a], b
+
+    def _random_words(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return rng.integers(FIRST_WORD, FIRST_WORD + BYTES, size=n)
+
+
+CORPORA = {"synthetic": SyntheticCorpus, "stdlib": StdlibCorpus}
+
+
+def make_corpus(name: str, vocab_size: int, seed: int, split: str = "train") -> SyntheticCorpus:
+    """The corpus called `name` (`--data`)."""
+    if name not in CORPORA:
+        raise ConfigError(f"--data {name!r} is not one of {', '.join(CORPORA)}")
+    return CORPORA[name](vocab_size, seed=seed, split=split)

@@ -63,6 +63,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         learning_rate=args.lr,
         warmup_steps=args.warmup,
         sparsity=sparsity_config(args),
+        data=args.data,
         **pipeline_config(args),
     )
     model_cfg = model_config(args)
@@ -70,6 +71,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         model_cfg, par, train_cfg, devices, out=args.out, phased=phased_config(args),
         hardware=get_hardware(args.hardware) if args.hardware else None,
         checkpoint_every=args.checkpoint_every, tracking=tracking_config(args),
+        eval_every=args.eval_every,
     )  # fmt: skip
 
 
@@ -150,7 +152,7 @@ def _run_resumed(args: argparse.Namespace) -> None:
         checkpoint_every=(
             args.checkpoint_every if "checkpoint_every" in args.given else was.checkpoint_every
         ),
-        resume=args.resume, tracking=tracking,
+        resume=args.resume, tracking=tracking, eval_every=was.eval_every,
     )  # fmt: skip
 
 

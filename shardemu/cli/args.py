@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 from shardemu import __version__
 from shardemu.config import (
+    DATASETS,
     ConfigError,
     ModelConfig,
     PhasedConfig,
@@ -86,6 +87,15 @@ def run_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     p.add_argument("--optimizer", choices=("adamw", "lamb"), default=defaults.optimizer)
     p.add_argument("--lr", type=float, default=defaults.learning_rate, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=defaults.warmup_steps, help="warm-up steps")
+    p.add_argument(
+        "--data", choices=DATASETS, default=defaults.data,
+        help="training text: the synthetic Markov corpus, or the Python standard library's "
+        "source as bytes (with a held-out validation split)",
+    )  # fmt: skip
+    p.add_argument(
+        "--eval-every", type=int, default=None, metavar="K",
+        help="the loss of held-out batches every K steps and after the last (val_loss)",
+    )  # fmt: skip
     p.add_argument("--out", default=None, help="run directory (default runs/<model>-<timestamp>)")
     p.add_argument(
         "--checkpoint-every",

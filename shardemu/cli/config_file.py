@@ -138,7 +138,7 @@ def run_flags(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
         "steps": train.steps, "batch": train.batch, "seq": train.seq, "seed": train.seed,
         "microbatches": train.microbatches, "grad_accum": train.grad_accum,
         "optimizer": train.optimizer, "lr": train.learning_rate, "warmup": train.warmup_steps,
-        "schedule": train.schedule, "virtual": train.virtual,
+        "schedule": train.schedule, "virtual": train.virtual, "data": train.data,
     }  # fmt: skip
     if train.stage_layers is not None:
         flags["stage_layers"] = ",".join(map(str, train.stage_layers))
@@ -164,8 +164,9 @@ def run_flags(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
         }  # fmt: skip
     if phased is not None:
         flags |= {"phased": True, **dataclasses.asdict(phased)}
-    if cfg.get("checkpoint_every") is not None:
-        flags["checkpoint_every"] = cfg["checkpoint_every"]
+    for key in ("checkpoint_every", "eval_every"):
+        if cfg.get(key) is not None:
+            flags[key] = cfg[key]
     flags |= {k: v for k, v in (cfg.get("tracking") or {}).items() if v}
     if cfg.get("hardware"):
         flags["hardware"] = cfg["hardware"]

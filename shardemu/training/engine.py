@@ -107,6 +107,10 @@ class ResidentEngine:
             (out.params, out.opt_state), float(out.loss), float(out.grad_norm), counts
         )
 
+    def evaluate(self, state: tuple[Any, Any], batches: list[dict[str, np.ndarray]]) -> dict:
+        """Held-out loss of `state`'s parameters (`Trainer.evaluate`)."""
+        return self.trainer.evaluate(state[0], batches)
+
     def sizes(self) -> dict[str, int]:
         params, opt_state, _ = self.trainer.abstract_inputs()
         return {

@@ -28,7 +28,7 @@ class StepInfo:
 
 
 Hook = Callable[[StepInfo], None]
-Derive = Callable[[dict[str, Any]], dict[str, Any]]
+Derive = Callable[[StepInfo], dict[str, Any]]
 
 
 class TrainLoop:
@@ -42,7 +42,8 @@ class TrainLoop:
         """`batches(step)` gives each step's global batch; `static` adds fields that
         every step's record carries (tokens per step, the analytic model FLOPs, ...),
         which the engine's own counts override; each of `derive` adds fields computed
-        from the record so far (throughput, the learning rate, a prediction)."""
+        from the step so far (throughput, the learning rate, a prediction, a held-out
+        loss)."""
         self.engine, self.batches, self.static = engine, batches, static or {}
         self.derive = list(derive)
         self._hooks: list[tuple[Hook, int]] = []
@@ -81,7 +82,7 @@ class TrainLoop:
                 **result.counts,
             }
             for fn in self.derive:
-                record.update(fn(record))
+                record.update(fn(StepInfo(step, record, result)))
             records.append(record)
             info = StepInfo(step, record, result)
             for fn, every in self._hooks:

@@ -105,6 +105,7 @@ class Trainer:
             check_divisible(f"batch array {key!r} {shape}", shape, axes, spec, axis_sizes)
             self.batch_shardings[key] = NamedSharding(mesh, spec)
         self._replicated = replicated
+        self._eval: Any = None  # the jitted held-out loss, made on first use
 
     def init(self, seed: int) -> tuple[Any, Any]:
         """Parameters and optimizer state, created directly in their shardings."""
@@ -200,6 +201,25 @@ class Trainer:
         if self.train.sparsity is not None:
             return self.train
         return dataclasses.replace(self.train, steps=1, seed=0)
+
+    def evaluate(self, params: Any, batches: list[dict[str, np.ndarray]]) -> dict[str, float]:
+        """The loss of held-out `batches` (no update): `val_loss`, and for a loss of two
+        terms (BERT) the first, `val_mlm_loss`; each the mean over the batches."""
+        if self._eval is None:
+
+            def terms(p: Any, batch: dict) -> tuple[jax.Array, ...]:
+                with activation_rules(self.mesh, self.rules):
+                    sums = self.model.forward_sums(p, batch)
+                counts = self.model.loss_counts(batch)
+                return tuple(s / c for s, c in zip(sums, counts, strict=True))
+
+            self._eval = jax.jit(terms)
+        per_batch = [[float(t) for t in self._eval(params, self.put_batch(b))] for b in batches]
+        means = np.mean(per_batch, axis=0)
+        out = {"val_loss": float(means.sum())}
+        if len(means) == 2:
+            out["val_mlm_loss"] = float(means[0])
+        return out
 
     def sparse_counts(self, opt_state: Any) -> dict[str, float]:
         """`density` (non-zero / all weights of the sparse kernels) and `zero_weights`,

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from shardemu.accounting import flops
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
-from shardemu.data import SyntheticCorpus
+from shardemu.data import make_corpus
 from shardemu.errors import CheckpointError, NonFiniteError, RunInterrupted
 from shardemu.models import Model, param_bytes, param_count
 from shardemu.parallel.mesh import mesh_from, parallelism_of
@@ -37,9 +37,11 @@ from shardemu.report.views import write_views
 from shardemu.training.checkpoint import Checkpoints
 from shardemu.training.engine import Engine, PhasedEngine, PipelinedEngine, ResidentEngine
 from shardemu.training.faults import StopSignals, check_finite
-from shardemu.training.loop import TrainLoop
+from shardemu.training.loop import StepInfo, TrainLoop
 from shardemu.training.optim import learning_rate_at
 from shardemu.training.resident import Trainer
+
+EVAL_BATCHES = 4  # held-out batches of the run's batch size, the same at every evaluation
 
 # the files a run hands its trackers as artifacts, when it wrote them
 RUN_FILES = ("config.json", "ledger.json", "summary.md", "trace.json", "timeline.png")
@@ -65,6 +67,7 @@ def train(
     checkpoint_every: int | None = None,
     resume: str | Path | None = None,
     tracking: TrackingConfig | None = None,
+    eval_every: int | None = None,
 ) -> RunResult:
     """Train `model_cfg` on a `par` mesh for `train_cfg.steps` steps and record the run:
     resident (one compiled step), pipelined (pipe > 1 or microbatches > 1: the schedule
@@ -87,10 +90,17 @@ def train(
         )
     if tracking is not None:
         tracking.check_installed()
+    if eval_every is not None and eval_every < 1:
+        raise ConfigError(f"--eval-every must be a positive number of steps, got {eval_every}")
     _check_host_memory(model_cfg, train_cfg)
     mesh = mesh_from(par, devices)
     model = Model(model_cfg)
     engine = _engine(model, mesh, train_cfg, phased, rules)
+    if eval_every is not None and not hasattr(engine, "evaluate"):
+        raise ConfigError(
+            f"--eval-every evaluates on the resident engine for now; the {engine.name} "
+            f"engine has no held-out loss yet (drop --eval-every)"
+        )
     phase_plan = engine.trainer.plan() if phased else None  # one abstract step
     sizes = {"param_count": param_count(model.abstract_params()[0]), **engine.sizes()}
     config = _config(model, engine, mesh, train_cfg, phased, phase_plan, sizes, rules)
@@ -124,6 +134,7 @@ def train(
                 {
                     **config,
                     "checkpoint_every": checkpoint_every,
+                    "eval_every": eval_every,
                     "hardware": hardware.name if hardware is not None else None,
                     "tracking": dataclasses.asdict(tracking or TrackingConfig()),
                     **resumed,
@@ -143,7 +154,7 @@ def train(
                 predictor = functools.partial(
                     _predict, engine, phase_plan, hardware, par, tokens=train_cfg.tokens
                 )
-            loop = _loop(model, engine, par, train_cfg, predictor)
+            loop = _loop(model, engine, par, train_cfg, predictor, eval_every)
             loop.add_hook(lambda info: trackers.log(info.record, info.step))
             loop.add_hook(lambda info: check_finite(info.record, train_cfg.learning_rate))
             if on_step is not None:
@@ -214,12 +225,14 @@ def _read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
 def _loop(
     model: Model, engine: Engine, par: Parallelism, train_cfg: TrainConfig,
     predictor: Callable[[int], tuple[Timeline, dict[str, Any]]] | None,
+    eval_every: int | None = None,
 ) -> TrainLoop:  # fmt: skip
-    """The training loop over the synthetic corpus (step k trains on batch k). A step's
-    record carries, besides the engine's counts: the learning rate it applied, tokens
-    and sequences per second, the device tier's high-water mark and, with a
-    `predictor`, the step's predicted time on the hardware."""
-    corpus = SyntheticCorpus(model.cfg.vocab_size, seed=train_cfg.seed)
+    """The training loop over the run's corpus (`--data`; step k trains on batch k). A
+    step's record carries, besides the engine's counts: the learning rate it applied,
+    tokens and sequences per second, the device tier's high-water mark, with a
+    `predictor` the step's predicted time on the hardware, and every `eval_every` steps
+    and after the last, the loss of `EVAL_BATCHES` held-out batches (`val_loss`)."""
+    corpus = make_corpus(train_cfg.data, model.cfg.vocab_size, train_cfg.seed)
     schedule = make_schedule(
         train_cfg.schedule, par.pipe, train_cfg.microbatches, train_cfg.virtual
     )
@@ -230,7 +243,8 @@ def _loop(
         "model_flops_analytic": flops.training_step(model.cfg, train_cfg.batch, train_cfg.seq),
     }
 
-    def rates(record: dict[str, Any]) -> dict[str, Any]:
+    def rates(info: StepInfo) -> dict[str, Any]:
+        record = info.record
         seconds = record["step_time_s"]
         return {
             "learning_rate": learning_rate_at(train_cfg, record["step"]),
@@ -239,15 +253,30 @@ def _loop(
             "device_high_water_bytes": engine.device_bytes(),
         }
 
-    def predicted(record: dict[str, Any]) -> dict[str, Any]:
-        return {"predicted_step_s": predictor(record["step"])[1]["step_time_s"]}
+    def predicted(info: StepInfo) -> dict[str, Any]:
+        return {"predicted_step_s": predictor(info.step)[1]["step_time_s"]}
 
+    held_out: list[dict[str, Any]] = []
+
+    def validation(info: StepInfo) -> dict[str, Any]:
+        if (info.step + 1) % eval_every and info.step != train_cfg.steps - 1:
+            return {}
+        if not held_out:
+            val = make_corpus(train_cfg.data, model.cfg.vocab_size, train_cfg.seed, "validation")
+            held_out.extend(
+                model.batch(val, i, train_cfg.batch, train_cfg.seq) for i in range(EVAL_BATCHES)
+            )
+        return engine.evaluate(info.result.state, held_out)
+
+    derive = [rates]
+    if predictor is not None:
+        derive.append(predicted)
+    if eval_every is not None:
+        derive.append(validation)
     return TrainLoop(
-        engine,
-        lambda step: model.batch(corpus, step, train_cfg.batch, train_cfg.seq),
-        static,
-        [rates] if predictor is None else [rates, predicted],
-    )
+        engine, lambda step: model.batch(corpus, step, train_cfg.batch, train_cfg.seq), static,
+        derive,
+    )  # fmt: skip
 
 
 def _resume_hint(signum: int, run_path: Path, done: int, checkpointed: bool) -> str:
@@ -270,6 +299,7 @@ class RunSettings(NamedTuple):
     rules: Rules
     checkpoint_every: int | None
     tracking: TrackingConfig | None
+    eval_every: int | None
 
 
 def resume_settings(run_dir: str | Path) -> RunSettings:
@@ -294,6 +324,7 @@ def resume_settings(run_dir: str | Path) -> RunSettings:
         rules,
         cfg.get("checkpoint_every"),
         TrackingConfig(**tracking) if tracking and any(tracking.values()) else None,
+        cfg.get("eval_every"),
     )
 
 
@@ -360,6 +391,7 @@ def _summary(
 ) -> dict[str, Any]:  # fmt: skip
     """The table printed at the end (and summary.md)."""
     median_s = statistics.median(r["step_time_s"] for r in records)
+    evaluated = [r["val_loss"] for r in records if "val_loss" in r]
     return {
         "model": model_cfg.name,
         "mesh": str(par),
@@ -374,6 +406,7 @@ def _summary(
         "bubble_fraction": records[0]["bubble_fraction"],
         "first_loss": records[0]["loss"],
         "final_loss": records[-1]["loss"],
+        **({"final_val_loss": evaluated[-1]} if evaluated else {}),
         "compile_s": compile_s,
         "median_step_s": median_s,
         "tokens_per_s": train_cfg.tokens / median_s,
