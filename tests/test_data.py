@@ -47,3 +47,36 @@ def test_bert_pairs_have_structure_and_padding():
     assert (att == 0).any()  # lengths vary: the padding mask is exercised
     assert ((seg == 1) <= (att == 1)).all()
     assert 0.3 < batch["next_sentence"].mean() < 0.7
+
+
+def test_validation_split_is_other_draws_of_the_same_corpus():
+    val = SyntheticCorpus(512, seed=3, split="validation")
+    assert not np.array_equal(
+        val.gpt_batch(0, 4, 32)["tokens"], corpus.gpt_batch(0, 4, 32)["tokens"]
+    )
+    np.testing.assert_array_equal(val.succ, corpus.succ)  # the same chains
+
+
+def test_stdlib_corpus_is_the_standard_library_as_bytes_with_files_held_out():
+    import sysconfig
+    from pathlib import Path
+
+    from shardemu.data import StdlibCorpus, stdlib_text
+
+    train, val = stdlib_text("train"), stdlib_text("validation")
+    assert len(val) > 100_000 and 0.03 < len(val) / (len(train) + len(val)) < 0.2
+    # a file of the library is in exactly one split
+    source = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_bytes()
+    in_train, in_val = source in train.tobytes(), source in val.tobytes()
+    assert in_train != in_val
+    stdlib = StdlibCorpus(512, seed=0)
+    batch = stdlib.gpt_batch(7, 4, 64)
+    np.testing.assert_array_equal(
+        batch["tokens"], StdlibCorpus(512, seed=0).gpt_batch(7, 4, 64)["tokens"]
+    )
+    np.testing.assert_array_equal(batch["tokens"][:, 1:], batch["targets"][:, :-1])
+    assert batch["tokens"].min() >= FIRST_WORD and batch["tokens"].max() < FIRST_WORD + 256
+    text = bytes((batch["tokens"][0] - FIRST_WORD).astype(np.uint8))
+    assert text in train.tobytes()  # a span of the training text
+    pairs = stdlib.bert_batch(0, 8, 64)
+    assert (pairs["tokens"][:, 0] == CLS).all() and pairs["mlm_weights"].sum() > 0

@@ -3,6 +3,7 @@ hand count (the pruned blocks are the smallest by L1 norm, the non-zero count is
 unchanged, regrown moments are zero), and a sharded sparse run against one device
 (same masks, same losses, zeros exactly zero, FLOPs by the analytic count)."""
 
+import json
 import math
 
 import jax
@@ -15,6 +16,7 @@ from cli_helpers import shardemu
 from shardemu import Model, Parallelism, SyntheticCorpus, TrainConfig, get_preset
 from shardemu.config import SparsityConfig
 from shardemu.parallel.mesh import mesh_from
+from shardemu.report.rundir import read_metrics
 from shardemu.sparsity import apply_masks, densities, sparse_leaves, wrap_optax
 from shardemu.sparsity.masks import block_mask, block_norms, matrix_shape
 from shardemu.sparsity.wrapper import _updated
@@ -101,8 +103,9 @@ def test_wrapped_updates_keep_zeros_and_zero_the_regrown_moments():
     state = tx.init(params)
     params = apply_masks(params, state.masks)
     grads = jax.tree.map(jnp.ones_like, params)
+    update = jax.jit(tx.update)
     for _ in range(2):  # step 0 trains; step 1 updates the pattern first (every 2 // 2 steps)
-        updates, new_state = tx.update(grads, state, params)
+        updates, new_state = update(grads, state, params)
         params = optax.apply_updates(params, updates)
         regrown = jax.tree.map(lambda n, o: n & ~o, new_state.masks, state.masks)
         for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(new_state.masks), strict=True):
@@ -135,6 +138,12 @@ def test_sharded_dynamic_sparse_run_equals_one_device():
                 assert bool(jnp.all(jnp.where(m, True, p == 0)))
             steps.append((out.loss, out.counts, jax.tree.map(np.asarray, opt.masks)))
         runs[name] = steps
+        # the held-out loss against the model's own loss of the same parameters
+        val = SyntheticCorpus(GPT.cfg.vocab_size, seed=0, split="validation")
+        held_out = [GPT.batch(val, i, cfg.batch, cfg.seq) for i in range(2)]
+        evaluated = engine.evaluate(state, held_out)["val_loss"]
+        direct = [float(jax.jit(GPT.loss)(jax.device_get(params), b)) for b in held_out]
+        assert evaluated == pytest.approx(np.mean(direct), rel=1e-5)
     patterns = [jax.tree.leaves(s[2]) for s in runs["one"]]
     assert any((a != b).any() for a, b in zip(patterns[0], patterns[-1], strict=True))
     for (loss_a, counts_a, masks_a), (loss_b, counts_b, masks_b) in zip(
@@ -171,3 +180,22 @@ def test_bad_sparsity_is_one_clear_error(extra, message, tmp_path):
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert message in lines[0], lines[0]
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_a_sparse_run_on_the_standard_library_logs_density_and_held_out_loss(tmp_path):
+    out = tmp_path / "run"
+    result = shardemu(
+        "run", "--model", "gpt-tiny", "--steps", "2", "--batch", "4", "--seq", "16",
+        "--data", "stdlib", "--eval-every", "1", "--sparsity", "0.9", "--block", "4",
+        "--sparse-mode", "dynamic", "--sparse-updates", "1", "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    records = read_metrics(out)
+    assert [r["density"] for r in records] == [records[0]["density"]] * 2
+    assert 0.09 < records[0]["density"] < 0.11
+    assert all(r["model_flops_sparse"] < 0.5 * r["model_flops"] for r in records)
+    assert all(0 < r["val_loss"] < 2 * math.log(512) for r in records)
+    config = json.loads((out / "config.json").read_text())
+    assert config["train"]["data"] == "stdlib" and config["train"]["sparsity"]["block"] == 4
+    assert f"| final_val_loss | {records[-1]['val_loss']:.6g} |" in (out / "summary.md").read_text()
