@@ -20,10 +20,11 @@ from shardemu.config import (
     PRESETS,
     ModelConfig,
     Parallelism,
+    SparsityConfig,
     TrainConfig,
     get_preset,
 )
-from shardemu.data import SyntheticCorpus
+from shardemu.data import StdlibCorpus, SyntheticCorpus
 from shardemu.devices import use_virtual_devices
 from shardemu.errors import (
     CapacityError,
@@ -51,6 +52,7 @@ from shardemu.parallel.rules import (
 from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.report.describe import describe
 from shardemu.report.trackers import Tracker, Trackers, TrackingConfig
+from shardemu.sparsity import SparseState, wrap_optax
 from shardemu.training.engine import (
     Engine,
     PhasedEngine,
@@ -78,6 +80,8 @@ __all__ = [
     "RunInterrupted",
     "RunResult",
     "RunSettings",
+    "SparseState",
+    "SparsityConfig",
     "Tracker",
     "Trackers",
     "TrackingConfig",
@@ -93,6 +97,7 @@ __all__ = [
     "CheckpointError",
     "HardwareError",
     "RunDirError",
+    "StdlibCorpus",
     "SyntheticCorpus",
     "TrainConfig",
     "PipelinedEngine",
@@ -114,5 +119,6 @@ __all__ = [
     "resume_settings",
     "train",
     "use_virtual_devices",
+    "wrap_optax",
     "__version__",
 ]
