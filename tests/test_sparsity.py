@@ -185,17 +185,18 @@ def test_bad_sparsity_is_one_clear_error(extra, message, tmp_path):
 @pytest.mark.slow
 def test_a_sparse_run_on_the_standard_library_logs_density_and_held_out_loss(tmp_path):
     out = tmp_path / "run"
+    # the settings of the one-device run above, so its compiled step is reused
     result = shardemu(
-        "run", "--model", "gpt-tiny", "--steps", "2", "--batch", "4", "--seq", "16",
-        "--data", "stdlib", "--eval-every", "1", "--sparsity", "0.9", "--block", "4",
-        "--sparse-mode", "dynamic", "--sparse-updates", "1", "--out", str(out),
+        "run", "--model", "gpt-tiny", "--steps", "4", "--batch", "8", "--seq", "16",
+        "--data", "stdlib", "--eval-every", "2", "--sparsity", "0.75", "--block", "8",
+        "--sparse-mode", "dynamic", "--sparse-updates", "3", "--out", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     records = read_metrics(out)
-    assert [r["density"] for r in records] == [records[0]["density"]] * 2
-    assert 0.09 < records[0]["density"] < 0.11
-    assert all(r["model_flops_sparse"] < 0.5 * r["model_flops"] for r in records)
-    assert all(0 < r["val_loss"] < 2 * math.log(512) for r in records)
+    assert [r["density"] for r in records] == [0.25] * 4
+    assert all(r["model_flops"] - r["model_flops_sparse"] == REMOVED * 128 for r in records)
+    evaluated = [r["step"] for r in records if "val_loss" in r]
+    assert evaluated == [1, 3] and all(0 < r["val_loss"] < 2 * math.log(512) for r in records[1::2])
     config = json.loads((out / "config.json").read_text())
-    assert config["train"]["data"] == "stdlib" and config["train"]["sparsity"]["block"] == 4
+    assert config["train"]["data"] == "stdlib" and config["train"]["sparsity"]["block"] == 8
     assert f"| final_val_loss | {records[-1]['val_loss']:.6g} |" in (out / "summary.md").read_text()

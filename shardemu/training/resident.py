@@ -197,10 +197,12 @@ class Trainer:
     def _program_settings(self) -> TrainConfig:
         """The settings the step's program depends on: not the step count or the seed,
         so runs that differ only in those (a sweep over seeds, a resumed run) share one
-        compilation and one count. (A sparse step's pattern updates depend on both.)"""
+        compilation and one count; nor the corpus its batches come from. (A sparse
+        step's pattern updates depend on the step count and the seed.)"""
+        program = dataclasses.replace(self.train, data="synthetic")  # batches are inputs
         if self.train.sparsity is not None:
-            return self.train
-        return dataclasses.replace(self.train, steps=1, seed=0)
+            return program
+        return dataclasses.replace(program, steps=1, seed=0)
 
     def evaluate(self, params: Any, batches: list[dict[str, np.ndarray]]) -> dict[str, float]:
         """The loss of held-out `batches` (no update): `val_loss`, and for a loss of two
