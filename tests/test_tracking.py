@@ -123,6 +123,17 @@ def test_a_missing_tracker_package_names_its_extra(tmp_path, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
+def test_online_wandb_without_a_login_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_API_KEY", "")
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))  # no stored login either
+    out = shardemu(*RUN, "--wandb", "--out", str(tmp_path / "run"))
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "--wandb could not start a W&B run (WANDB_MODE=online)" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_plan_writes_a_run_directory_and_logs_to_trackers(tmp_path):
     out = tmp_path / "plan"
     result = shardemu("plan", "--model", "gpt-tiny", "--mesh", "tensor=2,replica=2",

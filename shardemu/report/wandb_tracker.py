@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from shardemu.errors import ConfigError
 from shardemu.report.trackers import scalars, step_scalars
 
 
@@ -24,13 +25,20 @@ class WandbTracker:
         import wandb
 
         self._wandb = wandb
-        self.run = wandb.init(
-            project=project,
-            name=run_path.name,
-            dir=run_path,
-            mode=os.environ.get("WANDB_MODE", "offline"),
-            settings=wandb.Settings(silent=True, console="off"),
-        )
+        mode = os.environ.get("WANDB_MODE", "offline")
+        try:
+            self.run = wandb.init(
+                project=project,
+                name=run_path.name,
+                dir=run_path,
+                mode=mode,
+                settings=wandb.Settings(silent=True, console="off"),
+            )
+        except wandb.errors.Error as err:  # no login for online mode, a bad project name
+            raise ConfigError(
+                f"--wandb could not start a W&B run (WANDB_MODE={mode}): {err} "
+                f"(unset WANDB_MODE to log offline)"
+            ) from None
         self._files: list[Path] = []
 
     def log_config(self, config: dict[str, Any]) -> None:
