@@ -79,7 +79,7 @@ def test_a_dynamic_update_prunes_the_smallest_blocks_and_keeps_the_count():
     masks = tx.init(params).masks
     params = apply_masks(params, masks)
     t = 2
-    new = _updated(params, params, masks, jnp.int32(t), cfg, LOGICAL, 10, jax.random.key(0))
+    new = _updated(params, params, masks, jnp.int32(t), cfg, LOGICAL, 10, jax.random.key(0), 0)
     ratio = 0.5 * 0.5 * (1 + math.cos(math.pi * t / 10))
     for (_, p, axes), (_, m, _), (_, n, _) in zip(
         sparse_items(params), sparse_items(masks), sparse_items(new), strict=True

@@ -37,8 +37,9 @@ import numpy as np
 
 from shardemu.accounting.ledger import Phase
 from shardemu.config import PhasedConfig
+from shardemu.sparsity import SparseState
 from shardemu.stages.executor import Executor, one_layer
-from shardemu.stages.stage import Stage
+from shardemu.stages.stage import Stage, sparse_grads
 from shardemu.stages.tiers import bytes_per_device
 
 SHARED, EMBED, HEAD = Phase("shared"), Phase("embed"), Phase("head")
@@ -91,10 +92,9 @@ class Forward:
 
 def fetch_layers(ex: Executor, lay: Layout, state: PhasedState, i: int, kind: str) -> Any:
     """Phase i's stored weights, host tier -> its stage's device tier."""
-    st = lay.stage_of(i)
-    return ex.to_device(
-        st.index, f"w{i}", state.layers[i], st.layer_store, lay.phase(kind, i), "weights"
-    )
+    st, w = lay.stage_of(i), state.layers[i]
+    nbytes = st.layer_bytes(w, state.opt_layers[i])
+    return ex.to_device(st.index, f"w{i}", w, st.layer_store, lay.phase(kind, i), "weights", nbytes)
 
 
 def gather(
@@ -251,6 +251,9 @@ def backward(
         if i + 1 < n and lay.stage_of(i + 1) is not st:
             g_x = ex.send(lay.stage_of(i + 1).index, g_x, st.act, phase, "gradients")
         g_w, g_x = backward_phase(ex, lay, cfg, fwd, i, g_x, restored)
+        opt = state.opt_layers[i]
+        if isinstance(opt, SparseState):  # the masks came in as the weights' coordinates
+            g_w = sparse_grads(ex, st, phase, g_w, ex.place(opt.masks, st.on_device(opt.masks)))
         squares.append(ex.run(phase, "sq-norm", st.fn("sq-norm"), st, (g_w,)))
         grads[i] = ex.to_host(st.index, g_w, st.layer_store, phase, "gradients")
 
@@ -289,7 +292,8 @@ def update_part(
             phase, name, st.fn(name), st, (grads, opt, weights, norm_arg),
             carries="optimizer_state", on="host",
         )  # fmt: skip
-    w = ex.to_device(st.index, "update:w", weights, store, phase, "weights")
+    sized = st.layer_bytes if part == "layers" else lambda w, o: None
+    w = ex.to_device(st.index, "update:w", weights, store, phase, "weights", sized(weights, opt))
     o = ex.to_device(st.index, "update:opt", opt, opt_sh, phase, "optimizer_state")
     g = ex.to_device(st.index, "update:g", grads, store, phase, "gradients")
     new_w, new_o = ex.run(
@@ -298,7 +302,7 @@ def update_part(
     for key in ("update:w", "update:opt", "update:g"):
         ex.tiers[st.index].release(key)
     return (
-        ex.to_host(st.index, new_w, store, phase, "weights"),
+        ex.to_host(st.index, new_w, store, phase, "weights", sized(new_w, new_o)),
         ex.to_host(st.index, new_o, opt_sh, phase, "optimizer_state"),
     )
 

@@ -122,23 +122,21 @@ class PhasedTrainer:
         lay, first, key = self.layout(), self.stages[0], self.model.stack_key
         host = lambda tree, sh: jax.device_put(tree, with_memory_kind(sh, "pinned_host"))  # noqa: E731
         shared = host({k: v for k, v in params.items() if k != key}, first.shared_store)
-        layers = [
-            host(jax.tree.map(lambda w, a=a, b=b: w[a:b], params[key]), lay.stage_of(i).layer_store)
-            for i, (a, b) in enumerate(self.slices)
-        ]
-
-        def opt_init(tx, sh):
-            return jax.jit(tx.init, out_shardings=with_memory_kind(sh, "pinned_host"))
-
-        return PhasedState(
-            shared=shared,
-            layers=layers,
-            opt_shared=opt_init(self.pieces.tx_shared, first.shared_opt)(shared),
-            opt_layers=[
-                opt_init(self.pieces.tx_layers, lay.stage_of(i).layer_opt)(w)
-                for i, w in enumerate(layers)
-            ],
-        )
+        layers, opt_layers = [], []
+        for i, (a, b) in enumerate(self.slices):
+            st = lay.stage_of(i)
+            on_host = with_memory_kind((st.layer_store, st.layer_opt), "pinned_host")
+            w = jax.device_put(
+                jax.tree.map(lambda x, a=a, b=b: x[a:b], params[key]), st.layer_store
+            )
+            w, o = self.pieces.init_layers(w, a, on_host)
+            layers.append(w)
+            opt_layers.append(o)
+        opt_shared = jax.jit(
+            self.pieces.tx_shared.init,
+            out_shardings=with_memory_kind(first.shared_opt, "pinned_host"),
+        )(shared)
+        return PhasedState(shared, layers, opt_shared, opt_layers)
 
     def abstract_state(self, layout: Layout | None = None) -> PhasedState:
         """The host-tier state as shapes and shardings: abstract mode's weights."""

@@ -33,8 +33,9 @@ import numpy as np
 from shardemu.accounting.ledger import Phase
 from shardemu.parallel.schedules import Slot, programs
 from shardemu.pipelined.layout import PipelineLayout
+from shardemu.sparsity import SparseState
 from shardemu.stages.executor import Executor, one_layer
-from shardemu.stages.stage import Stage
+from shardemu.stages.stage import Stage, sparse_grads
 from shardemu.stages.tiers import bytes_per_device
 
 SHARED_BWD = Phase("shared-backward")
@@ -210,13 +211,26 @@ def run_step(
         losses += run.losses
         residual_bytes.update(run.residual_bytes)
     shared_grads = _sum_shared(ex, stages, shared_holders(lay), sums)
-    chunk_grads = [sums.trees[("layers", j)] for j in range(len(lay.slices))]
+    chunk_grads = [
+        _sparse(ex, lay, stages, j, sums.trees[("layers", j)], state.opt_chunks[j])
+        for j in range(len(lay.slices))
+    ]
     norm = _global_norm(ex, lay, stages, chunk_grads, shared_grads)
     new_state = _update(ex, lay, stages, state, chunk_grads, shared_grads, norm)
     loss = float(sum(float(x) for x in losses)) if ex.real else math.nan
     peaks = [ex.tiers[s].high_water / residual_bytes[s] / lay.virtual for s in range(lay.stages)]
     first = shared_holders(lay)[0]
     return StepOutput(new_state, chunk_grads, shared_grads[first], loss, norm, order, peaks)
+
+
+def _sparse(
+    ex: Executor, lay: PipelineLayout, stages: tuple[Stage, ...], j: int, grads: Any, opt: Any
+) -> Any:
+    """Virtual stage j's gradients, with a sparse run's zero weights' dropped."""
+    if not isinstance(opt, SparseState):
+        return grads
+    st = stages[lay.stage_of(j)]
+    return sparse_grads(ex, st, Phase("update", j, lay.slices[j]), grads, opt.masks)
 
 
 def _sum_shared(

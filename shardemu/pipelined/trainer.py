@@ -89,15 +89,16 @@ class PipelinedTrainer:
     def place(self, params: dict) -> PipelinedState:
         """Split a full parameter tree into virtual stages and put each on its stage,
         with the shared weights on the first and the last stage; fresh optimizer state."""
-        key, tx_layers = self.model.stack_key, self.pieces.tx_layers
+        key = self.model.stack_key
         shared = {k: v for k, v in params.items() if k != key}
         chunks, opt_chunks = [], []
         for j, (a, b) in enumerate(self.layout.slices):
             st = self.stage_of(j)
             layers = jax.tree.map(lambda x, a=a, b=b: x[a:b], params[key])
             w = jax.device_put(layers, st.layer_store)
+            w, o = self.pieces.init_layers(w, a, (st.layer_store, st.layer_opt))
             chunks.append(w)
-            opt_chunks.append(jax.jit(tx_layers.init, out_shardings=st.layer_opt)(w))
+            opt_chunks.append(o)
         on = {s: jax.device_put(shared, self.stages[s].shared_store) for s in self.holders}
         opt_on = {
             s: jax.jit(self.pieces.tx_shared.init, out_shardings=self.stages[s].shared_opt)(w)

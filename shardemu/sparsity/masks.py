@@ -13,6 +13,7 @@ like the kernel), constant over each block.
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Any
 
 import jax
@@ -32,9 +33,27 @@ def _names(path: tuple) -> tuple[str, ...]:
 
 
 def is_sparse(path: tuple) -> bool:
-    """A layer kernel that block sparsity applies to."""
-    names = _names(path)  # the stack (GPT's `blocks`, BERT's `layers`), module, dense, kernel
-    return len(names) == 4 and names[3] == "kernel" and names[1:3] in SPARSE_KERNELS
+    """A layer kernel that block sparsity applies to, in the whole parameter tree (the
+    path starts with the stack: GPT's `blocks`, BERT's `layers`) or in a stack of layers
+    alone (a pipeline stage's or a phase's layers): module, dense, `kernel`."""
+    names = _names(path)
+    return len(names) in (3, 4) and names[-1] == "kernel" and names[-3:-1] in SPARSE_KERNELS
+
+
+def kernel_id(path: tuple) -> int:
+    """A number that names a sparse kernel the same way in the whole tree and in a stack
+    of layers alone: random draws are keyed by it and by the layer's index in the model,
+    so a stage that holds layers 4..7 draws what the whole model draws for them."""
+    return zlib.crc32("/".join(_names(path)[-3:]).encode())
+
+
+def layer_uniform(
+    key: jax.Array, path: tuple, first_layer: jax.Array | int, layers: int, blocks: int
+) -> jax.Array:
+    """Uniform scores `(layers, blocks)` for layers `first_layer ..` of a kernel."""
+    leaf = jax.random.fold_in(key, kernel_id(path))
+    index = first_layer + jnp.arange(layers)
+    return jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(leaf, i), (blocks,)))(index)
 
 
 def split_at(logical: tuple[str, ...]) -> int:
@@ -143,21 +162,26 @@ def top_k(scores: jax.Array, k: jax.Array) -> jax.Array:
     return rank < k[:, None]
 
 
-def initial_masks(params: Any, logical: Any, cfg: SparsityConfig, key: jax.Array) -> Any:
+def initial_masks(
+    params: Any, logical: Any, cfg: SparsityConfig, key: jax.Array, first_layer: int = 0
+) -> Any:
     """A random pattern at each kernel's density (`densities`): the same number of
-    blocks kept in every layer of a stack. Dense leaves get a scalar True."""
+    blocks kept in every layer of a stack. Dense leaves get a scalar True. `params` may
+    be a stack of layers alone that starts at the model's layer `first_layer`: it gets
+    the whole model's pattern for those layers (ERK's densities do not depend on how
+    many layers a stack has: every kernel's count scales alike)."""
     density = densities(params, logical, cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     axes = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
     masks = []
-    for i, ((path, p), names) in enumerate(zip(flat, axes, strict=True)):
+    for (path, p), names in zip(flat, axes, strict=True):
         if path not in density:
             masks.append(jnp.ones((), bool))
             continue
         layers, rows, cols = matrix_shape(p.shape, names)
         blocks = (rows // cfg.block) * (cols // cfg.block)
         keep = round(density[path] * blocks)
-        scores = jax.random.uniform(jax.random.fold_in(key, i), (layers, blocks))
+        scores = layer_uniform(key, path, first_layer, layers, blocks)
         active = top_k(scores, jnp.full((layers,), keep))
         masks.append(expand(active, p.shape, names, cfg.block))
     return treedef.unflatten(masks)

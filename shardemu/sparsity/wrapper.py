@@ -25,13 +25,28 @@ import jax.numpy as jnp
 import optax
 
 from shardemu.config import SparsityConfig
-from shardemu.sparsity.masks import block_mask, block_norms, expand, initial_masks, top_k
+from shardemu.sparsity.masks import (
+    block_mask,
+    block_norms,
+    expand,
+    initial_masks,
+    layer_uniform,
+    top_k,
+)
 
 
 class SparseState(NamedTuple):
     inner: optax.OptState
     masks: Any  # a bool array per sparse kernel, shaped like it; a scalar True elsewhere
     count: jax.Array  # steps done
+    first_layer: jax.Array  # the model's index of the first layer these masks cover
+
+
+class SparseTransformation(optax.GradientTransformation):
+    """`wrap_optax`'s result: a `GradientTransformation` that names the one it wraps
+    (`inner`), since optax's `tree_map_params` cannot see through the wrapper."""
+
+    inner: optax.GradientTransformation
 
 
 def update_interval(cfg: SparsityConfig, steps: int) -> int:
@@ -40,7 +55,7 @@ def update_interval(cfg: SparsityConfig, steps: int) -> int:
 
 def wrap_optax(
     tx: optax.GradientTransformation, cfg: SparsityConfig, logical: Any, steps: int, seed: int
-) -> optax.GradientTransformation:
+) -> SparseTransformation:
     """`tx` on the non-zero weights only. `logical` names the parameters' axes (it
     finds the sparse kernels and their matrix view); `steps` is the run's length (the
     update schedule); `seed` draws the initial pattern and random regrowth."""
@@ -48,8 +63,7 @@ def wrap_optax(
     interval = update_interval(cfg, steps)
 
     def init(params: Any) -> SparseState:
-        masks = initial_masks(params, logical, cfg, jax.random.fold_in(key, 0))
-        return SparseState(tx.init(params), masks, jnp.zeros([], jnp.int32))
+        return init_state(tx, params, cfg, logical, seed)
 
     def update(grads: Any, state: SparseState, params: Any = None) -> tuple[Any, SparseState]:
         if params is None:
@@ -59,9 +73,11 @@ def wrap_optax(
         if cfg.mode == "dynamic":
             t = state.count
             due = (t > 0) & (t % interval == 0) & (t // interval <= cfg.updates)
+            first = state.first_layer
             new = jax.lax.cond(
-                due, lambda: _updated(params, grads, old, t, cfg, logical, steps, key), lambda: old
-            )
+                due, lambda: _updated(params, grads, old, t, cfg, logical, steps, key, first),
+                lambda: old,
+            )  # fmt: skip
             regrown = jax.tree.map(lambda n, o: n & ~o, new, old)
             inner = optax.tree_map_params(
                 tx, lambda v, r: jnp.where(r, jnp.zeros_like(v), v), inner, regrown,
@@ -74,22 +90,38 @@ def wrap_optax(
         # stays at) exactly zero: p + (-p) == 0
         keep = jax.tree.map(lambda n, o: n & o, new, old)
         updates = jax.tree.map(lambda u, p, k: jnp.where(k, u, -p), updates, params, keep)
-        return updates, SparseState(inner, new, state.count + 1)
+        return updates, state._replace(inner=inner, masks=new, count=state.count + 1)
 
-    return optax.GradientTransformation(init, update)
+    wrapped = SparseTransformation(init, update)
+    wrapped.inner = tx
+    return wrapped
+
+
+def init_state(
+    tx: optax.GradientTransformation, params: Any, cfg: SparsityConfig, logical: Any,
+    seed: int, first_layer: int = 0,
+) -> SparseState:  # fmt: skip
+    """`wrap_optax(tx, ...)`'s fresh state; of a stack of layers alone that starts at
+    the model's layer `first_layer` (a pipeline stage's or a phase's), the state the
+    whole model's has for those layers: the same masks, and the same regrowth draws."""
+    key = jax.random.fold_in(jax.random.key(seed), 0)
+    masks = initial_masks(params, logical, cfg, key, first_layer)
+    return SparseState(
+        tx.init(params), masks, jnp.zeros([], jnp.int32), jnp.asarray(first_layer, jnp.int32)
+    )
 
 
 def _updated(
     params: Any, grads: Any, masks: Any, t: jax.Array, cfg: SparsityConfig, logical: Any,
-    steps: int, key: jax.Array,
+    steps: int, key: jax.Array, first_layer: jax.Array,
 ) -> Any:  # fmt: skip
     """The masks after one prune-and-regrow at step `t`."""
     ratio = cfg.prune_ratio * 0.5 * (1 + jnp.cos(math.pi * t / steps))
     axes = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
-    flat_p, treedef = jax.tree.flatten(params)
+    flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
     flat_g, flat_m = jax.tree.leaves(grads), jax.tree.leaves(masks)
     out = []
-    for i, (p, g, m, names) in enumerate(zip(flat_p, flat_g, flat_m, axes, strict=True)):
+    for (path, p), g, m, names in zip(flat_p, flat_g, flat_m, axes, strict=True):
         if m.ndim == 0:  # a dense leaf
             out.append(m)
             continue
@@ -100,9 +132,8 @@ def _updated(
         if cfg.regrow == "gradient":
             score = block_norms(g, names, cfg.block)
         else:
-            score = jax.random.uniform(
-                jax.random.fold_in(jax.random.fold_in(key, t), i), active.shape
-            )
+            draws = jax.random.fold_in(key, 1 + t)  # 0 drew the initial pattern
+            score = layer_uniform(draws, path, first_layer, *active.shape)
         grow = ~active & top_k(jnp.where(active, -jnp.inf, score), k)
         out.append(expand((active & ~prune) | grow, p.shape, names, cfg.block))
     return treedef.unflatten(out)

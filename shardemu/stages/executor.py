@@ -52,23 +52,30 @@ class Executor:
     # ---- transfers -----------------------------------------------------------------------
 
     def to_device(
-        self, stage: int, key: str, tree: Any, shardings: Any, phase: Phase, carries: Carries
-    ) -> Any:
-        """Host tier -> device tier of `stage`, which admits `key` (or refuses)."""
-        out = self._place(tree, with_memory_kind(shardings, "device"))
+        self, stage: int, key: str, tree: Any, shardings: Any, phase: Phase, carries: Carries,
+        nbytes: int | None = None,
+    ) -> Any:  # fmt: skip
+        """Host tier -> device tier of `stage`, which admits `key` (or refuses).
+        `nbytes`: what the transfer moves over all devices when the host tier stores
+        `tree` in a layout of its own (sparse weights, `sparsity/storage.py`); by
+        default the arrays' bytes."""
+        out = self.place(tree, with_memory_kind(shardings, "device"))
         self.tiers[stage].admit(key, bytes_per_device(out), phase)
-        self._record_transfer(phase, "h2d", carries, out, stage)
+        self._record_transfer(phase, "h2d", carries, out, stage, nbytes)
         return out
 
-    def to_host(self, stage: int, tree: Any, shardings: Any, phase: Phase, carries: Carries) -> Any:
-        """Device tier of `stage` -> host tier."""
-        out = self._place(tree, with_memory_kind(shardings, "pinned_host"))
-        self._record_transfer(phase, "d2h", carries, out, stage)
+    def to_host(
+        self, stage: int, tree: Any, shardings: Any, phase: Phase, carries: Carries,
+        nbytes: int | None = None,
+    ) -> Any:  # fmt: skip
+        """Device tier of `stage` -> host tier (`nbytes` as in `to_device`)."""
+        out = self.place(tree, with_memory_kind(shardings, "pinned_host"))
+        self._record_transfer(phase, "d2h", carries, out, stage, nbytes)
         return out
 
     def send(self, stage: int, tree: Any, shardings: Any, phase: Phase, carries: Carries) -> Any:
         """Device to device across pipeline stages: a point-to-point transfer over `pipe`."""
-        out = self._place(tree, shardings)
+        out = self.place(tree, shardings)
         self.ledger.record(
             Event(
                 self.step, phase, "collective", carries, bytes_all_devices(out),
@@ -86,7 +93,7 @@ class Executor:
         between two stages (the tied embedding's gradient halves, as Megatron-LM sums
         them), one event recorded on `stage`. `to_b`, `to_a`: the shardings on the
         receiving stage. Returns (b's tree on a, a's tree on b)."""
-        at_b, at_a = self._place(tree_a, to_b), self._place(tree_b, to_a)
+        at_b, at_a = self.place(tree_a, to_b), self.place(tree_b, to_a)
         self.ledger.record(
             Event(
                 self.step, phase, "collective", carries,
@@ -97,7 +104,9 @@ class Executor:
         )  # fmt: skip
         return at_a, at_b
 
-    def _place(self, tree: Any, shardings: Any) -> Any:
+    def place(self, tree: Any, shardings: Any) -> Any:
+        """`tree` in `shardings`, recording nothing: for what a counted transfer already
+        carried in another form (a sparse weight's mask, as its block coordinates)."""
         if self.real:
             return jax.device_put(tree, shardings)
         return jax.tree.map(
@@ -105,14 +114,13 @@ class Executor:
         )
 
     def _record_transfer(
-        self, phase: Phase, kind: str, carries: Carries, tree: Any, stage: int
-    ) -> None:
+        self, phase: Phase, kind: str, carries: Carries, tree: Any, stage: int,
+        nbytes: int | None,
+    ) -> None:  # fmt: skip
+        moved = bytes_all_devices(tree) if nbytes is None else nbytes
         self.ledger.record(
-            Event(
-                self.step, phase, kind, carries, bytes_all_devices(tree), devices=_devices(tree),
-                stage=stage,
-            )
-        )  # fmt: skip
+            Event(self.step, phase, kind, carries, moved, devices=_devices(tree), stage=stage)
+        )
 
     # ---- computations --------------------------------------------------------------------
 

@@ -22,9 +22,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from shardemu.accounting.ledger import Phase
 from shardemu.config import ModelConfig, PhasedConfig, TrainConfig
 from shardemu.models import Model, normalise
 from shardemu.parallel.rules import Rules, activation_rules, logical_to_spec, resolve_specs
+from shardemu.sparsity import apply_masks, init_state, opt_state_shardings, sparse_optimizer
+from shardemu.sparsity.storage import compressed_bytes
 from shardemu.stages.tiers import with_memory_kind
 from shardemu.training.optim import clip_by_norm, make_optimizer
 
@@ -146,8 +149,10 @@ class Stage:
         self, index: int, mesh: Mesh, specs: Specs, rules: Rules, model: Model,
         train: TrainConfig, tx_layers: optax.GradientTransformation,
         tx_shared: optax.GradientTransformation, opt_layer_shapes: Any, opt_shared_shapes: Any,
+        layer_logical: Any,
     ) -> None:  # fmt: skip
         self.index, self.mesh, self.rules, self.model, self.train = index, mesh, rules, model, train
+        self.layer_logical = layer_logical
         named = lambda tree: jax.tree.map(  # noqa: E731
             lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
         )
@@ -170,12 +175,22 @@ class Stage:
 
     def _opt(self, tx: optax.GradientTransformation, state_shapes: Any, shardings: Any) -> Any:
         """Shardings of `tx`'s state: like its parameters; scalars replicated."""
-        return optax.tree_map_params(
-            tx,
-            lambda _, s: s,
-            state_shapes,
-            shardings,
-            transform_non_params=lambda _: self.replicated,
+        return opt_state_shardings(tx, state_shapes, shardings, self.replicated)
+
+    def layer_bytes(self, weights: Any, opt_state: Any) -> int | None:
+        """Bytes over all devices that streaming `weights` (a stack of layers, placed)
+        moves: a sparse run's compressed layout (`sparsity/storage.py`), read from the
+        masks in `opt_state`; None for a dense run (the arrays' own bytes)."""
+        sparse = self.train.sparsity
+        if sparse is None:
+            return None
+        return compressed_bytes(weights, opt_state.masks, self.layer_logical, sparse)
+
+    def on_device(self, masks: Any) -> Any:
+        """Where a stack of layers' masks sit on the devices: like the stored weights
+        (a dense leaf's scalar mask replicated), to drop its zero weights' gradients."""
+        return jax.tree.map(
+            lambda m, sh: self.replicated if m.ndim == 0 else sh, masks, self.layer_store
         )
 
     def fn(self, name: str) -> Any:
@@ -221,6 +236,7 @@ class Stage:
                 out_shardings=(self.replicated, (self.shared_store, self.act)),
             ),
             "add": lambda: jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b)),
+            "sparse-grads": lambda: jax.jit(apply_masks, out_shardings=self.layer_store),
             "sq-norm": lambda: jax.jit(lambda g: optax.tree.norm(g, squared=True)),
         }
         for part in ("layers", "shared"):
@@ -237,6 +253,13 @@ class Stage:
         clip = self.train.grad_clip
 
         def update(grads: Any, opt_state: Any, weights: Any, norm: jax.Array) -> Any:
+            if kind == "pinned_host" and self.train.sparsity is not None:
+                # the mask update mixes reductions and selects, which JAX will not
+                # compile over host-memory operands: work on device-memory views (on
+                # the CPU backend, the same RAM), and leave the results on the host
+                grads, opt_state, weights, norm = jax.device_put(
+                    (grads, opt_state, weights, norm), jax.memory.Space.Device
+                )
             updates, opt_state = tx.update(clip_by_norm(grads, norm, clip), opt_state, weights)
             return optax.apply_updates(weights, updates), opt_state
 
@@ -248,13 +271,33 @@ class Stage:
 class Pieces:
     """The stages of a phased (or counted) run and what they share: the optimizers of a
     phase's layers and of the shared weights, and the abstract shapes of one layer and
-    of the shared weights."""
+    of the shared weights. With `train.sparsity`, the layers' optimizer is
+    `wrap_optax`'s: its state holds the masks (`sparsity/`)."""
 
     stages: tuple[Stage, ...]
     tx_layers: optax.GradientTransformation
     tx_shared: optax.GradientTransformation
     layer_shape_one: Any  # one layer's parameters, [1, ...]
     shared_shapes: Any  # embedding and head parameters
+    layer_logical: Any  # the layers' logical axes
+    train: TrainConfig
+
+    def init_layers(self, weights: Any, first_layer: int, shardings: tuple[Any, Any]) -> Any:
+        """(weights, fresh optimizer state) of a stack of layers (on the devices) that
+        starts at the model's layer `first_layer`, placed in `shardings`. A sparse run's state holds
+        the whole model's masks for those layers, and its weights have their zeros."""
+        sparse = self.train.sparsity
+        if sparse is None:
+            opt = jax.jit(self.tx_layers.init, out_shardings=shardings[1])(weights)
+            return jax.device_put(weights, shardings[0]), opt
+
+        def init(w: Any, first: jax.Array) -> Any:
+            state = init_state(
+                self.tx_layers.inner, w, sparse, self.layer_logical, self.train.seed, first
+            )
+            return apply_masks(w, state.masks), state
+
+        return jax.jit(init, out_shardings=shardings)(weights, jnp.int32(first_layer))
 
 
 def build_stages(
@@ -283,14 +326,17 @@ def _stages(
         resolve_specs(one, logical[key], rules, sizes), one,
         resolve_specs(shared, shared_logical, rules, sizes), shared, rules, sizes, cfg, model,
     )  # fmt: skip
-    tx_layers = make_optimizer(train, one, logical[key], clip=False)
+    tx_layers = sparse_optimizer(
+        make_optimizer(train, one, logical[key], clip=False), train, one, logical[key],
+        specs.layer_store, sizes,
+    )  # fmt: skip
     tx_shared = make_optimizer(train, shared, shared_logical, clip=False)
     opt_shapes = (jax.eval_shape(tx_layers.init, one), jax.eval_shape(tx_shared.init, shared))
     stages = tuple(
-        Stage(s, m, specs, rules, model, train, tx_layers, tx_shared, *opt_shapes)
+        Stage(s, m, specs, rules, model, train, tx_layers, tx_shared, *opt_shapes, logical[key])
         for s, m in enumerate(meshes)
     )
-    return Pieces(stages, tx_layers, tx_shared, one, shared)
+    return Pieces(stages, tx_layers, tx_shared, one, shared, logical[key], train)
 
 
 def init_params(model: Model, stage: Stage, seed: int) -> Any:
@@ -299,3 +345,10 @@ def init_params(model: Model, stage: Stage, seed: int) -> Any:
     init, for an engine to place where it keeps them."""
     shardings = {**stage.shared_store, model.stack_key: stage.layer_store}
     return jax.jit(model.init_params, out_shardings=shardings)(jax.random.key(seed))
+
+
+def sparse_grads(ex: Any, st: Stage, phase: Phase, grads: Any, masks: Any) -> Any:
+    """A sparse model's gradients of a stack of layers: its zero weights' dropped, so
+    that the norm that clips them (and is reported) is the sparse model's, as in the
+    resident engine. `masks` on the devices of `st` (`Stage.on_device`)."""
+    return ex.run(phase, "sparse-grads", st.fn("sparse-grads"), st, (grads, masks))

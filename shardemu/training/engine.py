@@ -22,6 +22,7 @@ from shardemu.accounting.count import PROCESS_COUNTER
 from shardemu.accounting.ledger import Event, Ledger
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.trainer import PipelinedTrainer
+from shardemu.sparsity import sparse_counts
 from shardemu.stages.stage import init_params
 from shardemu.stages.tiers import bytes_per_device
 from shardemu.training.resident import Trainer
@@ -66,11 +67,15 @@ def step_counts(ledger: Ledger, step: int) -> dict[str, Any]:
     return {**counts, "pipe_bytes": counts["bytes_collective"].get("pipe", 0)}
 
 
-def sparse_flops(counts: dict[str, Any], sparse: dict[str, float], tokens: int) -> dict[str, Any]:
-    """`density` and `model_flops_sparse`: XLA counts a masked matmul as dense, so the
-    model FLOPs less what the zero weights would not cost in a sparse kernel: 2 FLOPs per
-    weight per token in each of the forward, data-gradient and weight-gradient matmuls,
-    all three scaled by density (Dietrich et al. 2021, appendix A.2)."""
+def sparse_fields(counts: dict[str, Any], opt_states: list[Any], tokens: int) -> dict[str, Any]:
+    """A sparse run's `density` and `model_flops_sparse` (nothing for a dense run): XLA
+    counts a masked matmul as dense, so the model FLOPs less what the zero weights would
+    not cost in a sparse kernel: 2 FLOPs per weight per token in each of the forward,
+    data-gradient and weight-gradient matmuls, all three scaled by density (Dietrich et
+    al. 2021, appendix A.2). `opt_states`: those that hold the masks."""
+    sparse = sparse_counts(opt_states)
+    if not sparse:
+        return {}
     return {
         "density": sparse["density"],
         "model_flops_sparse": counts["model_flops"] - 6 * tokens * sparse["zero_weights"],
@@ -100,9 +105,7 @@ class ResidentEngine:
         step, self.steps_done = self.steps_done, self.steps_done + 1
         self.ledger.events.extend(dataclasses.replace(e, step=step) for e in self._events)
         counts = step_counts(self.ledger, step)
-        sparse = self.trainer.sparse_counts(out.opt_state)
-        if sparse:
-            counts |= sparse_flops(counts, sparse, self.trainer.train.tokens)
+        counts |= sparse_fields(counts, [out.opt_state], self.trainer.train.tokens)
         return StepResult(
             (out.params, out.opt_state), float(out.loss), float(out.grad_norm), counts
         )
@@ -138,7 +141,12 @@ class _StagedEngine:
     def step(self, state: Any, batch: dict[str, np.ndarray]) -> StepResult:
         out = self.trainer.step(state, batch)
         counts = step_counts(self.ledger, self.trainer.steps_done - 1)
+        counts |= sparse_fields(counts, self.layer_opts(out.state), self.trainer.train.tokens)
         return StepResult(out.state, out.loss, out.grad_norm, counts)
+
+    def layer_opts(self, state: Any) -> list[Any]:
+        """The optimizer states of the layers, part by part (a sparse run's masks)."""
+        raise NotImplementedError
 
 
 class PipelinedEngine(_StagedEngine):
@@ -146,6 +154,9 @@ class PipelinedEngine(_StagedEngine):
 
     name = "pipelined"
     trainer: PipelinedTrainer
+
+    def layer_opts(self, state: Any) -> list[Any]:
+        return state.opt_chunks
 
     def init(self, seed: int) -> Any:
         return self.trainer.init(seed)
@@ -166,6 +177,9 @@ class PhasedEngine(_StagedEngine):
 
     name = "phased"
     trainer: PhasedTrainer
+
+    def layer_opts(self, state: Any) -> list[Any]:
+        return state.opt_layers
 
     def init(self, seed: int) -> Any:
         return self.trainer.init(init_params(self.trainer.model, self.trainer.stages[0], seed))

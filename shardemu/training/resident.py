@@ -43,10 +43,8 @@ from shardemu.parallel.rules import (
 from shardemu.sparsity import (
     SparseState,
     apply_masks,
-    check_blocks,
-    mask_counts,
     opt_state_shardings,
-    wrap_optax,
+    sparse_optimizer,
 )
 from shardemu.training.optim import make_optimizer
 
@@ -86,17 +84,14 @@ class Trainer:
         )
         self.param_shardings = named_shardings(mesh, self.param_specs)
 
-        inner = make_optimizer(train, self.param_shapes, self.param_logical)
-        self.tx, sparse = inner, train.sparsity
-        if sparse is not None:
-            check_blocks(
-                self.param_shapes, self.param_logical, self.param_specs, axis_sizes, sparse.block
-            )
-            self.tx = wrap_optax(inner, sparse, self.param_logical, train.steps, train.seed)
+        self.tx = sparse_optimizer(
+            make_optimizer(train, self.param_shapes, self.param_logical), train,
+            self.param_shapes, self.param_logical, self.param_specs, axis_sizes,
+        )  # fmt: skip
         replicated = NamedSharding(mesh, PartitionSpec())
         self.opt_shardings = opt_state_shardings(
-            inner, jax.eval_shape(self.tx.init, self.param_shapes), self.param_shardings,
-            self.param_logical, replicated,
+            self.tx, jax.eval_shape(self.tx.init, self.param_shapes), self.param_shardings,
+            replicated,
         )  # fmt: skip
         self.batch_shardings = {}
         for key, axes in model.batch_axes.items():
@@ -154,6 +149,8 @@ class Trainer:
 
     def _step_fn(self, params: Any, opt_state: Any, batch: dict, keep_grads: bool):
         loss, grads = self._grads(params, batch)
+        if isinstance(opt_state, SparseState):  # a sparse model's gradient: clipped, reported
+            grads = apply_masks(grads, opt_state.masks)
         params, opt_state = self._update(grads, opt_state, params)
         grad_norm = optax.tree.norm(grads)
         return params, opt_state, loss, grad_norm, grads if keep_grads else None
@@ -222,14 +219,6 @@ class Trainer:
         if len(means) == 2:
             out["val_mlm_loss"] = float(means[0])
         return out
-
-    def sparse_counts(self, opt_state: Any) -> dict[str, float]:
-        """`density` (non-zero / all weights of the sparse kernels) and `zero_weights`,
-        read from the masks in the optimizer state; empty for a dense run."""
-        if not isinstance(opt_state, SparseState):
-            return {}
-        nonzero, total = (int(x) for x in jax.jit(mask_counts)(opt_state.masks))
-        return {"density": nonzero / total, "zero_weights": total - nonzero}
 
     def step_events(self, counter: Counter, step: int) -> list[Event]:
         """The ledger events of one step: the gradients (forward and backward, with

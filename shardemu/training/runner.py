@@ -335,12 +335,6 @@ def _engine(
     """The engine for these settings: phased when asked, pipelined when the mesh has
     stages or the step has microbatches, else resident."""
     par = parallelism_of(mesh)
-    staged = phased is not None or par.pipe > 1 or train_cfg.microbatches > 1
-    if train_cfg.sparsity is not None and staged:
-        raise ConfigError(
-            "--sparsity runs on the resident engine for now: drop --phased, pipe > 1 and "
-            "--microbatches (sparse pipelined and phased steps are not built yet)"
-        )
     if phased:
         if train_cfg.stage_layers is not None:
             raise ConfigError(
