@@ -3,6 +3,7 @@ hand count (the pruned blocks are the smallest by L1 norm, the non-zero count is
 unchanged, regrown moments are zero), and a sharded sparse run against one device
 (same masks, same losses, zeros exactly zero, FLOPs by the analytic count)."""
 
+import dataclasses
 import json
 import math
 
@@ -14,13 +15,16 @@ import pytest
 from cli_helpers import shardemu
 
 from shardemu import Model, Parallelism, SyntheticCorpus, TrainConfig, get_preset
-from shardemu.config import SparsityConfig
+from shardemu.config import PhasedConfig, SparsityConfig
 from shardemu.parallel.mesh import mesh_from
+from shardemu.phased.trainer import PhasedTrainer
+from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.report.rundir import read_metrics
 from shardemu.sparsity import apply_masks, densities, sparse_leaves, wrap_optax
 from shardemu.sparsity.masks import block_mask, block_norms, matrix_shape
 from shardemu.sparsity.wrapper import _updated
-from shardemu.training.engine import ResidentEngine
+from shardemu.stages.tiers import bytes_all_devices
+from shardemu.training.engine import PhasedEngine, PipelinedEngine, ResidentEngine
 from shardemu.training.resident import Trainer
 
 GPT = Model(get_preset("gpt-tiny"))
@@ -118,43 +122,147 @@ def test_wrapped_updates_keep_zeros_and_zero_the_regrown_moments():
     assert changed > 0  # the second step did update the pattern
 
 
-@pytest.mark.slow
-def test_sharded_dynamic_sparse_run_equals_one_device():
-    """tensor=2 x replica=2 against one device, dynamic, 4 steps with 3 pattern updates:
-    the same masks after every step, the same losses, zeros exactly zero, a constant
-    density, and model_flops_sparse by the analytic count."""
-    sparse = SparsityConfig(0.75, block=8, mode="dynamic", updates=3)
-    cfg = TrainConfig(steps=4, batch=8, seq=16, sparsity=sparse)
-    corpus = SyntheticCorpus(GPT.cfg.vocab_size, seed=0)
-    runs = {}
-    for name, par in (("one", Parallelism()), ("t2r2", Parallelism(tensor=2, replica=2))):
-        engine = ResidentEngine(Trainer(GPT, mesh_from(par, jax.devices()[: par.num_devices]), cfg))
-        state, steps = engine.init(0), []
-        for step in range(cfg.steps):
-            out = engine.step(state, GPT.batch(corpus, step, cfg.batch, cfg.seq))
-            state = out.state
-            params, opt = state
-            for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(opt.masks), strict=True):
-                assert bool(jnp.all(jnp.where(m, True, p == 0)))
-            steps.append((out.loss, out.counts, jax.tree.map(np.asarray, opt.masks)))
-        runs[name] = steps
-        # the held-out loss against the model's own loss of the same parameters
-        val = SyntheticCorpus(GPT.cfg.vocab_size, seed=0, split="validation")
-        held_out = [GPT.batch(val, i, cfg.batch, cfg.seq) for i in range(2)]
-        evaluated = engine.evaluate(state, held_out)["val_loss"]
-        direct = [float(jax.jit(GPT.loss)(jax.device_get(params), b)) for b in held_out]
-        assert evaluated == pytest.approx(np.mean(direct), rel=1e-5)
-    patterns = [jax.tree.leaves(s[2]) for s in runs["one"]]
+SPARSE_TRAIN = TrainConfig(
+    steps=4, batch=8, seq=16, sparsity=SparsityConfig(0.75, block=8, mode="dynamic", updates=3)
+)
+CORPUS = SyntheticCorpus(GPT.cfg.vocab_size, seed=0)
+
+
+def train_sparse(engine, masks_of, params_of, witness=None):
+    """Run `SPARSE_TRAIN` on `engine`: per step (loss, counts, full masks), and checks
+    that every masked weight is exactly zero after every step. `witness(state_before,
+    step)` is called before each step."""
+    state, steps = engine.init(0), []
+    for step in range(SPARSE_TRAIN.steps):
+        if witness:
+            witness(state, step)
+        out = engine.step(state, GPT.batch(CORPUS, step, SPARSE_TRAIN.batch, SPARSE_TRAIN.seq))
+        state = out.state
+        masks, params = masks_of(state), params_of(state)
+        for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(masks), strict=True):
+            assert np.all(np.where(m, True, np.asarray(p) == 0))
+        steps.append((out.loss, out.counts, masks))
+    return steps, state
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """The dynamic sparse run on one device: 4 steps with 3 pattern updates."""
+    mesh = mesh_from(Parallelism(), jax.devices()[:1])
+    engine = ResidentEngine(Trainer(GPT, mesh, SPARSE_TRAIN))
+    steps, _ = train_sparse(
+        engine, lambda s: jax.tree.map(np.asarray, s[1].masks), lambda s: jax.device_get(s[0])
+    )
+    return steps
+
+
+def assert_same_run(run, reference, layers_only=False):
+    """The same masks after every step, the same losses, the same density, and the
+    same FLOPs removed from model_flops: the masks' zeros (counted by the engine) against
+    the configured sparsity of the kernels' shapes (`REMOVED`)."""
+    patterns = [jax.tree.leaves(s[2]) for s in reference]
     assert any((a != b).any() for a, b in zip(patterns[0], patterns[-1], strict=True))
     for (loss_a, counts_a, masks_a), (loss_b, counts_b, masks_b) in zip(
-        runs["one"], runs["t2r2"], strict=True
+        reference, run, strict=True
     ):
+        if layers_only:
+            masks_a = masks_a[GPT.stack_key]
         assert jax.tree.all(jax.tree.map(np.array_equal, masks_a, masks_b))
         assert loss_b == pytest.approx(loss_a, rel=1e-5)
         assert counts_a["density"] == counts_b["density"] == 0.25
-        # the masks' zeros (counted by the engine) against the configured sparsity of
-        # the kernels' shapes: 2 FLOPs per weight per token in each of three matmuls
-        assert counts_a["model_flops"] - counts_a["model_flops_sparse"] == REMOVED * cfg.tokens
+        # the zero weights' FLOPs, removed from each engine's own count
+        removed = [c["model_flops"] - c["model_flops_sparse"] for c in (counts_a, counts_b)]
+        assert removed[0] == removed[1] == REMOVED * SPARSE_TRAIN.tokens
+
+
+@pytest.mark.slow
+def test_sharded_dynamic_sparse_run_equals_one_device(one_device):
+    """tensor=2 x replica=2 against one device: the same masks after every step, the
+    same losses, zeros exactly zero, a constant density, and model_flops_sparse by the
+    analytic count; and the held-out loss of the sparse model."""
+    par = Parallelism(tensor=2, replica=2)
+    engine = ResidentEngine(Trainer(GPT, mesh_from(par, jax.devices()[:4]), SPARSE_TRAIN))
+    run, (params, _) = train_sparse(
+        engine, lambda s: jax.tree.map(np.asarray, s[1].masks), lambda s: jax.device_get(s[0])
+    )
+    assert_same_run(run, one_device)
+    # the held-out loss against the model's own loss of the same parameters
+    val = SyntheticCorpus(GPT.cfg.vocab_size, seed=0, split="validation")
+    held_out = [GPT.batch(val, i, 8, 16) for i in range(2)]
+    evaluated = engine.evaluate((params, None), held_out)["val_loss"]
+    direct = [float(jax.jit(GPT.loss)(jax.device_get(params), b)) for b in held_out]
+    assert evaluated == pytest.approx(np.mean(direct), rel=1e-5)
+
+
+def stacked_masks(opt_states):
+    """The masks of a model's layer stack, from its parts' optimizer states."""
+    masks = jax.device_get([o.masks for o in opt_states])
+    return jax.tree.map(lambda *xs: np.concatenate(xs) if xs[0].ndim else xs[0], *masks)
+
+
+def encoded_bytes(weights, masks, block):
+    """A block-COO encoding of every device's shard of `weights`, built here from the
+    host tier's arrays: (values, int32 coordinates) per sparse kernel, the shard whole
+    for the rest; its total bytes over all devices."""
+    total = 0
+    for path, w in jax.tree_util.tree_flatten_with_path(weights)[0]:
+        m = np.asarray(masks[path[0].key][path[1].key][path[2].key]) if len(path) == 3 else None
+        for shard in w.addressable_shards:
+            data = np.asarray(shard.data)
+            if m is None or m.ndim == 0:
+                total += data.nbytes
+                continue
+            part = m[shard.index]
+            # in-projections are (layers, embed | out...), out-projections (layers, in... | embed)
+            at = data.ndim - 1 if path[1].key in ("out", "fc_out") else 2
+            grid = (data.shape[0], math.prod(data.shape[1:at]) // block, block, -1, block)
+            keep = part.reshape(grid)[:, :, 0, :, 0]
+            values = data.reshape(grid).transpose(0, 1, 3, 2, 4)[keep]
+            coords = np.argwhere(keep).astype(np.int32)
+            total += values.nbytes + coords.nbytes
+    return total
+
+
+@pytest.mark.slow
+def test_phased_sparse_run_equals_one_device_and_streams_the_compressed_bytes(one_device):
+    """pipe=2 x tensor=2, two phases per stage, dynamic sparse: the one-device run's
+    masks and losses; each phase's weights stream in exactly the bytes of a block-COO
+    encoding of its shards (values and coordinates), built from the host tier's arrays."""
+    mesh = mesh_from(Parallelism(pipe=2, tensor=2), jax.devices()[:4])
+    trainer = PhasedTrainer(GPT, mesh, SPARSE_TRAIN, PhasedConfig(phases=4))
+    expected = {}
+
+    def witness(state, step):
+        for i, (w, o) in enumerate(zip(state.layers, state.opt_layers, strict=True)):
+            expected[(step, i)] = encoded_bytes(w, jax.device_get(o.masks), 8)
+
+    run, state = train_sparse(
+        PhasedEngine(trainer), lambda s: stacked_masks(s.opt_layers),
+        lambda s: trainer.params(s)[GPT.stack_key], witness,
+    )  # fmt: skip
+    assert_same_run(run, one_device, layers_only=True)
+    streamed = {
+        (e.step, e.phase.index): e.bytes
+        for e in trainer.ledger.events
+        if e.kind == "h2d" and e.carries == "weights" and e.phase.kind == "forward"
+    }
+    assert streamed == expected
+    dense = sum(bytes_all_devices(w) for w in state.layers)
+    assert sum(expected[(3, i)] for i in range(4)) < 0.35 * dense  # 1/4 of the blocks kept
+
+
+@pytest.mark.slow
+def test_pipelined_sparse_run_equals_one_device(one_device):
+    """pipe=2 x replica=2, 1F1B over 2 microbatches, dynamic sparse: the one-device
+    run's masks and losses."""
+    train = dataclasses.replace(SPARSE_TRAIN, microbatches=2, schedule="1f1b")
+    mesh = mesh_from(Parallelism(pipe=2, replica=2), jax.devices()[:4])
+    trainer = PipelinedTrainer(GPT, mesh, train)
+    run, _ = train_sparse(
+        PipelinedEngine(trainer), lambda s: stacked_masks(s.opt_chunks),
+        lambda s: trainer.params(s)[GPT.stack_key],
+    )  # fmt: skip
+    assert_same_run(run, one_device, layers_only=True)
 
 
 BAD = [
@@ -168,7 +276,6 @@ BAD = [
     (["--sparsity", "0.9", "--prune-ratio", "0"], "--prune-ratio 0.0 must be in (0, 1]"),
     (["--sparsity", "0.9", "--prune-ratio", "1.5"], "--prune-ratio 1.5 must be in (0, 1]"),
     (["--block", "4"], "--block need --sparsity"),
-    (["--sparsity", "0.9", "--phased"], "--sparsity runs on the resident engine for now"),
 ]  # fmt: skip
 
 
