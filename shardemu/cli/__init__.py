@@ -251,7 +251,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if phased is None and hardware is None:
         raise ConfigError("a resident plan predicts a step: give --hardware NAME (or add --phased)")
     model_cfg = model_config(args)
-    train_cfg = TrainConfig(batch=args.batch, seq=args.seq, **pipeline_config(args))
+    sparse = sparsity_config(args)
+    train_cfg = TrainConfig(
+        batch=args.batch, seq=args.seq, sparsity=sparse, **pipeline_config(args),
+        # a plan counts one step; a dynamic pattern's update schedule is not timed
+        **({"steps": sparse.updates} if sparse else {}),
+    )  # fmt: skip
     train_cfg.check_fits(model_cfg, par)
     micro = args.microbatch_size
     if micro is not None and (micro < 1 or args.batch % (par.replica * micro)):
@@ -304,7 +309,7 @@ def _plan_resident(
     report, ledger, timeline = plan_resident(
         model_cfg, par, train_cfg.batch, train_cfg.seq,
         micro if micro is not None else train_cfg.batch // par.replica, hardware,
-        train_cfg.schedule, train_cfg.virtual, args.recompute,
+        train_cfg.schedule, train_cfg.virtual, args.recompute, train_cfg.sparsity,
     )  # fmt: skip
     write_plan_dir(out, report, ledger, timeline, tracking)
     return report

@@ -307,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     shape_args(plan)
     phased_args(plan)
+    sparsity_args(plan)
     plan.add_argument(
         "--microbatch-size",
         type=int,

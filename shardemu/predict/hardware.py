@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardemu.config import BLOCK_SIZES
 from shardemu.errors import HardwareError
 
 GB = 1e9
@@ -50,6 +51,10 @@ class Hardware:
     efficiency: float = 0.5  # achieved / peak FLOP/s for model compute (one per profile)
     host_tflops: float = 1.0  # optimizer updates run in the host tier at this rate
     description: str = ""
+    # (block size, speed): the FLOP/s a block-sparse matmul achieves on its non-zero
+    # blocks, as a fraction of the dense rate. A block size not listed runs as a masked
+    # dense matmul (no faster than dense). TOML: block_sparse_speed = [[16, 0.1]]
+    block_sparse_speed: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for key in (
@@ -74,6 +79,25 @@ class Hardware:
             raise HardwareError(
                 f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency!r}"
             )
+        speeds = tuple(tuple(pair) for pair in self.block_sparse_speed)
+        object.__setattr__(self, "block_sparse_speed", speeds)  # lists from a profile file
+        for pair in speeds:
+            if (
+                len(pair) != 2
+                or pair[0] not in BLOCK_SIZES
+                or not (_real(pair[1]) and 0 < pair[1] <= 1)
+            ):
+                raise HardwareError(
+                    f"hardware {self.name!r}: block_sparse_speed entries are [block, speed] "
+                    f"with block in {BLOCK_SIZES} and speed in (0, 1], got {list(pair)!r}"
+                )
+
+    def sparse_time(self, density: float, block: int) -> float:
+        """The time of a block-sparse matmul at `density` with `block`-sized blocks, as a
+        fraction of the dense matmul's: density / speed, never more than dense (a
+        runtime that could not gain would run it dense and masked)."""
+        speed = dict(self.block_sparse_speed).get(block)
+        return 1.0 if speed is None else min(1.0, density / speed)
 
     @property
     def device_memory_bytes(self) -> int:
@@ -100,6 +124,13 @@ def _ipu(name: str, ipus: int) -> Hardware:
       override it with a profile file).
     - IPU-Links: 320 GB/s per IPU (Colossus Mk2 GC200 figures, Graphcore; 10 links):
       160 GB/s per direction inside an IPU-M2000.
+    - Block-sparse matmuls: PopSparse (Li et al. 2023, arXiv 2303.16999, abstract:
+      "our static sparse implementation outperforms equivalent dense calculations in
+      FP16 at lower sparsity (around 90%)", with large matrices and block size 16): at
+      least break-even at density 0.1 with 16 x 16 blocks, i.e. speed 0.1 of the dense
+      rate on the non-zero blocks. The paper's per-block-size figures are not in our
+      sources, so smaller blocks run masked dense (no gain), and static and dynamic
+      patterns share the figure although the paper finds dynamic slower.
     - IPU-Fabric between IPU-M2000s: 2.8 Tbps per IPU-M2000 through the IPU-Gateway
       (Graphcore launch, July 2020) = 350 GB/s per machine, 87.5 GB/s per IPU, halved per
       direction: 43.75 GB/s.
@@ -116,6 +147,7 @@ def _ipu(name: str, ipus: int) -> Hardware:
         efficiency=0.4,
         host_tflops=0.5,
         description=f"Graphcore IPU-POD{ipus}: {ipus} GC200 IPUs in IPU-M2000s of 4",
+        block_sparse_speed=((16, 0.1),),
     )
 
 
@@ -166,6 +198,10 @@ PROFILES: dict[str, Hardware] = {
     # broadcasts weights / reduces gradients between systems over the same links. Cerebras
     # does not publish a peak FLOP/s; 7,500 TFLOP/s FP16 is a third-party estimate (override
     # it with a profile file). One device = one CS-2 system; MemoryX runs the optimizer.
+    # Sparsity: the WSE's dataflow cores compute only on non-zero weights, at any
+    # granularity ("a sparse GEMM becomes one AXPY per non-zero weight": MISSION.md; Lie,
+    # "Cerebras Architecture Deep Dive", Hot Chips 34, 2022): the dense rate on the
+    # non-zeros for every block size.
     "cs2": Hardware(
         name="cs2",
         peak_tflops=7500.0,
@@ -178,6 +214,7 @@ PROFILES: dict[str, Hardware] = {
         efficiency=0.5,
         host_tflops=10.0,
         description="Cerebras CS-2 (WSE-2) with MemoryX and SwarmX",
+        block_sparse_speed=tuple((b, 1.0) for b in BLOCK_SIZES),
     ),
     # NVIDIA A100 datasheet (2021): 312 TFLOP/s BF16 dense; 40 GB HBM2 / 80 GB HBM2e;
     # NVLink 3: 600 GB/s per GPU (300 per direction); PCIe Gen4 x16: 32 GB/s per direction.

@@ -27,6 +27,7 @@ from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.predict.costmodel import predict
 from shardemu.predict.hardware import Hardware
+from shardemu.predict.sparse import model_flops_sparse, sparse_compute, sparse_report
 from shardemu.report.plandir import write_plan_dir
 from shardemu.report.trackers import TrackingConfig
 
@@ -112,10 +113,14 @@ def plan_phased(
     timeline = None
     if hardware is not None:
         tokens = train_cfg.tokens
+        events, sparse = ledger.events, train_cfg.sparsity
+        if sparse is not None:
+            events = sparse_compute(events, hardware, model_cfg, train_cfg.seq, sparse)
         timeline, prediction = predict(
-            ledger.events, hardware, par, totals["model_flops"], tokens, report["memory_per_device"]
+            events, hardware, par, totals["model_flops"], tokens, report["memory_per_device"]
         )
-        report.update(prediction)
+        report.update(prediction | sparse_report(hardware, sparse))
+        report |= model_flops_sparse(model_cfg, tokens, totals["model_flops"], sparse)
         report["stream_busy_s"] = {
             f"stage{stage}/{stream}": busy
             for (stage, stream), busy in sorted(timeline.stream_totals().items())

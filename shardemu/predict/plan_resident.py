@@ -34,7 +34,14 @@ from shardemu.accounting import flops
 from shardemu.accounting.assemble import assemble
 from shardemu.accounting.count import Counter, with_shardings
 from shardemu.accounting.ledger import Event, Ledger, Phase
-from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.config import (
+    ConfigError,
+    ModelConfig,
+    Parallelism,
+    PhasedConfig,
+    SparsityConfig,
+    TrainConfig,
+)
 from shardemu.models import Model, param_count
 from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import megatron_rules
@@ -43,6 +50,12 @@ from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
 from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.plan_phased import padded_for
+from shardemu.predict.sparse import (
+    layer_factor,
+    model_flops_sparse,
+    scale_compute,
+    sparse_report,
+)
 from shardemu.stages.executor import Executor
 from shardemu.stages.stage import AXIS_LABELS, build_stages, stage_meshes, stage_rules
 from shardemu.stages.tiers import Tier, bytes_per_device
@@ -216,6 +229,7 @@ def plan_resident(
     schedule: str = "1f1b",
     virtual: int = 1,
     recompute: Recompute = "full",
+    sparsity: SparsityConfig | None = None,
 ) -> tuple[dict[str, Any], Ledger, Timeline]:
     """Predict a resident (pipelined) step of `batch` sequences on `hardware`: the
     report, the step's ledger and its timeline. Needs `par.tensor` JAX devices (one
@@ -245,8 +259,14 @@ def plan_resident(
     per_chunk = L // (p * v)
     weights = mb.layer_bytes * L // p + mb.shared_bytes
     device_bytes = 4 * weights + round(peak * per_chunk * v * mb.keep_bytes)
+    timed = ledger.events
+    if sparsity is not None:  # the layers' matmuls at the hardware's block-sparse speed
+        factor = layer_factor(hardware, model_cfg, seq, sparsity)
+        layers = {k: scale_compute(mb.pieces[k], factor) for k in ("forward", "backward")}
+        sparse_mb = dataclasses.replace(mb, pieces={**mb.pieces, **layers})
+        timed = _step_events(sparse_mb, sched, model_cfg, par, microbatch_size, seq)
     timeline, prediction = predict(
-        ledger.events, hardware, par, totals["model_flops"], batch * seq, {"device": device_bytes}
+        timed, hardware, par, totals["model_flops"], batch * seq, {"device": device_bytes}
     )
     hardware_flops = sum(
         e.flops for e in ledger.events if e.kind == "compute" and e.carries != "optimizer_state"
@@ -272,7 +292,9 @@ def plan_resident(
             "model_flops_rel_err": totals["model_flops"] / analytic - 1,
             "executed_flops": hardware_flops,
             "tflops_per_device": hardware_flops / par.num_devices / step / 1e12 if step else 0.0,
+            **model_flops_sparse(model_cfg, batch * seq, totals["model_flops"], sparsity),
             **prediction,
+            **sparse_report(hardware, sparsity),
             "elapsed_s": time.perf_counter() - t0,
         },
         ledger,

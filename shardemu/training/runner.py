@@ -31,6 +31,7 @@ from shardemu.pipelined.layout import pipeline_layout, stage_plan
 from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware
+from shardemu.predict.sparse import sparse_compute, sparse_report
 from shardemu.report.rundir import RunDir, config_record, default_run_dir, read_metrics
 from shardemu.report.trackers import Trackers, TrackingConfig, open_trackers
 from shardemu.report.views import write_views
@@ -424,7 +425,11 @@ def _predict(
         }
     else:
         memory = {"device": engine.device_bytes()}
-    return predict(events, hw, par, totals["model_flops"], tokens, memory)
+    train = engine.trainer.train
+    if train.sparsity is not None:
+        events = sparse_compute(events, hw, engine.trainer.model.cfg, train.seq, train.sparsity)
+    timeline, report = predict(events, hw, par, totals["model_flops"], tokens, memory)
+    return timeline, report | sparse_report(hw, train.sparsity)
 
 
 def _prediction_files(
