@@ -1,7 +1,9 @@
 """Block sparsity: the masks' patterns and densities, one dynamic update against a
 hand count (the pruned blocks are the smallest by L1 norm, the non-zero count is
 unchanged, regrown moments are zero), and a sharded sparse run against one device
-(same masks, same losses, zeros exactly zero, FLOPs by the analytic count)."""
+(same masks, same losses, zeros exactly zero, FLOPs by the analytic count) on every
+engine; the phased engine's compressed weight streams against an encoding of its
+shards; the hardware's block-sparse speed in a plan."""
 
 import dataclasses
 import json
@@ -15,10 +17,13 @@ import pytest
 from cli_helpers import shardemu
 
 from shardemu import Model, Parallelism, SyntheticCorpus, TrainConfig, get_preset
-from shardemu.config import PhasedConfig, SparsityConfig
+from shardemu.accounting.ledger import Ledger
+from shardemu.config import PhasedConfig, SparsityConfig, custom_model
 from shardemu.parallel.mesh import mesh_from
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.trainer import PipelinedTrainer
+from shardemu.predict.hardware import HardwareError, get_hardware, load_profile
+from shardemu.predict.sparse import sparse_compute, sparse_share
 from shardemu.report.rundir import read_metrics
 from shardemu.sparsity import apply_masks, densities, sparse_leaves, wrap_optax
 from shardemu.sparsity.masks import block_mask, block_norms, matrix_shape
@@ -307,3 +312,57 @@ def test_a_sparse_run_on_the_standard_library_logs_density_and_held_out_loss(tmp
     config = json.loads((out / "config.json").read_text())
     assert config["train"]["data"] == "stdlib" and config["train"]["sparsity"]["block"] == 8
     assert f"| final_val_loss | {records[-1]['val_loss']:.6g} |" in (out / "summary.md").read_text()
+
+
+def test_hardware_block_sparse_speed_and_profile_files(tmp_path):
+    """CS-2 runs the non-zeros at the dense rate at any block size; a GC200 breaks even
+    at 16 x 16 blocks and density 0.1 and gains past it; GPUs run masked dense; a profile
+    file may give its own speeds, and a bad entry is refused."""
+    cs2, ipu, gpu = (get_hardware(n) for n in ("cs2", "ipu-pod16", "a100-80gb"))
+    assert [cs2.sparse_time(0.1, b) for b in (1, 4, 8, 16)] == [0.1] * 4
+    assert ipu.sparse_time(0.1, 16) == pytest.approx(1.0) and ipu.sparse_time(0.1, 4) == 1.0
+    assert ipu.sparse_time(0.05, 16) == pytest.approx(0.5)
+    assert gpu.sparse_time(0.1, 16) == 1.0
+    good = tmp_path / "mine.toml"
+    good.write_text('base = "a100-80gb"\nblock_sparse_speed = [[16, 0.4], [8, 0.2]]\n')
+    assert load_profile(good).sparse_time(0.1, 16) == pytest.approx(0.25)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('base = "a100-80gb"\nblock_sparse_speed = [[3, 0.4]]\n')
+    with pytest.raises(HardwareError, match=r"block_sparse_speed entries are \[block, speed\]"):
+        load_profile(bad)
+
+
+def test_a_sparse_plan_streams_a_tenth_and_times_the_layers_sparse():
+    """A phased plan at sparsity 0.9 with 16 x 16 blocks: each phase's weights stream
+    close to 10x fewer bytes (the non-zero blocks and their coordinates); on a CS-2 the
+    layers' computations take the analytic share of their dense time, and the rest is
+    timed as before."""
+    model = custom_model("gpt", layers=2, hidden=256, heads=4, vocab=512, positions=64)
+    sparse = SparsityConfig(0.9, block=16)
+    dense_cfg = TrainConfig(batch=4, seq=64)
+    plans = {}
+    for name, train in (
+        ("dense", dense_cfg),
+        ("sparse", dataclasses.replace(dense_cfg, sparsity=sparse)),
+    ):
+        trainer = PhasedTrainer(
+            Model(model), mesh_from(Parallelism(), jax.devices()[:1]), train, PhasedConfig()
+        )
+        ledger = Ledger()
+        trainer.plan(ledger=ledger)
+        plans[name] = ledger.events
+    layers = lambda events: sum(  # noqa: E731
+        e.bytes for e in events if e.kind == "h2d" and e.carries == "weights" and e.phase.layers
+    )
+    assert 9.5 < layers(plans["dense"]) / layers(plans["sparse"]) < 10
+    cs2 = get_hardware("cs2")
+    timed = sparse_compute(plans["sparse"], cs2, model, 64, sparse)
+    layer_share, _ = sparse_share(model, 64)
+    for before, after in zip(plans["sparse"], timed, strict=True):
+        if before.kind == "compute" and before.phase.kind in ("forward", "backward"):
+            assert after.flops == pytest.approx(before.flops * (1 - 0.9 * layer_share))
+        else:
+            assert after == before
+    # by hand: q, k, v, out 8 s d^2 and the MLP 16 s d^2, against attention's 4 s^2 d
+    d, s = 256, 64
+    assert layer_share == pytest.approx((24 * s * d * d) / (24 * s * d * d + 4 * s * s * d))
