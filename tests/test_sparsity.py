@@ -366,3 +366,24 @@ def test_a_sparse_plan_streams_a_tenth_and_times_the_layers_sparse():
     # by hand: q, k, v, out 8 s d^2 and the MLP 16 s d^2, against attention's 4 s^2 d
     d, s = 256, 64
     assert layer_share == pytest.approx((24 * s * d * d) / (24 * s * d * d + 4 * s * s * d))
+
+
+def test_plan_with_sparsity_predicts_the_sparse_step(tmp_path):
+    """`shardemu plan --phased --sparsity` on a CS-2: the report says the density and
+    what the sparse matmuls cost, counts model_flops_sparse, streams fewer weight bytes
+    and spends less time computing than the same plan dense."""
+    argv = ["plan", "--model", "gpt", "--layers", "2", "--hidden", "256", "--heads", "4",
+            "--vocab", "512", "--batch", "4", "--seq", "64", "--phased", "--hardware", "cs2",
+            "--json"]  # fmt: skip
+    reports = {}
+    for name, extra in (("dense", []), ("sparse", ["--sparsity", "0.9", "--block", "16"])):
+        out = shardemu(*argv, *extra, "--out", str(tmp_path / name))
+        assert out.returncode == 0, out.stderr
+        reports[name] = json.loads(out.stdout)
+    dense, sparse = reports["dense"], reports["sparse"]
+    assert "density" not in dense and sparse["density"] == pytest.approx(0.1)
+    assert sparse["sparse_matmul_time"] == pytest.approx(0.1) and sparse["block"] == 16
+    zeros = 0.9 * 2 * (4 * 256 * 256 + 2 * 256 * 1024)
+    assert sparse["model_flops_sparse"] == pytest.approx(sparse["model_flops"] - 6 * 256 * zeros)
+    assert sparse["bytes_h2d_weights"] < 0.5 * dense["bytes_h2d_weights"]
+    assert sparse["breakdown"]["compute_s"] < 0.5 * dense["breakdown"]["compute_s"]
