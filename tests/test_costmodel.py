@@ -7,11 +7,14 @@ import dataclasses
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism, PhasedConfig, TrainConfig
-from shardemu.predict.costmodel import build_timeline, predict
+from shardemu.predict.costmodel import Span, Timeline, build_timeline, predict
 from shardemu.predict.hardware import PROFILES, Hardware, HardwareError, get_hardware, load_profile
+from shardemu.report.views import merged_bars
 
 HW = Hardware(
     name="toy", peak_tflops=1.0, device_memory_gb=1.0, host_memory_gb=10.0,
@@ -221,3 +224,38 @@ def test_phased_passes_accumulate_one_counted_pass():
     assert passes["model_flops"] == pytest.approx(whole["model_flops"] / 2, rel=0.1)
     assert passes["bytes_d2h_gradients"] == 4 * one["bytes_d2h_gradients"]
     assert passes["step_time_s"] < 4 * one["step_time_s"]
+
+
+def spans_timeline(intervals, kinds=("forward",)):
+    """A timeline of compute spans (start, end) on stage 0, one phase kind per span in
+    turn."""
+    spans = [
+        Span(i, 0, "compute", Phase(kinds[i % len(kinds)]), a, b, compute(F(0), b - a))
+        for i, (a, b) in enumerate(intervals)
+    ]
+    return Timeline(spans, max((b for _, b in intervals), default=0.0))
+
+
+def test_timeline_bars_merge_spans_that_touch():
+    """Back-to-back and overlapping spans of one kind become one bar; a gap or another
+    kind starts a new one; empty spans are dropped."""
+    tl = spans_timeline(
+        [(0, 1), (1, 2), (1.5, 3), (4, 5), (5, 5), (6, 7)], ("forward",) * 5 + ("backward",)
+    )
+    assert merged_bars(tl) == {
+        (0, "compute", "forward"): [(0, 3), (4, 5)],
+        (0, "compute", "backward"): [(6, 7)],
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 6)), min_size=1, max_size=40))
+def test_timeline_bars_cover_exactly_the_spans(raw):
+    """Every span lies inside one bar; bars are separated by gaps; every point of a bar
+    is covered by a span (checked on the integer grid the spans live on)."""
+    intervals = [(float(a), float(a + w)) for a, w in raw]
+    (bars,) = merged_bars(spans_timeline(intervals)).values()
+    assert all(b[1] < c[0] for b, c in zip(bars, bars[1:], strict=False))
+    assert all(any(s >= a and e <= b for a, b in bars) for s, e in intervals)
+    covered = {t for s, e in intervals for t in range(int(s), int(e))}
+    assert covered == {t for a, b in bars for t in range(int(a), int(b))}
