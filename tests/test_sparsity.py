@@ -131,6 +131,10 @@ SPARSE_TRAIN = TrainConfig(
     steps=3, batch=8, seq=16, sparsity=SparsityConfig(0.75, block=8, mode="dynamic", updates=2)
 )
 CORPUS = SyntheticCorpus(GPT.cfg.vocab_size, seed=0)
+HELD_OUT = [
+    GPT.batch(SyntheticCorpus(GPT.cfg.vocab_size, seed=0, split="validation"), i, 8, 16)
+    for i in range(2)
+]
 
 
 def train_sparse(engine, masks_of, params_of, witness=None):
@@ -160,18 +164,17 @@ def one_device():
     steps, (params, _) = train_sparse(
         engine, lambda s: jax.tree.map(np.asarray, s[1].masks), lambda s: jax.device_get(s[0])
     )
-    val = SyntheticCorpus(GPT.cfg.vocab_size, seed=0, split="validation")
-    held_out = [GPT.batch(val, i, 8, 16) for i in range(2)]
-    evaluated = engine.evaluate((params, None), held_out)["val_loss"]
-    direct = [float(jax.jit(GPT.loss)(jax.device_get(params), b)) for b in held_out]
+    evaluated = engine.evaluate((params, None), HELD_OUT)["val_loss"]
+    direct = [float(jax.jit(GPT.loss)(jax.device_get(params), b)) for b in HELD_OUT]
     assert evaluated == pytest.approx(np.mean(direct), rel=1e-5)
-    return steps
+    return steps, evaluated
 
 
 def assert_same_run(run, reference, layers_only=False):
     """The same masks after every step, the same losses, the same density, and the
     same FLOPs removed from model_flops: the masks' zeros (counted by the engine) against
     the configured sparsity of the kernels' shapes (`REMOVED`)."""
+    reference = reference[0]
     patterns = [jax.tree.leaves(s[2]) for s in reference]
     assert any((a != b).any() for a, b in zip(patterns[0], patterns[-1], strict=True))
     for (loss_a, counts_a, masks_a), (loss_b, counts_b, masks_b) in zip(
@@ -229,11 +232,14 @@ def test_phased_sparse_run_equals_one_device_and_streams_the_compressed_bytes(on
         for i, (w, o) in enumerate(zip(state.layers, state.opt_layers, strict=True)):
             expected[(step, i)] = encoded_bytes(w, jax.device_get(o.masks), 8)
 
+    engine = PhasedEngine(trainer)
     run, state = train_sparse(
-        PhasedEngine(trainer), lambda s: stacked_masks(s.opt_layers),
+        engine, lambda s: stacked_masks(s.opt_layers),
         lambda s: trainer.params(s)[GPT.stack_key], witness,
     )  # fmt: skip
     assert_same_run(run, one_device, layers_only=True)
+    # the held-out loss of the phased run's parameters, against the one-device run's
+    assert engine.evaluate(state, HELD_OUT)["val_loss"] == pytest.approx(one_device[1], rel=1e-5)
     streamed = {
         (e.step, e.phase.index): e.bytes
         for e in trainer.ledger.events

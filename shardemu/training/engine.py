@@ -13,9 +13,11 @@ which the loop records.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import jax
 import numpy as np
 
 from shardemu.accounting.count import PROCESS_COUNTER
@@ -25,7 +27,7 @@ from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.sparsity import sparse_counts
 from shardemu.stages.stage import init_params
 from shardemu.stages.tiers import bytes_per_device
-from shardemu.training.resident import Trainer
+from shardemu.training.resident import Trainer, held_out, loss_terms
 
 
 @dataclass
@@ -59,6 +61,10 @@ class Engine(Protocol):
     def device_bytes(self) -> int:
         """The device tier's high-water mark so far, in bytes per device (the fullest
         device)."""
+
+    def evaluate(self, state: Any, batches: list[dict[str, np.ndarray]]) -> dict[str, float]:
+        """The held-out loss of `state`'s parameters on `batches` (no update):
+        `val_loss`, and BERT's `val_mlm_loss`."""
 
 
 def step_counts(ledger: Ledger, step: int) -> dict[str, Any]:
@@ -134,6 +140,7 @@ class _StagedEngine:
 
     def __init__(self, trainer: PipelinedTrainer | PhasedTrainer) -> None:
         self.trainer, self.ledger = trainer, trainer.ledger
+        self._eval: Any = None  # the jitted held-out loss, made on first use
 
     def start_at(self, steps_done: int) -> None:
         self.trainer.steps_done = steps_done
@@ -147,6 +154,15 @@ class _StagedEngine:
     def layer_opts(self, state: Any) -> list[Any]:
         """The optimizer states of the layers, part by part (a sparse run's masks)."""
         raise NotImplementedError
+
+    def evaluate(self, state: Any, batches: list[dict[str, np.ndarray]]) -> dict:
+        """Held-out loss of the run's parameters, gathered whole onto one device: these
+        engines have no forward-only program, and the model and its numbers are the
+        same (`held_out`)."""
+        if self._eval is None:
+            self._eval = jax.jit(functools.partial(loss_terms, self.trainer.model))
+        params = self.trainer.params(state)
+        return held_out([self._eval(params, b) for b in batches])
 
 
 class PipelinedEngine(_StagedEngine):

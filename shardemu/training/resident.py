@@ -51,6 +51,22 @@ from shardemu.training.optim import make_optimizer
 _COMPILED: dict[tuple, jax.stages.Compiled] = {}  # Trainer.compiled's, process-wide
 
 
+def loss_terms(model: Model, params: Any, batch: dict) -> tuple[jax.Array, ...]:
+    """Each term of the model's loss on `batch` (BERT: MLM, NSP), normalised."""
+    sums, counts = model.forward_sums(params, batch), model.loss_counts(batch)
+    return tuple(s / c for s, c in zip(sums, counts, strict=True))
+
+
+def held_out(per_batch: list[tuple[jax.Array, ...]]) -> dict[str, float]:
+    """`val_loss` (the terms' sum) and, for a loss of two terms (BERT), the first as
+    `val_mlm_loss`; each the mean over the batches."""
+    means = np.mean([[float(t) for t in terms] for terms in per_batch], axis=0)
+    out = {"val_loss": float(means.sum())}
+    if len(means) == 2:
+        out["val_mlm_loss"] = float(means[0])
+    return out
+
+
 @dataclass
 class ResidentOutput:
     params: Any
@@ -208,17 +224,10 @@ class Trainer:
 
             def terms(p: Any, batch: dict) -> tuple[jax.Array, ...]:
                 with activation_rules(self.mesh, self.rules):
-                    sums = self.model.forward_sums(p, batch)
-                counts = self.model.loss_counts(batch)
-                return tuple(s / c for s, c in zip(sums, counts, strict=True))
+                    return loss_terms(self.model, p, batch)
 
             self._eval = jax.jit(terms)
-        per_batch = [[float(t) for t in self._eval(params, self.put_batch(b))] for b in batches]
-        means = np.mean(per_batch, axis=0)
-        out = {"val_loss": float(means.sum())}
-        if len(means) == 2:
-            out["val_mlm_loss"] = float(means[0])
-        return out
+        return held_out([self._eval(params, self.put_batch(b)) for b in batches])
 
     def step_events(self, counter: Counter, step: int) -> list[Event]:
         """The ledger events of one step: the gradients (forward and backward, with

@@ -97,11 +97,6 @@ def train(
     mesh = mesh_from(par, devices)
     model = Model(model_cfg)
     engine = _engine(model, mesh, train_cfg, phased, rules)
-    if eval_every is not None and not hasattr(engine, "evaluate"):
-        raise ConfigError(
-            f"--eval-every evaluates on the resident engine for now; the {engine.name} "
-            f"engine has no held-out loss yet (drop --eval-every)"
-        )
     phase_plan = engine.trainer.plan() if phased else None  # one abstract step
     sizes = {"param_count": param_count(model.abstract_params()[0]), **engine.sizes()}
     config = _config(model, engine, mesh, train_cfg, phased, phase_plan, sizes, rules)
