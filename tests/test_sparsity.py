@@ -295,7 +295,8 @@ def test_a_sparse_run_on_the_standard_library_logs_density_and_held_out_loss(tmp
     result = shardemu(
         "run", "--model", "gpt-tiny", "--steps", "3", "--batch", "8", "--seq", "16",
         "--data", "stdlib", "--eval-every", "2", "--sparsity", "0.75", "--block", "8",
-        "--sparse-mode", "dynamic", "--sparse-updates", "2", "--out", str(out),
+        "--sparse-mode", "dynamic", "--sparse-updates", "2", "--hardware", "cs2",
+        "--out", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     records = read_metrics(out)
@@ -306,7 +307,9 @@ def test_a_sparse_run_on_the_standard_library_logs_density_and_held_out_loss(tmp
     assert all(0 < r["val_loss"] < 2 * math.log(512) for r in records if "val_loss" in r)
     config = json.loads((out / "config.json").read_text())
     assert config["train"]["data"] == "stdlib" and config["train"]["sparsity"]["block"] == 8
-    assert f"| final_val_loss | {records[-1]['val_loss']:.6g} |" in (out / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
+    assert f"| final_val_loss | {records[-1]['val_loss']:.6g} |" in summary
+    assert "| predicted_sparse_matmul_time | 0.25 |" in summary  # a CS-2 runs at density
 
 
 def test_hardware_block_sparse_speed_and_profile_files(tmp_path):

@@ -28,6 +28,7 @@ from shardemu.models import Model, normalise
 from shardemu.parallel.rules import Rules, activation_rules, logical_to_spec, resolve_specs
 from shardemu.sparsity import apply_masks, init_state, opt_state_shardings, sparse_optimizer
 from shardemu.sparsity.storage import compressed_bytes
+from shardemu.stages.executor import Executor
 from shardemu.stages.tiers import with_memory_kind
 from shardemu.training.optim import clip_by_norm, make_optimizer
 
@@ -284,8 +285,9 @@ class Pieces:
 
     def init_layers(self, weights: Any, first_layer: int, shardings: tuple[Any, Any]) -> Any:
         """(weights, fresh optimizer state) of a stack of layers (on the devices) that
-        starts at the model's layer `first_layer`, placed in `shardings`. A sparse run's state holds
-        the whole model's masks for those layers, and its weights have their zeros."""
+        starts at the model's layer `first_layer`, placed in `shardings`. A sparse run's
+        state holds the whole model's masks for those layers, and its weights have
+        their zeros."""
         sparse = self.train.sparsity
         if sparse is None:
             opt = jax.jit(self.tx_layers.init, out_shardings=shardings[1])(weights)
@@ -347,7 +349,7 @@ def init_params(model: Model, stage: Stage, seed: int) -> Any:
     return jax.jit(model.init_params, out_shardings=shardings)(jax.random.key(seed))
 
 
-def sparse_grads(ex: Any, st: Stage, phase: Phase, grads: Any, masks: Any) -> Any:
+def sparse_grads(ex: Executor, st: Stage, phase: Phase, grads: Any, masks: Any) -> Any:
     """A sparse model's gradients of a stack of layers: its zero weights' dropped, so
     that the norm that clips them (and is reported) is the sparse model's, as in the
     resident engine. `masks` on the devices of `st` (`Stage.on_device`)."""

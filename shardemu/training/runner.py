@@ -439,4 +439,6 @@ def _prediction_files(
         "predicted_tokens_per_s": report["tokens_per_s"],
         **{f"predicted_{k}": v for k, v in report["breakdown"].items()},
         "predicted_device_memory_fits": report["memory_per_device"]["device"]["fits"],
-    }
+        **({"predicted_sparse_matmul_time": report["sparse_matmul_time"]}
+           if "sparse_matmul_time" in report else {}),
+    }  # fmt: skip
