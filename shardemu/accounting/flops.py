@@ -70,6 +70,14 @@ def training_step(cfg: ModelConfig, batch: int, seq: int, recompute: bool = Fals
     return flops
 
 
+def without_zero_weights(model_flops: float, tokens: int, zero_weights: float) -> float:
+    """`model_flops_sparse`: the model FLOPs less what zero weights would not cost in a
+    sparse kernel, 2 FLOPs per weight per token in each of the forward, data-gradient and
+    weight-gradient matmuls (all three scaled by density: Dietrich et al. 2021,
+    "Towards structured dynamic sparse pre-training of BERT", appendix A.2)."""
+    return model_flops - 6 * tokens * zero_weights
+
+
 def narayanan_gpt(cfg: ModelConfig, batch: int, seq: int) -> float:
     """Narayanan et al. 2021's closed form without recomputation (needs f = 4 d):
     72 B s L d^2 (1 + s / (6 d) + V / (12 L d))."""

@@ -32,19 +32,27 @@ def sparse_share(model: ModelConfig, seq: int) -> tuple[float, float]:
     return sparse / sum(layer.values()), model.num_layers * sparse / flops.forward(model, 1, seq)
 
 
+def _scaled(event: Event, factor: float) -> Event:
+    """`event` with its FLOPs times `factor` if it is a device computation."""
+    if event.kind == "compute" and event.on == "device":
+        return dataclasses.replace(event, flops=event.flops * factor)
+    return event
+
+
 def scale_compute(events: list[Event], factor: float) -> list[Event]:
     """`events` with each device computation's FLOPs times `factor`."""
-    return [
-        dataclasses.replace(e, flops=e.flops * factor)
-        if e.kind == "compute" and e.on == "device"
-        else e
-        for e in events
-    ]
+    return [_scaled(e, factor) for e in events]
+
+
+def _factor(share: float, hw: Hardware, sparse: SparsityConfig) -> float:
+    """How much of its dense time a computation whose FLOPs are `share` sparse-kernel
+    matmuls takes sparse on `hw`."""
+    return 1 - share * (1 - hw.sparse_time(sparse.density, sparse.block))
 
 
 def layer_factor(hw: Hardware, model: ModelConfig, seq: int, sparse: SparsityConfig) -> float:
     """How much of its dense time a layer's computation takes sparse on `hw`."""
-    return 1 - sparse_share(model, seq)[0] * (1 - hw.sparse_time(sparse.density, sparse.block))
+    return _factor(sparse_share(model, seq)[0], hw, sparse)
 
 
 def sparse_compute(
@@ -53,27 +61,22 @@ def sparse_compute(
     """A ledger's events with each device computation's FLOPs replaced by the dense FLOPs
     that take as long on `hw` as it does sparse: what the timeline should time. Layer
     phases (`forward`, `backward`) and a resident `step` are scaled; the rest is not."""
-    fraction = 1 - hw.sparse_time(sparse.density, sparse.block)
-    layer, whole = sparse_share(model, seq)
-    factors = {"forward": 1 - layer * fraction, "backward": 1 - layer * fraction,
-               "step": 1 - whole * fraction}  # fmt: skip
-    return [
-        scale_compute([e], factors[e.phase.kind])[0] if e.phase.kind in factors else e
-        for e in events
-    ]
+    layer, whole = (_factor(share, hw, sparse) for share in sparse_share(model, seq))
+    factors = {"forward": layer, "backward": layer, "step": whole}
+    return [_scaled(e, factors[e.phase.kind]) if e.phase.kind in factors else e for e in events]
 
 
 def model_flops_sparse(
     model: ModelConfig, tokens: int, model_flops: float, sparse: SparsityConfig | None
 ) -> dict[str, float]:
-    """A plan's `model_flops_sparse`: the model FLOPs less 6 per token for each zero
-    weight (Dietrich et al. 2021, appendix A.2), the zero weights being `sparsity` of
-    the sparse kernels' L (4 d^2 + 2 d f) (ERK keeps the same total)."""
+    """A plan's `model_flops_sparse` (`flops.without_zero_weights`), the zero weights
+    being `sparsity` of the sparse kernels' L (4 d^2 + 2 d f) (ERK keeps the same
+    total)."""
     if sparse is None:
         return {}
     d, f = model.embed_dim, model.mlp_dim
     zeros = sparse.sparsity * model.num_layers * (4 * d * d + 2 * d * f)
-    return {"model_flops_sparse": model_flops - 6 * tokens * zeros}
+    return {"model_flops_sparse": flops.without_zero_weights(model_flops, tokens, zeros)}
 
 
 def sparse_report(hw: Hardware, sparse: SparsityConfig | None) -> dict[str, float]:

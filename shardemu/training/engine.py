@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from shardemu.accounting import flops
 from shardemu.accounting.count import PROCESS_COUNTER
 from shardemu.accounting.ledger import Event, Ledger
 from shardemu.phased.trainer import PhasedTrainer
@@ -75,16 +76,16 @@ def step_counts(ledger: Ledger, step: int) -> dict[str, Any]:
 
 def sparse_fields(counts: dict[str, Any], opt_states: list[Any], tokens: int) -> dict[str, Any]:
     """A sparse run's `density` and `model_flops_sparse` (nothing for a dense run): XLA
-    counts a masked matmul as dense, so the model FLOPs less what the zero weights would
-    not cost in a sparse kernel: 2 FLOPs per weight per token in each of the forward,
-    data-gradient and weight-gradient matmuls, all three scaled by density (Dietrich et
-    al. 2021, appendix A.2). `opt_states`: those that hold the masks."""
+    counts a masked matmul as dense, so the zero weights, counted from the masks in
+    `opt_states`, come off its model FLOPs (`flops.without_zero_weights`)."""
     sparse = sparse_counts(opt_states)
     if not sparse:
         return {}
     return {
         "density": sparse["density"],
-        "model_flops_sparse": counts["model_flops"] - 6 * tokens * sparse["zero_weights"],
+        "model_flops_sparse": flops.without_zero_weights(
+            counts["model_flops"], tokens, sparse["zero_weights"]
+        ),
     }
 
 

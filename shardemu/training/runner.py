@@ -330,7 +330,6 @@ def _engine(
 ) -> Engine:  # fmt: skip
     """The engine for these settings: phased when asked, pipelined when the mesh has
     stages or the step has microbatches, else resident."""
-    par = parallelism_of(mesh)
     if phased:
         if train_cfg.stage_layers is not None:
             raise ConfigError(
@@ -338,6 +337,7 @@ def _engine(
                 "its phases evenly over the stages (drop --stage-layers or --phased)"
             )
         return PhasedEngine(PhasedTrainer(model, mesh, train_cfg, phased, rules))
+    par = parallelism_of(mesh)
     if par.pipe > 1 or train_cfg.microbatches > 1:
         return PipelinedEngine(PipelinedTrainer(model, mesh, train_cfg, rules))
     return ResidentEngine(Trainer(model, mesh, train_cfg, rules))
