@@ -397,7 +397,7 @@ class TrainConfig:
         return self.batch // (parallelism.replica * self.microbatches * self.grad_accum)
 
 
-ActivationPolicy = Literal["keep", "offload", "recompute"]
+ActivationPolicy = Literal["keep", "offload", "recompute", "keep-activations"]
 OptimizerPlace = Literal["host", "device"]
 
 
@@ -422,6 +422,15 @@ class PhasedConfig:
                    in, the update runs on the device, weights and state stream out
     prefetch       request the next phase's weights before this phase runs (hidden
                    behind its compute), or only when they are needed
+    weight_streaming  train as a Cerebras weight-streaming cluster (MISSION.md, "Weight
+                   streaming"): `replica` is the N systems (tensor and pipe are 1), one
+                   layer a phase, each layer's weights broadcast to every system over
+                   SwarmX, each system's gradients leaving on their own and summed on
+                   the way to the host tier (SwarmX's reduce) rather than all-reduced
+                   between devices, the update in the host tier (MemoryX). Activations:
+                   `keep-activations` (this mode's own: the forward's activations stay
+                   on the device, its weights do not, so they stream in again for the
+                   backward, as on a CS-2) or `recompute`
     """
 
     phases: int | None = None
@@ -431,6 +440,7 @@ class PhasedConfig:
     activations: ActivationPolicy = "recompute"
     optimizer_on: OptimizerPlace = "host"
     prefetch: bool = True
+    weight_streaming: bool = False
 
     def __post_init__(self) -> None:
         if self.phases is not None:
@@ -440,12 +450,37 @@ class PhasedConfig:
             _require_positive("PhasedConfig", rts_optimizer=self.rts_optimizer)
         if self.device_memory is not None and self.device_memory < 1:
             raise ConfigError(f"--device-memory must be positive, got {self.device_memory}")
-        if self.activations not in ("keep", "offload", "recompute"):
+        if self.activations not in ("keep", "offload", "recompute", "keep-activations"):
             raise ConfigError(
-                f"--activations must be keep, offload or recompute, got {self.activations!r}"
+                f"--activations must be keep, offload, recompute or keep-activations, got "
+                f"{self.activations!r}"
             )
         if self.optimizer_on not in ("host", "device"):
             raise ConfigError(f"--optimizer-on must be host or device, got {self.optimizer_on!r}")
+        if self.weight_streaming:
+            self._check_weight_streaming()
+        elif self.activations == "keep-activations":
+            raise ConfigError(
+                "--activations keep-activations is weight streaming's policy (activations "
+                "kept per system, weights streamed again); add --weight-streaming, or use keep"
+            )
+
+    def _check_weight_streaming(self) -> None:
+        """What a weight-streaming cluster fixes: one layer a phase, whole weights on
+        every system, the update in MemoryX, activations kept or recomputed per system."""
+        fixed = [
+            (self.phases is not None, f"--phases {self.phases} (one layer a phase)"),
+            (self.rts != 1, f"--rts {self.rts} (every system receives whole weights)"),
+            (self.rts_opt != 1, f"--rts-optimizer {self.rts_opt} (the state lives in MemoryX)"),
+            (self.optimizer_on != "host", "--optimizer-on device (the update runs in MemoryX)"),
+            (
+                self.activations not in ("keep-activations", "recompute"),
+                f"--activations {self.activations} (use keep-activations or recompute)",
+            ),
+        ]
+        bad = [text for wrong, text in fixed if wrong]
+        if bad:
+            raise ConfigError(f"--weight-streaming does not take {'; '.join(bad)}")
 
     @property
     def rts_opt(self) -> int:
@@ -453,6 +488,11 @@ class PhasedConfig:
 
     def check_mesh(self, parallelism: Parallelism) -> None:
         r = parallelism.replica
+        if self.weight_streaming and (parallelism.tensor, parallelism.pipe) != (1, 1):
+            raise ConfigError(
+                f"--weight-streaming trains on --systems N (the replica axis); tensor and "
+                f"pipe must be 1, got mesh {parallelism}"
+            )
         if r % self.rts:
             raise ConfigError(f"--rts {self.rts} does not divide replica={r}; use a divisor of {r}")
         if self.rts_opt not in (1, self.rts, r):

@@ -1,13 +1,15 @@
 """The ledger: every transfer, collective and phase computation of a run, as events.
 
 An event records where it happened (step, a typed `Phase`, the pipeline `stage`), what
-it was (`kind`: h2d, d2h, collective or compute), what it carried (weights, gradients,
+it was (`kind`: h2d, d2h, collective, compute, or weight streaming's SwarmX `broadcast`
+and `reduce` over the `swarmx` link), what it carried (weights, gradients,
 activations, optimizer_state), over which mesh axis, on how many devices, and its bytes
 (summed over those devices) and FLOPs (summed over those devices). A collective also
 names its `op` and `group` size, and its bytes are those its devices send
-(`collectives.py`); a compute event names the tier it ran in (`on`) and how many of its
-FLOPs recompute a forward pass (`recompute_flops`). Per-step totals are what
-`metrics.jsonl` reports; the event list is what `ledger.json` holds.
+(`collectives.py`); a broadcast's or reduce's bytes are what each link of the SwarmX tree
+carries (one copy; `devices` is the number of systems); a compute event names the tier
+it ran in (`on`) and how many of its FLOPs recompute a forward pass (`recompute_flops`).
+Per-step totals are what `metrics.jsonl` reports; the event list is what `ledger.json` holds.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-Kind = Literal["h2d", "d2h", "collective", "compute"]
+Kind = Literal["h2d", "d2h", "collective", "compute", "broadcast", "reduce"]
 Carries = Literal["weights", "gradients", "activations", "optimizer_state", ""]
 Where = Literal["device", "host"]
 PhaseKind = Literal[
@@ -100,7 +102,8 @@ def totals(events: Iterable[Event]) -> dict[str, Any]:
     """The metrics of a step's events: `flops` (executed), `model_flops` (forward and
     backward without recomputation or the optimizer, as in model FLOPs utilisation:
     Chowdhery et al. 2022, "PaLM", Appendix B), `bytes_h2d`, `bytes_d2h`,
-    `bytes_h2d_weights`, `bytes_d2h_gradients` and `bytes_collective` by mesh axis."""
+    `bytes_h2d_weights`, `bytes_d2h_gradients`, `bytes_collective` by mesh axis, and for
+    weight streaming `bytes_broadcast` and `bytes_reduce` (per SwarmX link)."""
     out: dict[str, Any] = {
         "flops": 0.0,
         "model_flops": 0.0,
@@ -122,6 +125,8 @@ def totals(events: Iterable[Event]) -> dict[str, Any]:
             out["bytes_d2h_gradients"] += e.bytes
         if e.kind == "collective":
             collective[e.axis or "?"] += e.bytes
+        if e.kind in ("broadcast", "reduce"):
+            out[f"bytes_{e.kind}"] = out.get(f"bytes_{e.kind}", 0) + e.bytes
     out["bytes_collective"] = dict(collective)
     return out
 

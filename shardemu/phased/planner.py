@@ -111,6 +111,7 @@ def plan(trainer: PhasedTrainer, layout: Layout) -> tuple[dict[str, Any], Ledger
         "rts_optimizer": cfg.rts_opt,
         "activations": cfg.activations,
         "optimizer_on": cfg.optimizer_on,
+        "weight_streaming": cfg.weight_streaming,
         "device_memory": cfg.device_memory,
         "device_high_water": run.device_peak,
         "host_bytes_per_device": {

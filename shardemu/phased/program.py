@@ -90,11 +90,15 @@ class Forward:
     activation_bytes: list[int] = field(default_factory=list)
 
 
-def fetch_layers(ex: Executor, lay: Layout, state: PhasedState, i: int, kind: str) -> Any:
-    """Phase i's stored weights, host tier -> its stage's device tier."""
+def fetch_layers(
+    ex: Executor, lay: Layout, cfg: PhasedConfig, state: PhasedState, i: int, kind: str
+) -> Any:
+    """Phase i's stored weights, host tier -> its stage's device tier (with weight
+    streaming, broadcast to every system)."""
     st, w = lay.stage_of(i), state.layers[i]
     nbytes = st.layer_bytes(w, state.opt_layers[i])
-    return ex.to_device(st.index, f"w{i}", w, st.layer_store, lay.phase(kind, i), "weights", nbytes)
+    fetch = ex.broadcast if cfg.weight_streaming else ex.to_device
+    return fetch(st.index, f"w{i}", w, st.layer_store, lay.phase(kind, i), "weights", nbytes)
 
 
 def gather(
@@ -124,7 +128,8 @@ def fetch_shared(
     shared = {}
     for st in {first.index: first, last.index: last}.values():
         key = f"shared@{st.index}"
-        stored = ex.to_device(st.index, key, state.shared, st.shared_store, SHARED, "weights")
+        fetch = ex.broadcast if cfg.weight_streaming else ex.to_device
+        stored = fetch(st.index, key, state.shared, st.shared_store, SHARED, "weights")
         shared[st.index] = gather(ex, cfg, st, key, stored, "shared", SHARED, 1)
     return shared
 
@@ -141,11 +146,11 @@ def forward(
     ex.tiers[first.index].admit("x0", bytes_per_device(x), EMBED)
     out = Forward(None, None, None, {0: mask}, {}, {})
     ahead = 1 if cfg.prefetch else 0  # phases fetched before the one that runs
-    fetched = {0: fetch_layers(ex, lay, state, 0, "forward")}
+    fetched = {0: fetch_layers(ex, lay, cfg, state, 0, "forward")}
     for i in range(n):
         st, phase, tier = lay.stage_of(i), lay.phase("forward", i), ex.tiers[lay.stage_of(i).index]
         if i + ahead < n and i + ahead not in fetched:
-            fetched[i + ahead] = fetch_layers(ex, lay, state, i + ahead, "forward")
+            fetched[i + ahead] = fetch_layers(ex, lay, cfg, state, i + ahead, "forward")
         if st.index not in out.masks:  # first phase of a later stage: x arrives over `pipe`
             prev = lay.stage_of(i - 1)
             x, out.masks[st.index] = ex.send(
@@ -163,6 +168,12 @@ def forward(
             tier.admit(f"res{i}", bytes_per_device(vjp), phase)
             tier.release(f"x{i}")
             out.activation_bytes.append(bytes_per_device(vjp))
+        elif cfg.activations == "keep-activations":
+            y, kept = ex.run(phase, "fwd-acts", st.fn("fwd-acts"), st, args, count, k)
+            out.kept[i] = (kept, count)
+            tier.admit(f"res{i}", bytes_per_device(kept), phase)
+            tier.release(f"x{i}")
+            out.activation_bytes.append(bytes_per_device(kept))
         else:
             y = ex.run(phase, "fwd", st.fn("fwd"), st, args, count, k)
             out.activation_bytes.append(bytes_per_device(x))
@@ -204,9 +215,19 @@ def backward_phase(
         g_w, g_x = ex.run(phase, "bwd-keep", st.fn("bwd-keep"), st, (vjp, g_x), (vjp_one, g_x), k)
         tier.release(f"res{i}")
         return g_w, g_x
+    weights, held = gather(ex, cfg, st, f"w{i}", fwd.fetched.pop(i), "layers", phase, k)
+    if cfg.activations == "keep-activations":  # the weights came in again, the rest stayed
+        kept, count = fwd.kept.pop(i)
+        _, kept_one = ex.shape("fwd-acts", st.fn("fwd-acts"), st, count)
+        args = (weights, kept, g_x)
+        g_w, g_x = ex.run(
+            phase, "bwd-acts", st.fn("bwd-acts"), st, args, (count[0], kept_one, g_x), k
+        )
+        tier.release(held)
+        tier.release(f"res{i}")
+        return g_w, g_x
     x_i = restored.pop(i) if cfg.activations == "offload" else fwd.kept.pop(i)
     mask = fwd.masks[st.index]
-    weights, held = gather(ex, cfg, st, f"w{i}", fwd.fetched.pop(i), "layers", phase, k)
     count = (one_layer(weights), x_i, mask)
     g_w, g_x = ex.run(
         phase, "bwd", st.fn("bwd"), st, (weights, x_i, mask, g_x), (*count, g_x), k,
@@ -233,7 +254,7 @@ def backward(
     def prefetch(j: int) -> None:
         if cfg.activations == "keep":
             return
-        fwd.fetched[j] = fetch_layers(ex, lay, state, j, "backward")
+        fwd.fetched[j] = fetch_layers(ex, lay, cfg, state, j, "backward")
         if cfg.activations == "offload":
             sj = lay.stage_of(j)
             restored[j] = ex.to_device(
@@ -252,10 +273,9 @@ def backward(
             g_x = ex.send(lay.stage_of(i + 1).index, g_x, st.act, phase, "gradients")
         g_w, g_x = backward_phase(ex, lay, cfg, fwd, i, g_x, restored)
         opt = state.opt_layers[i]
-        if isinstance(opt, SparseState):  # the masks came in as the weights' coordinates
-            g_w = sparse_grads(ex, st, phase, g_w, ex.place(opt.masks, st.on_device(opt.masks)))
-        squares.append(ex.run(phase, "sq-norm", st.fn("sq-norm"), st, (g_w,)))
-        grads[i] = ex.to_host(st.index, g_w, st.layer_store, phase, "gradients")
+        masks = opt.masks if isinstance(opt, SparseState) else None
+        grads[i], square = gradients_out(ex, cfg, st, phase, "layers", g_w, masks)
+        squares.append(square)
 
     args = (shared[0][0], batches[0], g_x)
     g_embed = ex.run(EMBED_BWD, "embed-bwd", first.fn("embed-bwd"), first, args)
@@ -263,12 +283,32 @@ def backward(
     if last is not first:  # the tied embedding's second term, from the head's stage
         g_head = ex.send(last.index, g_head, first.shared_store, SHARED_BWD, "gradients")
     g_shared = ex.run(EMBED_BWD, "add", first.fn("add"), first, (g_embed, g_head))
-    squares.append(ex.run(SHARED_BWD, "sq-norm", first.fn("sq-norm"), first, (g_shared,)))
-    shared_grads = ex.to_host(first.index, g_shared, first.shared_store, SHARED_BWD, "gradients")
+    shared_grads, square = gradients_out(ex, cfg, first, SHARED_BWD, "shared", g_shared, None)
+    squares.append(square)
     for st_index, (_, key) in shared.items():
         ex.tiers[st_index].release(key)
     norm = math.sqrt(sum(float(s) for s in squares)) if ex.real else 0.0
     return grads, shared_grads, norm
+
+
+def gradients_out(
+    ex: Executor, cfg: PhasedConfig, st: Stage, phase: Phase, part: str, grads: Any,
+    masks: Any,
+) -> tuple[Any, Any]:  # fmt: skip
+    """Gradients of a stack of layers (or of the shared weights) from the device tier
+    to the host tier: (the gradients there, their squared norm). A sparse run's `masks`
+    (in the host tier) drop its zero weights' gradients first, so that the norm that
+    clips them is the sparse model's. With weight streaming, `grads` are stacked per
+    system and SwarmX sums them on the way (`Executor.reduce`)."""
+    store = st.layer_store if part == "layers" else st.shared_store
+    if cfg.weight_streaming:
+        rows = jax.tree.map(lambda _: st.stacked, store)
+        name = f"swarmx-reduce-{part}"
+        return ex.reduce(st, name, st.fn(name), grads, rows, masks, phase, "gradients")
+    if masks is not None:  # the masks came in as the weights' coordinates
+        grads = sparse_grads(ex, st, phase, grads, ex.place(masks, st.on_device(masks)))
+    square = ex.run(phase, "sq-norm", st.fn("sq-norm"), st, (grads,))
+    return ex.to_host(st.index, grads, store, phase, "gradients"), square
 
 
 def update_part(
@@ -344,5 +384,6 @@ def run_step(
     fwd = forward(ex, lay, cfg, state, batches, shared)
     grads, shared_grads, norm = backward(ex, lay, cfg, state, fwd, shared, batches)
     new_state = update(ex, lay, cfg, state, grads, shared_grads, norm)
-    loss = float(fwd.loss) if ex.real else math.nan
+    # with weight streaming, the loss comes as each system's share
+    loss = float(np.sum(fwd.loss)) if ex.real else math.nan
     return StepOutput(new_state, PhasedState(shared_grads, grads, None, []), loss, norm, fwd)

@@ -87,7 +87,7 @@ class PhasedTrainer:
         self.tiers = [Tier(f"device (stage {s})", cfg.device_memory) for s in range(par.pipe)]
         layers = model.cfg.num_layers
         phases = cfg.phases or planner.valid_phase_counts(layers, par.pipe)[-1]
-        if cfg.phases is None and cfg.device_memory is not None:
+        if cfg.phases is None and cfg.device_memory is not None and not cfg.weight_streaming:
             phases = planner.fewest_phases_that_fit(self, cfg.device_memory)
         self.slices = planner.phase_slices(layers, phases, par.pipe)
         self.steps_done = 0

@@ -21,8 +21,13 @@ previous event and after what it depends on:
 - the optimizer update waits for every gradient to reach the host (clipping needs the
   global norm).
 
+Weight streaming's SwarmX `broadcast` and `reduce` events have streams of their own and
+the dependencies of a host-to-device transfer and of gradients leaving, respectively.
+
 Durations: computation = FLOPs per device / (peak * efficiency); on the host, / host
-FLOP/s. A transfer = bytes per device / host-link bandwidth. A collective = bytes each
+FLOP/s. A transfer = bytes per device / host-link bandwidth. A SwarmX broadcast or reduce
+= bytes per link / the slower of the system's I/O and MemoryX, plus a latency per level
+of the tree (`Hardware.swarmx_seconds`). A collective = bytes each
 device sends (the ledger holds the ring algorithm's: `collectives.py`) / the link
 bandwidth of its axis, intra-node when the axis's device group fits in one node (the
 mesh is laid out pipe, replica, tensor with tensor innermost), else inter-node.
@@ -47,6 +52,7 @@ BREAKDOWN = ("compute_s", "exposed_transfer_s", "exposed_communication_s", "host
              "pipeline_bubble_s")  # fmt: skip
 # exposed-time categories, by the stream that keeps the stage busy, in priority order
 _EXPOSED = (("h2d", "exposed_transfer_s"), ("d2h", "exposed_transfer_s"),
+            ("broadcast", "exposed_transfer_s"), ("reduce", "exposed_transfer_s"),
             ("collective", "exposed_communication_s"), ("host", "host_update_s"))  # fmt: skip
 
 
@@ -109,6 +115,8 @@ def duration(event: Event, hw: Hardware, par: Parallelism) -> float:
         return event.flops * per_device / (rate * 1e12)
     if event.kind in ("h2d", "d2h"):
         return event.bytes * per_device / (hw.host_link_gbps * GB)
+    if event.kind in ("broadcast", "reduce"):  # bytes per SwarmX link; devices = systems
+        return hw.swarmx_seconds(event.bytes, event.devices)
     intra = axis_span(event.axis or "", par) <= hw.devices_per_node
     bandwidth = hw.intra_node_gbps if intra else hw.inter_node_gbps
     return event.bytes * per_device / (bandwidth * GB)
@@ -133,7 +141,7 @@ def build_timeline(events: list[Event], hw: Hardware, par: Parallelism) -> Timel
         else:
             if (e.phase, e.stage) in last_compute:
                 ready = max(ready, last_compute[(e.phase, e.stage)].end)
-            if e.kind == "h2d" and e.stage in last_compute_on_stage:
+            if e.kind in ("h2d", "broadcast") and e.stage in last_compute_on_stage:
                 ready = max(ready, last_compute_on_stage[e.stage].end)
             if e.axis == "pipe":  # sends what its stage computed last, with its collectives
                 produced = [*pending.get(e.stage, []), last_compute_on_stage.get(e.stage)]
@@ -151,7 +159,7 @@ def build_timeline(events: list[Event], hw: Hardware, par: Parallelism) -> Timel
             phase_inputs[e.phase].append(span)
         if e.kind == "collective" and e.axis != "pipe":
             pending[e.stage].append(span)
-        if e.kind == "d2h" and e.carries == "gradients":
+        if e.kind in ("d2h", "reduce") and e.carries == "gradients":
             gradients_out.append(span)
     step = max((s.end for s in spans), default=0.0)
     timeline = Timeline(spans, step)

@@ -55,6 +55,13 @@ class Hardware:
     # blocks, as a fraction of the dense rate. A block size not listed runs as a masked
     # dense matmul (no faster than dense). TOML: block_sparse_speed = [[16, 0.1]]
     block_sparse_speed: tuple[tuple[int, float], ...] = ()
+    # Weight streaming (SwarmX between MemoryX and the systems): a tree of broadcast /
+    # reduce nodes with `swarmx_fanout` children each, `swarmx_hop_us` of latency per
+    # level, reducing at line rate; MemoryX feeds (and takes from) the tree at
+    # `memoryx_gbps` (None: no limit beyond each system's host link).
+    swarmx_fanout: int = 4
+    swarmx_hop_us: float = 1.0
+    memoryx_gbps: float | None = None
 
     def __post_init__(self) -> None:
         for key in (
@@ -66,14 +73,24 @@ class Hardware:
                 raise HardwareError(
                     f"hardware {self.name!r}: {key} must be a finite positive number, got {value!r}"
                 )
-        if (
-            not isinstance(self.devices_per_node, int)
-            or isinstance(self.devices_per_node, bool)
-            or self.devices_per_node < 1
+        for key, least in (("devices_per_node", 1), ("swarmx_fanout", 2)):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise HardwareError(
+                    f"hardware {self.name!r}: {key} must be an integer of at least {least}, "
+                    f"got {value!r}"
+                )
+        if not (_real(self.swarmx_hop_us) and self.swarmx_hop_us >= 0):
+            raise HardwareError(
+                f"hardware {self.name!r}: swarmx_hop_us must be a finite number >= 0, "
+                f"got {self.swarmx_hop_us!r}"
+            )
+        if self.memoryx_gbps is not None and not (
+            _real(self.memoryx_gbps) and self.memoryx_gbps > 0
         ):
             raise HardwareError(
-                f"hardware {self.name!r}: devices_per_node must be a positive integer, "
-                f"got {self.devices_per_node!r}"
+                f"hardware {self.name!r}: memoryx_gbps must be a finite positive number "
+                f"(or left out: no limit), got {self.memoryx_gbps!r}"
             )
         if not (_real(self.efficiency) and 0 < self.efficiency <= 1):
             raise HardwareError(
@@ -98,6 +115,23 @@ class Hardware:
         runtime that could not gain would run it dense and masked)."""
         speed = dict(self.block_sparse_speed).get(block)
         return 1.0 if speed is None else min(1.0, density / speed)
+
+    def swarmx_levels(self, systems: int) -> int:
+        """Levels of the SwarmX tree between MemoryX and `systems` systems: the depth
+        of a `swarmx_fanout`-ary tree with that many leaves, at least one node."""
+        levels = 1
+        while self.swarmx_fanout**levels < systems:
+            levels += 1
+        return levels
+
+    def swarmx_seconds(self, link_bytes: int, systems: int) -> float:
+        """A broadcast to (or reduce from) `systems` systems of `link_bytes` per link:
+        every link carries them at the slower of a system's I/O and MemoryX's rate
+        (the tree's nodes forward, and reduce, at line rate), plus one hop latency per
+        level (cerebras.net glossary, "SwarmX": nodes grow linearly with the systems,
+        latency as log N)."""
+        rate = min(self.host_link_gbps, self.memoryx_gbps or math.inf) * GB
+        return link_bytes / rate + self.swarmx_levels(systems) * self.swarmx_hop_us * 1e-6
 
     @property
     def device_memory_bytes(self) -> int:
@@ -202,6 +236,12 @@ PROFILES: dict[str, Hardware] = {
     # granularity ("a sparse GEMM becomes one AXPY per non-zero weight": MISSION.md; Lie,
     # "Cerebras Architecture Deep Dive", Hot Chips 34, 2022): the dense rate on the
     # non-zeros for every block size.
+    # SwarmX (cerebras.net glossary, "SwarmX"; MISSION.md): a tree of broadcast/reduce
+    # nodes with 100 Gb/s interfaces and a 1:4 fan-out, reducing gradients at line rate;
+    # each system takes weights at up to its 1.2 Tb/s I/O (host_link_gbps above).
+    # Not published, so profile keys to override: the latency per tree level (1 us, our
+    # estimate of one switch hop), and MemoryX's own rate into the tree (assumed equal
+    # to one system's I/O, so that a single system is fed at line rate).
     "cs2": Hardware(
         name="cs2",
         peak_tflops=7500.0,
@@ -215,6 +255,9 @@ PROFILES: dict[str, Hardware] = {
         host_tflops=10.0,
         description="Cerebras CS-2 (WSE-2) with MemoryX and SwarmX",
         block_sparse_speed=tuple((b, 1.0) for b in BLOCK_SIZES),
+        swarmx_fanout=4,
+        swarmx_hop_us=1.0,
+        memoryx_gbps=150.0,
     ),
     # NVIDIA A100 datasheet (2021): 312 TFLOP/s BF16 dense; 40 GB HBM2 / 80 GB HBM2e;
     # NVLink 3: 600 GB/s per GPU (300 per direction); PCIe Gen4 x16: 32 GB/s per direction.

@@ -73,6 +73,48 @@ class Executor:
         self._record_transfer(phase, "d2h", carries, out, stage, nbytes)
         return out
 
+    def broadcast(
+        self, stage: int, key: str, tree: Any, shardings: Any, phase: Phase, carries: Carries,
+        nbytes: int | None = None,
+    ) -> Any:  # fmt: skip
+        """Host tier (MemoryX) -> every system over SwarmX (weight streaming): each
+        system's device tier admits `key`, whole weights on each (`shardings` replicate
+        over the systems). One `broadcast` event over the `swarmx` link whose bytes are
+        what each link of the tree carries: one copy (of `nbytes`' layout, as in
+        `to_device`)."""
+        out = self.place(tree, with_memory_kind(shardings, "device"))
+        self.tiers[stage].admit(key, bytes_per_device(out), phase)
+        systems = _devices(out)
+        copies = bytes_all_devices(out) if nbytes is None else nbytes
+        self.ledger.record(
+            Event(
+                self.step, phase, "broadcast", carries, copies // systems, axis="swarmx",
+                devices=systems, stage=stage,
+            )
+        )  # fmt: skip
+        return out
+
+    def reduce(
+        self, stage: StageLike, name: str, fn: Any, stacked: Any, shardings: Any,
+        masks: Any, phase: Phase, carries: Carries,
+    ) -> Any:  # fmt: skip
+        """Every system's gradients -> the host tier, summed on the way (SwarmX's
+        reduce): the [systems, ...] stack leaves the devices (each system its own row,
+        in `shardings`) and `fn(stack, masks)` sums it where it lands. One `reduce`
+        event over the `swarmx` link whose bytes are what each link carries: one
+        system's gradients. The sum is the network's, so it is not a computation of the
+        ledger (nor are the cross-device adds XLA compiles it into collectives)."""
+        rows = self.place(stacked, with_memory_kind(shardings, "pinned_host"))
+        systems = _devices(rows)
+        self.ledger.record(
+            Event(
+                self.step, phase, "reduce", carries, bytes_all_devices(rows) // systems,
+                axis="swarmx", devices=systems, stage=stage.index,
+            )
+        )  # fmt: skip
+        args = (rows, masks)
+        return fn(*args) if self.real else self.shape(name, fn, stage, args)
+
     def send(self, stage: int, tree: Any, shardings: Any, phase: Phase, carries: Carries) -> Any:
         """Device to device across pipeline stages: a point-to-point transfer over `pipe`."""
         out = self.place(tree, shardings)

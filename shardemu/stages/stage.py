@@ -29,6 +29,7 @@ from shardemu.parallel.rules import Rules, activation_rules, logical_to_spec, re
 from shardemu.sparsity import apply_masks, init_state, opt_state_shardings, sparse_optimizer
 from shardemu.sparsity.storage import compressed_bytes
 from shardemu.stages.executor import Executor
+from shardemu.stages.systems import per_system_builders
 from shardemu.stages.tiers import with_memory_kind
 from shardemu.training.optim import clip_by_norm, make_optimizer
 
@@ -150,7 +151,7 @@ class Stage:
         self, index: int, mesh: Mesh, specs: Specs, rules: Rules, model: Model,
         train: TrainConfig, tx_layers: optax.GradientTransformation,
         tx_shared: optax.GradientTransformation, opt_layer_shapes: Any, opt_shared_shapes: Any,
-        layer_logical: Any,
+        layer_logical: Any, per_system: bool = False,
     ) -> None:  # fmt: skip
         self.index, self.mesh, self.rules, self.model, self.train = index, mesh, rules, model, train
         self.layer_logical = layer_logical
@@ -169,10 +170,14 @@ class Stage:
         )
         self.batch = {k: NamedSharding(mesh, s) for k, s in specs.batch.items()}
         self.replicated = NamedSharding(mesh, PartitionSpec())
+        # weight streaming's per-system stacks: one row per system (the batch's axes)
+        self.stacked = NamedSharding(mesh, PartitionSpec(specs.act[0]))
         self.tx_layers, self.tx_shared = tx_layers, tx_shared
         self.layer_opt = self._opt(tx_layers, opt_layer_shapes, named(specs.layer_opt))
         self.shared_opt = self._opt(tx_shared, opt_shared_shapes, named(specs.shared_opt))
         self._fns: dict[str, Any] = {}
+        # weight streaming: the gradient pieces run per system (`systems.py`)
+        self._per_system = per_system_builders(self) if per_system else {}
 
     def _opt(self, tx: optax.GradientTransformation, state_shapes: Any, shardings: Any) -> Any:
         """Shardings of `tx`'s state: like its parameters; scalars replicated."""
@@ -210,15 +215,7 @@ class Stage:
 
             return jax.jit(run, **out)
 
-        def layer_vjp(w: Any, x: jax.Array, mask: jax.Array) -> Any:
-            return jax.vjp(lambda w_, x_: model.apply_layers(w_, x_, mask), w, x)
-
-        def head_loss(shared: Any, x: jax.Array, batch: dict, counts: Any = None) -> jax.Array:
-            """The loss of `batch`; of a microbatch, its share of the whole batch's loss
-            when `counts` are the whole batch's (`models/__init__.py`)."""
-            sums = model.loss_sums(model.head(shared, x), batch)
-            return normalise(sums, model.loss_counts(batch) if counts is None else counts)
-
+        layer_vjp, head_loss = self.layer_vjp, self.head_loss
         grads_out = {"out_shardings": (self.layer_store, self.act)}
         builders = {
             "gather-layers": lambda: jax.jit(lambda w: w, out_shardings=self.layer_compute),
@@ -243,7 +240,20 @@ class Stage:
         for part in ("layers", "shared"):
             for kind in ("device", "pinned_host"):
                 builders[f"update-{part}-{kind}"] = lambda p=part, k=kind: self._update(p, k)
-        return builders[name]()
+        return (builders | self._per_system)[name]()
+
+    def layer_vjp(self, w: Any, x: jax.Array, mask: jax.Array) -> Any:
+        """(layers(w, x), its vjp): the forward of a stack of layers and what its
+        backward needs."""
+        return jax.vjp(lambda w_, x_: self.model.apply_layers(w_, x_, mask), w, x)
+
+    def head_loss(self, shared: Any, x: jax.Array, batch: dict, counts: Any = None) -> jax.Array:
+        """The loss of `batch`; of a microbatch (or one system's share of the batch), its
+        share of the whole batch's loss when `counts` are the whole batch's
+        (`models/__init__.py`)."""
+        model = self.model
+        sums = model.loss_sums(model.head(shared, x), batch)
+        return normalise(sums, model.loss_counts(batch) if counts is None else counts)
 
     def _update(self, part: str, kind: str) -> Any:
         """The clipped optimizer update of one phase's layers (or the shared weights),
@@ -335,7 +345,19 @@ def _stages(
     tx_shared = make_optimizer(train, shared, shared_logical, clip=False)
     opt_shapes = (jax.eval_shape(tx_layers.init, one), jax.eval_shape(tx_shared.init, shared))
     stages = tuple(
-        Stage(s, m, specs, rules, model, train, tx_layers, tx_shared, *opt_shapes, logical[key])
+        Stage(
+            s,
+            m,
+            specs,
+            rules,
+            model,
+            train,
+            tx_layers,
+            tx_shared,
+            *opt_shapes,
+            logical[key],
+            per_system=cfg.weight_streaming,
+        )  # fmt: skip
         for s, m in enumerate(meshes)
     )
     return Pieces(stages, tx_layers, tx_shared, one, shared, logical[key], train)
