@@ -24,6 +24,7 @@ from shardemu.cli.args import (
     build_parser,
     given_options,
     model_config,
+    parallelism,
     phased_config,
     pipeline_config,
     sparsity_config,
@@ -50,7 +51,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     if args.resume is not None:
         _run_resumed(args)
         return
-    par = Parallelism.parse(args.mesh)
+    par = parallelism(args)
     devices = _devices(args, par)
     train_cfg = TrainConfig(
         steps=args.steps,
@@ -101,7 +102,7 @@ def _devices(args: argparse.Namespace, par: Parallelism) -> list[Any]:
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     """`run --processes N`: check what the processes could not do, then launch them."""
-    n, par = args.processes, Parallelism.parse(args.mesh)
+    n, par = args.processes, parallelism(args)
     count = _device_count(args, par)
     if n < 1 or count % n:
         raise ConfigError(
@@ -112,7 +113,8 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
         flag
         for flag, used in (
             ("--mesh pipe > 1", par.pipe > 1), ("--microbatches > 1", args.microbatches > 1),
-            ("--phased", args.phased), ("--checkpoint-every", args.checkpoint_every is not None),
+            ("--phased", args.phased or args.weight_streaming),
+            ("--checkpoint-every", args.checkpoint_every is not None),
             ("--resume", args.resume is not None),
         )
         if used
@@ -138,7 +140,7 @@ def _run_resumed(args: argparse.Namespace) -> None:
     from shardemu.training.runner import resume_settings
 
     was = resume_settings(args.resume)
-    par = Parallelism.parse(args.mesh) if "mesh" in args.given else was.parallelism
+    par = parallelism(args) if "mesh" in args.given else was.parallelism
     train_cfg = was.train
     if "steps" in args.given:
         train_cfg = dataclasses.replace(train_cfg, steps=args.steps)
@@ -209,7 +211,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_describe(args: argparse.Namespace) -> None:
     from shardemu.report.describe import describe
 
-    par = Parallelism.parse(args.mesh)
+    par = parallelism(args)
     phased = phased_config(args)
     if phased:  # the plan runs on one stage's virtual devices: set them up first
         use_virtual_devices(par.tensor * par.replica)
@@ -237,7 +239,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from shardemu.report.plandir import flatten
     from shardemu.report.rundir import default_run_dir, require_new
 
-    par = Parallelism.parse(args.mesh)
+    par = parallelism(args)
     phased = phased_config(args)
     hardware = get_hardware(args.hardware) if args.hardware else None
     tracking = tracking_config(args)
@@ -330,12 +332,12 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 def _devices_needed(args: argparse.Namespace) -> int:
     """The virtual devices a run or plan command line needs in this process."""
-    par = Parallelism.parse(args.mesh)
+    par = parallelism(args)
     if args.command == "run":
         return _device_count(args, par)
     from shardemu.predict.plan_phased import plan_devices
 
-    return plan_devices(par) if args.phased else par.tensor
+    return plan_devices(par) if args.phased or args.weight_streaming else par.tensor
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:

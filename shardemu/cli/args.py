@@ -14,6 +14,7 @@ from shardemu.config import (
     DATASETS,
     ConfigError,
     ModelConfig,
+    Parallelism,
     PhasedConfig,
     SparsityConfig,
     TrainConfig,
@@ -203,9 +204,10 @@ def phased_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--activations",
-        choices=("keep", "offload", "recompute"),
-        default=d.activations,
-        help="what a phase's backward gets from its forward",
+        choices=("keep", "offload", "recompute", "keep-activations"),
+        default=None,
+        help="what a phase's backward gets from its forward (default: recompute; with "
+        "--weight-streaming, keep-activations)",
     )
     p.add_argument(
         "--optimizer-on",
@@ -218,6 +220,19 @@ def phased_args(p: argparse.ArgumentParser) -> None:
         dest="prefetch",
         action="store_false",
         help="fetch a phase's weights only when it runs (default: one phase ahead)",
+    )
+    p.add_argument(
+        "--weight-streaming",
+        action="store_true",
+        help="train as a Cerebras weight-streaming cluster: phased, one layer a phase, "
+        "weights broadcast to --systems over SwarmX, gradients reduced into MemoryX",
+    )
+    p.add_argument(
+        "--systems",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --weight-streaming: the systems (the mesh replica=N; default 1)",
     )
 
 
@@ -423,22 +438,42 @@ def phased_config(args: argparse.Namespace) -> PhasedConfig | None:
             ("--device-memory", args.device_memory, None),
             ("--rts", args.rts, d.rts),
             ("--rts-optimizer", args.rts_optimizer, None),
-            ("--activations", args.activations, d.activations),
+            ("--activations", args.activations, None),
             ("--optimizer-on", args.optimizer_on, d.optimizer_on),
             ("--no-prefetch", args.prefetch, d.prefetch),
         )
         if value != default
     ]
-    if not args.phased:
+    streaming = args.weight_streaming  # a configuration of phased execution
+    if not (args.phased or streaming):
         if given:
             raise ConfigError(f"{', '.join(given)} need --phased")
         return None
+    default_activations = "keep-activations" if streaming else d.activations
     return PhasedConfig(
         phases=args.phases,
         device_memory=args.device_memory,
         rts=args.rts,
         rts_optimizer=args.rts_optimizer,
-        activations=args.activations,
+        activations=args.activations or default_activations,
         optimizer_on=args.optimizer_on,
         prefetch=args.prefetch,
+        weight_streaming=streaming,
     )
+
+
+def parallelism(args: argparse.Namespace) -> Parallelism:
+    """The mesh of --mesh, or of --systems N with --weight-streaming: replica=N."""
+    par = Parallelism.parse(args.mesh)
+    systems = getattr(args, "systems", None)
+    if systems is None:
+        return par
+    if not getattr(args, "weight_streaming", False):
+        raise ConfigError(f"--systems {systems} goes with --weight-streaming")
+    if systems < 1:
+        raise ConfigError(f"--systems must be a positive number of systems, got {systems}")
+    if args.mesh and par != Parallelism(replica=systems):
+        raise ConfigError(
+            f"--systems {systems} is the mesh replica={systems}, but --mesh says {par}; drop --mesh"
+        )
+    return Parallelism(replica=systems)

@@ -20,6 +20,7 @@ from shardemu.accounting import flops
 from shardemu.accounting.assemble import repeat_passes
 from shardemu.accounting.ledger import Ledger
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.errors import CapacityError
 from shardemu.models import Model, param_bytes, param_count
 from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import Rules
@@ -84,6 +85,8 @@ def plan_phased(
         sched = make_schedule("1f1b", par.pipe, passes)
         ledger = Ledger(repeat_passes(ledger.events, sched))
         device_peak += _in_flight_activations(plan, sched, phased)
+    if phased.weight_streaming and hardware is not None:
+        _check_activations_fit(device_peak, hardware, pass_cfg, par)
     totals = ledger.step_totals(0)
     analytic = flops.training_step(model_cfg, train_cfg.batch, train_cfg.seq)
     shapes, _ = model.abstract_params()
@@ -129,6 +132,23 @@ def plan_phased(
         write_plan_dir(Path(out), report, ledger, timeline, tracking)
     report["elapsed_s"] = time.perf_counter() - t0
     return report
+
+
+def _check_activations_fit(
+    device_peak: int, hardware: Hardware, pass_cfg: TrainConfig, par: Parallelism
+) -> None:
+    """Weight streaming keeps a system's activations on its device tier (MISSION.md:
+    "activations stay on the wafer"): refuse a pass (`pass_cfg`: the sequences that go
+    through the layers together) whose activations do not fit."""
+    capacity = hardware.device_memory_bytes
+    if device_peak > capacity:
+        raise CapacityError(
+            f"weight streaming keeps each system's activations on its device: "
+            f"{device_peak:,} bytes per system for {pass_cfg.batch // par.replica} "
+            f"sequences of {pass_cfg.seq} at a time, more than {hardware.name}'s "
+            f"{capacity:,}; stream fewer sequences at a time (--microbatch-size), use more "
+            f"--systems, or --activations recompute"
+        )
 
 
 def _passes(
