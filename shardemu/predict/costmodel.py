@@ -9,6 +9,8 @@ previous event and after what it depends on:
 - a computation waits for the transfers and collectives of its own phase recorded before
   it (the weights it fetched and gathered, the activations it received or restored), and
   for the collectives of the computation before it on its stage (they produce its input);
+  the embedding's and the head's computations also wait for the shared weights' transfers
+  to their stage;
 - a transfer or collective waits for the last computation of its phase on its stage
   recorded before it (the gradients or activations it carries, or, for collectives read
   from a compiled piece, the piece itself: bulk-synchronous compute then exchange, the
@@ -54,6 +56,9 @@ BREAKDOWN = ("compute_s", "exposed_transfer_s", "exposed_communication_s", "host
 _EXPOSED = (("h2d", "exposed_transfer_s"), ("d2h", "exposed_transfer_s"),
             ("broadcast", "exposed_transfer_s"), ("reduce", "exposed_transfer_s"),
             ("collective", "exposed_communication_s"), ("host", "host_update_s"))  # fmt: skip
+
+# computations that use the shared weights (embedding, head)
+_READS_SHARED = ("embed", "head", "embed-backward", "shared-backward")
 
 
 @dataclass(frozen=True)
@@ -132,11 +137,14 @@ def build_timeline(events: list[Event], hw: Hardware, par: Parallelism) -> Timel
     phase_inputs: dict[Phase, list[Span]] = defaultdict(list)  # non-compute spans by phase
     gradients_out: list[Span] = []
     pending: dict[int, list[Span]] = defaultdict(list)  # collectives since a stage's compute
+    shared_in: dict[int, list[Span]] = defaultdict(list)  # the shared weights, per stage
     for i, e in enumerate(events):
         stream = stream_of(e)
         ready = stream_free[(e.stage, stream)]
         if e.kind == "compute":
             waits = [*phase_inputs[e.phase], *pending.pop(e.stage, [])]
+            if e.phase.kind in _READS_SHARED:
+                waits += shared_in[e.stage]
             ready = max([ready, *(s.end for s in waits)])
         else:
             if (e.phase, e.stage) in last_compute:
@@ -157,6 +165,8 @@ def build_timeline(events: list[Event], hw: Hardware, par: Parallelism) -> Timel
                 last_compute_on_stage[e.stage] = span
         else:
             phase_inputs[e.phase].append(span)
+            if e.phase.kind == "shared":
+                shared_in[e.stage].append(span)
         if e.kind == "collective" and e.axis != "pipe":
             pending[e.stage].append(span)
         if e.kind in ("d2h", "reduce") and e.carries == "gradients":
