@@ -251,6 +251,35 @@ def test_phased_sparse_run_equals_one_device_and_streams_the_compressed_bytes(on
 
 
 @pytest.mark.slow
+def test_weight_streaming_sparse_run_equals_one_device_and_broadcasts_compressed(one_device):
+    """Weight streaming on 2 systems, dynamic sparse: the one-device run's masks and
+    losses; each layer's broadcast carries, per SwarmX link, one system's copy of the
+    block-COO encoding, and the per-system gradients reduced in the host tier drop
+    the zero weights' gradients as the other engines do."""
+    systems = 2
+    mesh = mesh_from(Parallelism(replica=systems), jax.devices()[:systems])
+    cfg = PhasedConfig(weight_streaming=True, activations="keep-activations")
+    trainer = PhasedTrainer(GPT, mesh, SPARSE_TRAIN, cfg)
+    expected = {}
+
+    def witness(state, step):
+        for i, (w, o) in enumerate(zip(state.layers, state.opt_layers, strict=True)):
+            expected[(step, i)] = encoded_bytes(w, jax.device_get(o.masks), 8) // systems
+
+    run, _ = train_sparse(
+        PhasedEngine(trainer), lambda s: stacked_masks(s.opt_layers),
+        lambda s: trainer.params(s)[GPT.stack_key], witness,
+    )  # fmt: skip
+    assert_same_run(run, one_device, layers_only=True)
+    streamed = {
+        (e.step, e.phase.index): e.bytes
+        for e in trainer.ledger.events
+        if e.kind == "broadcast" and e.carries == "weights" and e.phase.kind == "forward"
+    }
+    assert streamed == expected
+
+
+@pytest.mark.slow
 def test_pipelined_sparse_run_equals_one_device(one_device):
     """pipe=2 x replica=2, 1F1B over 2 microbatches, dynamic sparse: the one-device
     run's masks and losses."""
