@@ -241,7 +241,9 @@ PROFILES: dict[str, Hardware] = {
     # each system takes weights at up to its 1.2 Tb/s I/O (host_link_gbps above).
     # Not published, so profile keys to override: the latency per tree level (1 us, our
     # estimate of one switch hop), and MemoryX's own rate into the tree (assumed equal
-    # to one system's I/O, so that a single system is fed at line rate).
+    # to one system's I/O, so that a single system is fed at line rate). MemoryX runs the
+    # optimizer; its compute rate is not published either: host_tflops = 10 is our
+    # estimate (a profile key).
     "cs2": Hardware(
         name="cs2",
         peak_tflops=7500.0,
