@@ -76,10 +76,8 @@ class Hardware:
         for key, least in (("devices_per_node", 1), ("swarmx_fanout", 2)):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise HardwareError(
-                    f"hardware {self.name!r}: {key} must be an integer of at least {least}, "
-                    f"got {value!r}"
-                )
+                what = "a positive integer" if least == 1 else f"an integer of at least {least}"
+                raise HardwareError(f"hardware {self.name!r}: {key} must be {what}, got {value!r}")
         if not (_real(self.swarmx_hop_us) and self.swarmx_hop_us >= 0):
             raise HardwareError(
                 f"hardware {self.name!r}: swarmx_hop_us must be a finite number >= 0, "
