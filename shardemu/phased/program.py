@@ -22,8 +22,11 @@ A step, for phases 0..N-1 of L/N layers each, spread over the pipeline stages in
                                        gradients streamed in and out (`optimizer_on`)
 
 Every transfer, collective and computation goes through an `Executor` (real arrays or
-shapes, one code path); the functions here hold no state between steps. Each event's
-phase is a typed `Phase` (`accounting/ledger.py`).
+shapes, one code path); the functions here hold no state between steps. With weight
+streaming (`PhasedConfig.weight_streaming`) fetches are SwarmX broadcasts to every
+system, and each system's gradients leave on their own, summed on the way into the host
+tier (`gradients_out`, `stages/systems.py`). Each event's phase is a typed `Phase`
+(`accounting/ledger.py`).
 """
 
 from __future__ import annotations
