@@ -15,10 +15,7 @@ are abstract (nothing allocated) and counted in one process.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
-from pathlib import Path
 
 import jax
 
@@ -37,7 +34,7 @@ from shardemu.config import (  # noqa: E402
 )
 from shardemu.predict.hardware import get_hardware  # noqa: E402
 from shardemu.predict.plan_phased import plan_phased  # noqa: E402
-from shardemu.report.rundir import versions  # noqa: E402
+from shardemu.report.rundir import write_measurement  # noqa: E402
 
 SYSTEMS = (("ipu-pod16", "pipe=4,tensor=4"), ("cs2", ""), ("a100-80gb", "tensor=4"))
 SPARSITY = (None, (0.9, 16), (0.9, 4), (0.95, 16))
@@ -89,11 +86,7 @@ def main() -> None:
             f"{r['step_time_s'] * 1e3:.3f}", f"{r['step_vs_dense']:.3f}",
         )  # fmt: skip
     Console(width=150).print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps({"rows": rows, "machine": platform.node(), "versions": versions()}, indent=2)
-    )
+    out = write_measurement(args.out, {"rows": rows})
     print(f"wrote {out}")
 
 

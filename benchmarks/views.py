@@ -12,8 +12,6 @@ them as one collection (`report/views.py`).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 from shardemu.config import Parallelism, custom_model  # noqa: E402
 from shardemu.predict.hardware import get_hardware  # noqa: E402
 from shardemu.predict.plan_resident import plan_resident  # noqa: E402
-from shardemu.report.rundir import versions  # noqa: E402
+from shardemu.report.rundir import write_measurement  # noqa: E402
 from shardemu.report.views import merged_bars, plot_timeline, write_trace  # noqa: E402
 
 
@@ -63,11 +61,7 @@ def main() -> None:
         f"{row['spans']:,} spans -> {bars:,} bars | plan {plan_s:.1f} s | merge "
         f"{merge_s:.2f} s | timeline.png {png_s:.2f} s | trace.json {trace_s:.2f} s"
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps({"row": row, "machine": platform.node(), "versions": versions()}, indent=2)
-    )
+    out = write_measurement(args.out, {"row": row})
     print(f"wrote {out}")
 
 

@@ -46,6 +46,9 @@ from shardemu.stages.stage import Stage, sparse_grads
 from shardemu.stages.tiers import bytes_per_device
 
 SHARED, EMBED, HEAD = Phase("shared"), Phase("embed"), Phase("head")
+# the forward and backward pieces of the policies that keep a phase's residuals: all of
+# them (weights included), or all but the weights (weight streaming, `stages/systems.py`)
+KEEP_PIECES = {"keep": ("fwd-keep", "bwd-keep"), "keep-activations": ("fwd-acts", "bwd-acts")}
 EMBED_BWD, SHARED_BWD = Phase("embed-backward"), Phase("shared-backward")
 
 
@@ -100,8 +103,14 @@ def fetch_layers(
     streaming, broadcast to every system)."""
     st, w = lay.stage_of(i), state.layers[i]
     nbytes = st.layer_bytes(w, state.opt_layers[i])
-    fetch = ex.broadcast if cfg.weight_streaming else ex.to_device
+    fetch = weights_in(ex, cfg)
     return fetch(st.index, f"w{i}", w, st.layer_store, lay.phase(kind, i), "weights", nbytes)
+
+
+def weights_in(ex: Executor, cfg: PhasedConfig) -> Any:
+    """How weights come from the host tier: to one stage's devices, or (weight
+    streaming) broadcast to every system over SwarmX; the same arguments either way."""
+    return ex.broadcast if cfg.weight_streaming else ex.to_device
 
 
 def gather(
@@ -131,8 +140,9 @@ def fetch_shared(
     shared = {}
     for st in {first.index: first, last.index: last}.values():
         key = f"shared@{st.index}"
-        fetch = ex.broadcast if cfg.weight_streaming else ex.to_device
-        stored = fetch(st.index, key, state.shared, st.shared_store, SHARED, "weights")
+        stored = weights_in(ex, cfg)(
+            st.index, key, state.shared, st.shared_store, SHARED, "weights"
+        )
         shared[st.index] = gather(ex, cfg, st, key, stored, "shared", SHARED, 1)
     return shared
 
@@ -165,14 +175,9 @@ def forward(
         weights, held = gather(ex, cfg, st, f"w{i}", fetched.pop(i), "layers", phase, k)
         out.gathered_bytes.append(bytes_per_device(weights))
         args, count = (weights, x, mask), (one_layer(weights), x, mask)
-        if cfg.activations == "keep":
-            y, vjp = ex.run(phase, "fwd-keep", st.fn("fwd-keep"), st, args, count, k)
-            out.kept[i] = (vjp, count)
-            tier.admit(f"res{i}", bytes_per_device(vjp), phase)
-            tier.release(f"x{i}")
-            out.activation_bytes.append(bytes_per_device(vjp))
-        elif cfg.activations == "keep-activations":
-            y, kept = ex.run(phase, "fwd-acts", st.fn("fwd-acts"), st, args, count, k)
+        if cfg.activations in KEEP_PIECES:  # the backward's residuals stay on the device
+            piece = KEEP_PIECES[cfg.activations][0]
+            y, kept = ex.run(phase, piece, st.fn(piece), st, args, count, k)
             out.kept[i] = (kept, count)
             tier.admit(f"res{i}", bytes_per_device(kept), phase)
             tier.release(f"x{i}")

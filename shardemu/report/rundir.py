@@ -35,6 +35,17 @@ def versions() -> dict[str, str]:
     return out
 
 
+def write_measurement(path: str | Path, record: dict[str, Any]) -> Path:
+    """A benchmark's JSON at `path`: `record` with the machine and the versions it was
+    measured with, so that numbers from two machines are never compared unawares."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps({**record, "machine": platform.node(), "versions": versions()}, indent=2)
+    )
+    return out
+
+
 def config_record(settings: dict[str, Any]) -> dict[str, Any]:
     """What config.json and every tracker's config hold: the settings, with when, how
     (argv) and with which versions the run was made."""

@@ -57,7 +57,7 @@ def per_system_builders(st: Stage) -> dict[str, Callable[[], Any]]:
     systems = PartitionSpec(st.act.spec[0])  # a stack's rows: one per system
     spec = lambda tree: jax.tree.map(lambda s: s.spec, tree)  # noqa: E731
     w_spec, shared_spec = spec(st.layer_compute), spec(st.shared_compute)
-    act, mask = st.act.spec, st.mask.spec
+    act, mask, batch_spec = st.act.spec, st.mask.spec, spec(st.batch)
     layouts: dict[tuple, VjpLayout] = {}  # per one system's (weights, activation) shapes
 
     def per_system(fn: Any, in_specs: tuple, out_specs: Any) -> Any:
@@ -94,7 +94,6 @@ def per_system_builders(st: Stage) -> dict[str, Callable[[], Any]]:
             )
             return loss[None], (_stack(g_s), g_x)
 
-        batch_spec = {k: s.spec for k, s in st.batch.items()}
         in_specs = (shared_spec, act, batch_spec, PartitionSpec())
         run = per_system(local, in_specs, (systems, (systems, act)))
         return run(shared, x, batch, model.loss_counts(batch))
@@ -103,7 +102,6 @@ def per_system_builders(st: Stage) -> dict[str, Callable[[], Any]]:
         def local(shared: Any, batch: dict, g: jax.Array) -> Any:
             return _stack(jax.vjp(lambda s_: model.embed(s_, batch)[0], shared)[1](g)[0])
 
-        batch_spec = {k: s.spec for k, s in st.batch.items()}
         return per_system(local, (shared_spec, batch_spec, act), systems)(shared, batch, g)
 
     def reduce(part: str) -> Any:
