@@ -248,6 +248,7 @@ class Parallelism:
 
 BLOCK_SIZES = (1, 4, 8, 16)
 DATASETS = ("synthetic", "stdlib")  # data.CORPORA
+PRECISIONS = ("fp32", "bf16", "fp16-mixed")  # training/precision.py
 
 
 @dataclass(frozen=True)
@@ -324,6 +325,9 @@ class TrainConfig:
     stage_layers: tuple[int, ...] | None = None  # layers per stage (None: even)
     sparsity: SparsityConfig | None = None  # block-sparse layer weights (None: dense)
     data: str = "synthetic"  # the training text: `synthetic` or `stdlib` (data.py)
+    # `fp32`, or 16-bit weights, activations and gradients with FP32 master weights and
+    # optimizer state: `bf16`, `fp16-mixed` (loss-scaled) (training/precision.py)
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if isinstance(self.sparsity, dict):  # from config.json
@@ -358,7 +362,16 @@ class TrainConfig:
             raise ConfigError(f"--seed {self.seed} is too large; use 0 <= seed < 2**32")
         if self.data not in DATASETS:
             raise ConfigError(f"--data {self.data!r} is not one of {', '.join(DATASETS)}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}"
+            )
         sparse = self.sparsity
+        if sparse is not None and self.precision != "fp32":
+            raise ConfigError(
+                f"--sparsity with --precision {self.precision} is not supported yet (the "
+                f"masks would have to follow the FP32 master weights); use --precision fp32"
+            )
         if sparse is not None and sparse.mode == "dynamic" and sparse.updates > self.steps:
             raise ConfigError(
                 f"--sparse-updates {sparse.updates} is more than the {self.steps} steps; "

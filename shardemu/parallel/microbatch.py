@@ -32,8 +32,10 @@ def accumulate(
     params: Any,
     batch: dict,
     steps: int,
+    scale: jax.Array | float = 1.0,
 ) -> tuple[jax.Array, Any, Any]:
-    """Loss, gradients and auxiliary output over `steps` accumulation chunks of `batch`.
+    """Loss, gradients and auxiliary output over `steps` accumulation chunks of `batch`,
+    the loss multiplied by `scale` (mixed precision's loss scale) before the backward.
 
     Each chunk's loss is its summed terms divided by the *whole* batch's counts, so the
     chunks' losses and gradients add up to exactly the big batch's (the mean over all
@@ -42,7 +44,7 @@ def accumulate(
 
     def chunk_loss(p: Any, chunk: dict) -> tuple[jax.Array, Any]:
         sums, aux = loss_sums(p, chunk)
-        return sum(s / c for s, c in zip(sums, counts, strict=True)), aux
+        return sum(s / c for s, c in zip(sums, counts, strict=True)) * scale, aux
 
     grad_fn = jax.value_and_grad(chunk_loss, has_aux=True)
     if steps == 1:
@@ -52,8 +54,15 @@ def accumulate(
     def body(carry: tuple[jax.Array, Any], chunk: dict) -> tuple[tuple[jax.Array, Any], Any]:
         loss, grads = carry
         (chunk_l, aux), chunk_g = grad_fn(params, chunk)
-        return (loss + chunk_l, jax.tree.map(jnp.add, grads, chunk_g)), aux
+        return (
+            loss + chunk_l,
+            jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads, chunk_g),
+        ), aux
 
-    zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    # 16-bit gradients add up in FP32, as Megatron-LM's `main_grad` buffers do
+    zero = (
+        jnp.zeros((), jnp.float32),
+        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params),
+    )
     (loss, grads), aux = jax.lax.scan(body, zero, split(batch, steps))
     return loss, grads, aux

@@ -44,6 +44,7 @@ from shardemu.sparsity import SparseState
 from shardemu.stages.executor import Executor, one_layer
 from shardemu.stages.stage import Stage, sparse_grads
 from shardemu.stages.tiers import bytes_per_device
+from shardemu.training.precision import host_scale
 
 SHARED, EMBED, HEAD = Phase("shared"), Phase("embed"), Phase("head")
 # the forward and backward pieces of the policies that keep a phase's residuals: all of
@@ -149,10 +150,10 @@ def fetch_shared(
 
 def forward(
     ex: Executor, lay: Layout, cfg: PhasedConfig, state: PhasedState, batches: dict[int, dict],
-    shared: dict[int, tuple[Any, str]],
+    shared: dict[int, tuple[Any, str]], scale: float,
 ) -> Forward:  # fmt: skip
     """Embedding, every phase in order (prefetching the next phase's weights), the head
-    and its loss."""
+    and its loss (times the loss scale `scale`)."""
     n, k = len(lay.slices), lay.layers_per_phase
     first, last = lay.stages[0], lay.stages[-1]
     x, mask = ex.run(EMBED, "embed", first.fn("embed"), first, (shared[0][0], batches[0]))
@@ -192,9 +193,9 @@ def forward(
         tier.release(held)
         x = y
         tier.admit(f"x{i + 1}", bytes_per_device(x), phase)
-    out.loss, (out.g_head, out.g_x) = ex.run(
-        HEAD, "head", last.fn("head"), last, (shared[last.index][0], x, batches[last.index])
-    )
+    scale_arg = ex.place(np.float32(scale), last.replicated)
+    args = (shared[last.index][0], x, batches[last.index], None, scale_arg)
+    out.loss, (out.g_head, out.g_x) = ex.run(HEAD, "head", last.fn("head"), last, args)
     ex.tiers[last.index].release(f"x{n}")
     out.fetched = fetched
     return out
@@ -328,12 +329,7 @@ def update_part(
     store = st.layer_store if part == "layers" else st.shared_store
     opt_sh = st.layer_opt if part == "layers" else st.shared_opt
     kind = "device" if cfg.optimizer_on == "device" else "pinned_host"
-    norm_sh = st.replicated.with_memory_kind(kind)
-    norm_arg = (
-        jax.device_put(np.float32(norm), norm_sh)
-        if ex.real
-        else jax.ShapeDtypeStruct((), np.float32, sharding=norm_sh)
-    )
+    norm_arg = ex.place(np.float32(norm), st.replicated.with_memory_kind(kind))
     name = f"update-{part}-{kind}"
     if kind == "pinned_host":
         return ex.run(
@@ -388,10 +384,12 @@ def run_step(
     ex: Executor, lay: Layout, cfg: PhasedConfig, state: PhasedState, batches: dict[int, dict]
 ) -> StepOutput:
     """One training step: shared weights in, forward, backward, update."""
+    scale = host_scale(state.opt_shared)  # mixed precision's loss scale, else 1
     shared = fetch_shared(ex, lay, cfg, state)
-    fwd = forward(ex, lay, cfg, state, batches, shared)
+    fwd = forward(ex, lay, cfg, state, batches, shared, scale)
     grads, shared_grads, norm = backward(ex, lay, cfg, state, fwd, shared, batches)
+    norm /= scale
     new_state = update(ex, lay, cfg, state, grads, shared_grads, norm)
     # with weight streaming, the loss comes as each system's share
-    loss = float(np.sum(fwd.loss)) if ex.real else math.nan
+    loss = float(np.sum(fwd.loss)) / scale if ex.real else math.nan
     return StepOutput(new_state, PhasedState(shared_grads, grads, None, []), loss, norm, fwd)

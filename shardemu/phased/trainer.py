@@ -29,6 +29,7 @@ from shardemu.phased.program import Layout, PhasedState, run_step
 from shardemu.stages.executor import Executor
 from shardemu.stages.stage import AXIS_LABELS, Stage, build_stages, stage_meshes, stage_rules
 from shardemu.stages.tiers import Tier, with_memory_kind
+from shardemu.training.precision import as_compute, compute_model
 
 
 @dataclass
@@ -55,6 +56,7 @@ class PhasedTrainer:
         so a pipeline of thousands of devices needs only tensor * replica of them.
         `counter` keeps compiled pieces' counts; pass one to share them between
         trainers."""
+        model = compute_model(model, train)  # 16-bit weights for mixed precision
         par = parallelism_of(mesh)
         if emulated_stages is not None:
             if par.pipe != 1:
@@ -120,6 +122,7 @@ class PhasedTrainer:
         """Split parameters into phases and place them, with fresh optimizer state, in
         the host tier of the stage that runs them."""
         lay, first, key = self.layout(), self.stages[0], self.model.stack_key
+        params = as_compute(params, self.model)
         host = lambda tree, sh: jax.device_put(tree, with_memory_kind(sh, "pinned_host"))  # noqa: E731
         shared = host({k: v for k, v in params.items() if k != key}, first.shared_store)
         layers, opt_layers = [], []

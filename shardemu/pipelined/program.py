@@ -37,6 +37,7 @@ from shardemu.sparsity import SparseState
 from shardemu.stages.executor import Executor, one_layer
 from shardemu.stages.stage import Stage, sparse_grads
 from shardemu.stages.tiers import bytes_per_device
+from shardemu.training.precision import host_scale
 
 SHARED_BWD = Phase("shared-backward")
 
@@ -70,8 +71,10 @@ class Sums:
         self.ex, self.trees = ex, {}
 
     def add(self, key: tuple, st: Stage, tree: Any, phase: Phase) -> None:
+        """Add `tree` in; 16-bit gradients add up in FP32 (`training/precision.py`)."""
         if key in self.trees:
-            tree = self.ex.run(phase, "add", st.fn("add"), st, (self.trees[key], tree))
+            piece = "accumulate"
+            tree = self.ex.run(phase, piece, st.fn(piece), st, (self.trees[key], tree))
         self.trees[key] = tree
 
 
@@ -81,11 +84,12 @@ class Pass:
     def __init__(
         self, ex: Executor, lay: PipelineLayout, stages: tuple[Stage, ...],
         state: PipelinedState, batches: list[dict[int, dict]], counts: dict[int, Any],
-        sums: Sums, offset: int, example_mask: bool,
+        sums: Sums, offset: int, example_mask: bool, scale: float,
     ) -> None:  # fmt: skip
         self.ex, self.lay, self.stages, self.state = ex, lay, stages, state
         self.batches, self.counts, self.sums, self.offset = batches, counts, sums, offset
         self.example_mask = example_mask  # BERT's padding mask travels with its examples
+        self.scale = np.float32(scale)  # the loss scale (mixed precision), else 1
         self.inputs: dict[tuple[int, int], tuple[Any, Any]] = {}  # (mb, j) -> (x, mask)
         self.grads_in: dict[tuple[int, int], Any] = {}  # (mb, j) -> d loss / d output
         self.kept: dict[tuple[int, int], tuple[Any, tuple]] = {}  # (mb, j) -> residuals
@@ -144,7 +148,8 @@ class Pass:
         ex.tiers[st.index].admit(f"residuals {micro}/{j}", bytes_per_device(vjp), phase)
         if j == lay.last:
             head = Phase("head", micro=micro)
-            args = (shared, y, batch, self.counts[st.index])
+            scale = ex.place(self.scale, st.replicated)
+            args = (shared, y, batch, self.counts[st.index], scale)
             loss, (g_shared, g_y) = ex.run(head, "head", st.fn("head"), st, args)
             self.losses.append(loss)
             self.sums.add(("shared", st.index), st, g_shared, head)
@@ -203,10 +208,12 @@ def run_step(
     `passes[a][mb]`: microbatch mb of pass a, per stage that reads the batch;
     `counts`: the whole batch's loss counts on those stages."""
     progs = programs(schedule, lay.stages, len(passes[0]), lay.virtual)
+    scale = host_scale(state.opt_shared[shared_holders(lay)[0]])
     sums, order, losses = Sums(ex), [], []
     residual_bytes: dict[int, int] = {}
     for a, batches in enumerate(passes):
-        run = Pass(ex, lay, stages, state, batches, counts, sums, a * len(batches), example_mask)
+        offset = a * len(batches)
+        run = Pass(ex, lay, stages, state, batches, counts, sums, offset, example_mask, scale)
         order.append(run.run(progs))
         losses += run.losses
         residual_bytes.update(run.residual_bytes)
@@ -215,9 +222,9 @@ def run_step(
         _sparse(ex, lay, stages, j, sums.trees[("layers", j)], state.opt_chunks[j])
         for j in range(len(lay.slices))
     ]
-    norm = _global_norm(ex, lay, stages, chunk_grads, shared_grads)
+    norm = _global_norm(ex, lay, stages, chunk_grads, shared_grads) / scale
     new_state = _update(ex, lay, stages, state, chunk_grads, shared_grads, norm)
-    loss = float(sum(float(x) for x in losses)) if ex.real else math.nan
+    loss = float(sum(float(x) for x in losses)) / scale if ex.real else math.nan
     peaks = [ex.tiers[s].high_water / residual_bytes[s] / lay.virtual for s in range(lay.stages)]
     first = shared_holders(lay)[0]
     return StepOutput(new_state, chunk_grads, shared_grads[first], loss, norm, order, peaks)
@@ -278,9 +285,7 @@ def _update(
     weights on each stage that holds them."""
 
     def norm_on(st: Stage) -> Any:
-        if ex.real:
-            return jax.device_put(np.float32(norm), st.replicated)
-        return jax.ShapeDtypeStruct((), np.float32, sharding=st.replicated)
+        return ex.place(np.float32(norm), st.replicated)
 
     chunks, opt_chunks = [], []
     for j, g in enumerate(chunk_grads):

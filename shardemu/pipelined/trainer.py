@@ -37,6 +37,7 @@ from shardemu.stages.stage import (
     stage_rules,
 )
 from shardemu.stages.tiers import Tier, bytes_per_device
+from shardemu.training.precision import as_compute, compute_model
 
 
 @dataclass
@@ -58,6 +59,7 @@ class PipelinedTrainer:
         rules: Rules | None = None,
         counter: Counter | None = None,
     ) -> None:
+        model = compute_model(model, train)  # 16-bit weights for mixed precision
         par = parallelism_of(mesh)
         train.check_fits(model.cfg, par)
         self.layout = pipeline_layout(
@@ -89,7 +91,7 @@ class PipelinedTrainer:
     def place(self, params: dict) -> PipelinedState:
         """Split a full parameter tree into virtual stages and put each on its stage,
         with the shared weights on the first and the last stage; fresh optimizer state."""
-        key = self.model.stack_key
+        key, params = self.model.stack_key, as_compute(params, self.model)
         shared = {k: v for k, v in params.items() if k != key}
         chunks, opt_chunks = [], []
         for j, (a, b) in enumerate(self.layout.slices):

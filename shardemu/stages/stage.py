@@ -31,7 +31,14 @@ from shardemu.sparsity.storage import compressed_bytes
 from shardemu.stages.executor import Executor
 from shardemu.stages.systems import per_system_builders
 from shardemu.stages.tiers import with_memory_kind
-from shardemu.training.optim import clip_by_norm, make_optimizer
+from shardemu.training.optim import clip_by_norm, make_optimizer, squared_norm
+from shardemu.training.precision import (
+    apply_update,
+    is_mixed,
+    to_fp32,
+    unscale,
+    with_master_weights,
+)
 
 RTS = "rts"
 STAGE_AXES = ("pipe", "replica", RTS, "tensor")
@@ -234,8 +241,11 @@ class Stage:
                 out_shardings=(self.replicated, (self.shared_store, self.act)),
             ),
             "add": lambda: jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b)),
+            "accumulate": lambda: jax.jit(
+                lambda a, b: jax.tree.map(jnp.add, to_fp32(a), to_fp32(b))
+            ),
             "sparse-grads": lambda: jax.jit(apply_masks, out_shardings=self.layer_store),
-            "sq-norm": lambda: jax.jit(lambda g: optax.tree.norm(g, squared=True)),
+            "sq-norm": lambda: jax.jit(squared_norm),
         }
         for part in ("layers", "shared"):
             for kind in ("device", "pinned_host"):
@@ -247,13 +257,15 @@ class Stage:
         backward needs."""
         return jax.vjp(lambda w_, x_: self.model.apply_layers(w_, x_, mask), w, x)
 
-    def head_loss(self, shared: Any, x: jax.Array, batch: dict, counts: Any = None) -> jax.Array:
+    def head_loss(
+        self, shared: Any, x: jax.Array, batch: dict, counts: Any = None, scale: Any = 1.0
+    ) -> jax.Array:
         """The loss of `batch`; of a microbatch (or one system's share of the batch), its
         share of the whole batch's loss when `counts` are the whole batch's
-        (`models/__init__.py`)."""
+        (`models/__init__.py`); times the loss scale `scale` (`training/precision.py`)."""
         model = self.model
         sums = model.loss_sums(model.head(shared, x), batch)
-        return normalise(sums, model.loss_counts(batch) if counts is None else counts)
+        return normalise(sums, model.loss_counts(batch) if counts is None else counts) * scale
 
     def _update(self, part: str, kind: str) -> Any:
         """The clipped optimizer update of one phase's layers (or the shared weights),
@@ -262,17 +274,20 @@ class Stage:
         params = self.layer_store if part == "layers" else self.shared_store
         opt = self.layer_opt if part == "layers" else self.shared_opt
         clip = self.train.grad_clip
+        selects = is_mixed(self.train)
 
         def update(grads: Any, opt_state: Any, weights: Any, norm: jax.Array) -> Any:
-            if kind == "pinned_host" and self.train.sparsity is not None:
-                # the mask update mixes reductions and selects, which JAX will not
-                # compile over host-memory operands: work on device-memory views (on
-                # the CPU backend, the same RAM), and leave the results on the host
+            if kind == "pinned_host" and (self.train.sparsity is not None or selects):
+                # the mask update (and a skipped mixed-precision step) mixes reductions
+                # and selects, which JAX will not compile over host-memory operands:
+                # work on device-memory views (on the CPU backend, the same RAM), and
+                # leave the results on the host
                 grads, opt_state, weights, norm = jax.device_put(
                     (grads, opt_state, weights, norm), jax.memory.Space.Device
                 )
-            updates, opt_state = tx.update(clip_by_norm(grads, norm, clip), opt_state, weights)
-            return optax.apply_updates(weights, updates), opt_state
+            # `norm` is the global norm of the unscaled gradients: finite or not, for all
+            grads = clip_by_norm(unscale(grads, opt_state), norm, clip)
+            return apply_update(tx, grads, opt_state, weights, jnp.isfinite(norm))
 
         out = (with_memory_kind(params, kind), with_memory_kind(opt, kind))
         return jax.jit(update, out_shardings=out)
@@ -339,10 +354,12 @@ def _stages(
         resolve_specs(shared, shared_logical, rules, sizes), shared, rules, sizes, cfg, model,
     )  # fmt: skip
     tx_layers = sparse_optimizer(
-        make_optimizer(train, one, logical[key], clip=False), train, one, logical[key],
-        specs.layer_store, sizes,
+        with_master_weights(make_optimizer(train, one, logical[key], clip=False), train),
+        train, one, logical[key], specs.layer_store, sizes,
     )  # fmt: skip
-    tx_shared = make_optimizer(train, shared, shared_logical, clip=False)
+    tx_shared = with_master_weights(
+        make_optimizer(train, shared, shared_logical, clip=False), train
+    )
     opt_shapes = (jax.eval_shape(tx_layers.init, one), jax.eval_shape(tx_shared.init, shared))
     stages = tuple(
         Stage(

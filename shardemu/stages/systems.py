@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardemu.sparsity import apply_masks
 from shardemu.stages.tiers import with_memory_kind
+from shardemu.training.optim import squared_norm
 
 if TYPE_CHECKING:
     from shardemu.stages.stage import Stage
@@ -84,19 +84,21 @@ def per_system_builders(st: Stage) -> dict[str, Callable[[], Any]]:
         g_w, g_x = st.layer_vjp(w, x, m)[1](g)
         return _stack(g_w), g_x
 
-    def head(shared: Any, x: jax.Array, batch: dict) -> Any:
-        """Each system's share of the loss and its gradients, normalised by the whole
-        batch's counts (BERT's masked-token count is the batch's)."""
+    def head(shared: Any, x: jax.Array, batch: dict, counts: None, scale: jax.Array) -> Any:
+        """Each system's share of the (scaled) loss and its gradients, normalised by the
+        whole batch's counts (BERT's masked-token count is the batch's); the stage's
+        `head` arguments, whose `counts` are always the batch's own here."""
+        del counts
 
-        def local(shared: Any, x: jax.Array, batch: dict, counts: Any) -> Any:
+        def local(shared: Any, x: jax.Array, batch: dict, counts: Any, scale: Any) -> Any:
             loss, (g_s, g_x) = jax.value_and_grad(st.head_loss, argnums=(0, 1))(
-                shared, x, batch, counts
+                shared, x, batch, counts, scale
             )
             return loss[None], (_stack(g_s), g_x)
 
-        in_specs = (shared_spec, act, batch_spec, PartitionSpec())
+        in_specs = (shared_spec, act, batch_spec, PartitionSpec(), PartitionSpec())
         run = per_system(local, in_specs, (systems, (systems, act)))
-        return run(shared, x, batch, model.loss_counts(batch))
+        return run(shared, x, batch, model.loss_counts(batch), scale)
 
     def embed_bwd(shared: Any, batch: dict, g: jax.Array) -> Any:
         def local(shared: Any, batch: dict, g: jax.Array) -> Any:
@@ -117,7 +119,7 @@ def per_system_builders(st: Stage) -> dict[str, Callable[[], Any]]:
             g = jax.tree.map(lambda a: jnp.sum(a, axis=0), stacked)
             if masks is not None:
                 g = apply_masks(g, masks)
-            return g, optax.tree.norm(g, squared=True)
+            return g, squared_norm(g)
 
         return jax.jit(run, out_shardings=(with_memory_kind(store, "pinned_host"), host))
 

@@ -87,6 +87,12 @@ def make_optimizer(
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), opt) if clip else opt
 
 
+def squared_norm(grads: object) -> jax.Array:
+    """The squared global norm, summed in FP32: 16-bit squares overflow (float16 above
+    256) long before the gradients do."""
+    return optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads), squared=True)
+
+
 def clip_by_norm(grads: object, global_norm: jax.Array, max_norm: float) -> object:
     """`optax.clip_by_global_norm` with the norm of *all* gradients given: the same
     arithmetic, for engines that hold only part of the gradients at a time."""

@@ -47,6 +47,13 @@ from shardemu.sparsity import (
     sparse_optimizer,
 )
 from shardemu.training.optim import make_optimizer
+from shardemu.training.precision import (
+    apply_update,
+    compute_model,
+    loss_scale,
+    unscale,
+    with_master_weights,
+)
 
 _COMPILED: dict[tuple, jax.stages.Compiled] = {}  # Trainer.compiled's, process-wide
 
@@ -90,6 +97,7 @@ class Trainer:
                 f"pipe={par.pipe}, microbatches={train.microbatches}); pipelined steps run on "
                 f"shardemu.PipelinedTrainer"
             )
+        model = compute_model(model, train)  # 16-bit weights for mixed precision
         self.model, self.mesh, self.train, self.par = model, mesh, train, par
         self.rules = megatron_rules() if rules is None else rules
         axis_sizes = dict(mesh.shape)
@@ -100,8 +108,9 @@ class Trainer:
         )
         self.param_shardings = named_shardings(mesh, self.param_specs)
 
+        tx = make_optimizer(train, self.param_shapes, self.param_logical)
         self.tx = sparse_optimizer(
-            make_optimizer(train, self.param_shapes, self.param_logical), train,
+            with_master_weights(tx, train), train,
             self.param_shapes, self.param_logical, self.param_specs, axis_sizes,
         )  # fmt: skip
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -149,22 +158,26 @@ class Trainer:
         batch = self.model.abstract_batch(self.train.batch, self.train.seq, self.batch_shardings)
         return params, opt_state, batch
 
-    def _grads(self, params: Any, batch: dict) -> tuple[jax.Array, Any]:
-        """The loss and gradients of the global batch (over its accumulation chunks)."""
+    def _grads(
+        self, params: Any, batch: dict, scale: jax.Array | float = 1.0
+    ) -> tuple[jax.Array, Any]:
+        """The loss and gradients of the global batch (over its accumulation chunks),
+        both multiplied by the loss scale `scale`."""
         with activation_rules(self.mesh, self.rules):
             counts = self.model.loss_counts(batch)
             loss, grads, _ = accumulate(
                 lambda p, b: (self.model.forward_sums(p, b), None),
-                counts, params, batch, self.train.grad_accum,
+                counts, params, batch, self.train.grad_accum, scale,
             )  # fmt: skip
         return loss, grads
 
     def _update(self, grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return apply_update(self.tx, grads, opt_state, params)
 
     def _step_fn(self, params: Any, opt_state: Any, batch: dict, keep_grads: bool):
-        loss, grads = self._grads(params, batch)
+        scale = loss_scale(opt_state)
+        loss, grads = self._grads(params, batch, scale)
+        loss, grads = loss / scale, unscale(grads, opt_state)
         if isinstance(opt_state, SparseState):  # a sparse model's gradient: clipped, reported
             grads = apply_masks(grads, opt_state.masks)
         params, opt_state = self._update(grads, opt_state, params)

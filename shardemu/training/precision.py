@@ -1,0 +1,147 @@
+"""Numerical precision of a run: `fp32`, `bf16` or `fp16-mixed` (`--precision`).
+
+Mixed precision as Micikevicius et al. 2018 ("Mixed Precision Training", ICLR, section
+3) define it and Megatron-LM and ZeRO run it: the weights the model computes with, its
+activations and its gradients are 16-bit; the optimizer keeps an FP32 master copy of
+the weights and its state in FP32, updates the master, and the 16-bit weights are the
+master rounded. With Adam that is 2 + 2 + 4 + 4 + 4 = 16 bytes per parameter (ZeRO,
+Rajbhandari et al. 2020, section 3.1), against 16 for FP32 training (4 + 4 + 8), but
+with half the bytes streamed, gathered and reduced.
+
+- `bf16`: bfloat16 has FP32's exponent range, so no loss scaling (Kalamkar et al.
+  2019, "A Study of BFLOAT16 for Deep Learning Training").
+- `fp16-mixed`: float16 gradients underflow without it, so dynamic loss scaling
+  (Micikevicius et al. 2018, section 3.2) with PyTorch's `GradScaler` defaults: start at
+  2**16, halve on a step whose gradients are not finite (and skip that step's update),
+  double after 2000 finite steps in a row.
+
+Softmax and LayerNorm statistics run in FP32 whatever the precision (`models/layers.py`;
+flax's LayerNorm computes its statistics in FP32), as do the losses (`models/gpt.py`,
+`models/bert.py`).
+
+Engines see one transformation (`with_master_weights`) and one update
+(`apply_update`): the state an engine stores beside its weights is a `MasterState`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from shardemu.config import TrainConfig
+from shardemu.models import Model
+
+COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16-mixed": "float16"}
+INITIAL_SCALE = 2.0**16  # torch.amp.GradScaler(init_scale=2.**16)
+GROWTH_INTERVAL = 2000  # GradScaler(growth_interval=2000); growth 2.0, backoff 0.5
+
+
+class MasterState(NamedTuple):
+    master: Any  # the FP32 weights
+    inner: optax.OptState  # the wrapped optimizer's state, over the master weights
+    scale: jax.Array  # the loss scale (1 without loss scaling)
+    good_steps: jax.Array  # finite steps since the scale last changed
+
+
+def is_mixed(train: TrainConfig) -> bool:
+    return train.precision != "fp32"
+
+
+def compute_model(model: Model, train: TrainConfig) -> Model:
+    """The model an engine computes with: 16-bit weights for a mixed precision, else
+    `model` as given (whose own `param_dtype` then holds everywhere)."""
+    if not is_mixed(train):
+        return model
+    return Model(model.cfg.replace(param_dtype=COMPUTE_DTYPES[train.precision]))
+
+
+def as_compute(params: Any, model: Model) -> Any:
+    """`params` (FP32 from an FP32 init or checkpoint, say) in the dtype `model`
+    computes with: what an engine stores as its weights."""
+    dtype = jnp.dtype(model.cfg.param_dtype)
+    return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def with_master_weights(
+    tx: optax.GradientTransformation, train: TrainConfig
+) -> optax.GradientTransformation:
+    """`tx` (clipping included, or not) on FP32 master weights; `tx` itself for `fp32`.
+
+    `update(grads, state, params, finite=None)` takes the gradients of the 16-bit
+    weights *already unscaled* to FP32 (`unscale`); `finite` says whether every
+    gradient of the model is finite (an engine that updates in pieces passes the
+    global answer; None: decided from `grads`). A step that is not finite changes
+    neither the master weights nor `tx`'s state, only the loss scale."""
+    if not is_mixed(train):
+        return tx
+    scaled = train.precision == "fp16-mixed"
+
+    def init(params: Any) -> MasterState:
+        master = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+        first = INITIAL_SCALE if scaled else 1.0
+        return MasterState(master, tx.init(master), jnp.float32(first), jnp.int32(0))
+
+    def update(
+        grads: Any, state: MasterState, params: Any = None, finite: jax.Array | None = None
+    ) -> tuple[Any, MasterState]:
+        del params  # the update is the master's
+        if finite is None:
+            finite = all_finite(grads)
+        updates, inner = tx.update(grads, state.inner, state.master)
+        master = optax.apply_updates(state.master, updates)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        scale, good = state.scale, state.good_steps
+        if scaled:
+            grow = finite & (good + 1 >= GROWTH_INTERVAL)
+            scale = jnp.where(finite, jnp.where(grow, scale * 2, scale), scale / 2)
+            good = jnp.where(finite & ~grow, good + 1, 0)
+        return keep(updates, jax.tree.map(jnp.zeros_like, updates)), MasterState(
+            keep(master, state.master), keep(inner, state.inner), scale, good
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def to_fp32(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+
+def host_scale(opt_state: Any) -> float:
+    """The loss scale of a staged engine's step, read once to the host (1 without
+    loss scaling, or while planning over shapes)."""
+    scale = loss_scale(opt_state)
+    return float(scale) if isinstance(scale, jax.Array) else 1.0
+
+
+def loss_scale(opt_state: Any) -> jax.Array | float:
+    """What the loss is multiplied by before the backward pass."""
+    return opt_state.scale if isinstance(opt_state, MasterState) else 1.0
+
+
+def unscale(grads: Any, opt_state: Any) -> Any:
+    """Gradients of the scaled loss as FP32 gradients of the loss (unchanged for FP32
+    training): what `with_master_weights`'s update takes."""
+    if not isinstance(opt_state, MasterState):
+        return grads
+    return jax.tree.map(lambda g: g / opt_state.scale, to_fp32(grads))
+
+
+def apply_update(
+    tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any,
+    finite: jax.Array | None = None,
+) -> tuple[Any, Any]:  # fmt: skip
+    """(new weights, new state): `tx`'s update applied; with master weights, the new
+    weights are the master rounded to the weights' dtype (exactly, not p + (m' - p)),
+    and `finite` is passed on (see `with_master_weights`)."""
+    if isinstance(opt_state, MasterState):
+        _, opt_state = tx.update(grads, opt_state, params, finite=finite)
+        return jax.tree.map(lambda m, p: m.astype(p.dtype), opt_state.master, params), opt_state
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
