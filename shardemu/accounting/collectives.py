@@ -11,6 +11,11 @@ Gropp 2005, "Optimization of Collective Communication Operations in MPICH"; NCCL
 performance notes, "bus bandwidth"): for a group of n devices and a buffer of S bytes,
 all-reduce sends 2 (n-1)/n S, all-gather and all-to-all (n-1)/n S (S the full, gathered
 buffer), reduce-scatter (n-1)/n S (S the full input), and collective-permute S.
+
+XLA's CPU backend has no bfloat16 arithmetic: its float-normalization pass rewrites a
+bfloat16 all-reduce or reduce-scatter to run in f32 between converts, and renames the
+reduction it applies `..._promoted`. A GPU or TPU reduces the bfloat16 buffer, so such
+a collective is counted at 2 bytes per element, as the program wrote it (`_promoted`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ _INSTR = re.compile(
     r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>" + "|".join(_OPS) + r")(?:-start)?\((?P<rest>.*)$"
 )
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_PROMOTED = re.compile(r"to_apply=%[\w.\-]*_promoted\b")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _MESH = re.compile(
     r"replica_groups=mesh\[([^\]]*)\]"
@@ -116,6 +122,8 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
             continue
         op, rest = m.group("op"), m.group("rest")
         sizes, groups = _array_bytes(m.group("shape")), _groups(rest, mesh.size)
+        if _PROMOTED.search(rest):  # bfloat16 in the program, f32 on the CPU backend
+            sizes = [size // 2 for size in sizes]
         if op == "reduce-scatter":  # the result is 1/n of the buffer it reduced
             buffer = sum(sizes) * len(groups[0])
         else:  # an async start's shape pairs operand and result: take the larger

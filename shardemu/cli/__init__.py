@@ -65,6 +65,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         warmup_steps=args.warmup,
         sparsity=sparsity_config(args),
         data=args.data,
+        precision=args.precision,
         **pipeline_config(args),
     )
     model_cfg = model_config(args)
@@ -255,11 +256,14 @@ def cmd_plan(args: argparse.Namespace) -> None:
     model_cfg = model_config(args)
     sparse = sparsity_config(args)
     train_cfg = TrainConfig(
-        batch=args.batch, seq=args.seq, sparsity=sparse, **pipeline_config(args),
+        batch=args.batch, seq=args.seq, sparsity=sparse, precision=args.precision,
+        **pipeline_config(args),
         # a plan counts one step; a dynamic pattern's update schedule is not timed
         **({"steps": sparse.updates} if sparse else {}),
     )  # fmt: skip
     train_cfg.check_fits(model_cfg, par)
+    if hardware is not None:
+        hardware.at_precision(train_cfg.precision)  # refused before anything is counted
     micro = args.microbatch_size
     if micro is not None and (micro < 1 or args.batch % (par.replica * micro)):
         raise ConfigError(
@@ -312,6 +316,7 @@ def _plan_resident(
         model_cfg, par, train_cfg.batch, train_cfg.seq,
         micro if micro is not None else train_cfg.batch // par.replica, hardware,
         train_cfg.schedule, train_cfg.virtual, args.recompute, train_cfg.sparsity,
+        train_cfg.precision,
     )  # fmt: skip
     write_plan_dir(out, report, ledger, timeline, tracking)
     return report

@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 from shardemu import __version__
 from shardemu.config import (
     DATASETS,
+    PRECISIONS,
     ConfigError,
     ModelConfig,
     Parallelism,
@@ -98,6 +99,7 @@ def run_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
         help="the loss of held-out batches every K steps and after the last (val_loss)",
     )  # fmt: skip
     p.add_argument("--out", default=None, help="run directory (default runs/<model>-<timestamp>)")
+    precision_arg(p)
     p.add_argument(
         "--checkpoint-every",
         type=int,
@@ -321,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run directory (default with --hardware: runs/plan-<model>-<time>)",
     )
     shape_args(plan)
+    precision_arg(plan)
     phased_args(plan)
     sparsity_args(plan)
     plan.add_argument(
@@ -420,6 +423,14 @@ def pipeline_config(args: argparse.Namespace) -> dict[str, Any]:
                 f"(e.g. 3,7,7,7), got {text!r}"
             ) from None
     return {"schedule": args.schedule, "virtual": virtual, "stage_layers": stage_layers}
+
+
+def precision_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--precision", choices=PRECISIONS, default=TrainConfig().precision,
+        help="fp32; or 16-bit weights, activations and gradients with FP32 master weights "
+        "and optimizer state: bf16, fp16-mixed (with dynamic loss scaling)",
+    )  # fmt: skip
 
 
 def shape_args(p: argparse.ArgumentParser) -> None:

@@ -139,6 +139,7 @@ def run_flags(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
         "microbatches": train.microbatches, "grad_accum": train.grad_accum,
         "optimizer": train.optimizer, "lr": train.learning_rate, "warmup": train.warmup_steps,
         "schedule": train.schedule, "virtual": train.virtual, "data": train.data,
+        "precision": train.precision,
     }  # fmt: skip
     if train.stage_layers is not None:
         flags["stage_layers"] = ",".join(map(str, train.stage_layers))

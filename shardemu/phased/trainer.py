@@ -56,7 +56,7 @@ class PhasedTrainer:
         so a pipeline of thousands of devices needs only tensor * replica of them.
         `counter` keeps compiled pieces' counts; pass one to share them between
         trainers."""
-        model = compute_model(model, train)  # 16-bit weights for mixed precision
+        model = compute_model(model, train.precision)  # 16-bit weights for mixed precision
         par = parallelism_of(mesh)
         if emulated_stages is not None:
             if par.pipe != 1:

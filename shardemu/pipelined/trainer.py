@@ -59,7 +59,7 @@ class PipelinedTrainer:
         rules: Rules | None = None,
         counter: Counter | None = None,
     ) -> None:
-        model = compute_model(model, train)  # 16-bit weights for mixed precision
+        model = compute_model(model, train.precision)  # 16-bit weights for mixed precision
         par = parallelism_of(mesh)
         train.check_fits(model.cfg, par)
         self.layout = pipeline_layout(

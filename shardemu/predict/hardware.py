@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardemu.config import BLOCK_SIZES
+from shardemu.config import BLOCK_SIZES, PRECISIONS
 from shardemu.errors import HardwareError
 
 GB = 1e9
@@ -41,7 +41,7 @@ def _real(value: Any) -> bool:
 @dataclass(frozen=True)
 class Hardware:
     name: str
-    peak_tflops: float  # dense 16-bit matmul peak per device, TFLOP/s
+    peak_tflops: float  # dense 16-bit matmul peak per device, TFLOP/s (bf16, fp16-mixed)
     device_memory_gb: float  # in-processor memory / HBM per device
     host_memory_gb: float  # streaming memory / host DRAM available per device
     host_link_gbps: float  # host tier <-> device, per device, per direction
@@ -62,6 +62,11 @@ class Hardware:
     swarmx_fanout: int = 4
     swarmx_hop_us: float = 1.0
     memoryx_gbps: float | None = None
+    # FP32 matmul peak per device, TFLOP/s (`--precision fp32`); None: a profile that
+    # does not tell them apart, whose FP32 runs at peak_tflops
+    fp32_tflops: float | None = None
+    # the `--precision` modes the device computes in (IPUs have no bfloat16, TPUs no fp16)
+    precisions: tuple[str, ...] = PRECISIONS
 
     def __post_init__(self) -> None:
         for key in (
@@ -89,6 +94,17 @@ class Hardware:
             raise HardwareError(
                 f"hardware {self.name!r}: memoryx_gbps must be a finite positive number "
                 f"(or left out: no limit), got {self.memoryx_gbps!r}"
+            )
+        if self.fp32_tflops is not None and not (_real(self.fp32_tflops) and self.fp32_tflops > 0):
+            raise HardwareError(
+                f"hardware {self.name!r}: fp32_tflops must be a finite positive number (or "
+                f"left out: FP32 at peak_tflops), got {self.fp32_tflops!r}"
+            )
+        object.__setattr__(self, "precisions", tuple(self.precisions))  # a list from a file
+        if not self.precisions or any(p not in PRECISIONS for p in self.precisions):
+            raise HardwareError(
+                f"hardware {self.name!r}: precisions must be a non-empty list of "
+                f"{', '.join(PRECISIONS)}, got {list(self.precisions)!r}"
             )
         if not (_real(self.efficiency) and 0 < self.efficiency <= 1):
             raise HardwareError(
@@ -131,6 +147,18 @@ class Hardware:
         rate = min(self.host_link_gbps, self.memoryx_gbps or math.inf) * GB
         return link_bytes / rate + self.swarmx_levels(systems) * self.swarmx_hop_us * 1e-6
 
+    def at_precision(self, precision: str) -> Hardware:
+        """This profile computing in `precision`: `peak_tflops` is that precision's
+        peak (FP32's for `fp32`), so step times and utilisation follow from it."""
+        if precision not in self.precisions:
+            raise HardwareError(
+                f"hardware {self.name!r} does not compute in --precision {precision}; it "
+                f"supports {', '.join(self.precisions)}"
+            )
+        if precision != "fp32" or self.fp32_tflops is None:
+            return self
+        return dataclasses.replace(self, peak_tflops=self.fp32_tflops)
+
     @property
     def device_memory_bytes(self) -> int:
         return int(self.device_memory_gb * GB)
@@ -146,8 +174,10 @@ class Hardware:
 def _ipu(name: str, ipus: int) -> Hardware:
     """A GC200 IPU in an IPU-POD of `ipus` IPUs (IPU-M2000s of 4 IPUs each).
 
-    - 250 TFLOP/s FP16.16 per IPU (1 PFLOP/s per IPU-M2000 of 4): Graphcore IPU-M2000
-      datasheet, "Overview".
+    - 250 TFLOP/s FP16.16 per IPU (1 PFLOP/s per IPU-M2000 of 4), 62.5 TFLOP/s FP32:
+      Graphcore IPU-M2000 datasheet, "Overview" (250 TFLOP/s FP32 per machine). The IPU
+      computes in FP16 and FP32 only: no bfloat16 (Graphcore, "Mixed-Precision
+      Arithmetic for AI: A Hardware Perspective").
     - 900 MB In-Processor-Memory per IPU: same datasheet; MISSION.md.
     - Streaming Memory: "typically 256 GB" per IPU-M2000 (MISSION.md; Bow-2000 datasheet:
       "up to 256GB Streaming Memory"), so 64 GB per IPU.
@@ -180,15 +210,22 @@ def _ipu(name: str, ipus: int) -> Hardware:
         host_tflops=0.5,
         description=f"Graphcore IPU-POD{ipus}: {ipus} GC200 IPUs in IPU-M2000s of 4",
         block_sparse_speed=((16, 0.1),),
+        fp32_tflops=62.5,
+        precisions=("fp32", "fp16-mixed"),
     )
 
 
 def _gpu(
-    name: str, tflops: float, hbm_gb: float, nvlink: float, pcie: float, ib: float, desc: str
-) -> Hardware:  # noqa: E501
+    name: str, tflops: float, tf32: float, hbm_gb: float, nvlink: float, pcie: float, ib: float,
+    desc: str,
+) -> Hardware:  # fmt: skip
+    """An NVIDIA GPU: `tflops` BF16/FP16 dense; FP32 matmuls run on the tensor cores as
+    TF32 (`tf32`), as XLA's default precision and cuBLAS's TF32 mode do on Ampere and
+    Hopper."""
     return Hardware(
         name=name,
         peak_tflops=tflops,
+        fp32_tflops=tf32,
         device_memory_gb=hbm_gb,
         host_memory_gb=128.0,  # DGX A100: 1 TB (2 TB option) / 8 GPUs; DGX H100: 2 TB / 8
         host_link_gbps=pcie,
@@ -203,10 +240,14 @@ def _gpu(
 
 def _tpu(name: str, tflops: float, hbm_gb: float, host_gb: float, ici: float) -> Hardware:
     """A TPU chip, 4 per host; `ici` GB/s per direction inside and across hosts (one 3D
-    torus); the host link (16 GB/s, PCIe) is our estimate."""
+    torus); the host link (16 GB/s, PCIe) is our estimate. The MXU multiplies bfloat16:
+    FP32 matmuls take three bfloat16 passes (XLA's `HIGH` precision, bf16_3x), so a
+    third of the peak (our estimate), and there is no FP16 arithmetic."""
     return Hardware(
         name=name,
         peak_tflops=tflops,
+        fp32_tflops=tflops / 3,
+        precisions=("fp32", "bf16"),
         device_memory_gb=hbm_gb,
         host_memory_gb=host_gb,
         host_link_gbps=16.0,
@@ -241,7 +282,8 @@ PROFILES: dict[str, Hardware] = {
     # estimate of one switch hop), and MemoryX's own rate into the tree (assumed equal
     # to one system's I/O, so that a single system is fed at line rate). MemoryX runs the
     # optimizer; its compute rate is not published either: host_tflops = 10 is our
-    # estimate (a profile key).
+    # estimate (a profile key). FP32: the WSE computes FP16/cbfloat16 and FP32; its FP32
+    # rate is not published either: a quarter of the 16-bit rate is our estimate.
     "cs2": Hardware(
         name="cs2",
         peak_tflops=7500.0,
@@ -258,21 +300,44 @@ PROFILES: dict[str, Hardware] = {
         swarmx_fanout=4,
         swarmx_hop_us=1.0,
         memoryx_gbps=150.0,
+        fp32_tflops=7500.0 / 4,
     ),
-    # NVIDIA A100 datasheet (2021): 312 TFLOP/s BF16 dense; 40 GB HBM2 / 80 GB HBM2e;
+    # NVIDIA A100 datasheet (2021): 312 TFLOP/s BF16 dense, 156 TF32; 40 GB HBM2 / 80 GB HBM2e;
     # NVLink 3: 600 GB/s per GPU (300 per direction); PCIe Gen4 x16: 32 GB/s per direction.
     # DGX A100: 8 GPUs per node, 8 x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU.
     "a100-40gb": _gpu(
-        "a100-40gb", 312.0, 40.0, 300.0, 32.0, 25.0, "NVIDIA A100 40GB, DGX A100 nodes, HDR IB"
+        "a100-40gb",
+        312.0,
+        156.0,
+        40.0,
+        300.0,
+        32.0,
+        25.0,
+        "NVIDIA A100 40GB, DGX A100 nodes, HDR IB",
     ),
     "a100-80gb": _gpu(
-        "a100-80gb", 312.0, 80.0, 300.0, 32.0, 25.0, "NVIDIA A100 80GB, DGX A100 nodes, HDR IB"
+        "a100-80gb",
+        312.0,
+        156.0,
+        80.0,
+        300.0,
+        32.0,
+        25.0,
+        "NVIDIA A100 80GB, DGX A100 nodes, HDR IB",
     ),
-    # NVIDIA H100 datasheet: SXM5 989 TFLOP/s BF16 dense; 80 GB HBM3; NVLink 4: 900 GB/s
+    # NVIDIA H100 datasheet: SXM5 989 TFLOP/s BF16 dense, 494.5 TF32 dense (989 with
+    # sparsity); 80 GB HBM3; NVLink 4: 900 GB/s
     # per GPU (450 per direction); PCIe Gen5 x16: 64 GB/s per direction. DGX H100: 8 GPUs,
     # 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
     "h100-sxm": _gpu(
-        "h100-sxm", 989.0, 80.0, 450.0, 64.0, 50.0, "NVIDIA H100 SXM5, DGX H100 nodes, NDR IB"
+        "h100-sxm",
+        989.0,
+        494.5,
+        80.0,
+        450.0,
+        64.0,
+        50.0,
+        "NVIDIA H100 SXM5, DGX H100 nodes, NDR IB",
     ),
     # Google Cloud TPU docs, "TPU v4": 275 TFLOP/s BF16 per chip, 32 GiB HBM2 at
     # 1200 GB/s, 4096 chips per pod with 1.1 PB/s of all-reduce bandwidth per pod: 269 GB/s

@@ -69,6 +69,8 @@ def plan_phased(
     over the stages (`accounting/assemble.py`, a 1F1B schedule): one pass is counted.
     Needs `plan_devices(par)` JAX devices (virtual CPU devices will do)."""
     t0 = time.perf_counter()
+    if hardware is not None:
+        hardware = hardware.at_precision(train_cfg.precision)
     given_vocab = model_cfg.vocab_size
     model_cfg = padded_for(model_cfg, par)
     model = Model(model_cfg)
@@ -101,6 +103,7 @@ def plan_phased(
         "batch": train_cfg.batch,
         "seq": train_cfg.seq,
         "tokens_per_step": train_cfg.tokens,
+        "precision": train_cfg.precision,
         **totals,
         "model_flops_analytic": analytic,
         "model_flops_rel_err": totals["model_flops"] / analytic - 1,

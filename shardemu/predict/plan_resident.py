@@ -59,6 +59,7 @@ from shardemu.predict.sparse import (
 from shardemu.stages.executor import Executor
 from shardemu.stages.stage import AXIS_LABELS, build_stages, stage_meshes, stage_rules
 from shardemu.stages.tiers import Tier, bytes_per_device
+from shardemu.training.precision import compute_model
 
 Recompute = Literal["none", "selective", "full"]
 FORWARD, BACKWARD = Phase("forward", 0, (0, 1)), Phase("backward", 0, (0, 1))
@@ -69,21 +70,25 @@ class Microbatch:
     """One microbatch's work on one stage's tensor group, counted: events per piece
     (`embed`, `forward` and `backward` of one layer, `head`, `embed-backward`, `update`
     of one layer and of the shared weights), and the bytes per device of one layer's
-    weights, of the shared weights and of what one layer keeps for its backward."""
+    weights, of the shared weights, of what one layer keeps for its backward, and of
+    the optimizer state of one layer and of the shared weights (FP32 master weights
+    included under mixed precision)."""
 
     pieces: dict[str, list[Event]]
     layer_bytes: int
     shared_bytes: int
     keep_bytes: int
+    opt_bytes: tuple[int, int]
 
 
 def count_microbatch(
     model: Model, tensor: int, microbatch_size: int, seq: int, full_recompute: bool,
-    counter: Counter | None = None,
+    counter: Counter | None = None, precision: str = "fp32",
 ) -> Microbatch:  # fmt: skip
-    """Count one microbatch's pieces on `tensor` JAX devices (no weights allocated)."""
+    """Count one microbatch's pieces on `tensor` JAX devices (no weights allocated), in
+    `precision` (`model` is then the model that computes in it: `compute_model`)."""
     mesh = mesh_from(Parallelism(tensor=tensor), jax.devices()[:tensor])
-    train = TrainConfig(batch=microbatch_size, seq=seq)
+    train = TrainConfig(batch=microbatch_size, seq=seq, precision=precision)
     rules = stage_rules(megatron_rules())
     built = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), rules)
     st = built.stages[0]
@@ -111,11 +116,13 @@ def count_microbatch(
     g_embed = ex.run(EMBED_BWD, "embed-bwd", st.fn("embed-bwd"), st, (shared, batch, g_x))
     ex.run(EMBED_BWD, "add", st.fn("add"), st, (g_embed, g_head))
     norm = jax.ShapeDtypeStruct((), np.float32, sharding=st.replicated)
+    opt_bytes = []
     for part, phase, weights, opt_sh, tx in (
         ("layers", Phase("update", 0), layer, st.layer_opt, built.tx_layers),
         ("shared", Phase("update"), shared, st.shared_opt, built.tx_shared),
     ):
         opt = with_shardings(jax.eval_shape(tx.init, weights), opt_sh)
+        opt_bytes.append(bytes_per_device(opt))
         name = f"update-{part}-device"
         ex.run(
             phase, name, st.fn(name), st, (weights, opt, weights, norm), carries="optimizer_state"
@@ -124,7 +131,8 @@ def count_microbatch(
     for e in ledger.events:
         key = str(e.phase) if e.phase.kind == "update" else e.phase.kind
         pieces.setdefault(key, []).append(e)
-    return Microbatch(pieces, bytes_per_device(layer), bytes_per_device(shared), keep)
+    layer_bytes, shared_bytes = bytes_per_device(layer), bytes_per_device(shared)
+    return Microbatch(pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes))
 
 
 def _scaled(e: Event, factor: float, replica: int, **changes: Any) -> Event:
@@ -230,12 +238,15 @@ def plan_resident(
     virtual: int = 1,
     recompute: Recompute = "full",
     sparsity: SparsityConfig | None = None,
+    precision: str = "fp32",
 ) -> tuple[dict[str, Any], Ledger, Timeline]:
-    """Predict a resident (pipelined) step of `batch` sequences on `hardware`: the
-    report, the step's ledger and its timeline. Needs `par.tensor` JAX devices (one
-    stage's tensor group)."""
+    """Predict a resident (pipelined) step of `batch` sequences on `hardware` in
+    `precision`: the report, the step's ledger and its timeline. Needs `par.tensor` JAX
+    devices (one stage's tensor group)."""
     t0 = time.perf_counter()
-    model_cfg = padded_for(model_cfg, par)
+    hardware = hardware.at_precision(precision)
+    model = compute_model(Model(padded_for(model_cfg, par)), precision)
+    model_cfg = model.cfg
     if recompute not in ("none", "selective", "full"):
         raise ConfigError(f"--recompute must be none, selective or full, got {recompute!r}")
     per_step = par.replica * microbatch_size
@@ -248,8 +259,9 @@ def plan_resident(
     if L % (p * v):
         raise ConfigError(f"{L} layers do not split into pipe * virtual = {p * v} equal chunks")
     sched = make_schedule(schedule, p, m, v)
-    model = Model(model_cfg)
-    mb = count_microbatch(model, par.tensor, microbatch_size, seq, recompute == "full")
+    mb = count_microbatch(
+        model, par.tensor, microbatch_size, seq, recompute == "full", precision=precision
+    )
     if recompute == "selective":
         mb = _selective(mb, model_cfg, par.tensor, microbatch_size, seq)
     ledger = Ledger(_step_events(mb, sched, model_cfg, par, microbatch_size, seq))
@@ -258,7 +270,11 @@ def plan_resident(
     peak = max(sched.peak_activations(s) for s in range(p))
     per_chunk = L // (p * v)
     weights = mb.layer_bytes * L // p + mb.shared_bytes
-    device_bytes = 4 * weights + round(peak * per_chunk * v * mb.keep_bytes)
+    optimizer = mb.opt_bytes[0] * L // p + mb.opt_bytes[1]
+    # gradients: the weights' dtype, summed over microbatches in FP32 (`training/precision.py`)
+    itemsize = jnp.dtype(model_cfg.param_dtype).itemsize
+    grads = weights if m == 1 else weights * 4 // itemsize
+    device_bytes = weights + grads + optimizer + round(peak * per_chunk * v * mb.keep_bytes)
     timed = ledger.events
     if sparsity is not None:  # the layers' matmuls at the hardware's block-sparse speed
         factor = layer_factor(hardware, model_cfg, seq, sparsity)
@@ -286,6 +302,7 @@ def plan_resident(
             "schedule": schedule,
             "virtual": v,
             "recompute": recompute,
+            "precision": precision,
             "bubble_fraction": sched.bubble_fraction,
             **totals,
             "model_flops_analytic": analytic,

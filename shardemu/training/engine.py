@@ -28,6 +28,7 @@ from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.sparsity import sparse_counts
 from shardemu.stages.stage import init_params
 from shardemu.stages.tiers import bytes_per_device
+from shardemu.training.precision import scale_fields
 from shardemu.training.resident import Trainer, held_out, loss_terms
 
 
@@ -113,6 +114,7 @@ class ResidentEngine:
         self.ledger.events.extend(dataclasses.replace(e, step=step) for e in self._events)
         counts = step_counts(self.ledger, step)
         counts |= sparse_fields(counts, [out.opt_state], self.trainer.train.tokens)
+        counts |= scale_fields(out.opt_state, self.trainer.train)
         return StepResult(
             (out.params, out.opt_state), float(out.loss), float(out.grad_norm), counts
         )
@@ -150,6 +152,7 @@ class _StagedEngine:
         out = self.trainer.step(state, batch)
         counts = step_counts(self.ledger, self.trainer.steps_done - 1)
         counts |= sparse_fields(counts, self.layer_opts(out.state), self.trainer.train.tokens)
+        counts |= scale_fields(self.layer_opts(out.state)[0], self.trainer.train)
         return StepResult(out.state, out.loss, out.grad_norm, counts)
 
     def layer_opts(self, state: Any) -> list[Any]:

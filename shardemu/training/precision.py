@@ -50,12 +50,12 @@ def is_mixed(train: TrainConfig) -> bool:
     return train.precision != "fp32"
 
 
-def compute_model(model: Model, train: TrainConfig) -> Model:
+def compute_model(model: Model, precision: str) -> Model:
     """The model an engine computes with: 16-bit weights for a mixed precision, else
     `model` as given (whose own `param_dtype` then holds everywhere)."""
-    if not is_mixed(train):
+    if precision == "fp32":
         return model
-    return Model(model.cfg.replace(param_dtype=COMPUTE_DTYPES[train.precision]))
+    return Model(model.cfg.replace(param_dtype=COMPUTE_DTYPES[precision]))
 
 
 def as_compute(params: Any, model: Model) -> Any:
@@ -103,6 +103,14 @@ def with_master_weights(
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def scale_fields(opt_state: Any, train: TrainConfig) -> dict[str, float]:
+    """A loss-scaled run's metric: `loss_scale`, the scale after the step (halved after
+    a step it skipped); empty for other precisions."""
+    if train.precision != "fp16-mixed":
+        return {}
+    return {"loss_scale": float(opt_state.scale)}
 
 
 def all_finite(tree: Any) -> jax.Array:

@@ -97,7 +97,7 @@ class Trainer:
                 f"pipe={par.pipe}, microbatches={train.microbatches}); pipelined steps run on "
                 f"shardemu.PipelinedTrainer"
             )
-        model = compute_model(model, train)  # 16-bit weights for mixed precision
+        model = compute_model(model, train.precision)  # 16-bit weights for mixed precision
         self.model, self.mesh, self.train, self.par = model, mesh, train, par
         self.rules = megatron_rules() if rules is None else rules
         axis_sizes = dict(mesh.shape)

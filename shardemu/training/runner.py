@@ -94,6 +94,8 @@ def train(
     if eval_every is not None and eval_every < 1:
         raise ConfigError(f"--eval-every must be a positive number of steps, got {eval_every}")
     _check_host_memory(model_cfg, train_cfg)
+    if hardware is not None:  # predicted at the run's precision's peak
+        hardware = hardware.at_precision(train_cfg.precision)
     mesh = mesh_from(par, devices)
     model = Model(model_cfg)
     engine = _engine(model, mesh, train_cfg, phased, rules)
@@ -393,6 +395,7 @@ def _summary(
         "microbatches": train_cfg.microbatches,
         "schedule": train_cfg.schedule if par.pipe > 1 else None,
         "grad_accum": train_cfg.grad_accum,
+        "precision": train_cfg.precision,
         "bubble_fraction": records[0]["bubble_fraction"],
         "first_loss": records[0]["loss"],
         "final_loss": records[-1]["loss"],
