@@ -47,15 +47,11 @@ class Case:
     note: str
 
 
-def _bf16(cfg: ModelConfig, **changes) -> ModelConfig:
-    return cfg.replace(param_dtype="bfloat16", **changes)
-
-
 CASES = [
     Case(
         "Megatron-LM GPT 1T, 3072 A100",
         "Narayanan et al. 2021, SC21, Table 1 and abstract: 502 PFLOP/s, 163 TFLOP/s per GPU",
-        _bf16(custom_model("gpt", 128, 25600, 160, 51200, 2048)),
+        custom_model("gpt", 128, 25600, 160, 51200, 2048),
         Parallelism(pipe=64, tensor=8, replica=6),
         3072,
         2048,
@@ -73,7 +69,7 @@ CASES = [
         "Chowdhery et al. 2022, Table 3: 46.2% model FLOPs utilisation",
         # SwiGLU with d_ff = 4d has three d x d_ff matrices: FLOPs of a 2-matrix MLP of 6d.
         # Multi-query attention is modelled as multi-head (K, V projections overcounted).
-        _bf16(custom_model("gpt", 118, 18432, 48, 256000, 2048), mlp_dim=6 * 18432),
+        custom_model("gpt", 118, 18432, 48, 256000, 2048).replace(mlp_dim=6 * 18432),
         Parallelism(pipe=1, tensor=12, replica=512),
         2048,
         2048,
@@ -91,7 +87,7 @@ CASES = [
         "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4: 430 TFLOP/s per GPU, 43% MFU",
         # 126 layers in the paper; 128 here so 16 stages x 2 chunks divide them. SwiGLU
         # d_ff 53248 = 2-matrix MLP of 79872; grouped-query attention modelled as MHA.
-        _bf16(custom_model("gpt", 128, 16384, 128, 128256, 8192), mlp_dim=79872),
+        custom_model("gpt", 128, 16384, 128, 128256, 8192).replace(mlp_dim=79872),
         Parallelism(pipe=16, tensor=8, replica=64),
         2048,
         8192,
@@ -111,6 +107,7 @@ def run(case: Case) -> dict:
     r, _, _ = plan_resident(
         case.model, case.par, case.batch, case.seq, case.microbatch_size,
         PROFILES[case.hardware], case.schedule, case.virtual, case.recompute,  # type: ignore[arg-type]
+        precision="bf16",  # every case trained in bfloat16 with FP32 master weights
     )  # fmt: skip
     predicted = r["tflops_per_device"] if case.metric == "tflops_per_device" else r["utilisation"]
     return {

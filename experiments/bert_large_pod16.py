@@ -5,9 +5,10 @@ the whole model and optimizer state on chip").
    layers, one a stage, so that 16 virtual devices fit a 2-core laptop), pipelined over 4
    stages and replicated 4 times, at sequence length 32 (GPipe, 4 microbatches).
 2. Predicted: the resident pipelined step on the `ipu-pod16` profile at sequence length
-   128 (phase-1 pre-training), bfloat16, for pipeline depth 4 (p=4, r=4) and 8 (p=8,
-   r=2): step time, its breakdown, and memory per IPU (weights, gradients, two Adam
-   moments and the activations a stage holds) against the GC200's 900 MB.
+   128 (phase-1 pre-training), float16 (the IPU has no bfloat16), for pipeline depth 4
+   (p=4, r=4) and 8 (p=8, r=2): step time, its breakdown, and memory per IPU (weights,
+   gradients, two Adam moments and the activations a stage holds) against the GC200's
+   900 MB.
 
     python experiments/bert_large_pod16.py [--out DIR] [--steps 3]
 
@@ -44,7 +45,7 @@ DEPTHS = {4: Parallelism(pipe=4, replica=4), 8: Parallelism(pipe=8, replica=2)}
 
 
 def predict(depth: int, par: Parallelism) -> dict:
-    model = get_preset("bert-large").replace(param_dtype="bfloat16")
+    model = get_preset("bert-large").replace(param_dtype="float16")
     r, _, _ = plan_resident(model, par, GLOBAL_BATCH, SEQ, MICROBATCH, HW, schedule="1f1b")
     mem = r["memory_per_device"]["device"]
     return {

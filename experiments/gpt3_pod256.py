@@ -3,10 +3,10 @@ because the weights do not fit"), in abstract mode: nothing is allocated.
 
 1. Resident: the weights and Adam state per IPU (the rules table's shards) against the
    GC200's 900 MB of in-processor memory.
-2. Phased, bfloat16 weights, one layer a phase: the global batch of 1536 as 384 passes
-   of one sequence (2048 tokens) per replica, pipelined over the 8 stages (1F1B; one pass
-   counted, the step assembled: `accounting/assemble.py`), each pass streaming its phases'
-   weights again. The device-tier peak per IPU, the bytes streamed, and the predicted step
+2. Phased, float16 weights (the IPU has no bfloat16), one layer a phase: the global
+   batch of 1536 as 384 passes of one sequence (2048 tokens) per replica, pipelined
+   over the 8 stages (1F1B; one pass counted, the step assembled:
+   `accounting/assemble.py`), each pass streaming its phases' weights again. The device-tier peak per IPU, the bytes streamed, and the predicted step
    time on the `ipu-pod256` profile, for replicated tensor sharding, activation policies
    and prefetch.
 
@@ -68,7 +68,7 @@ def resident() -> dict:
 
 
 def phased(name: str, cfg: PhasedConfig, out: Path | None) -> dict:
-    model = padded_for(get_preset("gpt3-175b"), PAR).replace(param_dtype="bfloat16")
+    model = padded_for(get_preset("gpt3-175b"), PAR).replace(param_dtype="float16")
     train = TrainConfig(batch=GLOBAL_BATCH, seq=SEQ)
     r = plan_phased(model, PAR, train, cfg, hardware=HW, out=out, microbatch_size=MICROBATCH)
     return {
@@ -111,7 +111,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax in (left, right):
         ax.tick_params(axis="y", labelsize=8)
     fig.suptitle(
-        f"GPT-3 175B on {HW.name}, {PAR}, bfloat16, batch {GLOBAL_BATCH} x {SEQ} as "
+        f"GPT-3 175B on {HW.name}, {PAR}, float16, batch {GLOBAL_BATCH} x {SEQ} as "
         f"{GLOBAL_BATCH // (MICROBATCH * PAR.replica)} pipelined passes"
     )
     save_figure(fig, path, FIGURES)

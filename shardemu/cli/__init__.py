@@ -37,6 +37,7 @@ from shardemu.errors import ShardemuError
 from shardemu.launch import join, launch, process_index
 from shardemu.predict.hardware import get_hardware
 from shardemu.report.tables import param_table, print_phase_plan, summary_table
+from shardemu.training.precision import arithmetic
 
 console = Console(stderr=True)
 
@@ -263,7 +264,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     )  # fmt: skip
     train_cfg.check_fits(model_cfg, par)
     if hardware is not None:
-        hardware.at_precision(train_cfg.precision)  # refused before anything is counted
+        hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))  # refused now
     micro = args.microbatch_size
     if micro is not None and (micro < 1 or args.batch % (par.replica * micro)):
         raise ConfigError(

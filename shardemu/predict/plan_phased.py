@@ -31,6 +31,7 @@ from shardemu.predict.hardware import Hardware
 from shardemu.predict.sparse import model_flops_sparse, sparse_compute, sparse_report
 from shardemu.report.plandir import write_plan_dir
 from shardemu.report.trackers import TrackingConfig
+from shardemu.training.precision import arithmetic
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
@@ -70,7 +71,7 @@ def plan_phased(
     Needs `plan_devices(par)` JAX devices (virtual CPU devices will do)."""
     t0 = time.perf_counter()
     if hardware is not None:
-        hardware = hardware.at_precision(train_cfg.precision)
+        hardware = hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))
     given_vocab = model_cfg.vocab_size
     model_cfg = padded_for(model_cfg, par)
     model = Model(model_cfg)

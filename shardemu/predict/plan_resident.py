@@ -59,7 +59,7 @@ from shardemu.predict.sparse import (
 from shardemu.stages.executor import Executor
 from shardemu.stages.stage import AXIS_LABELS, build_stages, stage_meshes, stage_rules
 from shardemu.stages.tiers import Tier, bytes_per_device
-from shardemu.training.precision import compute_model
+from shardemu.training.precision import arithmetic, compute_model
 
 Recompute = Literal["none", "selective", "full"]
 FORWARD, BACKWARD = Phase("forward", 0, (0, 1)), Phase("backward", 0, (0, 1))
@@ -244,7 +244,7 @@ def plan_resident(
     `precision`: the report, the step's ledger and its timeline. Needs `par.tensor` JAX
     devices (one stage's tensor group)."""
     t0 = time.perf_counter()
-    hardware = hardware.at_precision(precision)
+    hardware = hardware.at_precision(arithmetic(model_cfg, precision))
     model = compute_model(Model(padded_for(model_cfg, par)), precision)
     model_cfg = model.cfg
     if recompute not in ("none", "selective", "full"):

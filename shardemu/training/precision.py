@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from shardemu.config import TrainConfig
+from shardemu.config import ModelConfig, TrainConfig
 from shardemu.models import Model
 
 COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16-mixed": "float16"}
@@ -48,6 +48,14 @@ class MasterState(NamedTuple):
 
 def is_mixed(train: TrainConfig) -> bool:
     return train.precision != "fp32"
+
+
+def arithmetic(cfg: ModelConfig, precision: str) -> str:
+    """The precision whose peak a device computes at: `precision`, or, for `fp32` with a
+    16-bit `param_dtype` (pure 16-bit training, no master weights), that width's."""
+    if precision != "fp32":
+        return precision
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16-mixed"}[cfg.param_dtype]
 
 
 def compute_model(model: Model, precision: str) -> Model:

@@ -40,6 +40,7 @@ from shardemu.training.engine import Engine, PhasedEngine, PipelinedEngine, Resi
 from shardemu.training.faults import StopSignals, check_finite
 from shardemu.training.loop import StepInfo, TrainLoop
 from shardemu.training.optim import learning_rate_at
+from shardemu.training.precision import arithmetic
 from shardemu.training.resident import Trainer
 
 EVAL_BATCHES = 4  # held-out batches of the run's batch size, the same at every evaluation
@@ -95,7 +96,7 @@ def train(
         raise ConfigError(f"--eval-every must be a positive number of steps, got {eval_every}")
     _check_host_memory(model_cfg, train_cfg)
     if hardware is not None:  # predicted at the run's precision's peak
-        hardware = hardware.at_precision(train_cfg.precision)
+        hardware = hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))
     mesh = mesh_from(par, devices)
     model = Model(model_cfg)
     engine = _engine(model, mesh, train_cfg, phased, rules)
