@@ -3,12 +3,12 @@ because the weights do not fit"), in abstract mode: nothing is allocated.
 
 1. Resident: the weights and Adam state per IPU (the rules table's shards) against the
    GC200's 900 MB of in-processor memory.
-2. Phased, float16 weights (the IPU has no bfloat16), one layer a phase: the global
-   batch of 1536 as 384 passes of one sequence (2048 tokens) per replica, pipelined
-   over the 8 stages (1F1B; one pass counted, the step assembled:
-   `accounting/assemble.py`), each pass streaming its phases' weights again. The device-tier peak per IPU, the bytes streamed, and the predicted step
-   time on the `ipu-pod256` profile, for replicated tensor sharding, activation policies
-   and prefetch.
+2. Phased, float16 weights (the IPU has no bfloat16), one layer a phase: the global batch
+   of 1536 as 384 passes of one sequence (2048 tokens) per replica, pipelined over the 8
+   stages (1F1B; one pass counted, the step assembled: `accounting/assemble.py`), each pass
+   streaming its phases' weights again. The device-tier peak per IPU, the bytes streamed,
+   and the predicted step time on the `ipu-pod256` profile, for replicated tensor sharding,
+   activation policies and prefetch.
 
     python experiments/gpt3_pod256.py [--out DIR]
 
