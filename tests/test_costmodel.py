@@ -202,6 +202,30 @@ def test_resident_plan_recomputation_and_schedules():
     assert full["bubble_fraction"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1), p=2, m=4
 
 
+def test_a_pipelined_plan_without_a_microbatch_size_picks_the_fastest(tmp_path, capsys):
+    """`plan --mesh pipe=2` without --microbatch-size plans each power-of-two size of the
+    batch per replica and takes the fastest that fits; it says so. The chosen plan is
+    the one `--microbatch-size` gives, and its step the minimum of the candidates'."""
+    from shardemu.cli import main
+    from shardemu.config import get_preset
+    from shardemu.predict.plan_resident import microbatch_candidates, plan_resident
+
+    assert microbatch_candidates(24) == [1, 2, 4, 8, 24]
+    argv = ["plan", "--model", "gpt-tiny", "--mesh", "pipe=2", "--hardware", "a100-80gb",
+            "--batch", "4", "--seq", "16", "--out", str(tmp_path / "p"), "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    report, choice = json.loads(out.out), json.loads(out.out)["microbatch_choice"]
+    assert list(choice["step_time_s"]) == ["1", "2", "4"]
+    fastest = min(choice["step_time_s"], key=choice["step_time_s"].get)
+    assert choice["chosen"] == report["microbatch_size"] == int(fastest)
+    assert f"--microbatch-size {fastest} (not given: of 1, 2, 4 " in out.err
+    explicit, _, _ = plan_resident(
+        get_preset("gpt-tiny"), Parallelism(pipe=2), 4, 16, int(fastest), PROFILES["a100-80gb"]
+    )
+    assert explicit["step_time_s"] == report["step_time_s"]
+
+
 @pytest.mark.slow
 def test_phased_passes_accumulate_one_counted_pass():
     """A batch of 8 as 4 pipelined passes of 1 sequence per replica: 4 times one pass's

@@ -310,15 +310,31 @@ def _plan_resident(
 ) -> dict[str, Any]:  # fmt: skip
     """`shardemu plan` without --phased: a resident pipelined step on `hardware`."""
     use_virtual_devices(par.tensor)  # one stage's tensor group counts a microbatch
-    from shardemu.predict.plan_resident import plan_resident
+    from shardemu.predict.plan_resident import plan_resident, plan_resident_auto
     from shardemu.report.plandir import write_plan_dir
 
-    report, ledger, timeline = plan_resident(
-        model_cfg, par, train_cfg.batch, train_cfg.seq,
-        micro if micro is not None else train_cfg.batch // par.replica, hardware,
-        train_cfg.schedule, train_cfg.virtual, args.recompute, train_cfg.sparsity,
-        train_cfg.precision,
-    )  # fmt: skip
+    settings = {
+        "schedule": train_cfg.schedule, "virtual": train_cfg.virtual,
+        "recompute": args.recompute, "sparsity": train_cfg.sparsity,
+        "precision": train_cfg.precision,
+    }  # fmt: skip
+    batch, seq = train_cfg.batch, train_cfg.seq
+    if micro is None and par.pipe > 1:  # one microbatch would be a (p-1)/p bubble
+        report, ledger, timeline = plan_resident_auto(
+            model_cfg, par, batch, seq, hardware, **settings
+        )
+        choice = report["microbatch_choice"]
+        tried = ", ".join(choice["step_time_s"])
+        console.print(
+            f"--microbatch-size {choice['chosen']} (not given: of {tried} sequences per "
+            f"microbatch, {choice['rule']}; pass --microbatch-size to choose)",
+            highlight=False, markup=False,
+        )  # fmt: skip
+    else:
+        size = micro if micro is not None else batch // par.replica
+        report, ledger, timeline = plan_resident(
+            model_cfg, par, batch, seq, size, hardware, **settings
+        )
     write_plan_dir(out, report, ledger, timeline, tracking)
     return report
 
