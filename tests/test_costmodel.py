@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardemu.accounting.ledger import Event, Phase
-from shardemu.config import Parallelism, PhasedConfig, TrainConfig
+from shardemu.config import ConfigError, Parallelism, PhasedConfig, TrainConfig
 from shardemu.predict.costmodel import Span, Timeline, build_timeline, predict
 from shardemu.predict.hardware import PROFILES, Hardware, HardwareError, get_hardware, load_profile
 from shardemu.report.views import merged_bars
@@ -208,7 +208,9 @@ def test_a_pipelined_plan_without_a_microbatch_size_picks_the_fastest(tmp_path, 
     the one `--microbatch-size` gives, and its step the minimum of the candidates'."""
     from shardemu.cli import main
     from shardemu.config import get_preset
-    from shardemu.predict.plan_resident import microbatch_candidates, plan_resident
+    from shardemu.predict.microbatch import microbatch_candidates
+    from shardemu.predict.plan_phased import plan_phased
+    from shardemu.predict.plan_resident import plan_resident, plan_resident_auto
 
     assert microbatch_candidates(24) == [1, 2, 4, 8, 24]
     argv = ["plan", "--model", "gpt-tiny", "--mesh", "pipe=2", "--hardware", "a100-80gb",
@@ -224,6 +226,13 @@ def test_a_pipelined_plan_without_a_microbatch_size_picks_the_fastest(tmp_path, 
         get_preset("gpt-tiny"), Parallelism(pipe=2), 4, 16, int(fastest), PROFILES["a100-80gb"]
     )
     assert explicit["step_time_s"] == report["step_time_s"]
+    # a refusal every size shares is the user's to fix: it comes back, not "no size"
+    with pytest.raises(ConfigError, match="4 layers do not split into pipe \\* virtual = 6"):
+        plan_resident_auto(get_preset("gpt-tiny"), Parallelism(pipe=2), 4, 16,
+                           PROFILES["a100-80gb"], schedule="interleaved", virtual=3)  # fmt: skip
+    with pytest.raises(ConfigError, match="give --hardware"):
+        plan_phased(get_preset("gpt-tiny"), Parallelism(pipe=2), TrainConfig(batch=4, seq=16),
+                    PhasedConfig(), microbatch_size="auto")  # fmt: skip
 
 
 @pytest.mark.slow

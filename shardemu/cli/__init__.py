@@ -289,10 +289,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
         use_virtual_devices(plan_devices(par))  # one pipeline stage's devices
         from shardemu.predict.plan_phased import plan_phased
 
+        auto = micro is None and par.pipe > 1 and hardware is not None  # timed passes
         report = plan_phased(
             model_cfg, par, train_cfg, phased, hardware=hardware, out=out,
-            microbatch_size=micro, tracking=tracking,
+            microbatch_size="auto" if auto else micro, tracking=tracking,
         )  # fmt: skip
+        if auto:
+            _say_microbatch(report["microbatch_choice"])
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -323,13 +326,7 @@ def _plan_resident(
         report, ledger, timeline = plan_resident_auto(
             model_cfg, par, batch, seq, hardware, **settings
         )
-        choice = report["microbatch_choice"]
-        tried = ", ".join(choice["step_time_s"])
-        console.print(
-            f"--microbatch-size {choice['chosen']} (not given: of {tried} sequences per "
-            f"microbatch, {choice['rule']}; pass --microbatch-size to choose)",
-            highlight=False, markup=False,
-        )  # fmt: skip
+        _say_microbatch(report["microbatch_choice"])
     else:
         size = micro if micro is not None else batch // par.replica
         report, ledger, timeline = plan_resident(
@@ -337,6 +334,16 @@ def _plan_resident(
         )
     write_plan_dir(out, report, ledger, timeline, tracking)
     return report
+
+
+def _say_microbatch(choice: dict[str, Any]) -> None:
+    """On stderr: the microbatch size a pipelined plan chose, since none was given."""
+    tried = ", ".join(choice["step_time_s"])
+    console.print(
+        f"--microbatch-size {choice['chosen']} (not given: of {tried} sequences per "
+        f"microbatch, {choice['rule']}; pass --microbatch-size to choose)",
+        highlight=False, markup=False,
+    )  # fmt: skip
 
 
 def cmd_compare(args: argparse.Namespace) -> None:

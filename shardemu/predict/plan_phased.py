@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 
@@ -28,6 +28,7 @@ from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.predict.costmodel import predict
 from shardemu.predict.hardware import Hardware
+from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.sparse import model_flops_sparse, sparse_compute, sparse_report
 from shardemu.report.plandir import write_plan_dir
 from shardemu.report.trackers import TrackingConfig
@@ -58,7 +59,7 @@ def plan_phased(
     rules: Rules | None = None,
     hardware: Hardware | None = None,
     out: str | Path | None = None,
-    microbatch_size: int | None = None,
+    microbatch_size: int | Literal["auto"] | None = None,
     tracking: TrackingConfig | None = None,
 ) -> dict[str, Any]:
     """Count one phased step in abstract mode: the JSON `shardemu plan --json` prints.
@@ -67,9 +68,23 @@ def plan_phased(
     With `hardware`, add the predicted step (`costmodel.py`); with `out`, write the run
     directory and log to the `tracking` trackers (`report/plandir.py`). With
     `microbatch_size` b, the batch runs as passes of b sequences per replica, pipelined
-    over the stages (`accounting/assemble.py`, a 1F1B schedule): one pass is counted.
+    over the stages (`accounting/assemble.py`, a 1F1B schedule): one pass is counted;
+    `"auto"` plans each candidate size on `hardware` and keeps the fastest that fits
+    (`predict/microbatch.py`), reported under `microbatch_choice`.
     Needs `plan_devices(par)` JAX devices (virtual CPU devices will do)."""
     t0 = time.perf_counter()
+    choice = None
+    if microbatch_size == "auto":
+        if hardware is None:
+            raise ConfigError("choosing the microbatch size times each one: give --hardware")
+
+        def plan(size: int) -> tuple[dict[str, Any], None]:
+            return plan_phased(
+                model_cfg, par, train_cfg, phased, rules, hardware, microbatch_size=size
+            ), None
+
+        choice = choose_microbatch(train_cfg.batch, par, plan)[0]["microbatch_choice"]
+        microbatch_size = choice["chosen"]
     if hardware is not None:
         hardware = hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))
     given_vocab = model_cfg.vocab_size
@@ -132,6 +147,8 @@ def plan_phased(
             f"stage{stage}/{stream}": busy
             for (stage, stream), busy in sorted(timeline.stream_totals().items())
         }
+    if choice is not None:
+        report["microbatch_choice"] = choice
     if out is not None:
         write_plan_dir(Path(out), report, ledger, timeline, tracking)
     report["elapsed_s"] = time.perf_counter() - t0

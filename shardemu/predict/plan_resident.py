@@ -49,6 +49,7 @@ from shardemu.parallel.schedules import Schedule, Slot, make_schedule
 from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
 from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware
+from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.plan_phased import padded_for
 from shardemu.predict.sparse import (
     layer_factor,
@@ -319,47 +320,18 @@ def plan_resident(
     )
 
 
-def microbatch_candidates(per_replica: int) -> list[int]:
-    """The microbatch sizes a pipelined plan tries: the powers of two that divide the
-    batch per replica, and the whole of it."""
-    sizes = {1 << k for k in range(per_replica.bit_length()) if per_replica % (1 << k) == 0}
-    return sorted(sizes | {per_replica})
-
-
 def plan_resident_auto(
     model_cfg: ModelConfig, par: Parallelism, batch: int, seq: int, hardware: Hardware,
     **settings: Any,
 ) -> tuple[dict[str, Any], Ledger, Timeline]:  # fmt: skip
-    """`plan_resident` at the microbatch size a search over it picks for this layout:
-    of `microbatch_candidates`, the fastest predicted step whose device memory fits
-    (the least memory when none fits). Sizes the schedule cannot take (interleaved
-    1F1B needs microbatches in multiples of pipe) are skipped. The report says so
-    under `microbatch_choice`, with every candidate's step time and memory."""
-    if batch % par.replica:
-        raise ConfigError(f"--batch {batch} is not divisible by replica={par.replica}")
-    best, tried, refused = None, [], None
+    """`plan_resident` at the microbatch size `choose_microbatch` picks for this layout;
+    the report says so under `microbatch_choice`."""
 
-    def key(plan: dict) -> tuple:  # fitting first, then the faster; else the smaller
-        mem = plan["memory_per_device"]["device"]
-        return (not mem["fits"], plan["step_time_s"] if mem["fits"] else mem["bytes"])
+    def plan(size: int) -> tuple[dict[str, Any], Any]:
+        report, ledger, timeline = plan_resident(
+            model_cfg, par, batch, seq, size, hardware, **settings
+        )
+        return report, (ledger, timeline)
 
-    for size in microbatch_candidates(batch // par.replica):
-        try:
-            plan = plan_resident(model_cfg, par, batch, seq, size, hardware, **settings)
-        except ConfigError as err:
-            refused = err
-            continue
-        tried.append((size, plan[0]["step_time_s"], plan[0]["memory_per_device"]["device"]))
-        if best is None or key(plan[0]) < key(best[0]):
-            best = plan
-    if best is None:  # every size was refused: the last refusal says why
-        raise refused  # type: ignore[misc]
-    report, ledger, timeline = best
-    fits = report["memory_per_device"]["device"]["fits"]
-    report["microbatch_choice"] = {
-        "chosen": report["microbatch_size"],
-        "rule": "the fastest that fits" if fits else "none fits: the least memory",
-        "step_time_s": {str(size): step for size, step, _ in tried},
-        "device_bytes": {str(size): mem["bytes"] for size, _, mem in tried},
-    }
+    report, (ledger, timeline) = choose_microbatch(batch, par, plan)
     return report, ledger, timeline
