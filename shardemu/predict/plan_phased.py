@@ -26,7 +26,7 @@ from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.phased.trainer import PhasedTrainer
-from shardemu.predict.costmodel import predict
+from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.sparse import model_flops_sparse, sparse_compute, sparse_report
@@ -73,18 +73,33 @@ def plan_phased(
     (`predict/microbatch.py`), reported under `microbatch_choice`.
     Needs `plan_devices(par)` JAX devices (virtual CPU devices will do)."""
     t0 = time.perf_counter()
-    choice = None
     if microbatch_size == "auto":
         if hardware is None:
             raise ConfigError("choosing the microbatch size times each one: give --hardware")
 
-        def plan(size: int) -> tuple[dict[str, Any], None]:
-            return plan_phased(
-                model_cfg, par, train_cfg, phased, rules, hardware, microbatch_size=size
-            ), None
+        def candidate(size: int) -> tuple[dict[str, Any], Any]:
+            report, ledger, timeline = _counted(
+                model_cfg, par, train_cfg, phased, rules, hardware, size
+            )
+            return report, (ledger, timeline)
 
-        choice = choose_microbatch(train_cfg.batch, par, plan)[0]["microbatch_choice"]
-        microbatch_size = choice["chosen"]
+        report, (ledger, timeline) = choose_microbatch(train_cfg.batch, par, candidate)
+    else:
+        report, ledger, timeline = _counted(
+            model_cfg, par, train_cfg, phased, rules, hardware, microbatch_size
+        )
+    if out is not None:
+        write_plan_dir(Path(out), report, ledger, timeline, tracking)
+    report["elapsed_s"] = time.perf_counter() - t0
+    return report
+
+
+def _counted(
+    model_cfg: ModelConfig, par: Parallelism, train_cfg: TrainConfig, phased: PhasedConfig,
+    rules: Rules | None, hardware: Hardware | None, microbatch_size: int | None,
+) -> tuple[dict[str, Any], Ledger, Timeline | None]:  # fmt: skip
+    """`plan_phased`'s work at one microbatch size: the report, the step's ledger and
+    (with `hardware`) its timeline."""
     if hardware is not None:
         hardware = hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))
     given_vocab = model_cfg.vocab_size
@@ -147,12 +162,7 @@ def plan_phased(
             f"stage{stage}/{stream}": busy
             for (stage, stream), busy in sorted(timeline.stream_totals().items())
         }
-    if choice is not None:
-        report["microbatch_choice"] = choice
-    if out is not None:
-        write_plan_dir(Path(out), report, ledger, timeline, tracking)
-    report["elapsed_s"] = time.perf_counter() - t0
-    return report
+    return report, ledger, timeline
 
 
 def _check_activations_fit(

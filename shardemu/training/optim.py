@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from shardemu.config import TrainConfig
+from shardemu.training.precision import to_fp32
 
 _DECAYED = ("kernel", "embedding")
 
@@ -90,7 +91,7 @@ def make_optimizer(
 def squared_norm(grads: object) -> jax.Array:
     """The squared global norm, summed in FP32: 16-bit squares overflow (float16 above
     256) long before the gradients do."""
-    return optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads), squared=True)
+    return optax.tree.norm(to_fp32(grads), squared=True)
 
 
 def clip_by_norm(grads: object, global_norm: jax.Array, max_norm: float) -> object:
