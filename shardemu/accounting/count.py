@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from shardemu.accounting.collectives import Collective, collectives
 from shardemu.accounting.ledger import Carries, Event, Phase, Where
+from shardemu.accounting.matmuls import Matmul, compute_itemsize, matmuls, memory_bytes
 
 
 def abstract(tree: Any) -> Any:
@@ -54,6 +55,8 @@ class Counted:
     devices: int
     collectives: tuple[Collective, ...]
     out_shardings: Any
+    matmuls: tuple[Matmul, ...] = ()  # per device (`matmuls.py`)
+    memory_bytes: int = 0  # per device, moved by kernels other than matmuls
 
 
 class Counter:
@@ -73,11 +76,14 @@ class Counter:
         key = (name, context, tuple(mesh.shape.items()), signature(abstract(args)))
         if key not in self._counted:
             compiled = fn.lower(*abstract(args)).compile()
+            text, itemsize = compiled.as_text(), compute_itemsize(args)
             self._counted[key] = Counted(
                 float(compiled.cost_analysis().get("flops", 0.0)),
                 mesh.size,
-                tuple(collectives(compiled.as_text(), mesh)),
+                tuple(collectives(text, mesh)),
                 compiled.output_shardings,
+                matmuls(text, itemsize),
+                memory_bytes(text, itemsize),
             )
         return self._counted[key]
 
@@ -109,6 +115,9 @@ def piece_events(
         Event(
             step, phase, "compute", carries, flops=counted.flops_per_device * n,
             devices=counted.devices, on=on, recompute_flops=recompute * n, stage=stage,
+            run_flops=counted.flops_per_device,
+            matmuls=tuple((m.flops, m.bytes) for m in counted.matmuls),
+            memory_bytes=counted.memory_bytes,
         )
     ]  # fmt: skip
     grouped: dict[tuple, float] = defaultdict(float)

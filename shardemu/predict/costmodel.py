@@ -26,13 +26,15 @@ previous event and after what it depends on:
 Weight streaming's SwarmX `broadcast` and `reduce` events have streams of their own and
 the dependencies of a host-to-device transfer and of gradients leaving, respectively.
 
-Durations: computation = FLOPs per device / (peak * efficiency); on the host, / host
-FLOP/s. A transfer = bytes per device / host-link bandwidth. A SwarmX broadcast or reduce
-= bytes per link / the slower of the system's I/O and MemoryX, plus a latency per level
-of the tree (`Hardware.swarmx_seconds`). A collective = bytes each
-device sends (the ledger holds the ring algorithm's: `collectives.py`) / the link
-bandwidth of its axis, intra-node when the axis's device group fits in one node (the
-mesh is laid out pipe, replica, tensor with tensor innermost), else inter-node.
+Durations: a device computation = its roofline (`roofline.py`: each matmul at the
+matmul rate or the memory bandwidth, plus a fixed cost; the other kernels' bytes at the
+memory bandwidth); on the host, FLOPs / host FLOP/s. A transfer = bytes per device /
+host-link bandwidth. A SwarmX broadcast or reduce = bytes per link / the slower of
+the system's I/O and MemoryX, plus a latency per level of the tree
+(`Hardware.swarmx_seconds`). A collective = bytes each device sends (the ledger holds
+the ring algorithm's: `collectives.py`) / the link bandwidth of its axis, intra-node
+when the axis's device group fits in one node (the mesh is laid out pipe, replica,
+tensor with tensor innermost), else inter-node.
 
 The step time is when the last event ends. Its breakdown is measured on the stage whose
 compute is busiest: compute, and the rest of the step split by what that stage was
@@ -49,6 +51,7 @@ from typing import Any
 from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism
 from shardemu.predict.hardware import GB, Hardware
+from shardemu.predict.roofline import compute_seconds
 
 BREAKDOWN = ("compute_s", "exposed_transfer_s", "exposed_communication_s", "host_update_s",
              "pipeline_bubble_s")  # fmt: skip
@@ -115,9 +118,10 @@ def axis_span(axis: str, par: Parallelism) -> int:
 def duration(event: Event, hw: Hardware, par: Parallelism) -> float:
     """Seconds one event takes on `hw` (see the module docstring)."""
     per_device = 1 / max(event.devices, 1)
+    if event.kind == "compute" and event.on == "host":
+        return event.flops * per_device / (hw.host_tflops * 1e12)
     if event.kind == "compute":
-        rate = hw.host_tflops if event.on == "host" else hw.peak_tflops * hw.efficiency
-        return event.flops * per_device / (rate * 1e12)
+        return compute_seconds(event, hw)
     if event.kind in ("h2d", "d2h"):
         return event.bytes * per_device / (hw.host_link_gbps * GB)
     if event.kind in ("broadcast", "reduce"):  # bytes per SwarmX link; devices = systems

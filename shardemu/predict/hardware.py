@@ -26,11 +26,16 @@ from shardemu.config import BLOCK_SIZES, PRECISIONS
 from shardemu.errors import HardwareError
 
 GB = 1e9
-# The GPU and TPU profiles share one compute efficiency: large bfloat16 matmuls sustain
-# about 70% of peak. It is calibrated once against all three results of
-# benchmarks/validation.py together (A100, TPU v4, H100), never per result; the IPU and
-# CS-2 profiles keep 0.4 and 0.5, for which we have no published step times to check.
-MATMUL_EFFICIENCY = 0.7
+# The roofline's GPU parameters, measured with XLA (JAX 0.11.2) on an H100 SXM
+# (benchmarks/gpu_calibration.py, benchmarks/results/gpu_calibration_h100.json): 248
+# bfloat16 and float32 matmuls from 64^3 to 16384^3 fit a large-matmul efficiency of
+# 0.73 and a fixed 13.5 us per matmul kernel (median |log error| 0.12); an elementwise
+# kernel over 4 GiB moves 2.77 TB/s of the datasheet's 3.35 (0.83). The A100 and TPU
+# profiles share them: our assumption, unmeasured there. The IPU and CS-2 profiles keep
+# their own efficiencies (0.4, 0.5), for which we have no measurement either.
+MATMUL_EFFICIENCY = 0.73
+MATMUL_LATENCY_US = 13.5
+MEMORY_EFFICIENCY = 0.83
 
 
 def _real(value: Any) -> bool:
@@ -67,6 +72,12 @@ class Hardware:
     fp32_tflops: float | None = None
     # the `--precision` modes the device computes in (IPUs have no bfloat16, TPUs no fp16)
     precisions: tuple[str, ...] = PRECISIONS
+    # the roofline (`roofline.py`): device memory bandwidth per device, GB/s (None: time
+    # computations as FLOPs at peak x efficiency), the fraction of it kernels achieve,
+    # and the fixed cost of one matmul kernel
+    memory_gbps: float | None = None
+    memory_efficiency: float = 1.0
+    matmul_latency_us: float = 0.0
 
     def __post_init__(self) -> None:
         for key in (
@@ -95,6 +106,16 @@ class Hardware:
                 f"hardware {self.name!r}: memoryx_gbps must be a finite positive number "
                 f"(or left out: no limit), got {self.memoryx_gbps!r}"
             )
+        if self.memory_gbps is not None and not (_real(self.memory_gbps) and self.memory_gbps > 0):
+            raise HardwareError(
+                f"hardware {self.name!r}: memory_gbps must be a finite positive number (or "
+                f"left out: no roofline), got {self.memory_gbps!r}"
+            )
+        if not (_real(self.matmul_latency_us) and self.matmul_latency_us >= 0):
+            raise HardwareError(
+                f"hardware {self.name!r}: matmul_latency_us must be a finite number >= 0, "
+                f"got {self.matmul_latency_us!r}"
+            )
         if self.fp32_tflops is not None and not (_real(self.fp32_tflops) and self.fp32_tflops > 0):
             raise HardwareError(
                 f"hardware {self.name!r}: fp32_tflops must be a finite positive number (or "
@@ -106,10 +127,12 @@ class Hardware:
                 f"hardware {self.name!r}: precisions must be a non-empty list of "
                 f"{', '.join(PRECISIONS)}, got {list(self.precisions)!r}"
             )
-        if not (_real(self.efficiency) and 0 < self.efficiency <= 1):
-            raise HardwareError(
-                f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency!r}"
-            )
+        for key in ("efficiency", "memory_efficiency"):
+            value = getattr(self, key)
+            if not (_real(value) and 0 < value <= 1):
+                raise HardwareError(
+                    f"hardware {self.name!r}: {key} must be in (0, 1], got {value!r}"
+                )
         speeds = tuple(tuple(pair) for pair in self.block_sparse_speed)
         object.__setattr__(self, "block_sparse_speed", speeds)  # lists from a profile file
         for pair in speeds:
@@ -196,6 +219,8 @@ def _ipu(name: str, ipus: int) -> Hardware:
     - IPU-Fabric between IPU-M2000s: 2.8 Tbps per IPU-M2000 through the IPU-Gateway
       (Graphcore launch, July 2020) = 350 GB/s per machine, 87.5 GB/s per IPU, halved per
       direction: 43.75 GB/s.
+    - In-Processor-Memory bandwidth: 47.5 TB/s per IPU (GC200 datasheet); its per-kernel
+      fixed cost is not published, so none is charged.
     """
     return Hardware(
         name=name,
@@ -212,12 +237,13 @@ def _ipu(name: str, ipus: int) -> Hardware:
         block_sparse_speed=((16, 0.1),),
         fp32_tflops=62.5,
         precisions=("fp32", "fp16-mixed"),
+        memory_gbps=47_500.0,
     )
 
 
 def _gpu(
-    name: str, tflops: float, tf32: float, hbm_gb: float, nvlink: float, pcie: float, ib: float,
-    desc: str,
+    name: str, tflops: float, tf32: float, hbm_gb: float, hbm_gbps: float, nvlink: float,
+    pcie: float, ib: float, desc: str,
 ) -> Hardware:  # fmt: skip
     """An NVIDIA GPU: `tflops` BF16/FP16 dense; FP32 matmuls run on the tensor cores as
     TF32 (`tf32`), as XLA's default precision and cuBLAS's TF32 mode do on Ampere and
@@ -235,10 +261,15 @@ def _gpu(
         efficiency=MATMUL_EFFICIENCY,
         host_tflops=2.0,
         description=desc,
+        memory_gbps=hbm_gbps,
+        memory_efficiency=MEMORY_EFFICIENCY,
+        matmul_latency_us=MATMUL_LATENCY_US,
     )
 
 
-def _tpu(name: str, tflops: float, hbm_gb: float, host_gb: float, ici: float) -> Hardware:
+def _tpu(
+    name: str, tflops: float, hbm_gb: float, hbm_gbps: float, host_gb: float, ici: float
+) -> Hardware:
     """A TPU chip, 4 per host; `ici` GB/s per direction inside and across hosts (one 3D
     torus); the host link (16 GB/s, PCIe) is our estimate. The MXU multiplies bfloat16:
     FP32 matmuls take three bfloat16 passes (XLA's `HIGH` precision, bf16_3x), so a
@@ -257,6 +288,9 @@ def _tpu(name: str, tflops: float, hbm_gb: float, host_gb: float, ici: float) ->
         efficiency=MATMUL_EFFICIENCY,
         host_tflops=1.0,
         description=f"Google TPU {name.split('-')[1]} (3D torus ICI)",
+        memory_gbps=hbm_gbps,
+        memory_efficiency=MEMORY_EFFICIENCY,
+        matmul_latency_us=MATMUL_LATENCY_US,
     )
 
 
@@ -301,8 +335,10 @@ PROFILES: dict[str, Hardware] = {
         swarmx_hop_us=1.0,
         memoryx_gbps=150.0,
         fp32_tflops=7500.0 / 4,
+        memory_gbps=20e6,  # 20 PB/s of on-wafer memory bandwidth (CS-2 datasheet)
     ),
-    # NVIDIA A100 datasheet (2021): 312 TFLOP/s BF16 dense, 156 TF32; 40 GB HBM2 / 80 GB HBM2e;
+    # NVIDIA A100 datasheet (2021): 312 TFLOP/s BF16 dense, 156 TF32; 40 GB HBM2 at
+    # 1555 GB/s / 80 GB HBM2e at 2039 GB/s;
     # NVLink 3: 600 GB/s per GPU (300 per direction); PCIe Gen4 x16: 32 GB/s per direction.
     # DGX A100: 8 GPUs per node, 8 x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU.
     "a100-40gb": _gpu(
@@ -310,6 +346,7 @@ PROFILES: dict[str, Hardware] = {
         312.0,
         156.0,
         40.0,
+        1555.0,
         300.0,
         32.0,
         25.0,
@@ -320,13 +357,14 @@ PROFILES: dict[str, Hardware] = {
         312.0,
         156.0,
         80.0,
+        2039.0,
         300.0,
         32.0,
         25.0,
         "NVIDIA A100 80GB, DGX A100 nodes, HDR IB",
     ),
     # NVIDIA H100 datasheet: SXM5 989 TFLOP/s BF16 dense, 494.5 TF32 dense (989 with
-    # sparsity); 80 GB HBM3; NVLink 4: 900 GB/s
+    # sparsity); 80 GB HBM3 at 3.35 TB/s; NVLink 4: 900 GB/s
     # per GPU (450 per direction); PCIe Gen5 x16: 64 GB/s per direction. DGX H100: 8 GPUs,
     # 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
     "h100-sxm": _gpu(
@@ -334,6 +372,7 @@ PROFILES: dict[str, Hardware] = {
         989.0,
         494.5,
         80.0,
+        3350.0,
         450.0,
         64.0,
         50.0,
@@ -343,12 +382,16 @@ PROFILES: dict[str, Hardware] = {
     # 1200 GB/s, 4096 chips per pod with 1.1 PB/s of all-reduce bandwidth per pod: 269 GB/s
     # per chip, our per-direction collective bandwidth. Host link (PCIe) and host memory
     # per chip are our estimates (4 chips per host); override them with a profile file.
-    "tpu-v4": _tpu("tpu-v4", tflops=275.0, hbm_gb=32 * 1.073741824, host_gb=100.0, ici=269.0),
+    "tpu-v4": _tpu(
+        "tpu-v4", tflops=275.0, hbm_gb=32 * 1.073741824, hbm_gbps=1200.0, host_gb=100.0, ici=269.0
+    ),
     # Google Cloud TPU docs, "TPU v5p": 459 TFLOP/s BF16 per chip, 95 GB HBM2e at
     # 2765 GB/s, inter-chip interconnect 4800 Gbps per chip (1200 GB/s bidirectional:
     # 600 GB/s per direction), data-center network 50 Gbps per chip; 4 chips per host
     # (the 2x2x1 slice is one host) with 448 GB of RAM; the host link is our estimate.
-    "tpu-v5p": _tpu("tpu-v5p", tflops=459.0, hbm_gb=95.0, host_gb=112.0, ici=600.0),
+    "tpu-v5p": _tpu(
+        "tpu-v5p", tflops=459.0, hbm_gb=95.0, hbm_gbps=2765.0, host_gb=112.0, ici=600.0
+    ),
 }
 
 

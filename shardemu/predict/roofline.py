@@ -1,0 +1,51 @@
+"""The time of one device computation: a roofline per kernel of its compiled piece.
+
+Williams, Waterman and Patterson 2009, "Roofline": a kernel takes the longer of its
+FLOPs at the compute rate and its bytes at the memory bandwidth. Per run of a piece:
+
+- each matmul XLA emitted (`accounting/matmuls.py`) takes
+  max(FLOPs / (peak x efficiency), bytes / (memory_gbps x memory_efficiency))
+  + matmul_latency_us: the latency is the efficiency curve of small matmuls (a fixed
+  cost per kernel: launch, tile prologue, a last partial wave), which dominates below
+  about 10^10 FLOPs on an H100;
+- the piece's other kernels (softmax, layer norm, GELU, the optimizer's update) take
+  max(their FLOPs / (peak x efficiency), their bytes / bandwidth): memory-bound wherever
+  they are, as they almost always are.
+
+The parameters of the built-in GPU profiles were measured with XLA on an H100
+(`benchmarks/gpu_calibration.py`): large-matmul efficiency 0.73 and 13.5 us per matmul
+(fitted to 248 matmul shapes, median |log error| 0.12), and 83% of the HBM bandwidth
+(2.77 TB/s of 3.35 for an elementwise kernel over 4 GiB). No parameter was fitted to
+whole layers: predicted GPT layers of width 768 to 8192 match measured ones within 19%
+(median 5.5%; docs/results.md). A profile without `memory_gbps` (or an event counted
+before the roofline existed) times computations as FLOPs / (peak x efficiency).
+"""
+
+from __future__ import annotations
+
+from shardemu.accounting.ledger import Event
+from shardemu.predict.hardware import GB, Hardware
+
+
+def run_seconds(
+    run_flops: float, matmuls: tuple[tuple[float, int], ...], memory_bytes: int, hw: Hardware
+) -> float:
+    """Seconds of one run of a piece on one device (see the module docstring)."""
+    rate = hw.peak_tflops * hw.efficiency * 1e12
+    if hw.memory_gbps is None:
+        return run_flops / rate
+    bandwidth = hw.memory_gbps * hw.memory_efficiency * GB
+    latency = hw.matmul_latency_us * 1e-6
+    seconds = sum(max(f / rate, b / bandwidth) + latency for f, b in matmuls)
+    rest = max(run_flops - sum(f for f, _ in matmuls), 0.0)
+    return seconds + max(rest / rate, memory_bytes / bandwidth)
+
+
+def compute_seconds(event: Event, hw: Hardware) -> float:
+    """Seconds of a device computation event: its runs (the FLOPs it holds, which
+    schedules, repeats and sparsity scale, over one run's) times one run's roofline."""
+    per_device = event.flops / max(event.devices, 1)
+    if event.run_flops <= 0:  # no roofline counted: FLOPs at the compute rate
+        return per_device / (hw.peak_tflops * hw.efficiency * 1e12)
+    runs = per_device / event.run_flops
+    return runs * run_seconds(event.run_flops, event.matmuls, event.memory_bytes, hw)
