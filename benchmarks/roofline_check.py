@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from shardemu.accounting.matmuls import matmuls, memory_bytes  # noqa: E402
+from shardemu.accounting.matmuls import kernels  # noqa: E402
 from shardemu.config import custom_model  # noqa: E402
 from shardemu.models.gpt import GPTBlock  # noqa: E402
 from shardemu.predict.hardware import PROFILES  # noqa: E402
@@ -51,10 +51,10 @@ def predicted(row: dict[str, Any]) -> dict[str, Any]:
 
     compiled = jax.jit(fwd_bwd).lower(params, x, mask).compile()
     text, flops = compiled.as_text(), compiled.cost_analysis()["flops"]
-    mm = tuple((m.flops, m.bytes) for m in matmuls(text, dtype.itemsize))
+    matmuls, moved = kernels(text, dtype.itemsize)
     precision = "fp32" if row["dtype"] == "float32" else "bf16"
     hw = PROFILES["h100-sxm"].at_precision(precision)
-    seconds = run_seconds(flops, mm, memory_bytes(text, dtype.itemsize), hw)
+    seconds = run_seconds(flops, tuple((m.flops, m.bytes) for m in matmuls), moved, hw)
     return {**row, "predicted_s": seconds, "error": seconds / row["seconds"] - 1}
 
 

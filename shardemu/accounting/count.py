@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from shardemu.accounting.collectives import Collective, collectives
 from shardemu.accounting.ledger import Carries, Event, Phase, Where
-from shardemu.accounting.matmuls import Matmul, compute_itemsize, matmuls, memory_bytes
+from shardemu.accounting.matmuls import Matmul, compute_itemsize, kernels
 
 
 def abstract(tree: Any) -> Any:
@@ -76,14 +76,13 @@ class Counter:
         key = (name, context, tuple(mesh.shape.items()), signature(abstract(args)))
         if key not in self._counted:
             compiled = fn.lower(*abstract(args)).compile()
-            text, itemsize = compiled.as_text(), compute_itemsize(args)
+            text = compiled.as_text()
             self._counted[key] = Counted(
                 float(compiled.cost_analysis().get("flops", 0.0)),
                 mesh.size,
                 tuple(collectives(text, mesh)),
                 compiled.output_shardings,
-                matmuls(text, itemsize),
-                memory_bytes(text, itemsize),
+                *kernels(text, compute_itemsize(args)),
             )
         return self._counted[key]
 

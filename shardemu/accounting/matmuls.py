@@ -12,7 +12,7 @@ to f32 before a dot. An accelerator multiplies them as the program wrote them, s
 piece that computes in 16 bits (`itemsize` 2) counts its matmuls' bytes at 2 per
 element, as `collectives.py` does for promoted reductions.
 
-`memory_bytes` is what the piece's other kernels move: each top-level instruction
+`kernels` also gives what the piece's other kernels move: each top-level instruction
 (a fusion is one kernel) reads its operands and writes its output once, as XLA's cost
 analysis counts "bytes accessed", but without the data movement that XLA's CPU backend
 adds and an accelerator's kernels fold in: fusions of only dtype converts, copies,
@@ -92,27 +92,6 @@ def _dims(text: str) -> tuple[int, ...]:
     return tuple(int(d) for d in text.split(",") if d)
 
 
-def matmuls(hlo_text: str, itemsize: int | None = None) -> tuple[Matmul, ...]:
-    """Every dot in the module `hlo_text` (loop bodies once, as cost analysis counts
-    them). `itemsize`: bytes per element of the program's compute dtype; operands the
-    backend widened beyond it count at it (None: as the HLO says)."""
-    computations = _parse(hlo_text)
-    shapes = {name: shape for body in computations.values() for name, shape, _, _ in body}
-    out = []
-    for body in computations.values():
-        for _, shape, op, rest in body:
-            if op != "dot":
-                continue
-            lhs, rhs = (shapes[o] for o in _operands(rest)[:2])
-            contracting = _CONTRACTING.search(rest)
-            lhs_dims = _dims(_ARRAY.search(lhs).group(2))  # type: ignore[union-attr]
-            axes = _dims(contracting.group(1)) if contracting else ()
-            out_elements = math.prod(_dims(_ARRAY.search(shape).group(2)))  # type: ignore[union-attr]
-            flops = 2.0 * out_elements * math.prod(lhs_dims[a] for a in axes)
-            out.append(Matmul(flops, sum(_bytes(x, itemsize or 8) for x in (lhs, rhs, shape))))
-    return tuple(out)
-
-
 def compute_itemsize(args: Any) -> int:
     """Bytes per element of the narrowest floating-point array among a piece's
     arguments: the dtype it computes in (its weights' or activations')."""
@@ -131,12 +110,41 @@ def _bytes(shape: str, itemsize: int) -> int:
     )
 
 
-def memory_bytes(hlo_text: str, itemsize: int = 4) -> int:
+def kernels(hlo_text: str, itemsize: int | None = None) -> tuple[tuple[Matmul, ...], int]:
+    """The module's matmuls and the bytes its other kernels move, from one parse of
+    `hlo_text`. `itemsize`: bytes per element of the program's compute dtype; elements
+    the backend widened beyond it count at it (None: as the HLO says)."""
+    computations = _parse(hlo_text)
+    shapes = {name: shape for body in computations.values() for name, shape, _, _ in body}
+    width = itemsize or max(_DTYPE_BYTES.values())
+    return _matmuls(computations, shapes, width), _memory_bytes(computations, shapes, width)
+
+
+def _matmuls(
+    computations: dict[str, list[Instr]], shapes: dict[str, str], itemsize: int
+) -> tuple[Matmul, ...]:
+    """Every dot in the module (loop bodies once, as cost analysis counts them)."""
+    out = []
+    for body in computations.values():
+        for _, shape, op, rest in body:
+            if op != "dot":
+                continue
+            lhs, rhs = (shapes[o] for o in _operands(rest)[:2])
+            contracting = _CONTRACTING.search(rest)
+            lhs_dims = _dims(_ARRAY.search(lhs).group(2))  # type: ignore[union-attr]
+            axes = _dims(contracting.group(1)) if contracting else ()
+            out_elements = math.prod(_dims(_ARRAY.search(shape).group(2)))  # type: ignore[union-attr]
+            flops = 2.0 * out_elements * math.prod(lhs_dims[a] for a in axes)
+            out.append(Matmul(flops, sum(_bytes(x, itemsize) for x in (lhs, rhs, shape))))
+    return tuple(out)
+
+
+def _memory_bytes(
+    computations: dict[str, list[Instr]], shapes: dict[str, str], itemsize: int
+) -> int:
     """Bytes the module's kernels other than matmuls read and write (see the module
     docstring), elements at most `itemsize` wide."""
-    computations = _parse(hlo_text)
     called = {c for body in computations.values() for i in body for c in _CALLED.findall(i[3])}
-    shapes = {name: shape for body in computations.values() for name, shape, _, _ in body}
     total = 0
     for comp, body in computations.items():
         if comp in called:  # fused computations and reducers: inside a kernel

@@ -33,9 +33,7 @@ GB = 1e9
 # kernel over 4 GiB moves 2.77 TB/s of the datasheet's 3.35 (0.83). The A100 and TPU
 # profiles share them: our assumption, unmeasured there. The IPU and CS-2 profiles keep
 # their own efficiencies (0.4, 0.5), for which we have no measurement either.
-MATMUL_EFFICIENCY = 0.73
-MATMUL_LATENCY_US = 13.5
-MEMORY_EFFICIENCY = 0.83
+MEASURED_ON_H100 = {"efficiency": 0.73, "matmul_latency_us": 13.5, "memory_efficiency": 0.83}
 
 
 def _real(value: Any) -> bool:
@@ -94,33 +92,22 @@ class Hardware:
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 what = "a positive integer" if least == 1 else f"an integer of at least {least}"
                 raise HardwareError(f"hardware {self.name!r}: {key} must be {what}, got {value!r}")
-        if not (_real(self.swarmx_hop_us) and self.swarmx_hop_us >= 0):
-            raise HardwareError(
-                f"hardware {self.name!r}: swarmx_hop_us must be a finite number >= 0, "
-                f"got {self.swarmx_hop_us!r}"
-            )
-        if self.memoryx_gbps is not None and not (
-            _real(self.memoryx_gbps) and self.memoryx_gbps > 0
-        ):
-            raise HardwareError(
-                f"hardware {self.name!r}: memoryx_gbps must be a finite positive number "
-                f"(or left out: no limit), got {self.memoryx_gbps!r}"
-            )
-        if self.memory_gbps is not None and not (_real(self.memory_gbps) and self.memory_gbps > 0):
-            raise HardwareError(
-                f"hardware {self.name!r}: memory_gbps must be a finite positive number (or "
-                f"left out: no roofline), got {self.memory_gbps!r}"
-            )
-        if not (_real(self.matmul_latency_us) and self.matmul_latency_us >= 0):
-            raise HardwareError(
-                f"hardware {self.name!r}: matmul_latency_us must be a finite number >= 0, "
-                f"got {self.matmul_latency_us!r}"
-            )
-        if self.fp32_tflops is not None and not (_real(self.fp32_tflops) and self.fp32_tflops > 0):
-            raise HardwareError(
-                f"hardware {self.name!r}: fp32_tflops must be a finite positive number (or "
-                f"left out: FP32 at peak_tflops), got {self.fp32_tflops!r}"
-            )
+        for key in ("swarmx_hop_us", "matmul_latency_us"):
+            value = getattr(self, key)
+            if not (_real(value) and value >= 0):
+                raise HardwareError(
+                    f"hardware {self.name!r}: {key} must be a finite number >= 0, got {value!r}"
+                )
+        for key, left_out in (
+            ("memoryx_gbps", "no limit"), ("memory_gbps", "no roofline"),
+            ("fp32_tflops", "FP32 at peak_tflops"),
+        ):  # fmt: skip
+            value = getattr(self, key)
+            if value is not None and not (_real(value) and value > 0):
+                raise HardwareError(
+                    f"hardware {self.name!r}: {key} must be a finite positive number (or "
+                    f"left out: {left_out}), got {value!r}"
+                )
         object.__setattr__(self, "precisions", tuple(self.precisions))  # a list from a file
         if not self.precisions or any(p not in PRECISIONS for p in self.precisions):
             raise HardwareError(
@@ -258,12 +245,10 @@ def _gpu(
         intra_node_gbps=nvlink,
         inter_node_gbps=ib,
         devices_per_node=8,
-        efficiency=MATMUL_EFFICIENCY,
         host_tflops=2.0,
         description=desc,
         memory_gbps=hbm_gbps,
-        memory_efficiency=MEMORY_EFFICIENCY,
-        matmul_latency_us=MATMUL_LATENCY_US,
+        **MEASURED_ON_H100,
     )
 
 
@@ -285,12 +270,10 @@ def _tpu(
         intra_node_gbps=ici,
         inter_node_gbps=ici,
         devices_per_node=4,
-        efficiency=MATMUL_EFFICIENCY,
         host_tflops=1.0,
         description=f"Google TPU {name.split('-')[1]} (3D torus ICI)",
         memory_gbps=hbm_gbps,
-        memory_efficiency=MEMORY_EFFICIENCY,
-        matmul_latency_us=MATMUL_LATENCY_US,
+        **MEASURED_ON_H100,
     )
 
 

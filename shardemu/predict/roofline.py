@@ -45,7 +45,7 @@ def compute_seconds(event: Event, hw: Hardware) -> float:
     """Seconds of a device computation event: its runs (the FLOPs it holds, which
     schedules, repeats and sparsity scale, over one run's) times one run's roofline."""
     per_device = event.flops / max(event.devices, 1)
-    if event.run_flops <= 0:  # no roofline counted: FLOPs at the compute rate
-        return per_device / (hw.peak_tflops * hw.efficiency * 1e12)
+    if event.run_flops <= 0:  # no kernels counted: all of it FLOPs at the compute rate
+        return run_seconds(per_device, (), 0, hw)
     runs = per_device / event.run_flops
     return runs * run_seconds(event.run_flops, event.matmuls, event.memory_bytes, hw)
