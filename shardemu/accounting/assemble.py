@@ -12,7 +12,6 @@ events tagged with its microbatch and its stage, then the events at the step's e
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
@@ -30,10 +29,7 @@ def assemble(
     phases set to the slot's microbatch and its stage set to the slot's, then `after`."""
     step = list(before)
     for slot in sorted(schedule.slots, key=lambda s: (s.time, s.stage)):
-        step += [
-            dataclasses.replace(e, phase=e.phase.at(slot.microbatch), stage=slot.stage)
-            for e in slot_events(slot)
-        ]
+        step += [e.placed(slot.microbatch, slot.stage) for e in slot_events(slot)]
     return step + list(after)
 
 

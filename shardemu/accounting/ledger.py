@@ -15,6 +15,7 @@ Per-step totals are what `metrics.jsonl` reports; the event list is what `ledger
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections import defaultdict
 from collections.abc import Iterable
@@ -66,7 +67,7 @@ class Phase:
 
     def at(self, micro: int) -> Phase:
         """The same phase for microbatch `micro`."""
-        return dataclasses.replace(self, micro=micro)
+        return _phase_at(self, micro)
 
     def __str__(self) -> str:
         """The readable name: fwd3, bwd-embed, update-shared, fwd@5 (microbatch 5)."""
@@ -79,6 +80,11 @@ class Phase:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": str(self), **dataclasses.asdict(self)}
+
+
+@functools.lru_cache(maxsize=65536)  # a pipelined step asks for the same few phases often
+def _phase_at(phase: Phase, micro: int) -> Phase:
+    return dataclasses.replace(phase, micro=micro)
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,14 @@ class Event:
     run_flops: float = 0.0
     matmuls: tuple[tuple[float, int], ...] = ()
     memory_bytes: int = 0
+
+    def placed(self, micro: int, stage: int) -> Event:
+        """This event for microbatch `micro` on pipeline stage `stage`. A plain copy of
+        the fields: `dataclasses.replace` re-runs `__init__`, and a GPT-3 step on an
+        IPU-POD places 750k events."""
+        event = object.__new__(Event)
+        event.__dict__.update(self.__dict__, phase=self.phase.at(micro), stage=stage)
+        return event
 
 
 def totals(events: Iterable[Event]) -> dict[str, Any]:

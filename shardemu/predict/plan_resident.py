@@ -23,6 +23,7 @@ times its layers' kept bytes (residuals, or only the layer inputs with recomputa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Literal
 
@@ -32,7 +33,7 @@ import numpy as np
 
 from shardemu.accounting import flops
 from shardemu.accounting.assemble import assemble
-from shardemu.accounting.count import Counter, with_shardings
+from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Event, Ledger, Phase
 from shardemu.config import (
     ConfigError,
@@ -94,7 +95,7 @@ def count_microbatch(
     built = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), rules)
     st = built.stages[0]
     ledger = Ledger()
-    ex = Executor(ledger, [Tier("device", None)], AXIS_LABELS, False, counter or Counter())
+    ex = Executor(ledger, [Tier("device", None)], AXIS_LABELS, False, counter or PROCESS_COUNTER)
     shared = with_shardings(built.shared_shapes, st.shared_compute)
     layer = with_shardings(built.layer_shape_one, st.layer_compute)
     batch = model.abstract_batch(microbatch_size, seq, st.batch)
@@ -178,32 +179,36 @@ def _step_events(
     itemsize = jnp.dtype(model_cfg.param_dtype).itemsize  # activations' dtype
     x_bytes = microbatch_size * seq * model_cfg.embed_dim * itemsize
 
-    def phase(kind: str, vs: int, micro: int) -> Phase:
+    def phase(kind: str, vs: int, micro: int | None = None) -> Phase:
         return Phase(kind, vs, (vs * per_chunk, (vs + 1) * per_chunk), micro)  # type: ignore[arg-type]
 
-    def slot_events(slot: Slot) -> list[Event]:
-        vs, first, last = sched.virtual_stage(slot), ["embed"], ["head"]
-        if slot.kind == "F":
+    @functools.cache  # one list per (F or B, virtual stage); `assemble` sets the microbatch
+    def chunk_events(kind: str, vs: int) -> list[Event]:
+        first, last = ["embed"], ["head"]
+        if kind == "F":
             names = (first if vs == 0 else []) + ["forward"] + (last if vs == last_vs else [])
-            tag, to = phase("forward", vs, slot.microbatch), vs + 1
+            tag, to = phase("forward", vs), vs + 1
         else:
             names = ["backward"] + (["embed-backward"] if vs == 0 else [])
-            tag, to = phase("backward", vs, slot.microbatch), vs - 1
+            tag, to = phase("backward", vs), vs - 1
         events = [
             _scaled(e, per_chunk if name in ("forward", "backward") else 1, r, phase=tag)
             for name in names
             for e in mb.pieces[name]
         ]
         if 0 <= to <= last_vs and p > 1:  # to the next virtual stage, as its input
-            carries = "activations" if slot.kind == "F" else "gradients"
+            carries = "activations" if kind == "F" else "gradients"
             events.append(
                 Event(
-                    0, phase(tag.kind, to, slot.microbatch), "collective", carries,
+                    0, phase(tag.kind, to), "collective", carries,
                     bytes=x_bytes * r * par.tensor, axis="pipe",
                     devices=r * par.tensor, op="collective-permute", group=2,
                 )
             )  # fmt: skip
         return events
+
+    def slot_events(slot: Slot) -> list[Event]:
+        return chunk_events(slot.kind, sched.virtual_stage(slot))
 
     after = []
     for s in range(p):

@@ -23,10 +23,13 @@ before the roofline existed) times computations as FLOPs / (peak x efficiency).
 
 from __future__ import annotations
 
+import functools
+
 from shardemu.accounting.ledger import Event
 from shardemu.predict.hardware import GB, Hardware
 
 
+@functools.lru_cache(maxsize=4096)  # a step repeats a few pieces thousands of times
 def run_seconds(
     run_flops: float, matmuls: tuple[tuple[float, int], ...], memory_bytes: int, hw: Hardware
 ) -> float:
