@@ -1,4 +1,4 @@
-"""The `shardemu` command: `run`, `demo`, `describe`, `plan`, `compare`, `sweep`.
+"""The `shardemu` command: `run`, `demo`, `describe`, `plan`, `search`, `compare`, `sweep`.
 
 Virtual devices must be requested before JAX starts its backend, so `run` sets them up
 first thing, before anything touches a device.
@@ -27,6 +27,7 @@ from shardemu.cli.args import (
     parallelism,
     phased_config,
     pipeline_config,
+    search_space,
     sparsity_config,
     tracking_config,
 )
@@ -409,6 +410,40 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     )
 
 
+def cmd_search(args: argparse.Namespace) -> None:
+    """Search, write search.json and pareto.png, verify the winner, print the top."""
+    from shardemu.predict.search import search, search_devices
+    from shardemu.predict.verify import verify
+    from shardemu.report.rundir import default_run_dir, require_new
+    from shardemu.report.tables import search_table
+    from shardemu.report.views import plot_pareto
+
+    hardware = get_hardware(args.hardware)
+    model_cfg = model_config(args)
+    space = search_space(args, hardware.precisions)
+    out = Path(args.out or default_run_dir(f"search-{model_cfg.name}"))
+    require_new(out)
+    use_virtual_devices(search_devices(model_cfg, args.devices, args.batch, space))
+    result = search(
+        model_cfg, hardware, args.devices, args.batch, args.seq, space, args.top,
+        log=lambda line: console.print(line, highlight=False, markup=False),
+    )  # fmt: skip
+    out.mkdir(parents=True)
+    if not args.no_verify:
+        console.print(f"verifying {result['best']['label']} scaled down against one device")
+        result["verification"] = verify(model_cfg, result["best_candidate"], out / "verify")
+    result["best_candidate"] = dataclasses.asdict(result["best_candidate"])
+    (out / "search.json").write_text(json.dumps(result, indent=2))
+    plot_pareto(result, out / "pareto.png")
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    wide = Console()
+    wide.width = max(wide.width, 140)  # a layout's label is one readable line
+    wide.print(search_table(result))
+    console.print(f"wrote {out}/search.json and {out}/pareto.png", highlight=False)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     """The parsed command line, with `given`: the options it writes out."""
     parser = build_parser()
@@ -422,7 +457,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 COMMANDS = {
     "run": cmd_run, "demo": cmd_demo, "describe": cmd_describe, "plan": cmd_plan,
-    "compare": cmd_compare, "sweep": cmd_sweep,
+    "compare": cmd_compare, "sweep": cmd_sweep, "search": cmd_search,
 }  # fmt: skip
 
 

@@ -362,10 +362,65 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--count", type=int, default=None, metavar="N", help="run at most N unfinished trials"
     )
+    search_args(sub.add_parser(
+        "search", help="the auto-planner: every layout of a model on N devices, ranked"
+    ))  # fmt: skip
     for command in sub.choices.values():
         command.allow_abbrev = False  # a flag is written in full: `given_options` relies on it
     parser.commands = sub.choices
     return parser
+
+
+def search_args(p: argparse.ArgumentParser) -> None:
+    from shardemu.predict.search import MODES, Space
+
+    d = Space(precisions=())
+    model_args(p)
+    p.add_argument("--hardware", required=True, help="profile name or a .toml/.json file")
+    p.add_argument("--devices", type=int, required=True, help="devices to lay the model out on")
+    shape_args(p)
+    p.add_argument(
+        "--precision", default=None, metavar="P[,P...]",
+        help="precisions to search (default: every one the profile computes in)",
+    )  # fmt: skip
+    p.add_argument(
+        "--modes", choices=MODES, default=d.modes,
+        help="resident, phased, both, or auto: phased only when no resident layout fits",
+    )  # fmt: skip
+    p.add_argument("--max-tensor", type=int, default=d.max_tensor, help="largest tensor axis")
+    p.add_argument(
+        "--max-microbatch", type=int, default=d.max_microbatch, help="largest microbatch size"
+    )
+    p.add_argument("--top", type=int, default=5, help="layouts to plan whole and print")
+    p.add_argument("--out", default=None, help="output folder (default runs/search-<model>-<time>)")
+    p.add_argument("--json", action="store_true", help="print search.json instead of a table")
+    p.add_argument(
+        "--no-verify", action="store_true",
+        help="skip training the winner's scaled-down layout against one device",
+    )  # fmt: skip
+
+
+def search_space(args: argparse.Namespace, profile_precisions: tuple[str, ...]) -> Any:
+    """The `Space` of a `search` command line; precisions checked against the profile."""
+    from shardemu.predict.search import Space
+
+    if args.precision is None:
+        precisions = profile_precisions
+    else:
+        precisions = tuple(p.strip() for p in args.precision.split(",") if p.strip())
+        unknown = [p for p in precisions if p not in PRECISIONS]
+        if unknown or not precisions:
+            raise ConfigError(
+                f"--precision takes a comma-separated list of {', '.join(PRECISIONS)}, got "
+                f"{args.precision!r}"
+            )
+    for flag, value in (
+        ("--max-tensor", args.max_tensor),
+        ("--max-microbatch", args.max_microbatch),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    return Space(precisions, args.modes, args.max_tensor, args.max_microbatch)
 
 
 def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:

@@ -43,7 +43,7 @@ from shardemu.config import (
     SparsityConfig,
     TrainConfig,
 )
-from shardemu.models import Model, param_count
+from shardemu.models import Model, count_params
 from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import megatron_rules
 from shardemu.parallel.schedules import Schedule, Slot, make_schedule
@@ -135,6 +135,15 @@ def count_microbatch(
         pieces.setdefault(key, []).append(e)
     layer_bytes, shared_bytes = bytes_per_device(layer), bytes_per_device(shared)
     return Microbatch(pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes))
+
+
+@functools.lru_cache(maxsize=256)
+def _counted(
+    cfg: ModelConfig, tensor: int, microbatch_size: int, seq: int, full: bool, precision: str
+) -> Microbatch:
+    """`count_microbatch` once per process for each setting: a search plans one count
+    at many pipeline depths, replicas, schedules and batch sizes."""
+    return count_microbatch(Model(cfg), tensor, microbatch_size, seq, full, precision=precision)
 
 
 def _scaled(e: Event, factor: float, replica: int, **changes: Any) -> Event:
@@ -265,9 +274,7 @@ def plan_resident(
     if L % (p * v):
         raise ConfigError(f"{L} layers do not split into pipe * virtual = {p * v} equal chunks")
     sched = make_schedule(schedule, p, m, v)
-    mb = count_microbatch(
-        model, par.tensor, microbatch_size, seq, recompute == "full", precision=precision
-    )
+    mb = _counted(model_cfg, par.tensor, microbatch_size, seq, recompute == "full", precision)
     if recompute == "selective":
         mb = _selective(mb, model_cfg, par.tensor, microbatch_size, seq)
     ledger = Ledger(_step_events(mb, sched, model_cfg, par, microbatch_size, seq))
@@ -300,7 +307,7 @@ def plan_resident(
             "model": model_cfg.name,
             "mesh": str(par),
             "devices": par.num_devices,
-            "param_count": param_count(model.abstract_params()[0]),
+            "param_count": count_params(model_cfg),
             "batch": batch,
             "seq": seq,
             "microbatch_size": microbatch_size,

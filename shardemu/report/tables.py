@@ -90,3 +90,33 @@ def compare_table(report: dict[str, Any], names: list[str]) -> Table:
 
 def _short(text: str, width: int = 40) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def search_table(result: dict[str, Any]) -> Table:
+    """`shardemu search`'s best layouts, fastest first, and the check of the winner."""
+    counts = result["counts"]
+    title = (
+        f"shardemu search: {result['model']} on {result['devices']} x {result['hardware']}, "
+        f"batch {result['batch']} x {result['seq']}: {counts['candidates']} layouts, "
+        f"{counts['fit']} fit, {result['elapsed_s']:.0f} s"
+    )
+    table = Table(title=title)
+    for col in ("#", "layout", "step s", "tokens/s", "MFU", "device GB", "bubble s",
+                "exposed comm s"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for i, r in enumerate(result["top"], 1):
+        b = r["breakdown"]
+        table.add_row(
+            str(i), r["label"], f"{r['step_time_s']:.4g}", f"{r['tokens_per_s']:,.0f}",
+            f"{r['utilisation']:.1%}", f"{r['device_bytes'] / 1e9:.3g}",
+            f"{b['pipeline_bubble_s']:.3g}", f"{b['exposed_communication_s']:.3g}",
+        )  # fmt: skip
+    check = result.get("verification")
+    if check is not None:
+        verdict = "equal" if check["equal"] else "NOT EQUAL"
+        table.caption = (
+            f"winner scaled down on {check['mesh']} ({check['steps']} steps): {verdict} to one "
+            f"device, max relative loss difference {check['max_rel_diff']:.1e} "
+            f"(tolerance {check['tolerance']:.0e})"
+        )
+    return table

@@ -175,3 +175,34 @@ def write_views(timeline: Timeline, out: Path, title: str) -> dict[str, str]:
         "trace": str(write_trace(timeline, out / "trace.json")),
         "timeline": str(plot_timeline(timeline, out / "timeline.png", title)),
     }
+
+
+def plot_pareto(result: dict[str, Any], path: Path) -> Path:
+    """`shardemu search`'s pareto.png: every fitting layout's device memory against its
+    predicted step time, the Pareto front joined, the best `top` ringed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for mode, marker in (("resident", "o"), ("phased", "s")):
+        rows = [r for r in result["candidates"] if r.get("fits") and r["mode"] == mode]
+        if rows:
+            ax.scatter([r["device_bytes"] / 1e9 for r in rows], [r["step_time_s"] for r in rows],
+                       s=12, marker=marker, alpha=0.5, label=f"{mode} ({len(rows)})")  # fmt: skip
+    front = result["pareto"]
+    ax.plot([r["device_bytes"] / 1e9 for r in front], [r["step_time_s"] for r in front],
+            "k-", lw=1, drawstyle="steps-post", label="Pareto front")  # fmt: skip
+    top = result["top"]
+    ax.scatter([r["device_bytes"] / 1e9 for r in top], [r["step_time_s"] for r in top],
+               s=60, facecolors="none", edgecolors="red", label=f"top {len(top)}")  # fmt: skip
+    best = result["best"]
+    ax.annotate(best["label"], (best["device_bytes"] / 1e9, best["step_time_s"]), fontsize=7,
+                xytext=(-5, 5), textcoords="offset points", ha="right")  # fmt: skip
+    ax.set(xlabel="device memory per device (GB)", ylabel="predicted step time (s)",
+           title=f"{result['model']} on {result['devices']} x {result['hardware']}, "
+                 f"batch {result['batch']} x {result['seq']}")  # fmt: skip
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)

@@ -1,0 +1,375 @@
+"""The auto-planner behind `shardemu search`: every layout of a model on N devices of a
+hardware profile, pruned by memory, predicted, and ranked by step time.
+
+The space (`Space`): every mesh pipe x tensor x replica = N whose pipe divides the
+layers and whose tensor divides the heads (up to `max_tensor`); for each, the
+microbatch sizes (powers of two that divide the batch per replica, up to
+`max_microbatch`), the precisions the profile computes in, and
+
+- resident (`plan_resident.py`): schedule 1F1B or interleaved 1F1B with two chunks a
+  stage, recomputation none, selective or full. GPipe is left out: it has 1F1B's bubble
+  and holds all m microbatches' activations instead of p (Narayanan et al. 2021,
+  "Efficient Large-Scale Language Model Training on GPU Clusters", section 2.2.1), so
+  it never wins on time or memory;
+- phased (`plan_phased.py`): replicated tensor sharding off or over the whole replica
+  axis, activations recomputed, offloaded or kept, the optimizer update in the host or
+  on the device, and the fewest phases that fit the device tier (the phased planner's
+  own choice), the batch as pipelined passes of the microbatch size.
+
+Pruning, in order, each exact (it never drops a layout that fits):
+
+1. a mesh whose weights, gradients and Adam state alone exceed the device memory
+   (16 bytes a parameter in every precision, over pipe x tensor devices) has no
+   resident layout that fits;
+2. a layout that does not fit its tiers (the planner's own memory count) is kept in
+   the JSON with the reason, not predicted further;
+3. a larger microbatch holds more activations: once no layout of a microbatch size
+   fits, the larger sizes of that mesh and precision are not counted.
+
+Prediction: a step of m microbatches (or passes) is the schedule's steady state
+repeated. Each layout is planned at m1 = 2p and m2 = 3p microbatches and its step
+time extrapolated linearly to m (exact for a periodic schedule: tests compare it with
+the full plan); memory is the full step's (1F1B holds min(m, p) microbatches, the same
+at m1 and m). The best `top` are then planned at the full batch, and ranked by that.
+
+`modes="auto"` searches resident layouts, and phased ones only when no resident one
+fits (phased execution is "because the weights do not fit": MISSION.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.errors import CapacityError
+from shardemu.models import count_params
+from shardemu.predict.hardware import Hardware
+from shardemu.predict.microbatch import microbatch_candidates
+from shardemu.training.precision import arithmetic
+
+Mode = Literal["resident", "phased"]
+MODES = ("auto", "resident", "phased", "both")
+STATE_BYTES_PER_PARAM = 16  # weights + gradients + two Adam moments (+ FP32 masters in 16-bit)
+INTERLEAVED_CHUNKS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One layout: a mesh, a microbatch size, a precision and how the step runs."""
+
+    pipe: int
+    tensor: int
+    replica: int
+    microbatch_size: int
+    precision: str
+    mode: Mode = "resident"
+    schedule: str = "1f1b"
+    virtual: int = 1
+    recompute: str = "full"  # resident
+    rts: int = 1  # phased
+    activations: str = "recompute"  # phased
+    optimizer_on: str = "host"  # phased
+
+    @property
+    def par(self) -> Parallelism:
+        return Parallelism(pipe=self.pipe, tensor=self.tensor, replica=self.replica)
+
+    @property
+    def label(self) -> str:
+        mesh = f"p{self.pipe} t{self.tensor} r{self.replica} b{self.microbatch_size}"
+        if self.mode == "resident":
+            sched = self.schedule if self.virtual == 1 else f"{self.schedule}x{self.virtual}"
+            how = f"{sched} recompute={self.recompute}"
+        else:
+            how = f"phased rts={self.rts} {self.activations} optimizer={self.optimizer_on}"
+        return f"{mesh} {self.precision} {how}"
+
+    def settings(self) -> dict[str, Any]:
+        """The fields that apply to this candidate's mode."""
+        out = dataclasses.asdict(self)
+        drop = ("rts", "activations", "optimizer_on") if self.mode == "resident" else (
+            "schedule", "virtual", "recompute")  # fmt: skip
+        return {k: v for k, v in out.items() if k not in drop}
+
+
+@dataclasses.dataclass(frozen=True)
+class Space:
+    """What the search enumerates (see the module docstring)."""
+
+    precisions: tuple[str, ...]
+    modes: str = "auto"
+    max_tensor: int = 8
+    max_microbatch: int = 8
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(model_cfg: ModelConfig, devices: int, batch: int, max_tensor: int) -> list[Parallelism]:
+    """Every pipe x tensor x replica = `devices` the model and batch can take."""
+    out = []
+    for t in _divisors(devices):
+        if t > max_tensor or model_cfg.num_heads % t or model_cfg.mlp_dim % t:
+            continue
+        for p in _divisors(devices // t):
+            r = devices // (p * t)
+            if model_cfg.num_layers % p == 0 and batch % r == 0:
+                out.append(Parallelism(pipe=p, tensor=t, replica=r))
+    if not out:
+        raise ConfigError(
+            f"no mesh of {devices} devices fits {model_cfg.name} ({model_cfg.num_layers} "
+            f"layers, {model_cfg.num_heads} heads) with --batch {batch}: pipe must divide the "
+            f"layers, tensor the heads (at most --max-tensor {max_tensor}), replica the batch"
+        )
+    return out
+
+
+def _resident_settings(par: Parallelism, layers: int) -> Iterator[dict[str, Any]]:
+    schedules = [("1f1b", 1)]
+    if par.pipe > 1 and layers % (par.pipe * INTERLEAVED_CHUNKS) == 0:
+        schedules.append(("interleaved", INTERLEAVED_CHUNKS))
+    for schedule, virtual in schedules:
+        for recompute in ("none", "selective", "full"):
+            yield {"mode": "resident", "schedule": schedule, "virtual": virtual,
+                   "recompute": recompute}  # fmt: skip
+
+
+def _phased_settings(par: Parallelism) -> Iterator[dict[str, Any]]:
+    for rts in sorted({1, par.replica}):
+        for activations in ("recompute", "offload", "keep"):
+            for optimizer_on in ("host", "device"):
+                yield {"mode": "phased", "rts": rts, "activations": activations,
+                       "optimizer_on": optimizer_on}  # fmt: skip
+
+
+@dataclasses.dataclass
+class Searcher:
+    """One search: its inputs, and a planner call per candidate (`plan`)."""
+
+    model_cfg: ModelConfig
+    hardware: Hardware
+    devices: int
+    batch: int
+    seq: int
+    space: Space
+    log: Callable[[str], None] = lambda _: None
+
+    def __post_init__(self) -> None:
+        if self.devices < 1 or self.batch < 1 or self.seq < 1:
+            raise ConfigError(
+                f"--devices, --batch and --seq must be positive, got {self.devices}, "
+                f"{self.batch}, {self.seq}"
+            )
+        TrainConfig(batch=self.batch, seq=self.seq).check_fits(self.model_cfg, Parallelism())
+        for precision in self.space.precisions:  # refuses a precision the profile lacks
+            self.hardware.at_precision(arithmetic(self.model_cfg, precision))
+        if self.space.modes not in MODES:
+            raise ConfigError(
+                f"--modes must be one of {', '.join(MODES)}, got {self.space.modes!r}"
+            )
+        self.params = count_params(self.model_cfg)
+
+    def plan(self, c: Candidate, microbatches: int) -> dict[str, Any]:
+        """The planner's report for `c` with `microbatches` microbatches (or passes)."""
+        batch = c.microbatch_size * c.replica * microbatches
+        if c.mode == "resident":
+            from shardemu.predict.plan_resident import plan_resident
+
+            report, _, _ = plan_resident(
+                self.model_cfg, c.par, batch, self.seq, c.microbatch_size, self.hardware,
+                schedule=c.schedule, virtual=c.virtual, recompute=c.recompute,  # type: ignore[arg-type]
+                precision=c.precision,
+            )  # fmt: skip
+            return report
+        from shardemu.predict.plan_phased import plan_phased
+
+        phased = PhasedConfig(
+            device_memory=self.hardware.device_memory_bytes, rts=c.rts,
+            activations=c.activations, optimizer_on=c.optimizer_on,  # type: ignore[arg-type]
+        )  # fmt: skip
+        train = TrainConfig(batch=batch, seq=self.seq, precision=c.precision)
+        return plan_phased(
+            self.model_cfg, c.par, train, phased, hardware=self.hardware,
+            microbatch_size=c.microbatch_size,
+        )  # fmt: skip
+
+    def microbatches(self, c: Candidate) -> int:
+        return self.batch // (c.replica * c.microbatch_size)
+
+    def screen(self, c: Candidate) -> dict[str, Any]:
+        """`c` predicted by extrapolating two short steps (module docstring), or planned
+        whole when its step is short anyway: the row the JSON holds."""
+        m = self.microbatches(c)
+        m1, m2 = 2 * c.pipe, 3 * c.pipe
+        row: dict[str, Any] = {"label": c.label, **c.settings(), "microbatches": m}
+        try:
+            if m <= m2:
+                return row | _measures(self.plan(c, m), m, "planned")
+            first, second = self.plan(c, m1), self.plan(c, m2)
+        except CapacityError as err:
+            return row | {"status": "does not fit", "reason": str(err)}
+        except ConfigError as err:
+            return row | {"status": "refused", "reason": str(err)}
+        s1, s2 = first["step_time_s"], second["step_time_s"]
+        step = s1 + (m - m1) * (s2 - s1) / (m2 - m1)
+        out = _measures(first, m1, "extrapolated")
+        out["step_time_s"] = step
+        out["tokens_per_s"] = self.batch * self.seq / step
+        out["utilisation"] = first["utilisation"] * (m / m1) * (s1 / step)
+        return row | out
+
+    def candidates(
+        self, par: Parallelism, modes: tuple[Mode, ...], precision: str, size: int
+    ) -> list[Candidate]:
+        """`par`'s candidates at one precision and microbatch size."""
+        base = {"pipe": par.pipe, "tensor": par.tensor, "replica": par.replica,
+                "microbatch_size": size, "precision": precision}  # fmt: skip
+        return [
+            Candidate(**base, **s) for mode in modes
+            for s in (_resident_settings(par, self.model_cfg.num_layers)
+                      if mode == "resident" else _phased_settings(par))
+        ]  # fmt: skip
+
+    def static_fits(self, par: Parallelism) -> bool:
+        """Prune 1: a resident mesh whose weights and optimizer state alone overflow."""
+        per_device = self.params * STATE_BYTES_PER_PARAM / (par.pipe * par.tensor)
+        return per_device <= self.hardware.device_memory_bytes
+
+    def run_mode(self, modes: tuple[Mode, ...], rows: list[dict[str, Any]]) -> None:
+        for par in meshes(self.model_cfg, self.devices, self.batch, self.space.max_tensor):
+            use = tuple(m for m in modes if m == "phased" or self.static_fits(par))
+            if len(use) < len(modes):
+                rows.append(_pruned(par, "resident", f"weights, gradients and Adam state "
+                                    f"({STATE_BYTES_PER_PARAM} bytes x {self.params:,} "
+                                    f"parameters over pipe x tensor) exceed "
+                                    f"{self.hardware.name}'s device memory"))  # fmt: skip
+            if not use:
+                continue
+            sizes = [
+                b for b in microbatch_candidates(self.batch // par.replica)
+                if b <= self.space.max_microbatch
+            ]  # fmt: skip
+            for precision in self.space.precisions:
+                for size in sizes:
+                    screened = [self.screen(c) for c in self.candidates(par, use, precision, size)]
+                    rows += screened
+                    if not any(r.get("fits") for r in screened):
+                        break  # prune 3: larger microbatches fit no better
+            self.log(f"{par}: {sum(1 for r in rows if r.get('fits'))} layouts fit so far")
+
+
+def _measures(report: dict[str, Any], microbatches: int, how: str) -> dict[str, Any]:
+    memory = report["memory_per_device"]
+    fits = all(tier["fits"] for tier in memory.values())
+    return {
+        "status": how if fits else "does not fit",
+        "fits": fits,
+        "step_time_s": report["step_time_s"],
+        "device_bytes": memory["device"]["bytes"],
+        "host_bytes": memory.get("host", {}).get("bytes", 0),
+        "tokens_per_s": report["tokens_per_s"],
+        "utilisation": report["utilisation"],
+        "breakdown": report["breakdown"],
+        "planned_microbatches": microbatches,
+    }
+
+
+def _candidate(row: dict[str, Any]) -> Candidate:
+    """The candidate a screened row describes."""
+    return Candidate(
+        **{f.name: row[f.name] for f in dataclasses.fields(Candidate) if f.name in row}
+    )
+
+
+def _pruned(par: Parallelism, mode: Mode, reason: str) -> dict[str, Any]:
+    return {"label": f"p{par.pipe} t{par.tensor} r{par.replica} {mode}", "mode": mode,
+            "pipe": par.pipe, "tensor": par.tensor, "replica": par.replica,
+            "status": "pruned", "reason": reason}  # fmt: skip
+
+
+def pareto(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fitting layouts no other beats on both device memory and step time."""
+    fitting = sorted((r for r in rows if r.get("fits")),
+                     key=lambda r: (r["device_bytes"], r["step_time_s"]))  # fmt: skip
+    front, best = [], float("inf")
+    for r in fitting:
+        if r["step_time_s"] < best:
+            front.append(r)
+            best = r["step_time_s"]
+    return front
+
+
+def search(
+    model_cfg: ModelConfig, hardware: Hardware, devices: int, batch: int, seq: int,
+    space: Space, top: int = 5, log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:  # fmt: skip
+    """Search the layouts (module docstring): every candidate's row, the best `top`
+    planned at the full batch (`top`, fastest first), and the memory/time Pareto front.
+    Needs the most virtual devices any planned mesh does (`devices_needed`)."""
+    t0 = time.perf_counter()
+    if top < 1:
+        raise ConfigError(f"--top must be a positive number of layouts, got {top}")
+    s = Searcher(model_cfg, hardware, devices, batch, seq, space, log)
+    rows: list[dict[str, Any]] = []
+    order: dict[str, tuple[Mode, ...]] = {
+        "auto": ("resident",), "resident": ("resident",), "phased": ("phased",),
+        "both": ("resident", "phased"),
+    }  # fmt: skip
+    s.run_mode(order[space.modes], rows)
+    if space.modes == "auto" and not any(r.get("fits") for r in rows):
+        log("no resident layout fits: searching phased layouts")
+        s.run_mode(("phased",), rows)
+    fitting = sorted((r for r in rows if r.get("fits")), key=lambda r: r["step_time_s"])
+    if not fitting:
+        raise CapacityError(
+            f"no layout of {model_cfg.name} on {devices} x {hardware.name} fits its memory "
+            f"({len(rows)} tried, --modes {space.modes}); use more devices, a smaller "
+            f"--batch or --seq, or --modes both"
+        )
+    best = []
+    for row in fitting[:top]:  # planned whole: the numbers the table shows
+        c = _candidate(row)
+        full = _measures(s.plan(c, row["microbatches"]), row["microbatches"], "planned")
+        full["screened_step_time_s"] = row["step_time_s"]
+        best.append(row | full)
+    best.sort(key=lambda r: r["step_time_s"])
+    return {
+        "model": model_cfg.name,
+        "hardware": hardware.name,
+        "devices": devices,
+        "batch": batch,
+        "seq": seq,
+        "param_count": s.params,
+        "space": dataclasses.asdict(space),
+        "counts": {
+            "candidates": len(rows),
+            "fit": len(fitting),
+            "pruned": sum(r["status"] == "pruned" for r in rows),
+            "do_not_fit": sum(r["status"] == "does not fit" for r in rows),
+            "refused": sum(r["status"] == "refused" for r in rows),
+        },
+        "top": best,
+        "best": best[0],
+        "best_candidate": _candidate(best[0]),
+        "pareto": pareto(rows),
+        "candidates": rows,
+        "elapsed_s": time.perf_counter() - t0,
+    }
+
+
+def search_devices(model_cfg: ModelConfig, devices: int, batch: int, space: Space) -> int:
+    """Virtual devices a search needs: a resident plan counts one tensor group, a phased
+    plan one stage (tensor x replica), the winner's check runs its pipe x tensor x
+    (replica, at most two) (`verify.py`)."""
+    from shardemu.predict.verify import VERIFY_REPLICAS
+
+    phased = space.modes != "resident"
+    return max(
+        max(p.tensor * (p.replica if phased else 1),
+            p.pipe * p.tensor * min(p.replica, VERIFY_REPLICAS))
+        for p in meshes(model_cfg, devices, batch, space.max_tensor)
+    )  # fmt: skip

@@ -1,0 +1,104 @@
+"""A searched layout checked for real: the same mesh, schedule, precision and sharding
+rules on a scaled-down model, trained on virtual devices and compared with one device.
+
+A prediction is only as good as the layout being runnable: a pipe the layers do not
+split into, a tensor axis a dimension does not divide, a schedule the executor cannot
+run, or a sharding rule that changes the maths would all show here. The model keeps
+the family and gets tiny widths that every axis of the layout divides: 2 heads per
+tensor device of width 8, one layer per pipeline chunk, a vocabulary of 64 per tensor
+device. Replicas are capped at `VERIFY_REPLICAS` (data parallelism adds a gradient
+all-reduce, which two replicas exercise) so the run fits one laptop. Both runs take the
+same microbatches in the same precision: the sharded run must equal the one-device run
+up to the reordering of sums (`TOLERANCE`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from shardemu.config import ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.predict.search import Candidate
+
+VERIFY_REPLICAS = 2
+STEPS = 3
+SEQ = 16
+# largest relative loss difference accepted: float32 sums in another order drift by
+# ~1e-7 a step (the demo's sharded vs one-device run); 16-bit ones by ~1e-5
+# (tests/test_precision.py), with room for three steps
+TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp16-mixed": 1e-3}
+
+
+def scaled_down(model_cfg: ModelConfig, c: Candidate) -> tuple[ModelConfig, Parallelism]:
+    """The tiny model and the mesh that stand for `c` (module docstring)."""
+    heads = 2 * c.tensor
+    tiny = model_cfg.replace(
+        name=f"{model_cfg.name}-scaled-down",
+        num_layers=c.pipe * c.virtual,
+        num_heads=heads,
+        embed_dim=8 * heads,
+        mlp_dim=32 * heads,
+        vocab_size=64 * c.tensor,
+        max_positions=SEQ,
+    )
+    par = Parallelism(pipe=c.pipe, tensor=c.tensor, replica=min(c.replica, VERIFY_REPLICAS))
+    return tiny, par
+
+
+def verify_devices(c: Candidate) -> int:
+    """Virtual devices `verify` needs for `c`."""
+    return c.pipe * c.tensor * min(c.replica, VERIFY_REPLICAS)
+
+
+def _settings(c: Candidate, par: Parallelism) -> tuple[TrainConfig, PhasedConfig | None]:
+    size = min(c.microbatch_size, 2)
+    if c.mode == "phased":
+        phased = PhasedConfig(
+            rts=min(c.rts, par.replica), activations=c.activations,  # type: ignore[arg-type]
+            optimizer_on=c.optimizer_on,  # type: ignore[arg-type]
+        )  # fmt: skip
+        train = TrainConfig(steps=STEPS, batch=size * par.replica, seq=SEQ, precision=c.precision)
+        return train, phased
+    micro = 2 * c.pipe  # interleaved 1F1B needs a multiple of pipe
+    train = TrainConfig(
+        steps=STEPS, batch=size * par.replica * micro, seq=SEQ, microbatches=micro,
+        schedule=c.schedule, virtual=c.virtual, precision=c.precision,
+    )  # fmt: skip
+    return train, None
+
+
+def verify(model_cfg: ModelConfig, c: Candidate, out: Path) -> dict[str, Any]:
+    """Train `c`'s scaled-down layout and one device for `STEPS` steps (run directories
+    under `out`); the losses, their largest relative difference and whether it is
+    within `TOLERANCE`."""
+    from shardemu.training.runner import train
+
+    tiny, par = scaled_down(model_cfg, c)
+    train_cfg, phased = _settings(c, par)
+    sharded = train(
+        tiny, par, train_cfg, out / "sharded", devices=jax.devices()[: par.num_devices],
+        phased=phased,
+    )  # fmt: skip
+    one = train(
+        tiny, Parallelism(), dataclasses.replace(train_cfg, schedule="gpipe", virtual=1),
+        out / "one-device", devices=jax.devices()[:1],
+    )  # fmt: skip
+    a, b = np.asarray(sharded.losses), np.asarray(one.losses)
+    worst = float(np.max(np.abs(a - b) / np.abs(b)))
+    return {
+        "mesh": str(par),
+        "model": dataclasses.asdict(tiny),
+        "steps": STEPS,
+        "batch": train_cfg.batch,
+        "microbatches": train_cfg.microbatches,
+        "losses": a.tolist(),
+        "losses_one_device": b.tolist(),
+        "max_rel_diff": worst,
+        "tolerance": TOLERANCE[c.precision],
+        "equal": worst <= TOLERANCE[c.precision],
+        "run_dirs": [str(sharded.run_dir), str(one.run_dir)],
+    }
