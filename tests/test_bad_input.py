@@ -18,6 +18,7 @@ CUSTOM = ["run", "--model", "gpt", "--layers", "2", "--hidden", "64", "--heads",
 PHASED = ["plan", "--model", "gpt-tiny", "--phased"]
 A100 = ["plan", "--model", "gpt-tiny", "--hardware", "a100-80gb"]
 PIPE2 = ["--mesh", "pipe=2", "--microbatches", "2"]
+SEARCH = ["search", "--model", "gpt-tiny", "--hardware", "a100-80gb", "--devices", "8"]
 
 
 def row(name, args, message):
@@ -147,6 +148,16 @@ CLI_ROWS = [
     row("plan-phased-too-wide", [*PHASED, "--model", "gpt3-175b", "--mesh",
         "tensor=8,replica=512", "--batch", "512"], "tensor x replica = 4096 virtual devices"),
     row("demo-steps-0", ["demo", "--steps", "0"], "steps must be a positive integer, got 0"),
+    # search
+    row("search-precision", [*SEARCH, "--precision", "fp8"], "--precision takes a comma-separated"),
+    row("search-precision-ipu", [*SEARCH[:4], "ipu-pod16", *SEARCH[5:], "--precision", "bf16"],
+        "'ipu-pod16' does not compute in --precision bf16"),  # fmt: skip
+    row("search-no-mesh", [*SEARCH[:6], "3"], "no mesh of 3 devices fits gpt-tiny"),
+    row("search-devices-0", [*SEARCH[:6], "0"], "--devices and --max-tensor must be positive"),
+    row("search-top-0", [*SEARCH, "--top", "0"], "--top must be a positive number of layouts"),
+    row("search-modes", [*SEARCH, "--modes", "fast"], "argument --modes: invalid choice"),
+    row("search-max-microbatch-0", [*SEARCH, "--max-microbatch", "0"],
+        "--max-microbatch must be a positive integer, got 0"),  # fmt: skip
 ]  # fmt: skip
 
 

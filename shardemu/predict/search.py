@@ -111,6 +111,10 @@ def _divisors(n: int) -> list[int]:
 
 def meshes(model_cfg: ModelConfig, devices: int, batch: int, max_tensor: int) -> list[Parallelism]:
     """Every pipe x tensor x replica = `devices` the model and batch can take."""
+    if devices < 1 or max_tensor < 1:
+        raise ConfigError(
+            f"--devices and --max-tensor must be positive integers, got {devices}, {max_tensor}"
+        )
     out = []
     for t in _divisors(devices):
         if t > max_tensor or model_cfg.num_heads % t or model_cfg.mlp_dim % t:

@@ -1,0 +1,111 @@
+"""`shardemu search` against brute force: every layout of a tiny GPT on 4 devices planned
+whole with `plan_resident`, the fitting ones ranked; the search (pruning, two short
+plans extrapolated) must find the same layouts fitting, the same step times and the
+same winner. Then the command line end to end, with the winner trained scaled down
+against one device."""
+
+import dataclasses
+import itertools
+import json
+
+import pytest
+from cli_helpers import shardemu
+
+from shardemu.config import ConfigError, Parallelism, custom_model
+from shardemu.predict.hardware import PROFILES
+from shardemu.predict.plan_resident import plan_resident
+from shardemu.predict.search import Space, pareto, search
+
+DEVICES, BATCH, SEQ = 4, 16, 32
+# the model `--model gpt --layers 4 --hidden 32 --heads 4 --vocab 64` builds, so the
+# command-line test reuses the counts
+TINY = custom_model("gpt", 4, 32, 4, 64, SEQ)
+# device memory between the smallest layout's (1.4 MB) and the largest's (3.2 MB):
+# about half the layouts do not fit, and pruning has work to do
+MEMORY_GB = 0.0021
+HW = dataclasses.replace(PROFILES["a100-80gb"], name="a100-small", device_memory_gb=MEMORY_GB)
+SPACE = Space(precisions=("bf16",), modes="resident", max_microbatch=2)
+
+
+@pytest.fixture(scope="module")
+def searched():
+    return search(TINY, HW, DEVICES, BATCH, SEQ, SPACE, top=3)
+
+
+def brute_force() -> dict[str, dict]:
+    """Every resident layout in the search's space, planned whole: label -> report."""
+    out = {}
+    for p, t in itertools.product((1, 2, 4), repeat=2):
+        if DEVICES % (p * t):
+            continue
+        r = DEVICES // (p * t)
+        schedules = [("1f1b", 1)] + ([("interleaved", 2)] if p > 1 else [])
+        for b, (schedule, v), rec in itertools.product(
+            (1, 2), schedules, ("none", "selective", "full")
+        ):
+            try:
+                report, _, _ = plan_resident(
+                    TINY, Parallelism(p, t, r), BATCH, SEQ, b, HW, schedule, v, rec,
+                    precision="bf16",
+                )  # fmt: skip
+            except ConfigError:  # interleaved with microbatches pipe does not divide
+                continue
+            name = f"{schedule}x{v}" if v > 1 else schedule
+            out[f"p{p} t{t} r{r} b{b} bf16 {name} recompute={rec}"] = report
+    return out
+
+
+def test_search_finds_what_brute_force_finds(searched):
+    brute = brute_force()
+    fits = {k: r for k, r in brute.items() if r["memory_per_device"]["device"]["fits"]}
+    assert 0 < len(fits) < len(brute)  # the memory limit bites
+    rows = {r["label"]: r for r in searched["candidates"] if r.get("fits")}
+    assert set(rows) == set(fits)
+    for label, report in fits.items():  # extrapolated or planned whole: the same step
+        assert rows[label]["step_time_s"] == pytest.approx(report["step_time_s"], rel=1e-9)
+        assert rows[label]["device_bytes"] == report["memory_per_device"]["device"]["bytes"]
+    assert any(r["status"] == "extrapolated" for r in rows.values())
+    winner = min(fits, key=lambda k: fits[k]["step_time_s"])
+    assert searched["best"]["label"] == winner
+    assert [r["label"] for r in searched["top"]] == sorted(
+        fits, key=lambda k: fits[k]["step_time_s"]
+    )[:3]
+
+
+def test_pareto_front_is_the_undominated_layouts(searched):
+    fitting = [r for r in searched["candidates"] if r.get("fits")]
+    front = {r["label"] for r in pareto(fitting)}
+    for r in fitting:
+        dominated = any(
+            o["device_bytes"] <= r["device_bytes"]
+            and o["step_time_s"] < r["step_time_s"]
+            or o["device_bytes"] < r["device_bytes"]
+            and o["step_time_s"] <= r["step_time_s"]
+            for o in fitting
+        )
+        assert (r["label"] in front) == (not dominated), r["label"]
+
+
+def test_search_command_writes_its_files_and_verifies_the_winner(searched, tmp_path):
+    profile = tmp_path / "small.json"
+    profile.write_text(json.dumps({"base": "a100-80gb", "name": "a100-small",
+                                   "device_memory_gb": MEMORY_GB}))  # fmt: skip
+    out = tmp_path / "search"
+    done = shardemu(
+        "search", "--model", "gpt", "--layers", "4", "--hidden", "32", "--heads", "4",
+        "--vocab", "64", "--hardware", str(profile), "--devices", str(DEVICES),
+        "--batch", str(BATCH), "--seq", str(SEQ), "--precision", "bf16",
+        "--max-microbatch", "2", "--modes", "resident", "--top", "3", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads((out / "search.json").read_text())
+    assert result["best"]["label"] == searched["best"]["label"]
+    assert len(result["candidates"]) == len(searched["candidates"])
+    check = result["verification"]
+    assert check["equal"], check
+    assert check["mesh"] == str(Parallelism(
+        result["best"]["pipe"], result["best"]["tensor"], min(result["best"]["replica"], 2)
+    ))  # fmt: skip
+    assert len(check["losses"]) == len(check["losses_one_device"]) == check["steps"]
+    assert (out / "pareto.png").stat().st_size > 10_000
+    assert searched["best"]["label"] in done.stdout
