@@ -9,7 +9,9 @@ identical pipeline stage). So GPT-3 175B on 256 virtual devices is planned on a 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -18,7 +20,7 @@ import jax
 
 from shardemu.accounting import flops
 from shardemu.accounting.assemble import repeat_passes
-from shardemu.accounting.ledger import Ledger
+from shardemu.accounting.ledger import Event, Ledger
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.errors import CapacityError
 from shardemu.models import Model, param_bytes, param_count
@@ -105,14 +107,10 @@ def _counted(
     given_vocab = model_cfg.vocab_size
     model_cfg = padded_for(model_cfg, par)
     model = Model(model_cfg)
-    # one stage's devices stand for every stage (identical stages count the same)
-    stage = dataclasses.replace(par, pipe=1)
-    mesh = mesh_from(stage, jax.devices()[: plan_devices(par)])
     passes, pass_cfg = _passes(train_cfg, par, microbatch_size)
-    trainer = PhasedTrainer(model, mesh, pass_cfg, phased, rules, par.pipe)
-    ledger = Ledger()
-    plan = trainer.plan(ledger=ledger)
-    plan.pop("step_totals")
+    plan, events = _one_pass(model_cfg, par, pass_cfg, phased, rules)
+    plan = copy.deepcopy(plan)
+    ledger = Ledger(list(events))
     device_peak = plan["device_high_water"]
     if passes > 1:
         sched = make_schedule("1f1b", par.pipe, passes)
@@ -163,6 +161,23 @@ def _counted(
             for (stage, stream), busy in sorted(timeline.stream_totals().items())
         }
     return report, ledger, timeline
+
+
+@functools.lru_cache(maxsize=64)
+def _one_pass(
+    model_cfg: ModelConfig, par: Parallelism, pass_cfg: TrainConfig, phased: PhasedConfig,
+    rules: Rules | None,
+) -> tuple[dict[str, Any], tuple[Event, ...]]:  # fmt: skip
+    """One pass counted (the phase plan and its events), once per process for each
+    setting: a search and the microbatch choice plan the same pass at several numbers of
+    passes. One stage's devices stand for every stage (identical stages count the same)."""
+    stage = dataclasses.replace(par, pipe=1)
+    mesh = mesh_from(stage, jax.devices()[: plan_devices(par)])
+    trainer = PhasedTrainer(Model(model_cfg), mesh, pass_cfg, phased, rules, par.pipe)
+    ledger = Ledger()
+    plan = trainer.plan(ledger=ledger)
+    plan.pop("step_totals")
+    return plan, tuple(ledger.events)
 
 
 def _check_activations_fit(
