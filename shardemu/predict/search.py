@@ -24,7 +24,11 @@ Pruning, in order, each exact (it never drops a layout that fits):
 2. a layout that does not fit its tiers (the planner's own memory count) is kept in
    the JSON with the reason, not predicted further;
 3. a larger microbatch holds more activations: once no layout of a microbatch size
-   fits, the larger sizes of that mesh and precision are not counted.
+   fits, the larger sizes of that mesh and precision are not counted;
+4. phased settings are screened from the one that holds the least on the device
+   (replicated tensor sharding over the whole replica axis, activations offloaded, the
+   optimizer in the host tier); when it does not fit, the others, which hold the same
+   or more, are not planned.
 
 Prediction: a step of m microbatches (or passes) is the schedule's steady state
 repeated. Each layout is planned at m1 = 2p and m2 = 3p microbatches and its step
@@ -54,6 +58,9 @@ Mode = Literal["resident", "phased"]
 MODES = ("auto", "resident", "phased", "both")
 STATE_BYTES_PER_PARAM = 16  # weights + gradients + two Adam moments (+ FP32 masters in 16-bit)
 INTERLEAVED_CHUNKS = 2
+# phased activation policies by the device memory they need, least first: `offload`
+# sends each phase's input to the host, `recompute` keeps it, `keep` keeps everything
+LEAST_MEMORY = ("offload", "recompute", "keep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +216,7 @@ class Searcher:
         whole when its step is short anyway: the row the JSON holds."""
         m = self.microbatches(c)
         m1, m2 = 2 * c.pipe, 3 * c.pipe
-        row: dict[str, Any] = {"label": c.label, **c.settings(), "microbatches": m}
+        row = _row(c) | {"microbatches": m}
         try:
             if m <= m2:
                 return row | _measures(self.plan(c, m), m, "planned")
@@ -238,6 +245,24 @@ class Searcher:
                       if mode == "resident" else _phased_settings(par))
         ]  # fmt: skip
 
+    def screen_group(self, group: list[Candidate]) -> list[dict[str, Any]]:
+        """Screen one mesh, precision and microbatch size's candidates. Prune 4: the
+        phased setting that holds the least on the device (rts over the whole replica
+        axis, activations offloaded, the optimizer in the host tier) is screened first;
+        when it does not fit, no phased setting does."""
+        phased = [c for c in group if c.mode == "phased"]
+        rows = [self.screen(c) for c in group if c.mode == "resident"]
+        if not phased:
+            return rows
+        least = min(phased, key=lambda c: (-c.rts, LEAST_MEMORY.index(c.activations),
+                                           c.optimizer_on != "host"))  # fmt: skip
+        first = self.screen(least)
+        if not first.get("fits"):
+            why = f"{least.label} does not fit, and it holds the least on the device"
+            skipped = [_row(c) | {"status": "pruned", "reason": why} for c in phased if c != least]
+            return [*rows, first, *skipped]
+        return [*rows, first, *(self.screen(c) for c in phased if c != least)]
+
     def static_fits(self, par: Parallelism) -> bool:
         """Prune 1: a resident mesh whose weights and optimizer state alone overflow."""
         per_device = self.params * STATE_BYTES_PER_PARAM / (par.pipe * par.tensor)
@@ -259,7 +284,7 @@ class Searcher:
             ]  # fmt: skip
             for precision in self.space.precisions:
                 for size in sizes:
-                    screened = [self.screen(c) for c in self.candidates(par, use, precision, size)]
+                    screened = self.screen_group(self.candidates(par, use, precision, size))
                     rows += screened
                     if not any(r.get("fits") for r in screened):
                         break  # prune 3: larger microbatches fit no better
@@ -280,6 +305,10 @@ def _measures(report: dict[str, Any], microbatches: int, how: str) -> dict[str, 
         "breakdown": report["breakdown"],
         "planned_microbatches": microbatches,
     }
+
+
+def _row(c: Candidate) -> dict[str, Any]:
+    return {"label": c.label, **c.settings()}
 
 
 def _candidate(row: dict[str, Any]) -> Candidate:

@@ -1,0 +1,109 @@
+"""`shardemu search` on the two layouts the issue names, timed, against the published
+layout predicted by the same cost model:
+
+- GPT-3 175B on 1024 A100 80GB, batch 1536 x 2048: Megatron-LM's pipe 16, tensor 8,
+  replica 8 with microbatch 1 and full recomputation (Narayanan et al. 2021, Table 1
+  and section 5.1), planned with `plan_resident`;
+- GPT-3 175B on an IPU-POD256, batch 1536 x 2048: Graphcore's pipe 8, tensor 8,
+  replica 4, phased, FP16 (MISSION.md), planned with `plan_phased` (rts 4, activations
+  offloaded, one sequence a pass).
+
+    python benchmarks/search.py [--case gpu|ipu|all] [--precision P[,P...]]
+
+Prints a table and writes benchmarks/results/search.json. The search must predict its
+winner at least as fast as the published layout (the published layout is in its space).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from shardemu import use_virtual_devices
+from shardemu.config import Parallelism, PhasedConfig, TrainConfig, get_preset
+from shardemu.predict.hardware import PROFILES
+from shardemu.predict.search import Space, search, search_devices
+
+RESULTS = Path(__file__).resolve().parent / "results" / "search.json"
+MODEL, BATCH, SEQ = "gpt3-175b", 1536, 2048
+CASES = {
+    "gpu": {"hardware": "a100-80gb", "devices": 1024, "published": Parallelism(16, 8, 8),
+            "precision": "bf16", "modes": "auto"},
+    "ipu": {"hardware": "ipu-pod256", "devices": 256, "published": Parallelism(8, 8, 4),
+            "precision": "fp16-mixed", "modes": "auto"},
+}  # fmt: skip
+
+
+def published(case: dict) -> dict:
+    """The published layout's predicted step, by the planner the search uses."""
+    cfg, hw, par = get_preset(MODEL), PROFILES[case["hardware"]], case["published"]
+    if case["hardware"].startswith("ipu"):
+        from shardemu.predict.plan_phased import plan_phased
+
+        phased = PhasedConfig(device_memory=hw.device_memory_bytes, rts=par.replica,
+                              activations="offload")  # fmt: skip
+        train = TrainConfig(batch=BATCH, seq=SEQ, precision=case["precision"])
+        report = plan_phased(cfg, par, train, phased, hardware=hw, microbatch_size=1)
+    else:
+        from shardemu.predict.plan_resident import plan_resident
+
+        report, _, _ = plan_resident(
+            cfg, par, BATCH, SEQ, 1, hw, recompute="full", precision=case["precision"]
+        )
+    return {
+        "layout": str(par),
+        "step_time_s": report["step_time_s"],
+        "fits": report["memory_per_device"]["device"]["fits"],
+        "utilisation": report["utilisation"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", choices=("gpu", "ipu", "all"), default="all")
+    parser.add_argument("--precision", default=None, help="default: every one the profile has")
+    args = parser.parse_args()
+    names = list(CASES) if args.case == "all" else [args.case]
+    cfg = get_preset(MODEL)
+    spaces = {}
+    for name in names:
+        hw = PROFILES[CASES[name]["hardware"]]
+        precisions = tuple(args.precision.split(",")) if args.precision else hw.precisions
+        spaces[name] = Space(precisions=precisions, modes=CASES[name]["modes"])
+    use_virtual_devices(max(
+        search_devices(cfg, CASES[n]["devices"], BATCH, spaces[n]) for n in names
+    ))  # fmt: skip
+    out = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    for name in names:
+        case = CASES[name]
+        t0 = time.perf_counter()
+        result = search(
+            cfg, PROFILES[case["hardware"]], case["devices"], BATCH, SEQ, spaces[name],
+            log=lambda line, t0=t0: print(f"[{time.perf_counter() - t0:5.0f} s] {line}"),
+        )  # fmt: skip
+        best = result["best"]
+        row = {
+            "search_s": result["elapsed_s"],
+            "space": result["space"],
+            "counts": result["counts"],
+            "best": {k: best[k] for k in ("label", "step_time_s", "utilisation", "device_bytes")},
+            "top": [r["label"] for r in result["top"]],
+            "published": published(case),
+        }
+        row["best_vs_published"] = best["step_time_s"] / row["published"]["step_time_s"]
+        out[name] = row
+        print(
+            f"{name}: searched in {row['search_s']:.0f} s ({result['counts']['candidates']} "
+            f"layouts, {result['counts']['fit']} fit); best {best['label']} "
+            f"{best['step_time_s']:.2f} s ({best['utilisation']:.1%} MFU); published "
+            f"{row['published']['layout']} {row['published']['step_time_s']:.2f} s: "
+            f"ratio {row['best_vs_published']:.3f}"
+        )
+    RESULTS.write_text(json.dumps(out, indent=2))
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
