@@ -14,7 +14,7 @@ from cli_helpers import shardemu
 from shardemu.config import ConfigError, Parallelism, custom_model
 from shardemu.predict.hardware import PROFILES
 from shardemu.predict.plan_resident import plan_resident
-from shardemu.predict.search import Space, pareto, search
+from shardemu.predict.search import Searcher, Space, pareto, search
 
 DEVICES, BATCH, SEQ = 4, 16, 32
 # the model `--model gpt --layers 4 --hidden 32 --heads 4 --vocab 64` builds, so the
@@ -24,6 +24,7 @@ TINY = custom_model("gpt", 4, 32, 4, 64, SEQ)
 # about half the layouts do not fit, and pruning has work to do
 MEMORY_GB = 0.0021
 HW = dataclasses.replace(PROFILES["a100-80gb"], name="a100-small", device_memory_gb=MEMORY_GB)
+PHASED_GB = 0.001  # between the least-memory phased setting's need and the most's
 SPACE = Space(precisions=("bf16",), modes="resident", max_microbatch=2)
 
 
@@ -109,3 +110,24 @@ def test_search_command_writes_its_files_and_verifies_the_winner(searched, tmp_p
     assert len(check["losses"]) == len(check["losses_one_device"]) == check["steps"]
     assert (out / "pareto.png").stat().st_size > 10_000
     assert searched["best"]["label"] in done.stdout
+
+
+def test_phased_pruning_drops_only_layouts_that_do_not_fit():
+    """Every phased setting of one mesh planned whole: the search's pruned ones (prune
+    4: more device memory than a setting that did not fit) do not fit either, and the
+    fitting ones have the same step times."""
+    par, size, hw = Parallelism(1, 1, 2), 2, dataclasses.replace(HW, device_memory_gb=PHASED_GB)
+    s = Searcher(TINY, hw, par.num_devices, BATCH, SEQ, Space(("fp32",), "phased"))
+    rows = {r["label"]: r for r in s.screen_group(s.candidates(par, ("phased",), "fp32", size))}
+    assert len(rows) == 24
+    pruned = [label for label, r in rows.items() if r["status"] == "pruned"]
+    fits = [label for label, r in rows.items() if r.get("fits")]
+    assert pruned and fits
+    for c in s.candidates(par, ("phased",), "fp32", size):
+        whole = s.screen(c)  # what the search would have said without prune 4
+        if c.label in pruned:
+            assert not whole.get("fits"), c.label
+        else:
+            assert rows[c.label].get("fits") == whole.get("fits")
+            if whole.get("fits"):
+                assert rows[c.label]["step_time_s"] == pytest.approx(whole["step_time_s"], rel=1e-9)

@@ -13,22 +13,23 @@ microbatch sizes (powers of two that divide the batch per replica, up to
   it never wins on time or memory;
 - phased (`plan_phased.py`): replicated tensor sharding off or over the whole replica
   axis, activations recomputed, offloaded or kept, the optimizer update in the host or
-  on the device, and the fewest phases that fit the device tier (the phased planner's
+  on the device, the next phase's weights prefetched or not, and the fewest phases that
+  fit the device tier (the phased planner's
   own choice), the batch as pipelined passes of the microbatch size.
 
 Pruning, in order, each exact (it never drops a layout that fits):
 
 1. a mesh whose weights, gradients and Adam state alone exceed the device memory
    (16 bytes a parameter in every precision, over pipe x tensor devices) has no
-   resident layout that fits;
+   resident layout that fits, and one where a layer's weights over tensor (which a
+   phase gathers whole before it runs) exceed it has no phased layout that fits;
 2. a layout that does not fit its tiers (the planner's own memory count) is kept in
    the JSON with the reason, not predicted further;
 3. a larger microbatch holds more activations: once no layout of a microbatch size
    fits, the larger sizes of that mesh and precision are not counted;
-4. phased settings are screened from the one that holds the least on the device
-   (replicated tensor sharding over the whole replica axis, activations offloaded, the
-   optimizer in the host tier); when it does not fit, the others, which hold the same
-   or more, are not planned.
+4. phased settings are screened least device memory first; a setting that holds at
+   least what one of the same rts that did not fit holds, in each of activations, the
+   optimizer's place and prefetch, is not planned.
 
 Prediction: a step of m microbatches (or passes) is the schedule's steady state
 repeated. Each layout is planned at m1 = 2p and m2 = 3p microbatches and its step
@@ -79,6 +80,7 @@ class Candidate:
     rts: int = 1  # phased
     activations: str = "recompute"  # phased
     optimizer_on: str = "host"  # phased
+    prefetch: bool = True  # phased
 
     @property
     def par(self) -> Parallelism:
@@ -92,12 +94,13 @@ class Candidate:
             how = f"{sched} recompute={self.recompute}"
         else:
             how = f"phased rts={self.rts} {self.activations} optimizer={self.optimizer_on}"
+            how += "" if self.prefetch else " no-prefetch"
         return f"{mesh} {self.precision} {how}"
 
     def settings(self) -> dict[str, Any]:
         """The fields that apply to this candidate's mode."""
         out = dataclasses.asdict(self)
-        drop = ("rts", "activations", "optimizer_on") if self.mode == "resident" else (
+        drop = ("rts", "activations", "optimizer_on", "prefetch") if self.mode == "resident" else (
             "schedule", "virtual", "recompute")  # fmt: skip
         return {k: v for k, v in out.items() if k not in drop}
 
@@ -151,10 +154,24 @@ def _resident_settings(par: Parallelism, layers: int) -> Iterator[dict[str, Any]
 
 def _phased_settings(par: Parallelism) -> Iterator[dict[str, Any]]:
     for rts in sorted({1, par.replica}):
-        for activations in ("recompute", "offload", "keep"):
+        for activations in LEAST_MEMORY:
             for optimizer_on in ("host", "device"):
-                yield {"mode": "phased", "rts": rts, "activations": activations,
-                       "optimizer_on": optimizer_on}  # fmt: skip
+                for prefetch in (False, True):
+                    yield {"mode": "phased", "rts": rts, "activations": activations,
+                           "optimizer_on": optimizer_on, "prefetch": prefetch}  # fmt: skip
+
+
+def _memory_ranks(c: Candidate) -> tuple[int, ...]:
+    """Where a phased candidate stands in each setting's order of device memory, least
+    first: offloaded activations leave the device, recomputed ones keep each phase's
+    input, kept ones everything; an optimizer on the device streams its state in; a
+    prefetch holds the next phase's weights beside this one's. (rts has no such order:
+    a sharded phase still gathers its whole weights, beside its shard.)"""
+    return (
+        LEAST_MEMORY.index(c.activations),
+        c.optimizer_on != "host",
+        c.prefetch,
+    )
 
 
 @dataclasses.dataclass
@@ -183,6 +200,8 @@ class Searcher:
                 f"--modes must be one of {', '.join(MODES)}, got {self.space.modes!r}"
             )
         self.params = count_params(self.model_cfg)
+        two = self.model_cfg.replace(num_layers=2)
+        self.layer_params = count_params(two) - count_params(two.replace(num_layers=1))
 
     def plan(self, c: Candidate, microbatches: int) -> dict[str, Any]:
         """The planner's report for `c` with `microbatches` microbatches (or passes)."""
@@ -201,6 +220,7 @@ class Searcher:
         phased = PhasedConfig(
             device_memory=self.hardware.device_memory_bytes, rts=c.rts,
             activations=c.activations, optimizer_on=c.optimizer_on,  # type: ignore[arg-type]
+            prefetch=c.prefetch,
         )  # fmt: skip
         train = TrainConfig(batch=batch, seq=self.seq, precision=c.precision)
         return plan_phased(
@@ -246,44 +266,59 @@ class Searcher:
         ]  # fmt: skip
 
     def screen_group(self, group: list[Candidate]) -> list[dict[str, Any]]:
-        """Screen one mesh, precision and microbatch size's candidates. Prune 4: the
-        phased setting that holds the least on the device (rts over the whole replica
-        axis, activations offloaded, the optimizer in the host tier) is screened first;
-        when it does not fit, no phased setting does."""
-        phased = [c for c in group if c.mode == "phased"]
+        """Screen one mesh, precision and microbatch size's candidates. Prune 4: phased
+        settings are screened least device memory first (`_memory_ranks`); one that
+        holds at least what a setting that did not fit holds, in every respect, is not
+        planned."""
         rows = [self.screen(c) for c in group if c.mode == "resident"]
-        if not phased:
-            return rows
-        least = min(phased, key=lambda c: (-c.rts, LEAST_MEMORY.index(c.activations),
-                                           c.optimizer_on != "host"))  # fmt: skip
-        first = self.screen(least)
-        if not first.get("fits"):
-            why = f"{least.label} does not fit, and it holds the least on the device"
-            skipped = [_row(c) | {"status": "pruned", "reason": why} for c in phased if c != least]
-            return [*rows, first, *skipped]
-        return [*rows, first, *(self.screen(c) for c in phased if c != least)]
+        failed: list[tuple[int, tuple[int, ...], str]] = []  # (rts, ranks, label)
+        for c in sorted((c for c in group if c.mode == "phased"), key=_memory_ranks):
+            ranks = _memory_ranks(c)
+            worse = next(
+                (label for rts, f, label in failed
+                 if rts == c.rts and all(a >= b for a, b in zip(ranks, f, strict=True))),
+                None,
+            )  # fmt: skip
+            if worse is not None:
+                why = f"holds at least what {worse} holds on the device, which does not fit"
+                rows.append(_row(c) | {"status": "pruned", "reason": why})
+                continue
+            row = self.screen(c)
+            rows.append(row)
+            if not row.get("fits") and row["status"] != "refused":
+                failed.append((c.rts, ranks, c.label))
+        return rows
 
-    def static_fits(self, par: Parallelism) -> bool:
-        """Prune 1: a resident mesh whose weights and optimizer state alone overflow."""
-        per_device = self.params * STATE_BYTES_PER_PARAM / (par.pipe * par.tensor)
-        return per_device <= self.hardware.device_memory_bytes
+    def pruned_modes(self, par: Parallelism, precision: str, modes: tuple[Mode, ...]) -> dict:
+        """Prune 1, by mode: the reason no layout of `par` in `precision` can fit."""
+        capacity, name = self.hardware.device_memory_bytes, self.hardware.name
+        out = {}
+        state = self.params * STATE_BYTES_PER_PARAM / (par.pipe * par.tensor)
+        if "resident" in modes and state > capacity:
+            out["resident"] = (
+                f"weights, gradients and Adam state ({STATE_BYTES_PER_PARAM} bytes x "
+                f"{self.params:,} parameters over pipe x tensor) exceed {name}'s device memory"
+            )
+        itemsize = 4 if precision == "fp32" else 2
+        layer = self.layer_params * itemsize / par.tensor
+        if "phased" in modes and layer > capacity:
+            out["phased"] = (
+                f"one layer's {precision} weights ({self.layer_params:,} parameters over "
+                f"tensor), which a phase holds whole, exceed {name}'s device memory"
+            )
+        return out
 
     def run_mode(self, modes: tuple[Mode, ...], rows: list[dict[str, Any]]) -> None:
         for par in meshes(self.model_cfg, self.devices, self.batch, self.space.max_tensor):
-            use = tuple(m for m in modes if m == "phased" or self.static_fits(par))
-            if len(use) < len(modes):
-                rows.append(_pruned(par, "resident", f"weights, gradients and Adam state "
-                                    f"({STATE_BYTES_PER_PARAM} bytes x {self.params:,} "
-                                    f"parameters over pipe x tensor) exceed "
-                                    f"{self.hardware.name}'s device memory"))  # fmt: skip
-            if not use:
-                continue
             sizes = [
                 b for b in microbatch_candidates(self.batch // par.replica)
                 if b <= self.space.max_microbatch
             ]  # fmt: skip
             for precision in self.space.precisions:
-                for size in sizes:
+                pruned = self.pruned_modes(par, precision, modes)
+                rows += [_pruned(par, precision, mode, why) for mode, why in pruned.items()]
+                use = tuple(m for m in modes if m not in pruned)
+                for size in sizes if use else []:
                     screened = self.screen_group(self.candidates(par, use, precision, size))
                     rows += screened
                     if not any(r.get("fits") for r in screened):
@@ -318,10 +353,10 @@ def _candidate(row: dict[str, Any]) -> Candidate:
     )
 
 
-def _pruned(par: Parallelism, mode: Mode, reason: str) -> dict[str, Any]:
-    return {"label": f"p{par.pipe} t{par.tensor} r{par.replica} {mode}", "mode": mode,
-            "pipe": par.pipe, "tensor": par.tensor, "replica": par.replica,
-            "status": "pruned", "reason": reason}  # fmt: skip
+def _pruned(par: Parallelism, precision: str, mode: Mode, reason: str) -> dict[str, Any]:
+    return {"label": f"p{par.pipe} t{par.tensor} r{par.replica} {precision} {mode}",
+            "mode": mode, "pipe": par.pipe, "tensor": par.tensor, "replica": par.replica,
+            "precision": precision, "status": "pruned", "reason": reason}  # fmt: skip
 
 
 def pareto(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -59,7 +59,7 @@ def _settings(c: Candidate, par: Parallelism) -> tuple[TrainConfig, PhasedConfig
     if c.mode == "phased":
         phased = PhasedConfig(
             rts=min(c.rts, par.replica), activations=c.activations,  # type: ignore[arg-type]
-            optimizer_on=c.optimizer_on,  # type: ignore[arg-type]
+            optimizer_on=c.optimizer_on, prefetch=c.prefetch,  # type: ignore[arg-type]
         )  # fmt: skip
         train = TrainConfig(steps=STEPS, batch=size * par.replica, seq=SEQ, precision=c.precision)
         return train, phased
