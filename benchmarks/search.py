@@ -5,10 +5,11 @@ layout predicted by the same cost model:
   replica 8 with microbatch 1 and full recomputation (Narayanan et al. 2021, Table 1
   and section 5.1), planned with `plan_resident`;
 - GPT-3 175B on an IPU-POD256, batch 1536 x 2048: Graphcore's pipe 8, tensor 8,
-  replica 4, phased, FP16 (MISSION.md), planned with `plan_phased` (rts 4, activations
-  offloaded, one sequence a pass).
+  replica 4, phased, FP16 (MISSION.md), planned with `plan_phased` (one layer a phase,
+  rts 4, activations offloaded, no prefetch: its least device memory; one sequence a
+  pass).
 
-    python benchmarks/search.py [--case gpu|ipu|all] [--precision P[,P...]]
+    python benchmarks/search.py [--case gpu|ipu|all] [--precision P[,P...]] [--max-microbatch B]
 
 Prints a table and writes benchmarks/results/search.json. The search must predict its
 winner at least as fast as the published layout (the published layout is in its space).
@@ -42,8 +43,10 @@ def published(case: dict) -> dict:
     if case["hardware"].startswith("ipu"):
         from shardemu.predict.plan_phased import plan_phased
 
-        phased = PhasedConfig(device_memory=hw.device_memory_bytes, rts=par.replica,
-                              activations="offload")  # fmt: skip
+        # one layer a phase, activations offloaded, no prefetch: the least device memory
+        # (no --device-memory, so a layout over the IPU's memory is still timed)
+        phased = PhasedConfig(phases=cfg.num_layers, rts=par.replica, activations="offload",
+                              prefetch=False)  # fmt: skip
         train = TrainConfig(batch=BATCH, seq=SEQ, precision=case["precision"])
         report = plan_phased(cfg, par, train, phased, hardware=hw, microbatch_size=1)
     else:
@@ -64,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=("gpu", "ipu", "all"), default="all")
     parser.add_argument("--precision", default=None, help="default: every one the profile has")
+    parser.add_argument("--max-microbatch", type=int, default=Space(()).max_microbatch)
     args = parser.parse_args()
     names = list(CASES) if args.case == "all" else [args.case]
     cfg = get_preset(MODEL)
@@ -71,7 +75,7 @@ def main() -> None:
     for name in names:
         hw = PROFILES[CASES[name]["hardware"]]
         precisions = tuple(args.precision.split(",")) if args.precision else hw.precisions
-        spaces[name] = Space(precisions=precisions, modes=CASES[name]["modes"])
+        spaces[name] = Space(precisions, CASES[name]["modes"], max_microbatch=args.max_microbatch)
     use_virtual_devices(max(
         search_devices(cfg, CASES[n]["devices"], BATCH, spaces[n]) for n in names
     ))  # fmt: skip

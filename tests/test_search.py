@@ -24,7 +24,9 @@ TINY = custom_model("gpt", 4, 32, 4, 64, SEQ)
 # about half the layouts do not fit, and pruning has work to do
 MEMORY_GB = 0.0021
 HW = dataclasses.replace(PROFILES["a100-80gb"], name="a100-small", device_memory_gb=MEMORY_GB)
-PHASED_GB = 0.001  # between the least-memory phased setting's need and the most's
+# phased on 1 x 1 x 2: 0.48 MB with the optimizer in the host and offloaded or recomputed
+# activations, 1.1 MB with the optimizer on the device, 2.2 MB keeping activations
+PHASED_GB = 0.0006
 SPACE = Space(precisions=("bf16",), modes="resident", max_microbatch=2)
 
 
@@ -113,21 +115,19 @@ def test_search_command_writes_its_files_and_verifies_the_winner(searched, tmp_p
 
 
 def test_phased_pruning_drops_only_layouts_that_do_not_fit():
-    """Every phased setting of one mesh planned whole: the search's pruned ones (prune
-    4: more device memory than a setting that did not fit) do not fit either, and the
-    fitting ones have the same step times."""
-    par, size, hw = Parallelism(1, 1, 2), 2, dataclasses.replace(HW, device_memory_gb=PHASED_GB)
+    """Phased settings of one mesh (rts 1; activations offloaded or kept, the optimizer
+    in the host or on the device, prefetch or not) screened by the search, and each one
+    it pruned (prune 4: it holds at least what a setting that did not fit holds) planned
+    whole: none of those fits."""
+    par, hw = Parallelism(1, 1, 2), dataclasses.replace(HW, device_memory_gb=PHASED_GB)
     s = Searcher(TINY, hw, par.num_devices, BATCH, SEQ, Space(("fp32",), "phased"))
-    rows = {r["label"]: r for r in s.screen_group(s.candidates(par, ("phased",), "fp32", size))}
-    assert len(rows) == 24
-    pruned = [label for label, r in rows.items() if r["status"] == "pruned"]
-    fits = [label for label, r in rows.items() if r.get("fits")]
-    assert pruned and fits
-    for c in s.candidates(par, ("phased",), "fp32", size):
-        whole = s.screen(c)  # what the search would have said without prune 4
-        if c.label in pruned:
-            assert not whole.get("fits"), c.label
-        else:
-            assert rows[c.label].get("fits") == whole.get("fits")
-            if whole.get("fits"):
-                assert rows[c.label]["step_time_s"] == pytest.approx(whole["step_time_s"], rel=1e-9)
+    group = [
+        c for c in s.candidates(par, ("phased",), "fp32", 2)
+        if c.rts == 1 and c.activations in ("offload", "keep")
+    ]  # fmt: skip
+    rows = {r["label"]: r for r in s.screen_group(group)}
+    pruned = [c for c in group if rows[c.label]["status"] == "pruned"]
+    assert len(pruned) == 4  # behind the two that do not fit: the optimizer on the device, keep
+    assert sum(1 for r in rows.values() if r.get("fits")) == 2
+    for c in pruned:
+        assert not s.screen(c).get("fits"), c.label
