@@ -55,10 +55,12 @@ def published(case: dict) -> dict:
         report, _, _ = plan_resident(
             cfg, par, BATCH, SEQ, 1, hw, recompute="full", precision=case["precision"]
         )
+    memory = report["memory_per_device"]
     return {
         "layout": str(par),
         "step_time_s": report["step_time_s"],
-        "fits": report["memory_per_device"]["device"]["fits"],
+        "fits": all(tier["fits"] for tier in memory.values()),
+        "bytes_per_device": {tier: m["bytes"] for tier, m in memory.items()},
         "utilisation": report["utilisation"],
     }
 
