@@ -89,6 +89,7 @@ def test_pareto_front_is_the_undominated_layouts(searched):
         assert (r["label"] in front) == (not dominated), r["label"]
 
 
+@pytest.mark.slow  # plans or trains for real
 def test_search_command_writes_its_files_and_verifies_the_winner(searched, tmp_path):
     profile = tmp_path / "small.json"
     profile.write_text(json.dumps({"base": "a100-80gb", "name": "a100-small",
@@ -114,6 +115,7 @@ def test_search_command_writes_its_files_and_verifies_the_winner(searched, tmp_p
     assert searched["best"]["label"] in done.stdout
 
 
+@pytest.mark.slow  # plans or trains for real
 def test_phased_pruning_drops_only_layouts_that_do_not_fit():
     """Phased settings of one mesh (rts 1; activations offloaded or kept, the optimizer
     in the host or on the device, prefetch or not) screened by the search, and each one
