@@ -14,8 +14,8 @@ microbatch sizes (powers of two that divide the batch per replica, up to
 - phased (`plan_phased.py`): replicated tensor sharding off or over the whole replica
   axis, activations recomputed, offloaded or kept, the optimizer update in the host or
   on the device, the next phase's weights prefetched or not, and the fewest phases that
-  fit the device tier (the phased planner's
-  own choice), the batch as pipelined passes of the microbatch size.
+  fit the device tier (the phased planner's own choice), the batch as pipelined passes
+  of the microbatch size.
 
 Pruning, in order, each exact (it never drops a layout that fits):
 
@@ -48,12 +48,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+import jax.numpy as jnp
+
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.errors import CapacityError
-from shardemu.models import count_params
+from shardemu.models import Model, count_params
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import microbatch_candidates
-from shardemu.training.precision import arithmetic
+from shardemu.training.precision import arithmetic, compute_model
 
 Mode = Literal["resident", "phased"]
 MODES = ("auto", "resident", "phased", "both")
@@ -299,8 +301,8 @@ class Searcher:
                 f"weights, gradients and Adam state ({STATE_BYTES_PER_PARAM} bytes x "
                 f"{self.params:,} parameters over pipe x tensor) exceed {name}'s device memory"
             )
-        itemsize = 4 if precision == "fp32" else 2
-        layer = self.layer_params * itemsize / par.tensor
+        dtype = compute_model(Model(self.model_cfg), precision).cfg.param_dtype
+        layer = self.layer_params * jnp.dtype(dtype).itemsize / par.tensor
         if "phased" in modes and layer > capacity:
             out["phased"] = (
                 f"one layer's {precision} weights ({self.layer_params:,} parameters over "
@@ -377,7 +379,7 @@ def search(
 ) -> dict[str, Any]:  # fmt: skip
     """Search the layouts (module docstring): every candidate's row, the best `top`
     planned at the full batch (`top`, fastest first), and the memory/time Pareto front.
-    Needs the most virtual devices any planned mesh does (`devices_needed`)."""
+    Needs the most virtual devices any planned mesh does (`search_devices`)."""
     t0 = time.perf_counter()
     if top < 1:
         raise ConfigError(f"--top must be a positive number of layouts, got {top}")
@@ -433,11 +435,10 @@ def search_devices(model_cfg: ModelConfig, devices: int, batch: int, space: Spac
     """Virtual devices a search needs: a resident plan counts one tensor group, a phased
     plan one stage (tensor x replica), the winner's check runs its pipe x tensor x
     (replica, at most two) (`verify.py`)."""
-    from shardemu.predict.verify import VERIFY_REPLICAS
+    from shardemu.predict.verify import verify_mesh
 
     phased = space.modes != "resident"
     return max(
-        max(p.tensor * (p.replica if phased else 1),
-            p.pipe * p.tensor * min(p.replica, VERIFY_REPLICAS))
+        max(p.tensor * (p.replica if phased else 1), verify_mesh(p).num_devices)
         for p in meshes(model_cfg, devices, batch, space.max_tensor)
-    )  # fmt: skip
+    )

@@ -45,13 +45,13 @@ def scaled_down(model_cfg: ModelConfig, c: Candidate) -> tuple[ModelConfig, Para
         vocab_size=64 * c.tensor,
         max_positions=SEQ,
     )
-    par = Parallelism(pipe=c.pipe, tensor=c.tensor, replica=min(c.replica, VERIFY_REPLICAS))
-    return tiny, par
+    return tiny, verify_mesh(c.par)
 
 
-def verify_devices(c: Candidate) -> int:
-    """Virtual devices `verify` needs for `c`."""
-    return c.pipe * c.tensor * min(c.replica, VERIFY_REPLICAS)
+def verify_mesh(par: Parallelism) -> Parallelism:
+    """The mesh a layout on `par` is verified on: its pipe and tensor, at most
+    `VERIFY_REPLICAS` replicas."""
+    return dataclasses.replace(par, replica=min(par.replica, VERIFY_REPLICAS))
 
 
 def _settings(c: Candidate, par: Parallelism) -> tuple[TrainConfig, PhasedConfig | None]:
