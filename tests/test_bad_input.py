@@ -150,6 +150,9 @@ CLI_ROWS = [
     row("demo-steps-0", ["demo", "--steps", "0"], "steps must be a positive integer, got 0"),
     # search
     row("search-precision", [*SEARCH, "--precision", "fp8"], "--precision takes a comma-separated"),
+    row("bucket-mb-0", [*A100, "--bucket-mb", "0"], "--bucket-mb must be positive, got 0.0"),
+    row("bucket-mb-nan", [*SEARCH, "--bucket-mb", "nan"], "--bucket-mb must be positive, got nan"),
+    row("grad-reduce", [*A100, "--grad-reduce", "never"], "argument --grad-reduce: invalid choice"),
     row("search-precision-ipu", [*SEARCH[:4], "ipu-pod16", *SEARCH[5:], "--precision", "bf16"],
         "'ipu-pod16' does not compute in --precision bf16"),  # fmt: skip
     row("search-no-mesh", [*SEARCH[:6], "3"], "no mesh of 3 devices fits gpt-tiny"),

@@ -24,6 +24,7 @@ from shardemu.cli.args import (
     build_parser,
     given_options,
     model_config,
+    overlap_config,
     parallelism,
     phased_config,
     pipeline_config,
@@ -244,6 +245,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     par = parallelism(args)
     phased = phased_config(args)
+    overlap_config(args)  # refused now, not after counting
     hardware = get_hardware(args.hardware) if args.hardware else None
     tracking = tracking_config(args)
     if tracking is not None:
@@ -294,6 +296,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         report = plan_phased(
             model_cfg, par, train_cfg, phased, hardware=hardware, out=out,
             microbatch_size="auto" if auto else micro, tracking=tracking,
+            overlap=overlap_config(args),
         )  # fmt: skip
         if auto:
             _say_microbatch(report["microbatch_choice"])
@@ -320,7 +323,7 @@ def _plan_resident(
     settings = {
         "schedule": train_cfg.schedule, "virtual": train_cfg.virtual,
         "recompute": args.recompute, "sparsity": train_cfg.sparsity,
-        "precision": train_cfg.precision,
+        "precision": train_cfg.precision, "overlap": overlap_config(args),
     }  # fmt: skip
     batch, seq = train_cfg.batch, train_cfg.seq
     if micro is None and par.pipe > 1:  # one microbatch would be a (p-1)/p bubble

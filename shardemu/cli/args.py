@@ -324,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     shape_args(plan)
     precision_arg(plan)
+    overlap_args(plan)
     phased_args(plan)
     sparsity_args(plan)
     plan.add_argument(
@@ -387,6 +388,7 @@ def search_args(p: argparse.ArgumentParser) -> None:
         "--modes", choices=MODES, default=d.modes,
         help="resident, phased, both, or auto: phased only when no resident layout fits",
     )  # fmt: skip
+    overlap_args(p)
     p.add_argument("--max-tensor", type=int, default=d.max_tensor, help="largest tensor axis")
     p.add_argument(
         "--max-microbatch", type=int, default=d.max_microbatch, help="largest microbatch size"
@@ -420,7 +422,7 @@ def search_space(args: argparse.Namespace, profile_precisions: tuple[str, ...]) 
     ):
         if value < 1:
             raise ConfigError(f"{flag} must be a positive integer, got {value}")
-    return Space(precisions, args.modes, args.max_tensor, args.max_microbatch)
+    return Space(precisions, args.modes, args.max_tensor, args.max_microbatch, overlap_config(args))
 
 
 def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
@@ -486,6 +488,32 @@ def precision_arg(p: argparse.ArgumentParser) -> None:
         help="fp32; or 16-bit weights, activations and gradients with FP32 master weights "
         "and optimizer state: bf16, fp16-mixed (with dynamic loss scaling)",
     )  # fmt: skip
+
+
+def overlap_args(p: argparse.ArgumentParser) -> None:
+    """How the training system overlaps communication (`predict/overlap.py`)."""
+    from shardemu.predict.overlap import GRAD_REDUCE, PIPE_SENDS, Overlap
+
+    d = Overlap()
+    p.add_argument(
+        "--grad-reduce", choices=GRAD_REDUCE, default=d.grad_reduce,
+        help="resident plans: all-reduce gradients in buckets during the last backward "
+        "(PyTorch DDP, Megatron --overlap-grad-reduce) or all at the end (Megatron-LM 2021)",
+    )  # fmt: skip
+    p.add_argument(
+        "--bucket-mb", type=float, default=d.bucket_mb,
+        help="gradient bucket size in MiB for --grad-reduce bucketed (DDP's bucket_cap_mb)",
+    )  # fmt: skip
+    p.add_argument(
+        "--pipe-sends", choices=PIPE_SENDS, default=d.pipe_sends,
+        help="pipeline sends overlap the sender's next computation, or block it",
+    )  # fmt: skip
+
+
+def overlap_config(args: argparse.Namespace) -> Any:
+    from shardemu.predict.overlap import Overlap
+
+    return Overlap(args.grad_reduce, args.bucket_mb, args.pipe_sends)
 
 
 def shape_args(p: argparse.ArgumentParser) -> None:

@@ -17,6 +17,11 @@ previous event and after what it depends on:
   IPU's model, and how Megatron's tensor-parallel all-reduces sit on the critical path);
 - a point-to-point send between pipeline stages waits for the last computation on its
   stage (and that computation's collectives): the activations or gradients it carries;
+  with `Overlap.pipe_sends="blocking"` the sender's next computation also waits for it;
+- a data-parallel gradient reduction (a collective carrying gradients over any axis but
+  `pipe`) is the input of no computation but the optimizer update, so the backward
+  computations after it do not wait for it: how a bucketed reduction hides behind the
+  backward pass (`overlap.py`);
 - a host-to-device transfer also waits for the end of the last computation on its stage
   recorded before it: the device tier holds one phase ahead, so the next phase's weights
   stream in while this phase computes (the prefetch that hides streaming);
@@ -51,6 +56,7 @@ from typing import Any
 from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism
 from shardemu.predict.hardware import GB, Hardware
+from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.roofline import compute_seconds
 
 BREAKDOWN = ("compute_s", "exposed_transfer_s", "exposed_communication_s", "host_update_s",
@@ -131,7 +137,9 @@ def duration(event: Event, hw: Hardware, par: Parallelism) -> float:
     return event.bytes * per_device / (bandwidth * GB)
 
 
-def build_timeline(events: list[Event], hw: Hardware, par: Parallelism) -> Timeline:
+def build_timeline(
+    events: list[Event], hw: Hardware, par: Parallelism, overlap: Overlap = DEFAULT_OVERLAP
+) -> Timeline:
     """Place one step's events (program order) on per-stage streams; see the module
     docstring for the dependency rules."""
     spans: list[Span] = []
@@ -141,12 +149,16 @@ def build_timeline(events: list[Event], hw: Hardware, par: Parallelism) -> Timel
     phase_inputs: dict[Phase, list[Span]] = defaultdict(list)  # non-compute spans by phase
     gradients_out: list[Span] = []
     pending: dict[int, list[Span]] = defaultdict(list)  # collectives since a stage's compute
+    reductions: dict[int, list[Span]] = defaultdict(list)  # gradient reductions, per stage
     shared_in: dict[int, list[Span]] = defaultdict(list)  # the shared weights, per stage
     for i, e in enumerate(events):
         stream = stream_of(e)
         ready = stream_free[(e.stage, stream)]
+        reduction = e.kind == "collective" and e.axis != "pipe" and e.carries == "gradients"
         if e.kind == "compute":
             waits = [*phase_inputs[e.phase], *pending.pop(e.stage, [])]
+            if e.phase.kind == "update":
+                waits += reductions.pop(e.stage, [])
             if e.phase.kind in _READS_SHARED:
                 waits += shared_in[e.stage]
             ready = max([ready, *(s.end for s in waits)])
@@ -167,11 +179,14 @@ def build_timeline(events: list[Event], hw: Hardware, par: Parallelism) -> Timel
             last_compute[(e.phase, e.stage)] = span
             if e.on == "device":
                 last_compute_on_stage[e.stage] = span
+        elif reduction:
+            reductions[e.stage].append(span)
         else:
             phase_inputs[e.phase].append(span)
             if e.phase.kind == "shared":
                 shared_in[e.stage].append(span)
-        if e.kind == "collective" and e.axis != "pipe":
+        blocks = e.axis != "pipe" or overlap.pipe_sends == "blocking"
+        if e.kind == "collective" and not reduction and blocks:
             pending[e.stage].append(span)
         if e.kind in ("d2h", "reduce") and e.carries == "gradients":
             gradients_out.append(span)
@@ -215,12 +230,13 @@ def predict(
     model_flops: float,
     tokens: int,
     memory: dict[str, int] | None = None,
+    overlap: Overlap = DEFAULT_OVERLAP,
 ) -> tuple[Timeline, dict[str, Any]]:
     """The timeline of one step and the numbers a user asks first: step time, its
     breakdown, utilisation (model FLOPs / (devices * peak * step time), as model FLOPs
     utilisation: Chowdhery et al. 2022, Appendix B), tokens per second, and memory per
     device per tier against the profile's capacities."""
-    timeline = build_timeline(events, hw, par)
+    timeline = build_timeline(events, hw, par, overlap)
     step = timeline.step_time_s
     report: dict[str, Any] = {
         "hardware": hw.name,

@@ -31,6 +31,7 @@ from shardemu.phased.trainer import PhasedTrainer
 from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
+from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.sparse import model_flops_sparse, sparse_compute, sparse_report
 from shardemu.report.plandir import write_plan_dir
 from shardemu.report.trackers import TrackingConfig
@@ -63,11 +64,13 @@ def plan_phased(
     out: str | Path | None = None,
     microbatch_size: int | Literal["auto"] | None = None,
     tracking: TrackingConfig | None = None,
+    overlap: Overlap = DEFAULT_OVERLAP,
 ) -> dict[str, Any]:
     """Count one phased step in abstract mode: the JSON `shardemu plan --json` prints.
     The pipeline's stages are planned on one stage's devices (`plan_devices`); a
     vocabulary the tensor axis does not divide is padded (`padded_for`).
-    With `hardware`, add the predicted step (`costmodel.py`); with `out`, write the run
+    With `hardware`, add the predicted step (`costmodel.py`, its pipeline sends as
+    `overlap` says; each phase's gradients reduce after its backward); with `out`, write the run
     directory and log to the `tracking` trackers (`report/plandir.py`). With
     `microbatch_size` b, the batch runs as passes of b sequences per replica, pipelined
     over the stages (`accounting/assemble.py`, a 1F1B schedule): one pass is counted;
@@ -81,14 +84,14 @@ def plan_phased(
 
         def candidate(size: int) -> tuple[dict[str, Any], Any]:
             report, ledger, timeline = _counted(
-                model_cfg, par, train_cfg, phased, rules, hardware, size
+                model_cfg, par, train_cfg, phased, rules, hardware, size, overlap
             )
             return report, (ledger, timeline)
 
         report, (ledger, timeline) = choose_microbatch(train_cfg.batch, par, candidate)
     else:
         report, ledger, timeline = _counted(
-            model_cfg, par, train_cfg, phased, rules, hardware, microbatch_size
+            model_cfg, par, train_cfg, phased, rules, hardware, microbatch_size, overlap
         )
     if out is not None:
         write_plan_dir(Path(out), report, ledger, timeline, tracking)
@@ -99,6 +102,7 @@ def plan_phased(
 def _counted(
     model_cfg: ModelConfig, par: Parallelism, train_cfg: TrainConfig, phased: PhasedConfig,
     rules: Rules | None, hardware: Hardware | None, microbatch_size: int | None,
+    overlap: Overlap,
 ) -> tuple[dict[str, Any], Ledger, Timeline | None]:  # fmt: skip
     """`plan_phased`'s work at one microbatch size: the report, the step's ledger and
     (with `hardware`) its timeline."""
@@ -152,8 +156,15 @@ def _counted(
         if sparse is not None:
             events = sparse_compute(events, hardware, model_cfg, train_cfg.seq, sparse)
         timeline, prediction = predict(
-            events, hardware, par, totals["model_flops"], tokens, report["memory_per_device"]
+            events,
+            hardware,
+            par,
+            totals["model_flops"],
+            tokens,
+            report["memory_per_device"],
+            overlap,
         )
+        report["overlap"] = {"pipe_sends": overlap.pipe_sends}  # phases are the buckets
         report.update(prediction | sparse_report(hardware, sparse))
         report |= model_flops_sparse(model_cfg, tokens, totals["model_flops"], sparse)
         report["stream_busy_s"] = {

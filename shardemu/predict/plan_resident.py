@@ -51,6 +51,7 @@ from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
 from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
+from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.plan_phased import padded_for
 from shardemu.predict.sparse import (
     layer_factor,
@@ -179,20 +180,44 @@ def _selective(mb: Microbatch, cfg: ModelConfig, tensor: int, b: int, seq: int) 
 
 def _step_events(
     mb: Microbatch, sched: Schedule, model_cfg: ModelConfig, par: Parallelism,
-    microbatch_size: int, seq: int,
+    microbatch_size: int, seq: int, overlap: Overlap,
 ) -> list[Event]:  # fmt: skip
     """The step's ledger: the schedule's slots, then each stage's gradient all-reduce
-    (after its last backward) and optimizer updates."""
+    (after its last backward, or only the shared weights' there when the layers' reduce
+    in buckets during their last backward: `overlap.py`) and optimizer updates."""
     p, v, L, r = par.pipe, sched.virtual, model_cfg.num_layers, par.replica
     per_chunk, last_vs = L // (p * v), p * v - 1
     itemsize = jnp.dtype(model_cfg.param_dtype).itemsize  # activations' dtype
     x_bytes = microbatch_size * seq * model_cfg.embed_dim * itemsize
+    bucketed = overlap.grad_reduce == "bucketed" and r > 1
+    buckets = overlap.buckets(mb.layer_bytes * per_chunk)
 
     def phase(kind: str, vs: int, micro: int | None = None) -> Phase:
         return Phase(kind, vs, (vs * per_chunk, (vs + 1) * per_chunk), micro)  # type: ignore[arg-type]
 
+    def all_reduce(grad_bytes: int, tag: Phase, stage: int = 0) -> Event:
+        """The ring all-reduce of `grad_bytes` per device over `replica`: each device
+        sends 2 (r-1)/r of them (Thakur et al. 2005)."""
+        return Event(
+            0, tag, "collective", "gradients",
+            bytes=round(2 * (r - 1) / r * grad_bytes * r * par.tensor), axis="replica",
+            devices=r * par.tensor, op="all-reduce", group=r, stage=stage,
+        )  # fmt: skip
+
+    def layers(kind: str, tag: Phase, reduce: bool) -> list[Event]:
+        """A chunk's layers' forward or backward; with `reduce`, the backward in
+        `buckets` equal parts, each followed by the all-reduce of its gradients."""
+        piece = mb.pieces["forward" if kind == "F" else "backward"]
+        if not reduce:
+            return [_scaled(e, per_chunk, r, phase=tag) for e in piece]
+        grads, out = mb.layer_bytes * per_chunk, []
+        for i in range(buckets):
+            out += [_scaled(e, per_chunk / buckets, r, phase=tag) for e in piece]
+            out.append(all_reduce(grads * (i + 1) // buckets - grads * i // buckets, tag))
+        return out
+
     @functools.cache  # one list per (F or B, virtual stage); `assemble` sets the microbatch
-    def chunk_events(kind: str, vs: int) -> list[Event]:
+    def chunk_events(kind: str, vs: int, reduce: bool = False) -> list[Event]:
         first, last = ["embed"], ["head"]
         if kind == "F":
             names = (first if vs == 0 else []) + ["forward"] + (last if vs == last_vs else [])
@@ -201,9 +226,13 @@ def _step_events(
             names = ["backward"] + (["embed-backward"] if vs == 0 else [])
             tag, to = phase("backward", vs), vs - 1
         events = [
-            _scaled(e, per_chunk if name in ("forward", "backward") else 1, r, phase=tag)
+            e
             for name in names
-            for e in mb.pieces[name]
+            for e in (
+                layers(kind, tag, reduce)
+                if name in ("forward", "backward")
+                else [_scaled(e, 1, r, phase=tag) for e in mb.pieces[name]]
+            )
         ]
         if 0 <= to <= last_vs and p > 1:  # to the next virtual stage, as its input
             carries = "activations" if kind == "F" else "gradients"
@@ -216,8 +245,16 @@ def _step_events(
             )  # fmt: skip
         return events
 
+    last_backward: dict[int, int] = {}  # virtual stage -> time of its last backward
+    for sl in sched.slots:
+        if sl.kind == "B":
+            vs = sched.virtual_stage(sl)
+            last_backward[vs] = max(last_backward.get(vs, sl.time), sl.time)
+
     def slot_events(slot: Slot) -> list[Event]:
-        return chunk_events(slot.kind, sched.virtual_stage(slot))
+        vs = sched.virtual_stage(slot)
+        reduce = bucketed and slot.kind == "B" and slot.time == last_backward[vs]
+        return chunk_events(slot.kind, vs, reduce)
 
     after = []
     for s in range(p):
@@ -225,16 +262,10 @@ def _step_events(
             (sl for sl in sched.slots if sl.stage == s and sl.kind == "B"), key=lambda sl: sl.time
         )
         shared = s in (0, p - 1)
-        grads = mb.layer_bytes * L // p + (mb.shared_bytes if shared else 0)
-        if r > 1:
-            after.append(
-                Event(
-                    0, phase("backward", sched.virtual_stage(last_b), last_b.microbatch),
-                    "collective", "gradients",
-                    bytes=round(2 * (r - 1) / r * grads * r * par.tensor), axis="replica",
-                    devices=r * par.tensor, op="all-reduce", group=r, stage=s,
-                )
-            )  # fmt: skip
+        grads = (0 if bucketed else mb.layer_bytes * L // p) + (mb.shared_bytes if shared else 0)
+        if r > 1 and grads:
+            tag = phase("backward", sched.virtual_stage(last_b), last_b.microbatch)
+            after.append(all_reduce(grads, tag, s))
         update = Phase("update", s)
         after += [_scaled(e, L // p, r, phase=update, stage=s) for e in mb.pieces["update0"]]
         if shared:
@@ -254,10 +285,11 @@ def plan_resident(
     recompute: Recompute = "full",
     sparsity: SparsityConfig | None = None,
     precision: str = "fp32",
+    overlap: Overlap = DEFAULT_OVERLAP,
 ) -> tuple[dict[str, Any], Ledger, Timeline]:
     """Predict a resident (pipelined) step of `batch` sequences on `hardware` in
-    `precision`: the report, the step's ledger and its timeline. Needs `par.tensor` JAX
-    devices (one stage's tensor group)."""
+    `precision`, its communication overlapped as `overlap` says: the report, the step's
+    ledger and its timeline. Needs `par.tensor` JAX devices (one stage's tensor group)."""
     t0 = time.perf_counter()
     hardware = hardware.at_precision(arithmetic(model_cfg, precision))
     model = compute_model(Model(padded_for(model_cfg, par)), precision)
@@ -277,7 +309,7 @@ def plan_resident(
     mb = _counted(model_cfg, par.tensor, microbatch_size, seq, recompute == "full", precision)
     if recompute == "selective":
         mb = _selective(mb, model_cfg, par.tensor, microbatch_size, seq)
-    ledger = Ledger(_step_events(mb, sched, model_cfg, par, microbatch_size, seq))
+    ledger = Ledger(_step_events(mb, sched, model_cfg, par, microbatch_size, seq, overlap))
     totals = ledger.step_totals(0)
 
     peak = max(sched.peak_activations(s) for s in range(p))
@@ -293,9 +325,15 @@ def plan_resident(
         factor = layer_factor(hardware, model_cfg, seq, sparsity)
         layers = {k: scale_compute(mb.pieces[k], factor) for k in ("forward", "backward")}
         sparse_mb = dataclasses.replace(mb, pieces={**mb.pieces, **layers})
-        timed = _step_events(sparse_mb, sched, model_cfg, par, microbatch_size, seq)
+        timed = _step_events(sparse_mb, sched, model_cfg, par, microbatch_size, seq, overlap)
     timeline, prediction = predict(
-        timed, hardware, par, totals["model_flops"], batch * seq, {"device": device_bytes}
+        timed,
+        hardware,
+        par,
+        totals["model_flops"],
+        batch * seq,
+        {"device": device_bytes},
+        overlap,
     )
     hardware_flops = sum(
         e.flops for e in ledger.events if e.kind == "compute" and e.carries != "optimizer_state"
@@ -316,6 +354,7 @@ def plan_resident(
             "virtual": v,
             "recompute": recompute,
             "precision": precision,
+            "overlap": overlap.to_json(),
             "bubble_fraction": sched.bubble_fraction,
             **totals,
             "model_flops_analytic": analytic,

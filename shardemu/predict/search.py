@@ -55,6 +55,7 @@ from shardemu.errors import CapacityError
 from shardemu.models import Model, count_params
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import microbatch_candidates
+from shardemu.predict.overlap import Overlap
 from shardemu.training.precision import arithmetic, compute_model
 
 Mode = Literal["resident", "phased"]
@@ -115,6 +116,7 @@ class Space:
     modes: str = "auto"
     max_tensor: int = 8
     max_microbatch: int = 8
+    overlap: Overlap = Overlap()  # not searched: how the training system overlaps
 
 
 def _divisors(n: int) -> list[int]:
@@ -214,7 +216,7 @@ class Searcher:
             report, _, _ = plan_resident(
                 self.model_cfg, c.par, batch, self.seq, c.microbatch_size, self.hardware,
                 schedule=c.schedule, virtual=c.virtual, recompute=c.recompute,  # type: ignore[arg-type]
-                precision=c.precision,
+                precision=c.precision, overlap=self.space.overlap,
             )  # fmt: skip
             return report
         from shardemu.predict.plan_phased import plan_phased
@@ -227,7 +229,7 @@ class Searcher:
         train = TrainConfig(batch=batch, seq=self.seq, precision=c.precision)
         return plan_phased(
             self.model_cfg, c.par, train, phased, hardware=self.hardware,
-            microbatch_size=c.microbatch_size,
+            microbatch_size=c.microbatch_size, overlap=self.space.overlap,
         )  # fmt: skip
 
     def microbatches(self, c: Candidate) -> int:

@@ -1,0 +1,132 @@
+"""Overlap options (`predict/overlap.py`): hand-built timelines, and resident plans whose
+ledgers move the same bytes whichever option is chosen while their step times differ as
+the options say they should.
+
+The toy hardware is test_costmodel's: 1 TFLOP/s, 2 GB/s inside a 2-device node, 1 GB/s
+across nodes; every event is on one device."""
+
+import pytest
+
+from shardemu.accounting.ledger import Event, Phase
+from shardemu.config import ConfigError, Parallelism, get_preset
+from shardemu.predict.costmodel import build_timeline
+from shardemu.predict.hardware import PROFILES, Hardware
+from shardemu.predict.overlap import MAX_BUCKETS, Overlap
+
+HW = Hardware(
+    name="toy", peak_tflops=1.0, device_memory_gb=1.0, host_memory_gb=10.0,
+    host_link_gbps=1.0, intra_node_gbps=2.0, inter_node_gbps=1.0, devices_per_node=2,
+    efficiency=1.0, host_tflops=1.0,
+)  # fmt: skip
+GB = 10**9
+B0, UPDATE = Phase("backward", 0), Phase("update", 0)
+F0, F1 = Phase("forward", 0), Phase("forward", 1)
+
+
+def compute(phase, seconds, stage=0):
+    return Event(0, phase, "compute", "", flops=seconds * 1e12, stage=stage)
+
+
+def reduction(seconds):  # replica groups of tensor=2, replica=2 span 4 devices: 1 GB/s
+    return Event(0, B0, "collective", "gradients", bytes=int(seconds * GB), axis="replica")
+
+
+def test_bucket_reductions_hide_behind_the_backward_and_hold_the_update():
+    """bwd (1 s) | reduce (0.5 s) | bwd (1 s) | reduce (0.5 s) | update (0.25 s): the second
+    half of the backward does not wait for the first bucket; the update waits for the
+    last. Reduced at the end instead, all 1 s of the reduction is exposed."""
+    par = Parallelism(tensor=2, replica=2)
+    bucketed = [compute(B0, 1), reduction(0.5), compute(B0, 1), reduction(0.5),
+                compute(UPDATE, 0.25)]  # fmt: skip
+    t = build_timeline(bucketed, HW, par)
+    assert [s.start for s in t.spans] == pytest.approx([0, 1, 1, 2, 2.5])
+    assert t.step_time_s == pytest.approx(2.75)
+    assert t.breakdown["exposed_communication_s"] == pytest.approx(0.5)
+    end = build_timeline([compute(B0, 1), compute(B0, 1), reduction(1), compute(UPDATE, 0.25)],
+                         HW, par)  # fmt: skip
+    assert end.step_time_s == pytest.approx(3.25)
+    assert end.breakdown["exposed_communication_s"] == pytest.approx(1)
+
+
+def test_a_blocking_pipe_send_holds_the_senders_next_computation():
+    """Stage 0 computes microbatch 0 (1 s), sends it (0.5 s over pipe=4, across nodes),
+    then computes microbatch 1: at 1 s if the send is asynchronous, at 1.5 s if it blocks."""
+    send = Event(0, F1, "collective", "activations", bytes=GB // 2, axis="pipe")
+    events = [compute(F0, 1), send, compute(F0.at(1), 1), compute(F1, 1, stage=1)]
+    par = Parallelism(pipe=4)
+    starts = {
+        mode: [s.start for s in build_timeline(events, HW, par, Overlap(pipe_sends=mode)).spans]
+        for mode in ("async", "blocking")
+    }
+    assert starts["async"] == pytest.approx([0, 1, 1, 1.5])
+    assert starts["blocking"] == pytest.approx([0, 1, 1.5, 1.5])
+
+
+def test_bucket_count():
+    assert Overlap(bucket_mb=1).buckets(2.5 * 2**20) == 3
+    assert Overlap().buckets(10) == 1
+    assert Overlap(bucket_mb=1).buckets(1e12) == MAX_BUCKETS
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """gpt-tiny on pipe 2 x replica 2, 4 microbatches, with each option: one stage's
+    counted pieces (tensor=1) shared by all of them."""
+    from shardemu.predict.plan_resident import plan_resident
+
+    par, hw = Parallelism(pipe=2, replica=2), PROFILES["a100-80gb"]
+
+    def plan(**overlap):
+        return plan_resident(get_preset("gpt-tiny"), par, 16, 16, 2, hw, overlap=Overlap(**overlap))
+
+    return {
+        "end": plan(grad_reduce="end"),
+        "bucketed": plan(grad_reduce="bucketed", bucket_mb=0.01),
+        "blocking": plan(grad_reduce="end", pipe_sends="blocking"),
+    }
+
+
+def test_options_move_the_same_bytes_and_flops(plans):
+    end = plans["end"][0]
+    for name in ("bucketed", "blocking"):
+        other = plans[name][0]
+        assert other["flops"] == pytest.approx(end["flops"], rel=1e-12)
+        for axis, sent in end["bytes_collective"].items():
+            assert other["bytes_collective"][axis] == pytest.approx(sent, rel=1e-9), axis
+
+
+def test_bucketed_reduction_hides_all_but_its_tail(plans):
+    """Each stage's layer gradients reduce in buckets during the last microbatch's
+    backward: the step is shorter by at most the layers' whole reduction, and the
+    buckets are where the options say (the last backward of each stage only)."""
+    (end, _, end_timeline), (bucketed, ledger, _) = plans["end"], plans["bucketed"]
+    reductions = [e for e in ledger.events if e.axis == "replica" and e.carries == "gradients"]
+    assert {e.phase.micro for e in reductions} == {3}  # the last of 4 microbatches
+    per_stage = [sum(e.stage == s for e in reductions) for s in (0, 1)]
+    assert min(per_stage) > 2  # buckets, and the shared weights' reduction at the end
+    hidden = sum(s.duration for s in end_timeline.spans if s.stream == "collective:replica")
+    assert bucketed["step_time_s"] < end["step_time_s"]
+    assert end["step_time_s"] - bucketed["step_time_s"] <= hidden * (1 + 1e-9)
+    assert (
+        bucketed["breakdown"]["exposed_communication_s"]
+        < end["breakdown"]["exposed_communication_s"]
+    )
+    assert bucketed["overlap"] == {"grad_reduce": "bucketed", "bucket_mb": 0.01,
+                                   "pipe_sends": "async"}  # fmt: skip
+
+
+def test_blocking_sends_cost_time(plans):
+    assert plans["blocking"][0]["step_time_s"] > plans["end"][0]["step_time_s"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "names"),
+    [
+        ({"grad_reduce": "later"}, "--grad-reduce"),
+        ({"pipe_sends": "never"}, "--pipe-sends"),
+        ({"bucket_mb": 0}, "--bucket-mb"),
+    ],
+)
+def test_bad_overlap_settings(settings, names):
+    with pytest.raises(ConfigError, match=names):
+        Overlap(**settings)
