@@ -153,6 +153,8 @@ CLI_ROWS = [
     row("bucket-mb-0", [*A100, "--bucket-mb", "0"], "--bucket-mb must be positive, got 0.0"),
     row("bucket-mb-nan", [*SEARCH, "--bucket-mb", "nan"], "--bucket-mb must be positive, got nan"),
     row("grad-reduce", [*A100, "--grad-reduce", "never"], "argument --grad-reduce: invalid choice"),
+    row("attention-phased", [*PHASED, "--attention", "fused"], "--attention fused is for resident"),
+    row("attention", [*SEARCH, "--attention", "flash"], "argument --attention: invalid choice"),
     row("search-precision-ipu", [*SEARCH[:4], "ipu-pod16", *SEARCH[5:], "--precision", "bf16"],
         "'ipu-pod16' does not compute in --precision bf16"),  # fmt: skip
     row("search-no-mesh", [*SEARCH[:6], "3"], "no mesh of 3 devices fits gpt-tiny"),

@@ -76,3 +76,65 @@ def test_batched_matmul_flops_and_layout_copies_are_not_memory_traffic() -> None
     assert sum(m.flops for m in matmuls) == compiled.cost_analysis()["flops"]
     transpose = jax.jit(lambda x: x.T).lower(jax.ShapeDtypeStruct((64, 32), jnp.float32))
     assert kernels(transpose.compile().as_text())[1] == 0
+
+
+def _attention(b: int, h: int, s: int, d: int) -> str:
+    """softmax(q k^T) v over [b, h, s, d] in float32, and an MLP-like matmul on its
+    output: the optimized HLO."""
+
+    def core(q, k, v, w):  # noqa: ANN001, ANN202
+        p = jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", q, k), axis=-1)
+        return jnp.einsum("bhqk,bhkd->bhqd", p, v).reshape(b * s, h * d) @ w
+
+    x = jax.ShapeDtypeStruct((b, h, s, d), jnp.float32)
+    w = jax.ShapeDtypeStruct((h * d, 32), jnp.float32)
+    return jax.jit(core).lower(x, x, x, w).compile().as_text()
+
+
+def test_fused_attention_drops_exactly_the_scores() -> None:
+    """FlashAttention's kernels (`fused_attention=True`): the same FLOPs; each of the two
+    batched dots moves b h s^2 x 4 bytes fewer (its [s, s] operand or output), also when
+    the head width equals s; the MLP-like dot is unchanged. The other kernels' bytes
+    (the softmax) grow with s^2 as XLA emits them, and only with s fused (the row
+    statistics, which FlashAttention writes too)."""
+    b, h, d = 2, 3, 16
+    memory = {}
+    for s in (16, 32, 128):
+        text = _attention(b, h, s, d)
+        (matmuls, plain), (fused, lean) = kernels(text), kernels(text, fused_attention=True)
+        assert [m.flops for m in fused] == [m.flops for m in matmuls]
+        saved = sorted(m.bytes - f.bytes for m, f in zip(matmuls, fused, strict=True))
+        assert saved == [0, 4 * b * h * s * s, 4 * b * h * s * s]
+        memory[s] = (plain, lean)
+    assert memory[128][0] / memory[32][0] > 12  # (128 / 32)^2 = 16 for the [s, s] traffic
+    assert memory[128][1] / memory[32][1] <= 4.01  # 128 / 32
+
+
+def test_a_resident_plan_with_fused_attention() -> None:
+    """`plan_resident(attention="fused")` against the materialized plan of the same
+    layout: model FLOPs equal; executed FLOPs higher by exactly the scores Q K^T that
+    FlashAttention's backward recomputes (one per layer, microbatch and replica); the
+    kept activations lose the [s, s] probabilities; the step is faster at seq 2048."""
+    from shardemu.accounting import flops
+    from shardemu.config import custom_model
+    from shardemu.predict.hardware import PROFILES
+    from shardemu.predict.plan_resident import plan_resident
+
+    cfg = custom_model("gpt", 2, 64, 4, 128, 2048)
+    par, batch, b = Parallelism(pipe=2, tensor=1, replica=2), 8, 2
+
+    def plan(attention: str) -> dict:
+        report, _, _ = plan_resident(
+            cfg, par, batch, 2048, b, PROFILES["h100-sxm"], recompute="none",
+            precision="bf16", attention=attention,
+        )  # fmt: skip
+        return report
+
+    plain, fused = plan("materialized"), plan("fused")
+    assert fused["model_flops"] == pytest.approx(plain["model_flops"], rel=1e-12)
+    recomputed = cfg.num_layers * (batch // b) * flops.layer_forward(cfg, b, 2048)["attn_scores"]
+    assert fused["flops"] - plain["flops"] == pytest.approx(recomputed, rel=1e-9)
+    device = [r["memory_per_device"]["device"]["bytes"] for r in (plain, fused)]
+    assert device[1] < device[0]
+    assert fused["step_time_s"] < plain["step_time_s"]
+    assert fused["attention"] == "fused"

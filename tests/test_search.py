@@ -100,7 +100,8 @@ def test_search_command_writes_its_files_and_verifies_the_winner(searched, tmp_p
         "search", "--model", "gpt", "--layers", "4", "--hidden", "32", "--heads", "4",
         "--vocab", "64", "--hardware", str(profile), "--devices", str(DEVICES),
         "--batch", str(BATCH), "--seq", str(SEQ), "--precision", "bf16",
-        "--max-microbatch", "2", "--max-tensor", "2", "--modes", "resident", "--top", "3", "--out", str(out),
+        "--max-microbatch", "2", "--max-tensor", "2", "--modes", "resident", "--top", "3",
+        "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads((out / "search.json").read_text())

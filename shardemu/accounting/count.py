@@ -64,6 +64,8 @@ class Counted:
     out_shardings: Any
     matmuls: tuple[Matmul, ...] = ()  # per device (`matmuls.py`)
     memory_bytes: int = 0  # per device, moved by kernels other than matmuls
+    # the same two with the attention core fused (FlashAttention: `matmuls.py`)
+    fused: tuple[tuple[Matmul, ...], int] = ((), 0)
 
 
 class Counter:
@@ -83,13 +85,14 @@ class Counter:
         key = (name, context, tuple(mesh.shape.items()), signature(abstract(args)))
         if key not in self._counted:
             compiled = fn.lower(*abstract(args)).compile(compiler_options=COUNT_OPTIONS)
-            text = compiled.as_text()
+            text, itemsize = compiled.as_text(), compute_itemsize(args)
             self._counted[key] = Counted(
                 float(compiled.cost_analysis().get("flops", 0.0)),
                 mesh.size,
                 tuple(collectives(text, mesh)),
                 compiled.output_shardings,
-                *kernels(text, compute_itemsize(args)),
+                *kernels(text, itemsize),
+                kernels(text, itemsize, fused_attention=True),
             )
         return self._counted[key]
 
@@ -110,20 +113,23 @@ def piece_events(
     repeat: int = 1,
     recompute: float = 0.0,
     axis_labels: dict[str, str] | None = None,
+    fused_attention: bool = False,
 ) -> list[Event]:
     """The ledger events of one counted piece run `repeat` times: its computation and
     its collectives, grouped by (op, mesh axes, group size). `recompute`: FLOPs per
     device and repeat that recompute a forward pass. `axis_labels` renames mesh axes to
-    the ones users know (a stage's `rts` sub-axis is part of `replica`)."""
+    the ones users know (a stage's `rts` sub-axis is part of `replica`).
+    `fused_attention`: its kernels with the attention core fused (`matmuls.py`)."""
     labels = axis_labels or {}
     n = counted.devices * repeat
+    matmuls, memory = counted.fused if fused_attention else (counted.matmuls, counted.memory_bytes)
     events = [
         Event(
             step, phase, "compute", carries, flops=counted.flops_per_device * n,
             devices=counted.devices, on=on, recompute_flops=recompute * n, stage=stage,
             run_flops=counted.flops_per_device,
-            matmuls=tuple((m.flops, m.bytes) for m in counted.matmuls),
-            memory_bytes=counted.memory_bytes,
+            matmuls=tuple((m.flops, m.bytes) for m in matmuls),
+            memory_bytes=memory,
         )
     ]  # fmt: skip
     grouped: dict[tuple, float] = defaultdict(float)

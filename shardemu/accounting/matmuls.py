@@ -21,6 +21,19 @@ GEMM reads either layout), and the matmuls, counted above. Widened elements coun
 compute dtype's width. Checked against XLA on an H100 (`benchmarks/gpu_calibration.py`,
 `docs/results.md`): GPT layers of width 768 to 8192 are timed within 19% by the roofline
 with these bytes.
+
+`fused_attention=True` gives the kernels of the same piece with its attention core fused
+into one kernel, as FlashAttention computes it (Dao et al. 2022, "FlashAttention",
+Algorithms 1 and 4): the [.., s, s] scores, probabilities and mask never reach memory.
+The attention core is what a transformer layer computes with batched matmuls (a `dot`
+with batch dimensions: heads x batch); of each such dot's two operands and output, the
+one whose two non-batch dimensions are equal is the [s, s] tensor (when the head width
+equals s, all three are the same size, so which one is dropped does not change the
+bytes). Those tensors' bytes are left out of the dots and of every other kernel that
+reads or writes an array of their shape. FlashAttention reads K and V once per block of
+queries, Theta(s^2 d^2 / M) bytes for on-chip memory M (Dao et al., Theorem 2); they
+are counted once here, which is optimistic by a few percent of the core's time at
+d = 128 and M ~ 200 KB.
 """
 
 from __future__ import annotations
@@ -43,6 +56,8 @@ _CALLED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_BATCH = re.compile(r"lhs_batch_dims=\{([\d,]*)\}")
+_RHS_BATCH = re.compile(r"rhs_batch_dims=\{([\d,]*)\}")
 # instructions that move no bytes of their own (or whose bytes are counted elsewhere:
 # loop and call bodies are walked as computations, collectives by collectives.py)
 _FREE = {
@@ -103,26 +118,56 @@ def compute_itemsize(args: Any) -> int:
     return min(sizes, default=4)
 
 
-def _bytes(shape: str, itemsize: int) -> int:
+def _bytes(shape: str, itemsize: int, skip: frozenset[tuple[int, ...]] = frozenset()) -> int:
+    """Bytes of the arrays in `shape`, elements at most `itemsize` wide, leaving out
+    arrays whose dimensions (leading 1s dropped) are in `skip`."""
     return sum(
         math.prod(_dims(dims)) * min(_DTYPE_BYTES.get(dtype, 4), itemsize)
         for dtype, dims in _ARRAY.findall(shape)
+        if _squeezed(dims) not in skip
     )
 
 
-def kernels(hlo_text: str, itemsize: int | None = None) -> tuple[tuple[Matmul, ...], int]:
+def _squeezed(dims: str) -> tuple[int, ...]:
+    shape = _dims(dims)
+    while shape and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
+def kernels(
+    hlo_text: str, itemsize: int | None = None, fused_attention: bool = False
+) -> tuple[tuple[Matmul, ...], int]:
     """The module's matmuls and the bytes its other kernels move, from one parse of
     `hlo_text`. `itemsize`: bytes per element of the program's compute dtype; elements
-    the backend widened beyond it count at it (None: as the HLO says)."""
+    the backend widened beyond it count at it (None: as the HLO says). With
+    `fused_attention`, without the attention core's [s, s] tensors (module docstring)."""
     computations = _parse(hlo_text)
     shapes = {name: shape for body in computations.values() for name, shape, _, _ in body}
     width = itemsize or max(_DTYPE_BYTES.values())
-    return _matmuls(computations, shapes, width), _memory_bytes(computations, shapes, width)
+    dots = _dots(computations, shapes)
+
+    def moved(d: _Dot) -> int:  # its arrays' bytes, less its scores' when fused
+        dropped = d.scores if fused_attention else None
+        return sum(_bytes(x, width) for i, x in enumerate(d.arrays) if i != dropped)
+
+    matmuls = tuple(Matmul(d.flops, moved(d)) for d in dots)
+    scores = frozenset(
+        _squeezed(_ARRAY.search(d.arrays[d.scores]).group(2))  # type: ignore[union-attr]
+        for d in dots
+        if fused_attention and d.scores is not None
+    )
+    return matmuls, _memory_bytes(computations, shapes, width, scores)
 
 
-def _matmuls(
-    computations: dict[str, list[Instr]], shapes: dict[str, str], itemsize: int
-) -> tuple[Matmul, ...]:
+@dataclass(frozen=True)
+class _Dot:
+    flops: float
+    arrays: tuple[str, str, str]  # the shapes of its operands and output
+    scores: int | None  # an attention core's: which of `arrays` is [.., s, s]
+
+
+def _dots(computations: dict[str, list[Instr]], shapes: dict[str, str]) -> list[_Dot]:
     """Every dot in the module (loop bodies once, as cost analysis counts them)."""
     out = []
     for body in computations.values():
@@ -135,15 +180,33 @@ def _matmuls(
             axes = _dims(contracting.group(1)) if contracting else ()
             out_elements = math.prod(_dims(_ARRAY.search(shape).group(2)))  # type: ignore[union-attr]
             flops = 2.0 * out_elements * math.prod(lhs_dims[a] for a in axes)
-            out.append(Matmul(flops, sum(_bytes(x, itemsize) for x in (lhs, rhs, shape))))
-    return tuple(out)
+            out.append(_Dot(flops, (lhs, rhs, shape), _scores(rest, (lhs, rhs, shape))))
+    return out
+
+
+def _scores(rest: str, arrays: tuple[str, str, str]) -> int | None:
+    """Which of a batched dot's arrays is [.., s, s] (its two non-batch dimensions
+    equal); None for a dot without batch dimensions."""
+    lhs_batch, rhs_batch = _BATCH.search(rest), _RHS_BATCH.search(rest)
+    if not lhs_batch or not rhs_batch or not _dims(lhs_batch.group(1)):
+        return None
+    batches = (_dims(lhs_batch.group(1)), _dims(rhs_batch.group(1)), None)
+    for index, (shape, batch) in enumerate(zip(arrays, batches, strict=True)):
+        text = _ARRAY.search(shape).group(2)  # type: ignore[union-attr]
+        dims = _dims(text)
+        rank = len(dims)
+        free = [dims[i] for i in range(rank) if i not in (batch or range(rank - 2))]
+        if len(free) == 2 and free[0] == free[1]:
+            return index
+    return None
 
 
 def _memory_bytes(
-    computations: dict[str, list[Instr]], shapes: dict[str, str], itemsize: int
-) -> int:
+    computations: dict[str, list[Instr]], shapes: dict[str, str], itemsize: int,
+    skip: frozenset[tuple[int, ...]],
+) -> int:  # fmt: skip
     """Bytes the module's kernels other than matmuls read and write (see the module
-    docstring), elements at most `itemsize` wide."""
+    docstring), elements at most `itemsize` wide, arrays of the dims in `skip` left out."""
     called = {c for body in computations.values() for i in body for c in _CALLED.findall(i[3])}
     total = 0
     for comp, body in computations.items():
@@ -158,7 +221,7 @@ def _memory_bytes(
                 fused = {o for _, _, o, _ in inside}
                 if "dot" in fused or fused <= _MOVES:
                     continue
-            total += _bytes(shape, itemsize) + sum(
-                _bytes(shapes[o], itemsize) for o in _operands(rest) if o in shapes
+            total += _bytes(shape, itemsize, skip) + sum(
+                _bytes(shapes[o], itemsize, skip) for o in _operands(rest) if o in shapes
             )
     return total

@@ -246,6 +246,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
     par = parallelism(args)
     phased = phased_config(args)
     overlap_config(args)  # refused now, not after counting
+    if phased is not None and args.attention != "materialized":
+        raise ConfigError(
+            f"--attention {args.attention} is for resident plans: the phased planner times "
+            f"the attention XLA emits; leave out --attention or --phased"
+        )
     hardware = get_hardware(args.hardware) if args.hardware else None
     tracking = tracking_config(args)
     if tracking is not None:
@@ -323,6 +328,7 @@ def _plan_resident(
     settings = {
         "schedule": train_cfg.schedule, "virtual": train_cfg.virtual,
         "recompute": args.recompute, "sparsity": train_cfg.sparsity,
+        "attention": args.attention,
         "precision": train_cfg.precision, "overlap": overlap_config(args),
     }  # fmt: skip
     batch, seq = train_cfg.batch, train_cfg.seq

@@ -341,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="full",
         help="resident plans: activation recomputation",
     )
+    attention_arg(plan)
     tracking_args(plan)
     compare = sub.add_parser(
         "compare", help="runs side by side: the settings that differ, final metrics, a plot"
@@ -389,6 +390,7 @@ def search_args(p: argparse.ArgumentParser) -> None:
         help="resident, phased, both, or auto: phased only when no resident layout fits",
     )  # fmt: skip
     overlap_args(p)
+    attention_arg(p)
     p.add_argument("--max-tensor", type=int, default=d.max_tensor, help="largest tensor axis")
     p.add_argument(
         "--max-microbatch", type=int, default=d.max_microbatch, help="largest microbatch size"
@@ -422,7 +424,10 @@ def search_space(args: argparse.Namespace, profile_precisions: tuple[str, ...]) 
     ):
         if value < 1:
             raise ConfigError(f"{flag} must be a positive integer, got {value}")
-    return Space(precisions, args.modes, args.max_tensor, args.max_microbatch, overlap_config(args))
+    return Space(
+        precisions, args.modes, args.max_tensor, args.max_microbatch, overlap_config(args),
+        args.attention,
+    )  # fmt: skip
 
 
 def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
@@ -507,6 +512,16 @@ def overlap_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pipe-sends", choices=PIPE_SENDS, default=d.pipe_sends,
         help="pipeline sends overlap the sender's next computation, or block it",
+    )  # fmt: skip
+
+
+def attention_arg(p: argparse.ArgumentParser) -> None:
+    from shardemu.predict.plan_resident import ATTENTION
+
+    p.add_argument(
+        "--attention", choices=ATTENTION, default=ATTENTION[0],
+        help="resident plans: the attention core as XLA emits it, its [s, s] scores in "
+        "memory, or fused (FlashAttention) without them",
     )  # fmt: skip
 
 

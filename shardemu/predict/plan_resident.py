@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from typing import Any, Literal
 
@@ -65,6 +66,9 @@ from shardemu.stages.tiers import Tier, bytes_per_device
 from shardemu.training.precision import arithmetic, compute_model
 
 Recompute = Literal["none", "selective", "full"]
+# how the attention core runs: as XLA emits it ([s, s] scores in memory) or fused
+# (FlashAttention: Dao et al. 2022); `accounting/matmuls.py`
+ATTENTION = ("materialized", "fused")
 FORWARD, BACKWARD = Phase("forward", 0, (0, 1)), Phase("backward", 0, (0, 1))
 
 
@@ -86,17 +90,22 @@ class Microbatch:
 
 def count_microbatch(
     model: Model, tensor: int, microbatch_size: int, seq: int, full_recompute: bool,
-    counter: Counter | None = None, precision: str = "fp32",
+    counter: Counter | None = None, precision: str = "fp32", fused_attention: bool = False,
 ) -> Microbatch:  # fmt: skip
     """Count one microbatch's pieces on `tensor` JAX devices (no weights allocated), in
-    `precision` (`model` is then the model that computes in it: `compute_model`)."""
+    `precision` (`model` is then the model that computes in it: `compute_model`). With
+    `fused_attention`, its kernels and kept bytes are FlashAttention's: no [s, s]
+    scores in memory (`accounting/matmuls.py`)."""
     mesh = mesh_from(Parallelism(tensor=tensor), jax.devices()[:tensor])
     train = TrainConfig(batch=microbatch_size, seq=seq, precision=precision)
     rules = stage_rules(megatron_rules())
     built = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), rules)
     st = built.stages[0]
     ledger = Ledger()
-    ex = Executor(ledger, [Tier("device", None)], AXIS_LABELS, False, counter or PROCESS_COUNTER)
+    ex = Executor(
+        ledger, [Tier("device", None)], AXIS_LABELS, False, counter or PROCESS_COUNTER,
+        fused_attention=fused_attention,
+    )  # fmt: skip
     shared = with_shardings(built.shared_shapes, st.shared_compute)
     layer = with_shardings(built.layer_shape_one, st.layer_compute)
     batch = model.abstract_batch(microbatch_size, seq, st.batch)
@@ -105,7 +114,8 @@ def count_microbatch(
         y, keep = ex.run(FORWARD, "fwd", st.fn("fwd"), st, (layer, x, mask)), bytes_per_device(x)
     else:
         y, vjp = ex.run(FORWARD, "fwd-keep", st.fn("fwd-keep"), st, (layer, x, mask))
-        keep = bytes_per_device(vjp)
+        scores = (microbatch_size, model.cfg.num_heads // tensor, seq, seq)
+        keep = bytes_per_device(vjp) - (_bytes_of_shape(vjp, scores) if fused_attention else 0)
     _, (g_head, g_x) = ex.run(HEAD, "head", st.fn("head"), st, (shared, y, batch))
     if full_recompute:
         count = (layer, x, mask)
@@ -138,13 +148,58 @@ def count_microbatch(
     return Microbatch(pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes))
 
 
+def _bytes_of_shape(tree: Any, shape: tuple[int, ...]) -> int:
+    """Per-device bytes of the arrays in `tree` whose shard is `shape` (leading 1s
+    dropped on both sides): a layer's kept [b, A/t, s, s] attention probabilities."""
+
+    def squeezed(dims: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(dims[next((i for i, d in enumerate(dims) if d != 1), len(dims)) :])
+
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        for x in jax.tree.leaves(tree)
+        if squeezed(x.sharding.shard_shape(x.shape)) == squeezed(shape)
+    )
+
+
 @functools.lru_cache(maxsize=256)
 def _counted(
-    cfg: ModelConfig, tensor: int, microbatch_size: int, seq: int, full: bool, precision: str
-) -> Microbatch:
+    cfg: ModelConfig, tensor: int, microbatch_size: int, seq: int, full: bool, precision: str,
+    fused_attention: bool,
+) -> Microbatch:  # fmt: skip
     """`count_microbatch` once per process for each setting: a search plans one count
-    at many pipeline depths, replicas, schedules and batch sizes."""
-    return count_microbatch(Model(cfg), tensor, microbatch_size, seq, full, precision=precision)
+    at many pipeline depths, replicas, schedules and batch sizes. With fused attention,
+    each layer's backward also recomputes its scores Q K^T: FlashAttention keeps only
+    the softmax statistics (Dao et al. 2022, Algorithm 4)."""
+    mb = count_microbatch(
+        Model(cfg), tensor, microbatch_size, seq, full, precision=precision,
+        fused_attention=fused_attention,
+    )  # fmt: skip
+    if fused_attention:  # Q K^T per device: it reads Q and K, writes nothing to memory
+        scores = flops.layer_forward(cfg, microbatch_size, seq)["attn_scores"]
+        q_k = 2 * microbatch_size * seq * cfg.embed_dim // tensor
+        kernel = (scores / tensor, q_k * jnp.dtype(cfg.param_dtype).itemsize)
+        mb = _add_backward_flops(mb, scores, kernel)
+    return mb
+
+
+def _add_backward_flops(
+    mb: Microbatch, extra: float, kernel: tuple[float, int] | None = None
+) -> Microbatch:
+    """`mb` with each layer's backward computing `extra` FLOPs (over its tensor group)
+    more, all of them recomputation: as one more matmul `kernel` (FLOPs and bytes per
+    device) in each run of the piece, or else as more runs of the whole piece."""
+    backward = mb.pieces["backward"]
+    compute = next(e for e in backward if e.kind == "compute")
+    added = dataclasses.replace(
+        compute, flops=compute.flops + extra, recompute_flops=compute.recompute_flops + extra
+    )
+    if kernel is not None:
+        added = dataclasses.replace(
+            added, run_flops=compute.run_flops + kernel[0], matmuls=(*compute.matmuls, kernel)
+        )
+    pieces = {**mb.pieces, "backward": [added if e is compute else e for e in backward]}
+    return dataclasses.replace(mb, pieces=pieces)
 
 
 def _scaled(e: Event, factor: float, replica: int, **changes: Any) -> Event:
@@ -159,23 +214,22 @@ def _scaled(e: Event, factor: float, replica: int, **changes: Any) -> Event:
     )
 
 
-def _selective(mb: Microbatch, cfg: ModelConfig, tensor: int, b: int, seq: int) -> Microbatch:
+def _selective(
+    mb: Microbatch, cfg: ModelConfig, tensor: int, b: int, seq: int, fused_attention: bool
+) -> Microbatch:
     """Selective recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation
     in Large Transformer Models", Section 4.2): keep everything but the attention core's
     s x s scores and probabilities, and recompute that core (Q K^T and probs V) in the
     backward pass. Adds its forward FLOPs (flops.py) to each layer's backward and keeps
-    per layer and device the bytes without the two [b, A/t, s, s] tensors."""
+    per layer and device the bytes without the two [b, A/t, s, s] tensors (which fused
+    attention never kept)."""
     core = flops.layer_forward(cfg, b, seq)
-    extra = core["attn_scores"] + core["attn_context"]
-    backward = mb.pieces["backward"]
-    compute = next(e for e in backward if e.kind == "compute")
-    added = dataclasses.replace(
-        compute, flops=compute.flops + extra, recompute_flops=compute.recompute_flops + extra
-    )
+    mb = _add_backward_flops(mb, core["attn_scores"] + core["attn_context"])
+    if fused_attention:
+        return mb
     itemsize = jnp.dtype(cfg.param_dtype).itemsize
     keep = max(mb.keep_bytes - 2 * b * (cfg.num_heads // tensor) * seq * seq * itemsize, 0)
-    pieces = {**mb.pieces, "backward": [added if e is compute else e for e in backward]}
-    return dataclasses.replace(mb, pieces=pieces, keep_bytes=keep)
+    return dataclasses.replace(mb, keep_bytes=keep)
 
 
 def _step_events(
@@ -286,10 +340,12 @@ def plan_resident(
     sparsity: SparsityConfig | None = None,
     precision: str = "fp32",
     overlap: Overlap = DEFAULT_OVERLAP,
+    attention: str = "materialized",
 ) -> tuple[dict[str, Any], Ledger, Timeline]:
     """Predict a resident (pipelined) step of `batch` sequences on `hardware` in
-    `precision`, its communication overlapped as `overlap` says: the report, the step's
-    ledger and its timeline. Needs `par.tensor` JAX devices (one stage's tensor group)."""
+    `precision`, its communication overlapped as `overlap` says and its attention core
+    `materialized` or `fused` (`ATTENTION`): the report, the step's ledger and its
+    timeline. Needs `par.tensor` JAX devices (one stage's tensor group)."""
     t0 = time.perf_counter()
     hardware = hardware.at_precision(arithmetic(model_cfg, precision))
     model = compute_model(Model(padded_for(model_cfg, par)), precision)
@@ -306,9 +362,14 @@ def plan_resident(
     if L % (p * v):
         raise ConfigError(f"{L} layers do not split into pipe * virtual = {p * v} equal chunks")
     sched = make_schedule(schedule, p, m, v)
-    mb = _counted(model_cfg, par.tensor, microbatch_size, seq, recompute == "full", precision)
+    if attention not in ATTENTION:
+        raise ConfigError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+    fused = attention == "fused"
+    mb = _counted(
+        model_cfg, par.tensor, microbatch_size, seq, recompute == "full", precision, fused
+    )
     if recompute == "selective":
-        mb = _selective(mb, model_cfg, par.tensor, microbatch_size, seq)
+        mb = _selective(mb, model_cfg, par.tensor, microbatch_size, seq, fused)
     ledger = Ledger(_step_events(mb, sched, model_cfg, par, microbatch_size, seq, overlap))
     totals = ledger.step_totals(0)
 
@@ -355,6 +416,7 @@ def plan_resident(
             "recompute": recompute,
             "precision": precision,
             "overlap": overlap.to_json(),
+            "attention": attention,
             "bubble_fraction": sched.bubble_fraction,
             **totals,
             "model_flops_analytic": analytic,

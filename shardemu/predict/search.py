@@ -117,6 +117,7 @@ class Space:
     max_tensor: int = 8
     max_microbatch: int = 8
     overlap: Overlap = Overlap()  # not searched: how the training system overlaps
+    attention: str = "materialized"  # resident layouts' attention core (plan_resident)
 
 
 def _divisors(n: int) -> list[int]:
@@ -217,6 +218,7 @@ class Searcher:
                 self.model_cfg, c.par, batch, self.seq, c.microbatch_size, self.hardware,
                 schedule=c.schedule, virtual=c.virtual, recompute=c.recompute,  # type: ignore[arg-type]
                 precision=c.precision, overlap=self.space.overlap,
+                attention=self.space.attention,
             )  # fmt: skip
             return report
         from shardemu.predict.plan_phased import plan_phased

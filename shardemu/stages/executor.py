@@ -42,8 +42,10 @@ class Executor:
         step: int = 0,
         shapes: dict | None = None,
         context: tuple = (),
+        fused_attention: bool = False,
     ) -> None:
         self.ledger, self.tiers, self.real, self.step = ledger, tiers, real, step
+        self.fused_attention = fused_attention  # record kernels as FlashAttention's
         self.axis_labels = axis_labels  # mesh axis -> the name users know it by
         self.counter = counter
         self.context = context  # settings a piece's compilation depends on beyond its inputs
@@ -187,7 +189,7 @@ class Executor:
         counted = self.count(name, fn, stage, args if count_args is None else count_args)
         for event in piece_events(
             counted, self.step, phase, stage.index, carries, on, repeat, recompute,
-            self.axis_labels,
+            self.axis_labels, self.fused_attention,
         ):  # fmt: skip
             self.ledger.record(event)
         if self.real:
