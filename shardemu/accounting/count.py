@@ -37,14 +37,18 @@ def with_shardings(shapes: Any, shardings: Any) -> Any:
 
 
 def signature(tree: Any) -> tuple:
-    """What a compilation depends on: structure, shapes, dtypes, specs, memory kinds."""
+    """What a compilation depends on: structure, shapes, dtypes, specs, memory kinds, of
+    a tree of arrays or abstract values. Read off the leaves as they are (no
+    `ShapeDtypeStruct` built, no dtype turned into a string): a search's dry runs ask
+    for a million of them."""
 
     def leaf(x: Any) -> tuple:
         s = x.sharding
         where = (s.spec, s.memory_kind) if isinstance(s, NamedSharding) else repr(s)
-        return (x.shape, str(x.dtype), where)
+        return (x.shape, x.dtype, where)
 
-    return (jax.tree.structure(tree), tuple(leaf(x) for x in jax.tree.leaves(tree)))
+    leaves, treedef = jax.tree.flatten(tree)
+    return (treedef, tuple(leaf(x) for x in leaves))
 
 
 # A counted piece is never run: only its optimized HLO is read, which XLA's HLO passes
@@ -82,7 +86,7 @@ class Counter:
         that pieces of one name built with other settings are counted apart."""
         # the mesh's axis sizes, not its devices: identical stages share counts, but the
         # same specs on a mesh of other sizes are other shards
-        key = (name, context, tuple(mesh.shape.items()), signature(abstract(args)))
+        key = (name, context, tuple(mesh.shape.items()), signature(args))
         if key not in self._counted:
             compiled = fn.lower(*abstract(args)).compile(compiler_options=COUNT_OPTIONS)
             text, itemsize = compiled.as_text(), compute_itemsize(args)

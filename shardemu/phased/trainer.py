@@ -28,7 +28,7 @@ from shardemu.phased import planner
 from shardemu.phased.program import Layout, PhasedState, run_step
 from shardemu.stages.executor import Executor
 from shardemu.stages.stage import AXIS_LABELS, Stage, build_stages, stage_meshes, stage_rules
-from shardemu.stages.tiers import Tier, with_memory_kind
+from shardemu.stages.tiers import Tier, bytes_per_device, with_memory_kind
 from shardemu.training.precision import as_compute, compute_model
 
 
@@ -85,6 +85,9 @@ class PhasedTrainer:
         # what a piece compiles to depends on these settings as well as on its inputs
         self._context = (model.cfg, train, self.rules, cfg.rts, cfg.rts_opt)
         self._shapes: dict = {}
+        # one layer's weights as a phase computes with them (gathered, tensor-sharded)
+        layer = with_shardings(self.pieces.layer_shape_one, self.stages[0].layer_compute)
+        self.layer_bytes_per_device = bytes_per_device(layer)
         self.ledger = Ledger()
         self.tiers = [Tier(f"device (stage {s})", cfg.device_memory) for s in range(par.pipe)]
         layers = model.cfg.num_layers

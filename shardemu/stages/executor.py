@@ -205,7 +205,7 @@ class Executor:
         onto `mesh` (the count may come from an identical stage on other devices),
         matched leaf by leaf (a stack of k layers has the one-layer piece's leaves; a
         vjp's tree structure also names its trip count, so the structures differ)."""
-        key = (name, tuple(mesh.shape.items()), signature(abstract(args)))
+        key = (name, tuple(mesh.shape.items()), signature(args))
         if key not in self._shapes:
             self._shapes[key] = jax.tree.flatten(jax.eval_shape(fn, *abstract(args)))
         shapes, treedef = self._shapes[key]
