@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from shardemu.accounting.collectives import Collective, collectives
 from shardemu.accounting.ledger import Carries, Event, Phase, Where
-from shardemu.accounting.matmuls import Matmul, compute_itemsize, kernels
+from shardemu.accounting.matmuls import Kernels, Matmul, compute_itemsize
 
 
 def abstract(tree: Any) -> Any:
@@ -89,14 +89,15 @@ class Counter:
         key = (name, context, tuple(mesh.shape.items()), signature(args))
         if key not in self._counted:
             compiled = fn.lower(*abstract(args)).compile(compiler_options=COUNT_OPTIONS)
-            text, itemsize = compiled.as_text(), compute_itemsize(args)
+            text = compiled.as_text()
+            module = Kernels(text, compute_itemsize(args))
             self._counted[key] = Counted(
                 float(compiled.cost_analysis().get("flops", 0.0)),
                 mesh.size,
                 tuple(collectives(text, mesh)),
                 compiled.output_shardings,
-                *kernels(text, itemsize),
-                kernels(text, itemsize, fused_attention=True),
+                *module.read(),
+                module.read(fused_attention=True),
             )
         return self._counted[key]
 

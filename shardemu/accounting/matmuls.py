@@ -124,40 +124,50 @@ def _bytes(shape: str, itemsize: int, skip: frozenset[tuple[int, ...]] = frozens
     return sum(
         math.prod(_dims(dims)) * min(_DTYPE_BYTES.get(dtype, 4), itemsize)
         for dtype, dims in _ARRAY.findall(shape)
-        if _squeezed(dims) not in skip
+        if squeezed(_dims(dims)) not in skip
     )
 
 
-def _squeezed(dims: str) -> tuple[int, ...]:
-    shape = _dims(dims)
-    while shape and shape[0] == 1:
-        shape = shape[1:]
-    return shape
+def squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """`shape` without its leading 1s (a stacked layer axis of one layer, say)."""
+    start = next((i for i, d in enumerate(shape) if d != 1), len(shape))
+    return tuple(shape[start:])
+
+
+class Kernels:
+    """One parse of a compiled module's HLO, read as XLA emitted it or with its
+    attention core fused (a count wants both)."""
+
+    def __init__(self, hlo_text: str, itemsize: int | None = None) -> None:
+        """`itemsize`: bytes per element of the program's compute dtype; elements the
+        backend widened beyond it count at it (None: as the HLO says)."""
+        self.computations = _parse(hlo_text)
+        self.shapes = {n: shape for body in self.computations.values() for n, shape, _, _ in body}
+        self.width = itemsize or max(_DTYPE_BYTES.values())
+        self.dots = _dots(self.computations, self.shapes)
+
+    def read(self, fused_attention: bool = False) -> tuple[tuple[Matmul, ...], int]:
+        """The matmuls and the bytes the other kernels move; with `fused_attention`,
+        without the attention core's [s, s] tensors (module docstring)."""
+
+        def moved(d: _Dot) -> int:  # its arrays' bytes, less its scores' when fused
+            dropped = d.scores if fused_attention else None
+            return sum(_bytes(x, self.width) for i, x in enumerate(d.arrays) if i != dropped)
+
+        scores = frozenset(
+            squeezed(_dims(_ARRAY.search(d.arrays[d.scores]).group(2)))  # type: ignore[union-attr]
+            for d in self.dots
+            if fused_attention and d.scores is not None
+        )
+        memory = _memory_bytes(self.computations, self.shapes, self.width, scores)
+        return tuple(Matmul(d.flops, moved(d)) for d in self.dots), memory
 
 
 def kernels(
     hlo_text: str, itemsize: int | None = None, fused_attention: bool = False
 ) -> tuple[tuple[Matmul, ...], int]:
-    """The module's matmuls and the bytes its other kernels move, from one parse of
-    `hlo_text`. `itemsize`: bytes per element of the program's compute dtype; elements
-    the backend widened beyond it count at it (None: as the HLO says). With
-    `fused_attention`, without the attention core's [s, s] tensors (module docstring)."""
-    computations = _parse(hlo_text)
-    shapes = {name: shape for body in computations.values() for name, shape, _, _ in body}
-    width = itemsize or max(_DTYPE_BYTES.values())
-    dots = _dots(computations, shapes)
-
-    def moved(d: _Dot) -> int:  # its arrays' bytes, less its scores' when fused
-        dropped = d.scores if fused_attention else None
-        return sum(_bytes(x, width) for i, x in enumerate(d.arrays) if i != dropped)
-
-    matmuls = tuple(Matmul(d.flops, moved(d)) for d in dots)
-    scores = frozenset(
-        _squeezed(_ARRAY.search(d.arrays[d.scores]).group(2))  # type: ignore[union-attr]
-        for d in dots
-        if fused_attention and d.scores is not None
-    )
-    return matmuls, _memory_bytes(computations, shapes, width, scores)
+    """The module's matmuls and the bytes its other kernels move (`Kernels.read`)."""
+    return Kernels(hlo_text, itemsize).read(fused_attention)
 
 
 @dataclass(frozen=True)
@@ -192,8 +202,7 @@ def _scores(rest: str, arrays: tuple[str, str, str]) -> int | None:
         return None
     batches = (_dims(lhs_batch.group(1)), _dims(rhs_batch.group(1)), None)
     for index, (shape, batch) in enumerate(zip(arrays, batches, strict=True)):
-        text = _ARRAY.search(shape).group(2)  # type: ignore[union-attr]
-        dims = _dims(text)
+        dims = _dims(_ARRAY.search(shape).group(2))  # type: ignore[union-attr]
         rank = len(dims)
         free = [dims[i] for i in range(rank) if i not in (batch or range(rank - 2))]
         if len(free) == 2 and free[0] == free[1]:

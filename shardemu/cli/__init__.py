@@ -245,7 +245,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     par = parallelism(args)
     phased = phased_config(args)
-    overlap_config(args)  # refused now, not after counting
+    overlap = overlap_config(args)  # refused now, not after counting
     if phased is not None and args.attention != "materialized":
         raise ConfigError(
             f"--attention {args.attention} is for resident plans: the phased planner times "
@@ -291,7 +291,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         require_new(Path(out))
     if phased is None:
         report = _plan_resident(
-            args, model_cfg, par, train_cfg, micro, hardware, Path(out), tracking
+            args, model_cfg, par, train_cfg, micro, hardware, Path(out), tracking, overlap
         )
     else:
         use_virtual_devices(plan_devices(par))  # one pipeline stage's devices
@@ -301,7 +301,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         report = plan_phased(
             model_cfg, par, train_cfg, phased, hardware=hardware, out=out,
             microbatch_size="auto" if auto else micro, tracking=tracking,
-            overlap=overlap_config(args),
+            overlap=overlap,
         )  # fmt: skip
         if auto:
             _say_microbatch(report["microbatch_choice"])
@@ -318,7 +318,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 def _plan_resident(
     args: argparse.Namespace, model_cfg: Any, par: Parallelism, train_cfg: TrainConfig,
-    micro: int | None, hardware: Any, out: Path, tracking: Any,
+    micro: int | None, hardware: Any, out: Path, tracking: Any, overlap: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """`shardemu plan` without --phased: a resident pipelined step on `hardware`."""
     use_virtual_devices(par.tensor)  # one stage's tensor group counts a microbatch
@@ -329,7 +329,7 @@ def _plan_resident(
         "schedule": train_cfg.schedule, "virtual": train_cfg.virtual,
         "recompute": args.recompute, "sparsity": train_cfg.sparsity,
         "attention": args.attention,
-        "precision": train_cfg.precision, "overlap": overlap_config(args),
+        "precision": train_cfg.precision, "overlap": overlap,
     }  # fmt: skip
     batch, seq = train_cfg.batch, train_cfg.seq
     if micro is None and par.pipe > 1:  # one microbatch would be a (p-1)/p bubble

@@ -36,6 +36,7 @@ from shardemu.accounting import flops
 from shardemu.accounting.assemble import assemble
 from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Event, Ledger, Phase
+from shardemu.accounting.matmuls import squeezed
 from shardemu.config import (
     ConfigError,
     ModelConfig,
@@ -151,9 +152,6 @@ def count_microbatch(
 def _bytes_of_shape(tree: Any, shape: tuple[int, ...]) -> int:
     """Per-device bytes of the arrays in `tree` whose shard is `shape` (leading 1s
     dropped on both sides): a layer's kept [b, A/t, s, s] attention probabilities."""
-
-    def squeezed(dims: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(dims[next((i for i, d in enumerate(dims) if d != 1), len(dims)) :])
 
     return sum(
         math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize

@@ -55,7 +55,7 @@ from shardemu.errors import CapacityError
 from shardemu.models import Model, count_params
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import microbatch_candidates
-from shardemu.predict.overlap import Overlap
+from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.training.precision import arithmetic, compute_model
 
 Mode = Literal["resident", "phased"]
@@ -116,7 +116,7 @@ class Space:
     modes: str = "auto"
     max_tensor: int = 8
     max_microbatch: int = 8
-    overlap: Overlap = Overlap()  # not searched: how the training system overlaps
+    overlap: Overlap = DEFAULT_OVERLAP  # not searched: how the training system overlaps
     attention: str = "materialized"  # resident layouts' attention core (plan_resident)
 
 
