@@ -7,9 +7,10 @@ replica meshes and pipelined ones under every schedule (GPipe, 1F1B, interleaved
 where the stages' layers split into two chunks). `flops ratio` is the step's forward
 and backward FLOPs from its ledger (XLA's counts, summed over devices; the optimizer,
 which every replica repeats by design, left out) divided by the single-device step's:
-above 1 is work the mesh repeats. All meshes
-are measured in one process, so ratios compare like with like; absolute times depend on
-this machine and its load.
+above 1 is work the mesh repeats. All meshes are measured in one process, stepping
+in turn (one step of each mesh per round), so ratios compare like with like even on a
+machine whose load changes; absolute times depend on this machine and its load. Rows
+marked `sp` run with sequence parallelism (`TrainConfig.sequence_parallel`).
 
     python benchmarks/overhead.py [--steps 10] [--out benchmarks/results/overhead.json]
 """
@@ -24,11 +25,11 @@ import statistics
 import time
 from pathlib import Path
 
-import jax
+from shardemu.devices import use_virtual_devices
 
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 8)
+use_virtual_devices(8)
 
+import jax  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -60,15 +61,14 @@ MODELS = [
         gelu_approximate=False,
     ),
 ]
-# (pipe, tensor, replica, microbatches, schedule); the first is the single-device baseline
+# (pipe, tensor, replica, microbatches, schedule, sequence parallel); the first is the
+# single-device baseline
 MESHES = [
-    (1, 1, 1, 1, None),
-    (1, 1, 8, 1, None),
-    (1, 2, 4, 1, None),
-    (1, 4, 2, 1, None),
-    (1, 8, 1, 1, None),
+    (1, 1, 1, 1, None, False),
+    (1, 1, 8, 1, None, False),
+    *((1, t, r, 1, None, sp) for t, r in ((2, 4), (4, 2), (8, 1)) for sp in (False, True)),
     *(
-        (p, t, r, m, schedule)
+        (p, t, r, m, schedule, False)
         for p, t, r, m in ((2, 2, 2, 4), (2, 1, 4, 2), (4, 1, 2, 4), (4, 2, 1, 4))
         for schedule in ("gpipe", "1f1b", "interleaved")
         if schedule != "interleaved" or p == 2  # 4 layers on 4 stages: no second chunk
@@ -76,31 +76,42 @@ MESHES = [
 ]
 
 
-def time_steps(model: Model, mesh: tuple[int, int, int], train: TrainConfig, steps: int) -> dict:
-    devices = jax.devices()[: mesh[0] * mesh[1] * mesh[2]]
-    grid = make_mesh(*mesh, devices=devices)
-    pipelined = mesh[0] > 1 or train.microbatches > 1
-    engine = (
-        PipelinedEngine(PipelinedTrainer(model, grid, train))
-        if pipelined
-        else ResidentEngine(Trainer(model, grid, train))
-    )
-    state = engine.init(train.seed)
-    corpus = SyntheticCorpus(model.cfg.vocab_size, seed=train.seed)
-    times, losses, counts = [], [], {}
-    for step in range(steps + 2):  # two warm-up steps (compilation) are not timed
-        batch = model.batch(corpus, step, train.batch, train.seq)
+class Timed:
+    """One mesh's engine, stepped through the same batches as every other mesh."""
+
+    def __init__(self, model: Model, mesh: tuple[int, int, int], train: TrainConfig) -> None:
+        grid = make_mesh(*mesh, devices=jax.devices()[: mesh[0] * mesh[1] * mesh[2]])
+        pipelined = mesh[0] > 1 or train.microbatches > 1
+        self.engine = (
+            PipelinedEngine(PipelinedTrainer(model, grid, train))
+            if pipelined
+            else ResidentEngine(Trainer(model, grid, train))
+        )
+        self.state = self.engine.init(train.seed)
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.flops = 0.0
+
+    def step(self, batch: dict, timed: bool) -> None:
         t0 = time.perf_counter()
-        result = engine.step(state, batch)
-        if step >= 2:
-            times.append(time.perf_counter() - t0)
-        losses.append(result.loss)
-        state, counts = result.state, result.counts
-    return {
-        "median_step_s": statistics.median(times),
-        "losses": losses,
-        "flops": counts["model_flops"],
-    }
+        result = self.engine.step(self.state, batch)
+        if timed:
+            self.times.append(time.perf_counter() - t0)
+        self.losses.append(result.loss)
+        self.state, self.flops = result.state, result.counts["model_flops"]
+
+
+def time_meshes(model: Model, trains: list[tuple[tuple[int, int, int], TrainConfig]], steps: int):
+    """Every mesh steps once per round, in turn, so that a change in the machine's load
+    falls on all of them alike; two warm-up rounds (compilation) are not timed."""
+    timed = [Timed(model, mesh, train) for mesh, train in trains]
+    first = trains[0][1]
+    corpus = SyntheticCorpus(model.cfg.vocab_size, seed=first.seed)
+    for step in range(steps + 2):
+        batch = model.batch(corpus, step, first.batch, first.seq)
+        for t in timed:
+            t.step(batch, timed=step >= 2)
+    return timed
 
 
 def main() -> None:
@@ -115,17 +126,25 @@ def main() -> None:
     rows = []
     for cfg in MODELS:
         model = Model(cfg)
-        base = None
-        for pipe, tensor, replica, micro, schedule in MESHES:
-            train = dataclasses.replace(
-                train,
-                microbatches=micro,
-                schedule=schedule or "1f1b",
-                virtual=2 if schedule == "interleaved" else 1,
+        trains = [
+            (
+                (pipe, tensor, replica),
+                dataclasses.replace(
+                    train,
+                    sequence_parallel=sequence_parallel,
+                    microbatches=micro,
+                    schedule=schedule or "1f1b",
+                    virtual=2 if schedule == "interleaved" else 1,
+                ),
             )
-            r = time_steps(model, (pipe, tensor, replica), train, args.steps)
-            base = base or r
-            devices = pipe * tensor * replica
+            for pipe, tensor, replica, micro, schedule, sequence_parallel in MESHES
+        ]
+        timed = time_meshes(model, trains, args.steps)
+        base = timed[0]
+        base_s = statistics.median(base.times)
+        for (pipe, tensor, replica, micro, schedule, sequence_parallel), r in zip(
+            MESHES, timed, strict=True
+        ):
             rows.append(
                 {
                     "model": cfg.name,
@@ -134,15 +153,15 @@ def main() -> None:
                     "replica": replica,
                     "microbatches": micro,
                     "schedule": schedule,
-                    "devices": devices,
-                    "median_step_s": r["median_step_s"],
-                    "ratio_to_single_device": r["median_step_s"] / base["median_step_s"],
+                    "sequence_parallel": sequence_parallel,
+                    "devices": pipe * tensor * replica,
+                    "median_step_s": statistics.median(r.times),
+                    "ratio_to_single_device": statistics.median(r.times) / base_s,
                     # forward and backward FLOPs, all devices, over the single-device
                     # step's: > 1 is work the mesh repeats
-                    "flops_ratio": r["flops"] / base["flops"],
+                    "flops_ratio": r.flops / base.flops,
                     "max_loss_rel_diff": max(
-                        abs(a - b) / abs(b)
-                        for a, b in zip(r["losses"], base["losses"], strict=True)
+                        abs(a - b) / abs(b) for a, b in zip(r.losses, base.losses, strict=True)
                     ),
                 }
             )
@@ -167,7 +186,7 @@ def main() -> None:
             row["model"],
             f"{row['pipe']} x {row['tensor']} x {row['replica']}",
             str(row["microbatches"]),
-            row["schedule"] or "-",
+            (row["schedule"] or "-") + (" sp" if row["sequence_parallel"] else ""),
             f"{row['median_step_s']:.4f}",
             f"{row['ratio_to_single_device']:.2f}",
             f"{row['flops_ratio']:.2f}",

@@ -19,11 +19,11 @@ import statistics
 import time
 from pathlib import Path
 
-import jax
+from shardemu.devices import use_virtual_devices
 
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 8)
+use_virtual_devices(8)
 
+import jax  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 

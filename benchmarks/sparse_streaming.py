@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 import time
 
-import jax
+from shardemu.devices import use_virtual_devices
 
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 8)
+use_virtual_devices(8)
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402

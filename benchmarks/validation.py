@@ -19,10 +19,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-import jax
+from shardemu.devices import use_virtual_devices
 
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 12)  # the widest tensor group: PaLM's 12
+use_virtual_devices(12)  # the widest tensor group: PaLM's 12
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402

@@ -16,10 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import jax
+from shardemu.devices import use_virtual_devices
 
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 8)
+use_virtual_devices(8)
 
 from shardemu.config import Parallelism, custom_model  # noqa: E402
 from shardemu.predict.hardware import get_hardware  # noqa: E402

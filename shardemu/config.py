@@ -328,6 +328,8 @@ class TrainConfig:
     # `fp32`, or 16-bit weights, activations and gradients with FP32 master weights and
     # optimizer state: `bf16`, `fp16-mixed` (loss-scaled) (training/precision.py)
     precision: str = "fp32"
+    # split the residual stream over `tensor` by sequence (Korthikanti et al. 2022)
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.sparsity, dict):  # from config.json
@@ -387,6 +389,12 @@ class TrainConfig:
             )
         if model.family == "bert" and self.seq < 8:
             raise ConfigError(f"BERT sentence pairs need --seq >= 8, got {self.seq}")
+        if self.sequence_parallel and self.seq % parallelism.tensor:
+            raise ConfigError(
+                f"--sequence-parallel splits the sequence over tensor={parallelism.tensor}, "
+                f"which does not divide --seq {self.seq}; use a --seq that is a multiple of "
+                f"{parallelism.tensor}, or leave sequence parallelism off"
+            )
         if self.batch % parallelism.replica:
             raise ConfigError(
                 f"global --batch {self.batch} is not divisible by replica={parallelism.replica}; "

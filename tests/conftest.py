@@ -18,8 +18,9 @@ os.environ["XLA_FLAGS"] = (
 
 import jax  # noqa: E402
 
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 8)
+from shardemu.devices import use_virtual_devices  # noqa: E402
+
+use_virtual_devices(8)
 # one cache for the whole session: the xdist workers inherit the folder the controller made
 os.environ.setdefault("SHARDEMU_TEST_XLA_CACHE", tempfile.mkdtemp(prefix="shardemu-xla-"))
 jax.config.update("jax_compilation_cache_dir", os.environ["SHARDEMU_TEST_XLA_CACHE"])

@@ -100,6 +100,8 @@ CLI_ROWS = [
         "only the interleaved schedule runs; add --schedule interleaved"),  # fmt: skip
     row("virtual-not-dividing", [*GPT, *PIPE2, "--stage-layers", "1,3", "--schedule",
         "interleaved"], "--virtual 2 does not divide the 1 layers of a stage"),  # fmt: skip
+    row("sequence-parallel-seq", [*GPT, "--mesh", "tensor=4", "--seq", "18",
+        "--sequence-parallel"], "does not divide --seq 18; use a --seq that is a mul"),  # fmt: skip
     row("stage-layers-sum", [*GPT, "--mesh", "pipe=2", "--stage-layers", "1,2"],
         "--stage-layers 1,2 sums to 3 but the model has 4 layers"),  # fmt: skip
     row("stage-layers-count", [*GPT, "--mesh", "pipe=2", "--stage-layers", "1,1,2"],

@@ -1,6 +1,10 @@
 """Virtual devices and the mesh: shapes, axis names, and the errors users will hit."""
 
+import platform
+from pathlib import Path
+
 import jax
+import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
 
@@ -50,3 +54,22 @@ def test_mesh_strings_parse_and_bad_ones_explain():
     ]:
         with pytest.raises(ConfigError, match=msg):
             Parallelism.parse(bad)
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/maps").exists() or platform.libc_ver()[0] != "glibc",
+    reason="glibc on Linux only: elsewhere reuse_host_memory sets nothing",
+)
+def test_large_host_buffers_come_from_the_reused_heap():
+    """conftest started the devices through use_virtual_devices, which told glibc to
+    serve large blocks from its heap (kept mapped for reuse) instead of a fresh mmap
+    per block. A 64 MiB buffer, far past glibc's default mmap threshold, lies inside
+    the process's [heap] mapping."""
+    buffer = np.ones(1 << 24, np.float32)
+    address = buffer.ctypes.data
+    heaps = [
+        tuple(int(x, 16) for x in line.split()[0].split("-"))
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if line.endswith("[heap]")
+    ]
+    assert any(lo <= address < hi for lo, hi in heaps)

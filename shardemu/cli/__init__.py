@@ -69,6 +69,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         sparsity=sparsity_config(args),
         data=args.data,
         precision=args.precision,
+        sequence_parallel=args.sequence_parallel,
         **pipeline_config(args),
     )
     model_cfg = model_config(args)

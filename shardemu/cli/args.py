@@ -101,6 +101,11 @@ def run_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     p.add_argument("--out", default=None, help="run directory (default runs/<model>-<timestamp>)")
     precision_arg(p)
     p.add_argument(
+        "--sequence-parallel", action="store_true",
+        help="split layer norms and residual adds over tensor by sequence (Korthikanti et "
+        "al. 2022): reduce-scatter + all-gather instead of all-reduce, nothing repeated",
+    )  # fmt: skip
+    p.add_argument(
         "--checkpoint-every",
         type=int,
         default=None,

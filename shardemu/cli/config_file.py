@@ -139,7 +139,7 @@ def run_flags(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
         "microbatches": train.microbatches, "grad_accum": train.grad_accum,
         "optimizer": train.optimizer, "lr": train.learning_rate, "warmup": train.warmup_steps,
         "schedule": train.schedule, "virtual": train.virtual, "data": train.data,
-        "precision": train.precision,
+        "precision": train.precision, "sequence_parallel": train.sequence_parallel,
     }  # fmt: skip
     if train.stage_layers is not None:
         flags["stage_layers"] = ",".join(map(str, train.stage_layers))
@@ -149,7 +149,7 @@ def run_flags(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
         if f.name in ("weight_decay", "grad_clip")
         and getattr(train, f.name) != getattr(TrainConfig(), f.name)
     }
-    if cfg.get("rules") not in (None, [[n, a] for n, a in megatron_rules()]):
+    if cfg.get("rules") not in (None, [[n, a] for n, a in megatron_rules(train.sequence_parallel)]):
         unexpressed["rules"] = "not the default"
     if unexpressed:
         raise ConfigError(

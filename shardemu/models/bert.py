@@ -21,6 +21,7 @@ from shardemu.config import ModelConfig
 from shardemu.models.family import Family, register
 from shardemu.models.layers import (
     ACT_BSD,
+    ACT_BSD_WHOLE,
     Mlp,
     SelfAttention,
     dense,
@@ -79,7 +80,8 @@ class BERT(nn.Module):
         """Activations -> masked-LM logits [b, s, V] and next-sentence logits [b, 2]."""
         nsp_b2 = self.nsp(jnp.tanh(self.pooler(x_bsd[:, 0])))
         h_bsd = nn.gelu(self.mlm_transform(x_bsd), approximate=self.cfg.gelu_approximate)
-        mlm_bsv = self.word_embeddings.attend(self.mlm_ln(h_bsd)) + self.mlm_bias
+        h_bsd = constrain(self.mlm_ln(h_bsd), ACT_BSD_WHOLE)
+        mlm_bsv = self.word_embeddings.attend(h_bsd) + self.mlm_bias
         return constrain(mlm_bsv, ("batch", "sequence", "vocab")), nsp_b2
 
     def __call__(

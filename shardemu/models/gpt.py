@@ -21,7 +21,15 @@ import optax
 
 from shardemu.config import ModelConfig
 from shardemu.models.family import Family, register
-from shardemu.models.layers import ACT_BSD, Mlp, SelfAttention, embed, layer_norm, layer_stack
+from shardemu.models.layers import (
+    ACT_BSD,
+    ACT_BSD_WHOLE,
+    Mlp,
+    SelfAttention,
+    embed,
+    layer_norm,
+    layer_stack,
+)
 from shardemu.parallel.rules import constrain
 
 
@@ -56,7 +64,7 @@ class GPT(nn.Module):
 
     def head(self, x_bsd: jax.Array) -> jax.Array:
         """Activations [b, s, d] -> next-token logits [b, s, V] (tied to wte)."""
-        logits = self.wte.attend(self.ln_f(x_bsd))
+        logits = self.wte.attend(constrain(self.ln_f(x_bsd), ACT_BSD_WHOLE))
         return constrain(logits, ("batch", "sequence", "vocab"))
 
     def __call__(self, tokens_bs: jax.Array) -> jax.Array:

@@ -21,7 +21,11 @@ from shardemu.parallel.rules import constrain
 
 Init = Callable[..., jax.Array]
 
-ACT_BSD = ("batch", "sequence", "embed")
+# the residual stream between matmuls (layer norms, residual adds): its sequence is
+# split over `tensor` under sequence parallelism (`parallel/rules.py`)
+ACT_BSD = ("batch", "residual_sequence", "embed")
+# the whole sequence, as a column-parallel matmul takes its input
+ACT_BSD_WHOLE = ("batch", "sequence", "embed")
 ACT_BSHK = ("batch", "sequence", "heads", "head_dim")
 ACT_BSF = ("batch", "sequence", "mlp")
 
@@ -79,9 +83,35 @@ def embed(cfg: ModelConfig, rows: int, row_axis: str, name: str | None = None) -
     )
 
 
+class Projection(nn.Module):
+    """The kernel and bias of a DenseGeneral from `dense`, under the same names, for
+    callers that fuse several projections into one matmul."""
+
+    cfg: ModelConfig
+    features: tuple[int, ...]
+    kernel_axes: tuple[str, ...]
+
+    @nn.compact
+    def __call__(self) -> tuple[jax.Array, jax.Array]:
+        cfg = self.cfg
+        dtype = jnp.dtype(cfg.param_dtype)
+        n_out = len(self.features)
+        kernel = self.param(
+            "kernel", normal(cfg.init_std, self.kernel_axes), (cfg.embed_dim, *self.features), dtype
+        )
+        bias = self.param("bias", zeros(self.kernel_axes[-n_out:]), self.features, dtype)
+        return kernel, bias
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention (Vaswani et al. 2017), Megatron-sharded: Q, K, V are
-    column-parallel over heads, the output projection row-parallel over heads."""
+    column-parallel over heads, the output projection row-parallel over heads.
+
+    Q, K and V are one matmul, as Megatron-LM's fused `query_key_value` (Shoeybi et al.
+    2019, Section 3): its backward sums the three input gradients on each device before
+    the one all-reduce over `tensor`, where three matmuls would all-reduce three. The
+    parameters stay three (`query`, `key`, `value`), named as the reference models'.
+    """
 
     cfg: ModelConfig
     out_std: float
@@ -91,9 +121,14 @@ class SelfAttention(nn.Module):
         cfg = self.cfg
         hk = (cfg.num_heads, cfg.head_dim)
         qkv_axes = ("embed", "heads", "head_dim")
-        q_bshk = constrain(dense(cfg, hk, qkv_axes, "query")(x_bsd), ACT_BSHK)
-        k_bshk = constrain(dense(cfg, hk, qkv_axes, "key")(x_bsd), ACT_BSHK)
-        v_bshk = constrain(dense(cfg, hk, qkv_axes, "value")(x_bsd), ACT_BSHK)
+        x_bsd = constrain(x_bsd, ACT_BSD_WHOLE)
+        weights = [Projection(cfg, hk, qkv_axes, name=n)() for n in ("query", "key", "value")]
+        kernel_dchk = jnp.stack([w for w, _ in weights], axis=1)
+        bias_chk = jnp.stack([b for _, b in weights])
+        x_bsd, kernel_dchk, bias_chk = nn.dtypes.promote_dtype(x_bsd, kernel_dchk, bias_chk)
+        qkv_bschk = jnp.einsum("bsd,dchk->bschk", x_bsd, kernel_dchk) + bias_chk
+        qkv_bschk = constrain(qkv_bschk, ("batch", "sequence", None, "heads", "head_dim"))
+        q_bshk, k_bshk, v_bshk = (qkv_bschk[:, :, i] for i in range(3))
         scores_bhqk = jnp.einsum("bqhk,bshk->bhqs", q_bshk, k_bshk) / jnp.sqrt(cfg.head_dim)
         scores_bhqk = jnp.where(mask_bqk[:, None], scores_bhqk, jnp.finfo(scores_bhqk.dtype).min)
         # softmax in float32, then back to the activations' type (mixed precision)
@@ -114,7 +149,7 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x_bsd: jax.Array) -> jax.Array:
         cfg = self.cfg
-        h_bsf = dense(cfg, cfg.mlp_dim, ("embed", "mlp"), "fc_in")(x_bsd)
+        h_bsf = dense(cfg, cfg.mlp_dim, ("embed", "mlp"), "fc_in")(constrain(x_bsd, ACT_BSD_WHOLE))
         h_bsf = constrain(nn.gelu(h_bsf, approximate=cfg.gelu_approximate), ACT_BSF)
         out = dense(cfg, cfg.embed_dim, ("mlp", "embed"), "fc_out", std=self.out_std)
         return constrain(out(h_bsf), ACT_BSD)

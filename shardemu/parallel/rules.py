@@ -4,6 +4,7 @@ Models name every parameter and key activation dimension with a logical axis:
 
     batch     examples in the global batch           embed     model width d
     sequence  token positions of an activation       heads     attention heads A
+    residual_sequence  token positions of the residual stream (sequence parallelism)
     head_dim  width of one head d/A                  mlp       feed-forward width d_ff
     vocab     vocabulary rows V                      layers    stacked transformer layers L
     position  rows of a learned position table       segment   rows of BERT's segment table
@@ -40,11 +41,20 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 LogicalAxes = tuple[str | None, ...]
 
 
-def megatron_rules() -> Rules:
-    """Megatron-style tensor parallelism over `tensor`, data parallelism over `replica`."""
+def megatron_rules(sequence_parallel: bool = False) -> Rules:
+    """Megatron-style tensor parallelism over `tensor`, data parallelism over `replica`.
+
+    With `sequence_parallel`, the residual stream between the tensor-parallel matmuls
+    (layer norms, residual adds, BERT's masked-LM transform) is split over `tensor` by
+    sequence, as Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+    Transformer Models", Section 4.2.2) do: each all-reduce over `tensor` becomes a
+    reduce-scatter and an all-gather of the same bytes, and that work and its
+    activations are no longer repeated on every tensor device.
+    """
     return (
         ("batch", "replica"),
         ("sequence", None),
+        ("residual_sequence", "tensor" if sequence_parallel else None),
         ("embed", None),
         ("embed_out", None),
         ("heads", "tensor"),
@@ -56,6 +66,11 @@ def megatron_rules() -> Rules:
         ("segment", None),
         ("classes", None),
     )
+
+
+def rules_or_default(rules: Rules | None, sequence_parallel: bool) -> Rules:
+    """`rules` as given, or the default table with the run's sequence parallelism."""
+    return megatron_rules(sequence_parallel) if rules is None else rules
 
 
 # What to suggest when a dimension does not divide, by logical name.

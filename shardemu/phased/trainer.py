@@ -23,7 +23,7 @@ from shardemu.accounting.ledger import Ledger
 from shardemu.config import ConfigError, PhasedConfig, TrainConfig
 from shardemu.models import Model
 from shardemu.parallel.mesh import parallelism_of
-from shardemu.parallel.rules import Rules, megatron_rules
+from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.phased import planner
 from shardemu.phased.program import Layout, PhasedState, run_step
 from shardemu.stages.executor import Executor
@@ -77,7 +77,7 @@ class PhasedTrainer:
                 "stream in once per step; --microbatches and --grad-accum must stay 1"
             )
         self.model, self.train, self.cfg, self.par = model, train, cfg, par
-        self.rules = stage_rules(megatron_rules() if rules is None else rules)
+        self.rules = stage_rules(rules_or_default(rules, train.sequence_parallel))
         meshes = stage_meshes(mesh, cfg.rts) * (emulated_stages or 1)
         self.pieces = build_stages(model, meshes, train, cfg, self.rules)
         self.stages: tuple[Stage, ...] = self.pieces.stages

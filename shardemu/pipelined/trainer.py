@@ -23,7 +23,7 @@ from shardemu.accounting.ledger import Ledger
 from shardemu.config import PhasedConfig, TrainConfig
 from shardemu.models import Model
 from shardemu.parallel.mesh import parallelism_of
-from shardemu.parallel.rules import Rules, megatron_rules
+from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.parallel.schedules import Slot, make_schedule
 from shardemu.pipelined.layout import pipeline_layout
 from shardemu.pipelined.program import PipelinedState, StepOutput, run_step, shared_holders
@@ -67,7 +67,7 @@ class PipelinedTrainer:
         )
         self.schedule = make_schedule(train.schedule, par.pipe, train.microbatches, train.virtual)
         self.model, self.mesh, self.train, self.par = model, mesh, train, par
-        self.rules = stage_rules(megatron_rules() if rules is None else rules)
+        self.rules = stage_rules(rules_or_default(rules, train.sequence_parallel))
         self.pieces = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), self.rules)
         self.stages: tuple[Stage, ...] = self.pieces.stages
         self.holders = shared_holders(self.layout)

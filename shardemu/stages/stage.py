@@ -25,6 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from shardemu.accounting.ledger import Phase
 from shardemu.config import ModelConfig, PhasedConfig, TrainConfig
 from shardemu.models import Model, normalise
+from shardemu.models.layers import ACT_BSD
 from shardemu.parallel.rules import Rules, activation_rules, logical_to_spec, resolve_specs
 from shardemu.sparsity import apply_masks, init_state, opt_state_shardings, sparse_optimizer
 from shardemu.sparsity.storage import compressed_bytes
@@ -143,7 +144,7 @@ def make_specs(
         shared_compute=shared_specs,
         shared_store=tree_store_specs(shared_specs, shared_shapes, rts_axes, sizes, skip=0),
         shared_opt=tree_store_specs(shared_specs, shared_shapes, opt_axes, sizes, skip=0),
-        act=logical_to_spec(("batch", "sequence", "embed"), rules, "activations"),
+        act=logical_to_spec(ACT_BSD, rules, "activations"),
         batch={
             k: logical_to_spec(axes, rules, f"batch array {k!r}")
             for k, axes in model.batch_axes.items()

@@ -36,9 +36,9 @@ from shardemu.parallel.rules import (
     activation_rules,
     check_divisible,
     logical_to_spec,
-    megatron_rules,
     named_shardings,
     resolve_specs,
+    rules_or_default,
 )
 from shardemu.sparsity import (
     SparseState,
@@ -99,7 +99,7 @@ class Trainer:
             )
         model = compute_model(model, train.precision)  # 16-bit weights for mixed precision
         self.model, self.mesh, self.train, self.par = model, mesh, train, par
-        self.rules = megatron_rules() if rules is None else rules
+        self.rules = rules_or_default(rules, train.sequence_parallel)
         axis_sizes = dict(mesh.shape)
 
         self.param_shapes, self.param_logical = model.abstract_params()

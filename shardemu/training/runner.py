@@ -24,7 +24,7 @@ from shardemu.data import make_corpus
 from shardemu.errors import CheckpointError, NonFiniteError, RunInterrupted
 from shardemu.models import Model, param_bytes, param_count
 from shardemu.parallel.mesh import mesh_from, parallelism_of
-from shardemu.parallel.rules import Rules, megatron_rules
+from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.parallel.schedules import make_schedule
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.layout import pipeline_layout, stage_plan
@@ -361,7 +361,9 @@ def _config(
         "parallelism": dataclasses.asdict(par),
         "train": dataclasses.asdict(train_cfg),
         "engine": engine.name,
-        "rules": [[name, axes] for name, axes in (megatron_rules() if rules is None else rules)],
+        "rules": [
+            [name, axes] for name, axes in rules_or_default(rules, train_cfg.sequence_parallel)
+        ],
         "param_count": sizes["param_count"],
         "param_bytes": param_bytes(shapes),
         "param_bytes_per_device": sizes["param_bytes_per_device"],
