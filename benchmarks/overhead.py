@@ -27,7 +27,7 @@ from pathlib import Path
 
 from shardemu.devices import use_virtual_devices
 
-use_virtual_devices(8)
+use_virtual_devices(8, reuse_memory=True)  # these time steps
 
 import jax  # noqa: E402
 from rich.console import Console  # noqa: E402

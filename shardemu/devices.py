@@ -35,7 +35,10 @@ def reuse_host_memory() -> bool:
     free, so every step the kernel maps and zeroes every page again: measured with
     perf, a third of that step's CPU time was page faults and `sys` time was 0.8 s of a
     1.5 s step. With one arena, no mmap and a 1 GiB trim threshold the blocks come back
-    from the heap already mapped (`sys` 0.04 s; steps 20-25% faster on every mesh).
+    from the heap already mapped (`sys` 0.04 s; steps 20-25% faster on every mesh in
+    interleaved runs, within the noise in others). One arena makes XLA's compiler
+    threads share a lock: compiling took about 10% longer, and the test suite's
+    compile-bound files 25-30% longer, so only stepping processes ask for it.
     Must run before the backend starts its threads: an arena is picked per thread on
     its first allocation. Returns False where the C library is not glibc (nothing set).
     """
@@ -47,7 +50,7 @@ def reuse_host_memory() -> bool:
     return all(libc.mallopt(param, value) == 1 for param, value in settings)
 
 
-def use_virtual_devices(n: int) -> list[jax.Device]:
+def use_virtual_devices(n: int, reuse_memory: bool = False) -> list[jax.Device]:
     """Make JAX present `n` virtual CPU devices and return them.
 
     Must run before any JAX computation in the process (the backend reads the count
@@ -55,8 +58,10 @@ def use_virtual_devices(n: int) -> list[jax.Device]:
     has that many (so a test suite started with 8 devices can run a 4-device command in
     process), and refuses otherwise. The CPU platform is selected explicitly, so on a
     machine with an accelerator this still gives CPU devices; to use real accelerators,
-    skip this call and pass `jax.devices()` to `make_mesh`. It also tunes the C
-    library's allocator for XLA's per-step buffers (`reuse_host_memory`).
+    skip this call and pass `jax.devices()` to `make_mesh`. `reuse_memory` tunes the
+    C library's allocator for XLA's per-step buffers (`reuse_host_memory`): for
+    processes that step (`shardemu run`, the timing benchmarks), not for those that
+    mostly compile, which it slows.
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise DeviceError(f"use_virtual_devices needs a positive device count, got {n!r}")
@@ -68,7 +73,8 @@ def use_virtual_devices(n: int) -> list[jax.Device]:
         )
     try:
         jax.config.update("jax_num_cpu_devices", n)
-        reuse_host_memory()  # the backend has not started: its threads are not made yet
+        if reuse_memory:  # the backend has not started: its threads are not made yet
+            reuse_host_memory()
     except RuntimeError:  # the backend already started: its device count is fixed
         have = jax.devices("cpu")
         if len(have) >= n:

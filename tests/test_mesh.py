@@ -1,10 +1,11 @@
 """Virtual devices and the mesh: shapes, axis names, and the errors users will hit."""
 
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
-import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
 
@@ -60,16 +61,21 @@ def test_mesh_strings_parse_and_bad_ones_explain():
     not Path("/proc/self/maps").exists() or platform.libc_ver()[0] != "glibc",
     reason="glibc on Linux only: elsewhere reuse_host_memory sets nothing",
 )
-def test_large_host_buffers_come_from_the_reused_heap():
-    """conftest started the devices through use_virtual_devices, which told glibc to
-    serve large blocks from its heap (kept mapped for reuse) instead of a fresh mmap
-    per block. A 64 MiB buffer, far past glibc's default mmap threshold, lies inside
-    the process's [heap] mapping."""
-    buffer = np.ones(1 << 24, np.float32)
-    address = buffer.ctypes.data
-    heaps = [
-        tuple(int(x, 16) for x in line.split()[0].split("-"))
-        for line in Path("/proc/self/maps").read_text().splitlines()
-        if line.endswith("[heap]")
-    ]
-    assert any(lo <= address < hi for lo, hi in heaps)
+@pytest.mark.parametrize("reuse", [True, False])
+def test_large_host_buffers_come_from_the_reused_heap(reuse):
+    """With reuse_memory, use_virtual_devices tells glibc to serve large blocks from its
+    heap (kept mapped for reuse) instead of a fresh mmap per block: a 64 MiB buffer,
+    far past glibc's default mmap threshold, then lies inside the [heap] mapping, and
+    without it outside. In a fresh process: this one's backend has started."""
+    script = f"""
+import numpy as np
+from pathlib import Path
+from shardemu.devices import use_virtual_devices
+use_virtual_devices(2, reuse_memory={reuse})
+address = np.ones(1 << 24, np.float32).ctypes.data
+maps = Path("/proc/self/maps").read_text().splitlines()
+heaps = [[int(x, 16) for x in m.split()[0].split("-")] for m in maps if m.endswith("[heap]")]
+print(any(lo <= address < hi for lo, hi in heaps))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.stdout.strip() == str(reuse), out.stderr

@@ -95,7 +95,7 @@ def _devices(args: argparse.Namespace, par: Parallelism) -> list[Any]:
     started (`--processes`), the global devices of all of them."""
     count = _device_count(args, par)
     if process_index() is None:
-        return use_virtual_devices(count)
+        return use_virtual_devices(count, reuse_memory=True)  # a run steps: see devices.py
     import jax
 
     join(count)
