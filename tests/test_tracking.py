@@ -14,6 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from wandb.proto import wandb_internal_pb2
 
 from shardemu import __version__
+from shardemu.cli.config_file import run_flags
+from shardemu.config import ConfigError
 from shardemu.report.rundir import read_metrics
 from shardemu.report.sweep import load_sweep
 from shardemu.report.trackers import step_scalars
@@ -240,6 +242,18 @@ def test_config_json_reruns_the_same_run_and_flags_win(sweep, tmp_path):
     assert shorter.returncode == 0, shorter.stderr
     (record,) = read_metrics(tmp_path / "t")
     assert record["loss"] == read_metrics(trial)[0]["loss"]
+
+
+def test_config_json_from_before_sequence_parallelism_still_reruns(sweep):
+    """A config.json recorded before the residual_sequence rule existed re-runs as the
+    default; a rules table that really differs is refused."""
+    path = sweep[0] / "trial-000" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["rules"] = [rule for rule in cfg["rules"] if rule[0] != "residual_sequence"]
+    assert run_flags(cfg, path)["sequence_parallel"] is False
+    cfg["rules"] = [[name, None if name == "vocab" else axes] for name, axes in cfg["rules"]]
+    with pytest.raises(ConfigError, match="rules=not the default"):
+        run_flags(cfg, path)
 
 
 def test_random_sweeps_draw_the_same_trials_within_their_ranges(tmp_path):

@@ -149,7 +149,10 @@ def run_flags(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
         if f.name in ("weight_decay", "grad_clip")
         and getattr(train, f.name) != getattr(TrainConfig(), f.name)
     }
-    if cfg.get("rules") not in (None, [[n, a] for n, a in megatron_rules(train.sequence_parallel)]):
+    default = [[n, a] for n, a in megatron_rules(train.sequence_parallel)]
+    # runs recorded before sequence parallelism have no residual_sequence rule
+    before = [rule for rule in default if rule != ["residual_sequence", None]]
+    if cfg.get("rules") not in (None, default, before):
         unexpressed["rules"] = "not the default"
     if unexpressed:
         raise ConfigError(
