@@ -42,6 +42,14 @@ def ones(axes: tuple[str, ...]) -> Init:
     return nn.with_logical_partitioning(nn.initializers.ones_init(), axes)
 
 
+def projection_inits(
+    cfg: ModelConfig, kernel_axes: tuple[str, ...], n_out: int, std: float | None = None
+) -> tuple[Init, Init]:
+    """A projection's kernel and bias initialisers: the kernel named `kernel_axes`, the
+    bias named by their last `n_out` (output) names."""
+    return normal(cfg.init_std if std is None else std, kernel_axes), zeros(kernel_axes[-n_out:])
+
+
 def dense(
     cfg: ModelConfig,
     features: int | tuple[int, ...],
@@ -53,11 +61,12 @@ def dense(
     """A DenseGeneral whose kernel is named `kernel_axes` and whose bias is named by the
     output part of them."""
     n_out = 1 if isinstance(features, int) else len(features)
+    kernel_init, bias_init = projection_inits(cfg, kernel_axes, n_out, std)
     return nn.DenseGeneral(
         features,
         axis=in_axes,
-        kernel_init=normal(cfg.init_std if std is None else std, kernel_axes),
-        bias_init=zeros(kernel_axes[-n_out:]),
+        kernel_init=kernel_init,
+        bias_init=bias_init,
         param_dtype=jnp.dtype(cfg.param_dtype),
         name=name,
     )
@@ -84,8 +93,8 @@ def embed(cfg: ModelConfig, rows: int, row_axis: str, name: str | None = None) -
 
 
 class Projection(nn.Module):
-    """The kernel and bias of a DenseGeneral from `dense`, under the same names, for
-    callers that fuse several projections into one matmul."""
+    """The kernel and bias of a DenseGeneral from `dense` (same names, same
+    initialisers), for callers that fuse several projections into one matmul."""
 
     cfg: ModelConfig
     features: tuple[int, ...]
@@ -95,11 +104,9 @@ class Projection(nn.Module):
     def __call__(self) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
         dtype = jnp.dtype(cfg.param_dtype)
-        n_out = len(self.features)
-        kernel = self.param(
-            "kernel", normal(cfg.init_std, self.kernel_axes), (cfg.embed_dim, *self.features), dtype
-        )
-        bias = self.param("bias", zeros(self.kernel_axes[-n_out:]), self.features, dtype)
+        kernel_init, bias_init = projection_inits(cfg, self.kernel_axes, len(self.features))
+        kernel = self.param("kernel", kernel_init, (cfg.embed_dim, *self.features), dtype)
+        bias = self.param("bias", bias_init, self.features, dtype)
         return kernel, bias
 
 
