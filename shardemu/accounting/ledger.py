@@ -15,7 +15,6 @@ Per-step totals are what `metrics.jsonl` reports; the event list is what `ledger
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from collections import defaultdict
 from collections.abc import Iterable
@@ -66,8 +65,13 @@ class Phase:
         return _PART[self.kind]
 
     def at(self, micro: int) -> Phase:
-        """The same phase for microbatch `micro`."""
-        return _phase_at(self, micro)
+        """The same phase for microbatch `micro`, made once per microbatch and kept on
+        this phase (outside its fields): a search places millions of events."""
+        made = self.__dict__.setdefault("_at", {})
+        phase = made.get(micro)
+        if phase is None:
+            phase = made[micro] = dataclasses.replace(self, micro=micro)
+        return phase
 
     def __str__(self) -> str:
         """The readable name: fwd3, bwd-embed, update-shared, fwd@5 (microbatch 5)."""
@@ -80,11 +84,6 @@ class Phase:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": str(self), **dataclasses.asdict(self)}
-
-
-@functools.lru_cache(maxsize=65536)  # a pipelined step asks for the same few phases often
-def _phase_at(phase: Phase, micro: int) -> Phase:
-    return dataclasses.replace(phase, micro=micro)
 
 
 @dataclass(frozen=True)

@@ -49,13 +49,17 @@ class DryRun:
 
 
 def dry_run(trainer: PhasedTrainer, layout: Layout) -> DryRun:
-    """One step of `trainer`'s program with `layout`, in abstract mode."""
+    """One step of `trainer`'s program with `layout`, in abstract mode, once per
+    trainer and layout: the phase count's search and the plan ask for the same one."""
+    if layout.slices in trainer.dry_runs:
+        return trainer.dry_runs[layout.slices]
     ledger = Ledger()
     tiers = [Tier(f"device (stage {s})", None) for s in range(trainer.par.pipe)]
     ex = trainer.executor(ledger, tiers, real=False)
     state = trainer.abstract_state(layout)
     output = run_step(ex, layout, trainer.cfg, state, trainer.abstract_batches())
-    return DryRun(ledger, tiers, output)
+    run = trainer.dry_runs[layout.slices] = DryRun(ledger, tiers, output)
+    return run
 
 
 def fewest_phases_that_fit(trainer: PhasedTrainer, capacity: int) -> int:

@@ -85,6 +85,7 @@ class PhasedTrainer:
         # what a piece compiles to depends on these settings as well as on its inputs
         self._context = (model.cfg, train, self.rules, cfg.rts, cfg.rts_opt)
         self._shapes: dict = {}
+        self.dry_runs: dict[tuple, planner.DryRun] = {}  # by the layout's slices
         # one layer's weights as a phase computes with them (gathered, tensor-sharded)
         layer = with_shardings(self.pieces.layer_shape_one, self.stages[0].layer_compute)
         self.layer_bytes_per_device = bytes_per_device(layer)

@@ -49,9 +49,10 @@ host update, or nothing of its own (another stage: the pipeline bubble).
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism
@@ -70,9 +71,9 @@ _EXPOSED = (("h2d", "exposed_transfer_s"), ("d2h", "exposed_transfer_s"),
 _READS_SHARED = ("embed", "head", "embed-backward", "shared-backward")
 
 
-@dataclass(frozen=True)
-class Span:
-    """One event placed on the timeline (seconds from the start of the step)."""
+class Span(NamedTuple):
+    """One event placed on the timeline (seconds from the start of the step). A tuple:
+    a search makes millions."""
 
     index: int
     stage: int
@@ -110,6 +111,7 @@ def stream_of(event: Event) -> str:
     return event.kind
 
 
+@functools.lru_cache(maxsize=1024)  # asked once per collective a timeline places
 def axis_span(axis: str, par: Parallelism) -> int:
     """How many consecutive devices a group along `axis` (e.g. "replica+tensor")
     spans, in the mesh's (pipe, replica, tensor) layout."""
@@ -141,55 +143,53 @@ def build_timeline(
     events: list[Event], hw: Hardware, par: Parallelism, overlap: Overlap = DEFAULT_OVERLAP
 ) -> Timeline:
     """Place one step's events (program order) on per-stage streams; see the module
-    docstring for the dependency rules."""
+    docstring for the dependency rules. Each rule waits for the latest end among the
+    spans it names, so only that end is kept (a search places millions of events)."""
     spans: list[Span] = []
     stream_free: dict[tuple[int, str], float] = defaultdict(float)
-    last_compute: dict[tuple[Phase, int], Span] = {}  # (phase, stage) -> latest compute
-    last_compute_on_stage: dict[int, Span] = {}
-    phase_inputs: dict[Phase, list[Span]] = defaultdict(list)  # non-compute spans by phase
-    gradients_out: list[Span] = []
-    pending: dict[int, list[Span]] = defaultdict(list)  # collectives since a stage's compute
-    reductions: dict[int, list[Span]] = defaultdict(list)  # gradient reductions, per stage
-    shared_in: dict[int, list[Span]] = defaultdict(list)  # the shared weights, per stage
+    last_compute: dict[tuple[Phase, int], float] = {}  # (phase, stage) -> latest compute's end
+    last_compute_on_stage: dict[int, float] = {}
+    phase_inputs: dict[Phase, float] = defaultdict(float)  # non-compute spans, by phase
+    gradients_out = 0.0
+    pending: dict[int, float] = {}  # collectives since a stage's compute
+    reductions: dict[int, float] = {}  # gradient reductions, per stage
+    shared_in: dict[int, float] = defaultdict(float)  # the shared weights, per stage
     for i, e in enumerate(events):
         stream = stream_of(e)
         ready = stream_free[(e.stage, stream)]
         reduction = e.kind == "collective" and e.axis != "pipe" and e.carries == "gradients"
         if e.kind == "compute":
-            waits = [*phase_inputs[e.phase], *pending.pop(e.stage, [])]
+            ready = max(ready, phase_inputs.get(e.phase, 0.0), pending.pop(e.stage, 0.0))
             if e.phase.kind == "update":
-                waits += reductions.pop(e.stage, [])
+                ready = max(ready, reductions.pop(e.stage, 0.0))
             if e.phase.kind in _READS_SHARED:
-                waits += shared_in[e.stage]
-            ready = max([ready, *(s.end for s in waits)])
+                ready = max(ready, shared_in[e.stage])
         else:
-            if (e.phase, e.stage) in last_compute:
-                ready = max(ready, last_compute[(e.phase, e.stage)].end)
-            if e.kind in ("h2d", "broadcast") and e.stage in last_compute_on_stage:
-                ready = max(ready, last_compute_on_stage[e.stage].end)
-            if e.axis == "pipe":  # sends what its stage computed last, with its collectives
-                produced = [*pending.get(e.stage, []), last_compute_on_stage.get(e.stage)]
-                ready = max([ready, *(s.end for s in produced if s is not None)])
+            ready = max(ready, last_compute.get((e.phase, e.stage), 0.0))
+            if e.kind in ("h2d", "broadcast") or e.axis == "pipe":
+                # a send also carries what its stage's last collectives produced
+                produced = pending.get(e.stage, 0.0) if e.axis == "pipe" else 0.0
+                ready = max(ready, last_compute_on_stage.get(e.stage, 0.0), produced)
         if e.phase.kind == "update":
-            ready = max([ready, *(s.end for s in gradients_out)])
-        span = Span(i, e.stage, stream, e.phase, ready, ready + duration(e, hw, par), e)
-        spans.append(span)
-        stream_free[(e.stage, stream)] = span.end
+            ready = max(ready, gradients_out)
+        end = ready + duration(e, hw, par)
+        spans.append(Span(i, e.stage, stream, e.phase, ready, end, e))
+        stream_free[(e.stage, stream)] = end
         if e.kind == "compute":
-            last_compute[(e.phase, e.stage)] = span
+            last_compute[(e.phase, e.stage)] = end
             if e.on == "device":
-                last_compute_on_stage[e.stage] = span
+                last_compute_on_stage[e.stage] = end
         elif reduction:
-            reductions[e.stage].append(span)
+            reductions[e.stage] = max(reductions.get(e.stage, 0.0), end)
         else:
-            phase_inputs[e.phase].append(span)
+            phase_inputs[e.phase] = max(phase_inputs[e.phase], end)
             if e.phase.kind == "shared":
-                shared_in[e.stage].append(span)
+                shared_in[e.stage] = max(shared_in[e.stage], end)
         blocks = e.axis != "pipe" or overlap.pipe_sends == "blocking"
         if e.kind == "collective" and not reduction and blocks:
-            pending[e.stage].append(span)
+            pending[e.stage] = max(pending.get(e.stage, 0.0), end)
         if e.kind in ("d2h", "reduce") and e.carries == "gradients":
-            gradients_out.append(span)
+            gradients_out = max(gradients_out, end)
     step = max((s.end for s in spans), default=0.0)
     timeline = Timeline(spans, step)
     timeline.critical_stage, timeline.breakdown = _breakdown(spans, step)

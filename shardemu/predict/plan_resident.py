@@ -263,9 +263,9 @@ def _step_events(
         if not reduce:
             return [_scaled(e, per_chunk, r, phase=tag) for e in piece]
         grads, out = mb.layer_bytes * per_chunk, []
+        part = [_scaled(e, per_chunk / buckets, r, phase=tag) for e in piece]
         for i in range(buckets):
-            out += [_scaled(e, per_chunk / buckets, r, phase=tag) for e in piece]
-            out.append(all_reduce(grads * (i + 1) // buckets - grads * i // buckets, tag))
+            out += [*part, all_reduce(grads * (i + 1) // buckets - grads * i // buckets, tag)]
         return out
 
     @functools.cache  # one list per (F or B, virtual stage); `assemble` sets the microbatch
