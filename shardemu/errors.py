@@ -28,7 +28,12 @@ class DeviceError(ShardemuError, RuntimeError):
 
 
 class CapacityError(ShardemuError, RuntimeError):
-    """A memory tier cannot hold what a phase needs; the message names both and the fix."""
+    """A memory tier cannot hold what a phase needs; the message names both and the fix.
+    `needed`: the bytes per device a layout needs on its device tier, where known."""
+
+    def __init__(self, message: str, needed: int | None = None) -> None:
+        super().__init__(message)
+        self.needed = needed
 
 
 class HardwareError(ShardemuError, ValueError):

@@ -70,6 +70,11 @@ def test_search_finds_what_brute_force_finds(searched):
         assert rows[label]["step_time_s"] == pytest.approx(report["step_time_s"], rel=1e-9)
         assert rows[label]["device_bytes"] == report["memory_per_device"]["device"]["bytes"]
     assert any(r["status"] == "extrapolated" for r in rows.values())
+    unfit = {r["label"]: r for r in searched["candidates"] if r["status"] == "does not fit"}
+    assert unfit  # not timed, but their memory is the planner's
+    for label, row in unfit.items():
+        assert row["device_bytes"] == brute[label]["memory_per_device"]["device"]["bytes"]
+        assert "step_time_s" not in row
     winner = min(fits, key=lambda k: fits[k]["step_time_s"])
     assert searched["best"]["label"] == winner
     assert [r["label"] for r in searched["top"]] == sorted(

@@ -56,6 +56,7 @@ from typing import Any, NamedTuple
 
 from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism
+from shardemu.errors import CapacityError
 from shardemu.predict.hardware import GB, Hardware
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.roofline import compute_seconds
@@ -249,9 +250,25 @@ def predict(
         "tokens_per_s": tokens / step if step else 0.0,
     }
     if memory is not None:
-        capacity = {"device": hw.device_memory_bytes, "host": hw.host_memory_bytes}
+        capacity = capacities(hw)
         report["memory_per_device"] = {
             tier: {"bytes": used, "capacity": capacity[tier], "fits": used <= capacity[tier]}
             for tier, used in memory.items()
         }
     return timeline, report
+
+
+def capacities(hw: Hardware) -> dict[str, int]:
+    """Bytes per device each memory tier of `hw` holds."""
+    return {"device": hw.device_memory_bytes, "host": hw.host_memory_bytes}
+
+
+def require_fit(memory: dict[str, int], hw: Hardware, layout: str) -> None:
+    """Raise `CapacityError` (with the device bytes) if `memory` (bytes per device by
+    tier) overflows a tier of `hw`: a search times only the layouts that fit."""
+    over = {t: (used, capacities(hw)[t]) for t, used in memory.items() if used > capacities(hw)[t]}
+    if over:
+        told = "; ".join(f"{t} {used:,} bytes > {cap:,}" for t, (used, cap) in over.items())
+        raise CapacityError(
+            f"{layout} does not fit {hw.name} per device: {told}", needed=memory.get("device")
+        )

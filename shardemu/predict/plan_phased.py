@@ -28,7 +28,7 @@ from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.phased.trainer import PhasedTrainer
-from shardemu.predict.costmodel import Timeline, predict
+from shardemu.predict.costmodel import Timeline, predict, require_fit
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
@@ -65,6 +65,7 @@ def plan_phased(
     microbatch_size: int | Literal["auto"] | None = None,
     tracking: TrackingConfig | None = None,
     overlap: Overlap = DEFAULT_OVERLAP,
+    must_fit: bool = False,
 ) -> dict[str, Any]:
     """Count one phased step in abstract mode: the JSON `shardemu plan --json` prints.
     The pipeline's stages are planned on one stage's devices (`plan_devices`); a
@@ -75,8 +76,10 @@ def plan_phased(
     `microbatch_size` b, the batch runs as passes of b sequences per replica, pipelined
     over the stages (`accounting/assemble.py`, a 1F1B schedule): one pass is counted;
     `"auto"` plans each candidate size on `hardware` and keeps the fastest that fits
-    (`predict/microbatch.py`), reported under `microbatch_choice`.
-    Needs `plan_devices(par)` JAX devices (virtual CPU devices will do)."""
+    (`predict/microbatch.py`), reported under `microbatch_choice`. With `must_fit`
+    and `hardware`, a step over a memory tier raises `CapacityError` before it is
+    assembled and timed. Needs `plan_devices(par)` JAX devices (virtual CPU devices
+    will do)."""
     t0 = time.perf_counter()
     if microbatch_size == "auto":
         if hardware is None:
@@ -84,15 +87,16 @@ def plan_phased(
 
         def candidate(size: int) -> tuple[dict[str, Any], Any]:
             report, ledger, timeline = _counted(
-                model_cfg, par, train_cfg, phased, rules, hardware, size, overlap
+                model_cfg, par, train_cfg, phased, rules, hardware, size, overlap, must_fit
             )
             return report, (ledger, timeline)
 
         report, (ledger, timeline) = choose_microbatch(train_cfg.batch, par, candidate)
     else:
         report, ledger, timeline = _counted(
-            model_cfg, par, train_cfg, phased, rules, hardware, microbatch_size, overlap
-        )
+            model_cfg, par, train_cfg, phased, rules, hardware, microbatch_size, overlap,
+            must_fit,
+        )  # fmt: skip
     if out is not None:
         write_plan_dir(Path(out), report, ledger, timeline, tracking)
     report["elapsed_s"] = time.perf_counter() - t0
@@ -102,7 +106,7 @@ def plan_phased(
 def _counted(
     model_cfg: ModelConfig, par: Parallelism, train_cfg: TrainConfig, phased: PhasedConfig,
     rules: Rules | None, hardware: Hardware | None, microbatch_size: int | None,
-    overlap: Overlap,
+    overlap: Overlap, must_fit: bool = False,
 ) -> tuple[dict[str, Any], Ledger, Timeline | None]:  # fmt: skip
     """`plan_phased`'s work at one microbatch size: the report, the step's ledger and
     (with `hardware`) its timeline."""
@@ -114,18 +118,24 @@ def _counted(
     passes, pass_cfg = _passes(train_cfg, par, microbatch_size)
     plan, events = _one_pass(model_cfg, par, pass_cfg, phased, rules)
     plan = copy.deepcopy(plan)
-    ledger = Ledger(list(events))
     device_peak = plan["device_high_water"]
-    if passes > 1:
-        sched = make_schedule("1f1b", par.pipe, passes)
-        ledger = Ledger(repeat_passes(ledger.events, sched))
+    sched = make_schedule("1f1b", par.pipe, passes) if passes > 1 else None
+    if sched is not None:
         device_peak += _in_flight_activations(plan, sched, phased)
     if phased.weight_streaming and hardware is not None:
         _check_activations_fit(device_peak, hardware, pass_cfg, par)
+    host = plan["host_bytes_per_device"]
+    memory = {"device": device_peak, "host": host["weights"] + host["optimizer_state"]}
+    if must_fit and hardware is not None:
+        layout = (
+            f"{par} phased in {plan['phases']} phases (rts {phased.rts}, activations "
+            f"{phased.activations}, optimizer on the {phased.optimizer_on})"
+        )
+        require_fit(memory, hardware, layout)
+    ledger = Ledger(list(events) if sched is None else repeat_passes(events, sched))
     totals = ledger.step_totals(0)
     analytic = flops.training_step(model_cfg, train_cfg.batch, train_cfg.seq)
     shapes, _ = model.abstract_params()
-    host = plan["host_bytes_per_device"]
     report = {
         "model": model_cfg.name,
         "mesh": str(par),
@@ -141,10 +151,7 @@ def _counted(
         "model_flops_analytic": analytic,
         "model_flops_rel_err": totals["model_flops"] / analytic - 1,
         "passes": passes,
-        "memory_per_device": {
-            "device": device_peak,
-            "host": host["weights"] + host["optimizer_state"],
-        },
+        "memory_per_device": memory,
         "plan": plan,
     }
     if model_cfg.vocab_size != given_vocab:

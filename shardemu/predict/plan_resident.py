@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +50,7 @@ from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import megatron_rules
 from shardemu.parallel.schedules import Schedule, Slot, make_schedule
 from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
-from shardemu.predict.costmodel import Timeline, predict
+from shardemu.predict.costmodel import Timeline, predict, require_fit
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
@@ -160,13 +160,36 @@ def _bytes_of_shape(tree: Any, shape: tuple[int, ...]) -> int:
     )
 
 
+class CountKey(NamedTuple):
+    """What a layout's microbatch count depends on: `counted_microbatch`'s arguments."""
+
+    cfg: ModelConfig  # padded for the mesh, in the precision's dtypes
+    tensor: int
+    microbatch_size: int
+    seq: int
+    full: bool  # full recomputation
+    precision: str
+    fused_attention: bool
+
+
+def count_key(
+    model_cfg: ModelConfig, par: Parallelism, microbatch_size: int, seq: int,
+    recompute: str, precision: str, attention: str,
+) -> CountKey:  # fmt: skip
+    """The count a layout's plan uses."""
+    cfg = compute_model(Model(padded_for(model_cfg, par)), precision).cfg
+    full, fused = recompute == "full", attention == "fused"
+    return CountKey(cfg, par.tensor, microbatch_size, seq, full, precision, fused)
+
+
 @functools.lru_cache(maxsize=256)
-def _counted(
+def counted_microbatch(
     cfg: ModelConfig, tensor: int, microbatch_size: int, seq: int, full: bool, precision: str,
     fused_attention: bool,
 ) -> Microbatch:  # fmt: skip
-    """`count_microbatch` once per process for each setting: a search plans one count
-    at many pipeline depths, replicas, schedules and batch sizes. With fused attention,
+    """`count_microbatch` once per process for each setting (`count_key`): a search plans
+    one count at many pipeline depths, replicas, schedules and batch sizes, and counts
+    ahead of its planning (`search.py`). With fused attention,
     each layer's backward also recomputes its scores Q K^T: FlashAttention keeps only
     the softmax statistics (Dao et al. 2022, Algorithm 4)."""
     mb = count_microbatch(
@@ -339,15 +362,18 @@ def plan_resident(
     precision: str = "fp32",
     overlap: Overlap = DEFAULT_OVERLAP,
     attention: str = "materialized",
+    must_fit: bool = False,
 ) -> tuple[dict[str, Any], Ledger, Timeline]:
     """Predict a resident (pipelined) step of `batch` sequences on `hardware` in
     `precision`, its communication overlapped as `overlap` says and its attention core
     `materialized` or `fused` (`ATTENTION`): the report, the step's ledger and its
-    timeline. Needs `par.tensor` JAX devices (one stage's tensor group)."""
+    timeline. With `must_fit`, a layout over the device memory raises `CapacityError`
+    before its step is assembled and timed. Needs `par.tensor` JAX devices (one
+    stage's tensor group)."""
     t0 = time.perf_counter()
     hardware = hardware.at_precision(arithmetic(model_cfg, precision))
-    model = compute_model(Model(padded_for(model_cfg, par)), precision)
-    model_cfg = model.cfg
+    key = count_key(model_cfg, par, microbatch_size, seq, recompute, precision, attention)
+    model_cfg = key.cfg
     if recompute not in ("none", "selective", "full"):
         raise ConfigError(f"--recompute must be none, selective or full, got {recompute!r}")
     per_step = par.replica * microbatch_size
@@ -363,14 +389,9 @@ def plan_resident(
     if attention not in ATTENTION:
         raise ConfigError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
     fused = attention == "fused"
-    mb = _counted(
-        model_cfg, par.tensor, microbatch_size, seq, recompute == "full", precision, fused
-    )
+    mb = counted_microbatch(*key)
     if recompute == "selective":
         mb = _selective(mb, model_cfg, par.tensor, microbatch_size, seq, fused)
-    ledger = Ledger(_step_events(mb, sched, model_cfg, par, microbatch_size, seq, overlap))
-    totals = ledger.step_totals(0)
-
     peak = max(sched.peak_activations(s) for s in range(p))
     per_chunk = L // (p * v)
     weights = mb.layer_bytes * L // p + mb.shared_bytes
@@ -379,6 +400,11 @@ def plan_resident(
     itemsize = jnp.dtype(model_cfg.param_dtype).itemsize
     grads = weights if m == 1 else weights * 4 // itemsize
     device_bytes = weights + grads + optimizer + round(peak * per_chunk * v * mb.keep_bytes)
+    if must_fit:
+        layout = f"{par} microbatch {microbatch_size} {schedule} recompute={recompute}"
+        require_fit({"device": device_bytes}, hardware, layout)
+    ledger = Ledger(_step_events(mb, sched, model_cfg, par, microbatch_size, seq, overlap))
+    totals = ledger.step_totals(0)
     timed = ledger.events
     if sparsity is not None:  # the layers' matmuls at the hardware's block-sparse speed
         factor = layer_factor(hardware, model_cfg, seq, sparsity)

@@ -23,8 +23,9 @@ Pruning, in order, each exact (it never drops a layout that fits):
    (16 bytes a parameter in every precision, over pipe x tensor devices) has no
    resident layout that fits, and one where a layer's weights over tensor (which a
    phase gathers whole before it runs) exceed it has no phased layout that fits;
-2. a layout that does not fit its tiers (the planner's own memory count) is kept in
-   the JSON with the reason, not predicted further;
+2. a layout that does not fit its tiers (the planner's own memory count, made before
+   its step is assembled: `must_fit`) is kept in the JSON with its device bytes and
+   the reason, and not timed;
 3. a larger microbatch holds more activations: once no layout of a microbatch size
    fits, the larger sizes of that mesh and precision are not counted;
 4. phased settings are screened least device memory first; a setting that holds at
@@ -58,9 +59,11 @@ import jax.numpy as jnp
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.errors import CapacityError
 from shardemu.models import Model, count_params
+from shardemu.predict.ahead import CountsAhead
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import microbatch_candidates
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
+from shardemu.predict.plan_resident import count_key, counted_microbatch, plan_resident
 from shardemu.training.precision import arithmetic, compute_model
 
 Mode = Literal["resident", "phased"]
@@ -195,6 +198,7 @@ class Searcher:
     seq: int
     space: Space
     log: Callable[[str], None] = lambda _: None
+    ahead: CountsAhead | None = None  # the counts being made in the background
 
     def __post_init__(self) -> None:
         if self.devices < 1 or self.batch < 1 or self.seq < 1:
@@ -217,13 +221,16 @@ class Searcher:
         """The planner's report for `c` with `microbatches` microbatches (or passes)."""
         batch = c.microbatch_size * c.replica * microbatches
         if c.mode == "resident":
-            from shardemu.predict.plan_resident import plan_resident
-
+            if self.ahead is not None:
+                self.ahead.ready(count_key(
+                    self.model_cfg, c.par, c.microbatch_size, self.seq, c.recompute,
+                    c.precision, self.space.attention,
+                ))  # fmt: skip
             report, _, _ = plan_resident(
                 self.model_cfg, c.par, batch, self.seq, c.microbatch_size, self.hardware,
                 schedule=c.schedule, virtual=c.virtual, recompute=c.recompute,  # type: ignore[arg-type]
                 precision=c.precision, overlap=self.space.overlap,
-                attention=self.space.attention,
+                attention=self.space.attention, must_fit=True,
             )  # fmt: skip
             return report
         from shardemu.predict.plan_phased import plan_phased
@@ -236,7 +243,7 @@ class Searcher:
         train = TrainConfig(batch=batch, seq=self.seq, precision=c.precision)
         return plan_phased(
             self.model_cfg, c.par, train, phased, hardware=self.hardware,
-            microbatch_size=c.microbatch_size, overlap=self.space.overlap,
+            microbatch_size=c.microbatch_size, overlap=self.space.overlap, must_fit=True,
         )  # fmt: skip
 
     def microbatches(self, c: Candidate) -> int:
@@ -251,9 +258,11 @@ class Searcher:
         try:
             if m <= m2:
                 return row | _measures(self.plan(c, m), m, "planned")
-            first, second = self.plan(c, m1), self.plan(c, m2)
-        except CapacityError as err:
-            return row | {"status": "does not fit", "reason": str(err)}
+            second = self.plan(c, m2)  # the full step's memory: whether it fits
+            first = self.plan(c, m1)
+        except CapacityError as err:  # not timed (prune 2)
+            needed = {} if err.needed is None else {"device_bytes": err.needed}
+            return row | {"status": "does not fit", "fits": False, "reason": str(err), **needed}
         except ConfigError as err:
             return row | {"status": "refused", "reason": str(err)}
         s1, s2 = first["step_time_s"], second["step_time_s"]
@@ -319,22 +328,44 @@ class Searcher:
             )
         return out
 
-    def run_mode(self, modes: tuple[Mode, ...], rows: list[dict[str, Any]]) -> None:
+    def mesh_plans(
+        self, modes: tuple[Mode, ...]
+    ) -> Iterator[tuple[Parallelism, str, dict[Mode, str], list[int]]]:
+        """In search order, each mesh and precision: the modes prune 1 drops (with the
+        reason) and the microbatch sizes to try."""
         for par in meshes(self.model_cfg, self.devices, self.batch, self.space.max_tensor):
             sizes = [
                 b for b in microbatch_candidates(self.batch // par.replica)
                 if b <= self.space.max_microbatch
             ]  # fmt: skip
             for precision in self.space.precisions:
-                pruned = self.pruned_modes(par, precision, modes)
-                rows += [_pruned(par, precision, mode, why) for mode, why in pruned.items()]
-                use = tuple(m for m in modes if m not in pruned)
-                for size in sizes if use else []:
-                    screened = self.screen_group(self.candidates(par, use, precision, size))
-                    rows += screened
-                    if not any(r.get("fits") for r in screened):
-                        break  # prune 3: larger microbatches fit no better
-            self.log(f"{par}: {sum(1 for r in rows if r.get('fits'))} layouts fit so far")
+                yield par, precision, self.pruned_modes(par, precision, modes), sizes
+
+    def resident_counts(self, modes: tuple[Mode, ...]) -> list[tuple[tuple, ...]]:
+        """The microbatch counts (`count_key`) the resident layouts of `modes` may
+        need, in the order the search plans them (prune 3 may leave the last unused),
+        grouped by microbatch: with and without full recomputation, a microbatch's
+        counts share most of their pieces (`CountsAhead`)."""
+        groups: dict[tuple, dict[tuple, None]] = {}
+        for par, precision, pruned, sizes in self.mesh_plans(modes):
+            for size in sizes if "resident" in modes and "resident" not in pruned else []:
+                for c in self.candidates(par, ("resident",), precision, size):
+                    key = count_key(self.model_cfg, par, size, self.seq, c.recompute,
+                                    precision, self.space.attention)  # fmt: skip
+                    groups.setdefault(key._replace(full=False), {})[key] = None
+        return [tuple(keys) for keys in groups.values()]
+
+    def run_mode(self, modes: tuple[Mode, ...], rows: list[dict[str, Any]]) -> None:
+        for par, precision, pruned, sizes in self.mesh_plans(modes):
+            rows += [_pruned(par, precision, mode, why) for mode, why in pruned.items()]
+            use = tuple(m for m in modes if m not in pruned)
+            for size in sizes if use else []:
+                screened = self.screen_group(self.candidates(par, use, precision, size))
+                rows += screened
+                if not any(r.get("fits") for r in screened):
+                    break  # prune 3: larger microbatches fit no better
+            if precision == self.space.precisions[-1]:
+                self.log(f"{par}: {sum(1 for r in rows if r.get('fits'))} layouts fit so far")
 
 
 def _measures(report: dict[str, Any], microbatches: int, how: str) -> dict[str, Any]:
@@ -398,23 +429,24 @@ def search(
         "auto": ("resident",), "resident": ("resident",), "phased": ("phased",),
         "both": ("resident", "phased"),
     }  # fmt: skip
-    s.run_mode(order[space.modes], rows)
-    if space.modes == "auto" and not any(r.get("fits") for r in rows):
-        log("no resident layout fits: searching phased layouts")
-        s.run_mode(("phased",), rows)
-    fitting = sorted((r for r in rows if r.get("fits")), key=lambda r: r["step_time_s"])
-    if not fitting:
-        raise CapacityError(
-            f"no layout of {model_cfg.name} on {devices} x {hardware.name} fits its memory "
-            f"({len(rows)} tried, --modes {space.modes}); use more devices, a smaller "
-            f"--batch or --seq, or --modes both"
-        )
-    best = []
-    for row in fitting[:top]:  # planned whole: the numbers the table shows
-        c = _candidate(row)
-        full = _measures(s.plan(c, row["microbatches"]), row["microbatches"], "planned")
-        full["screened_step_time_s"] = row["step_time_s"]
-        best.append(row | full)
+    with CountsAhead(counted_microbatch, s.resident_counts(order[space.modes])) as s.ahead:
+        s.run_mode(order[space.modes], rows)
+        if space.modes == "auto" and not any(r.get("fits") for r in rows):
+            log("no resident layout fits: searching phased layouts")
+            s.run_mode(("phased",), rows)
+        fitting = sorted((r for r in rows if r.get("fits")), key=lambda r: r["step_time_s"])
+        if not fitting:
+            raise CapacityError(
+                f"no layout of {model_cfg.name} on {devices} x {hardware.name} fits its "
+                f"memory ({len(rows)} tried, --modes {space.modes}); use more devices, a "
+                f"smaller --batch or --seq, or --modes both"
+            )
+        best = []
+        for row in fitting[:top]:  # planned whole: the numbers the table shows
+            c = _candidate(row)
+            full = _measures(s.plan(c, row["microbatches"]), row["microbatches"], "planned")
+            full["screened_step_time_s"] = row["step_time_s"]
+            best.append(row | full)
     best.sort(key=lambda r: r["step_time_s"])
     return {
         "model": model_cfg.name,
