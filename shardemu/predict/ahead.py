@@ -1,5 +1,5 @@
-"""Counting ahead: the counts a search will need, made in one background thread while
-the search plans with the counts it already has.
+"""Counting ahead: the counts a search will need, made in background threads while the
+search plans with the counts it already has.
 
 A search's time is counting (tracing and compiling pieces: JAX and XLA) and planning
 (assembling and timing events: pure Python). XLA compiles without holding Python's

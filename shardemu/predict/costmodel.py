@@ -168,7 +168,8 @@ def build_timeline(
         else:
             ready = max(ready, last_compute.get((e.phase, e.stage), 0.0))
             if e.kind in ("h2d", "broadcast") or e.axis == "pipe":
-                # a send also carries what its stage's last collectives produced
+                # after the stage's last computation; a pipe send also after that
+                # computation's collectives (what it carries)
                 produced = pending.get(e.stage, 0.0) if e.axis == "pipe" else 0.0
                 ready = max(ready, last_compute_on_stage.get(e.stage, 0.0), produced)
         if e.phase.kind == "update":
@@ -266,7 +267,8 @@ def capacities(hw: Hardware) -> dict[str, int]:
 def require_fit(memory: dict[str, int], hw: Hardware, layout: str) -> None:
     """Raise `CapacityError` (with the device bytes) if `memory` (bytes per device by
     tier) overflows a tier of `hw`: a search times only the layouts that fit."""
-    over = {t: (used, capacities(hw)[t]) for t, used in memory.items() if used > capacities(hw)[t]}
+    capacity = capacities(hw)
+    over = {t: (used, capacity[t]) for t, used in memory.items() if used > capacity[t]}
     if over:
         told = "; ".join(f"{t} {used:,} bytes > {cap:,}" for t, (used, cap) in over.items())
         raise CapacityError(

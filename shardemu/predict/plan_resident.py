@@ -388,10 +388,9 @@ def plan_resident(
     sched = make_schedule(schedule, p, m, v)
     if attention not in ATTENTION:
         raise ConfigError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
-    fused = attention == "fused"
     mb = counted_microbatch(*key)
     if recompute == "selective":
-        mb = _selective(mb, model_cfg, par.tensor, microbatch_size, seq, fused)
+        mb = _selective(mb, model_cfg, par.tensor, microbatch_size, seq, key.fused_attention)
     peak = max(sched.peak_activations(s) for s in range(p))
     per_chunk = L // (p * v)
     weights = mb.layer_bytes * L // p + mb.shared_bytes

@@ -63,7 +63,13 @@ from shardemu.predict.ahead import CountsAhead
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import microbatch_candidates
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
-from shardemu.predict.plan_resident import count_key, counted_microbatch, plan_resident
+from shardemu.predict.plan_phased import plan_phased
+from shardemu.predict.plan_resident import (
+    CountKey,
+    count_key,
+    counted_microbatch,
+    plan_resident,
+)
 from shardemu.training.precision import arithmetic, compute_model
 
 Mode = Literal["resident", "phased"]
@@ -222,10 +228,7 @@ class Searcher:
         batch = c.microbatch_size * c.replica * microbatches
         if c.mode == "resident":
             if self.ahead is not None:
-                self.ahead.ready(count_key(
-                    self.model_cfg, c.par, c.microbatch_size, self.seq, c.recompute,
-                    c.precision, self.space.attention,
-                ))  # fmt: skip
+                self.ahead.ready(self.count_of(c))
             report, _, _ = plan_resident(
                 self.model_cfg, c.par, batch, self.seq, c.microbatch_size, self.hardware,
                 schedule=c.schedule, virtual=c.virtual, recompute=c.recompute,  # type: ignore[arg-type]
@@ -233,8 +236,6 @@ class Searcher:
                 attention=self.space.attention, must_fit=True,
             )  # fmt: skip
             return report
-        from shardemu.predict.plan_phased import plan_phased
-
         phased = PhasedConfig(
             device_memory=self.hardware.device_memory_bytes, rts=c.rts,
             activations=c.activations, optimizer_on=c.optimizer_on,  # type: ignore[arg-type]
@@ -244,6 +245,13 @@ class Searcher:
         return plan_phased(
             self.model_cfg, c.par, train, phased, hardware=self.hardware,
             microbatch_size=c.microbatch_size, overlap=self.space.overlap, must_fit=True,
+        )  # fmt: skip
+
+    def count_of(self, c: Candidate) -> CountKey:
+        """The microbatch count resident candidate `c`'s plans use."""
+        return count_key(
+            self.model_cfg, c.par, c.microbatch_size, self.seq, c.recompute, c.precision,
+            self.space.attention,
         )  # fmt: skip
 
     def microbatches(self, c: Candidate) -> int:
@@ -341,17 +349,16 @@ class Searcher:
             for precision in self.space.precisions:
                 yield par, precision, self.pruned_modes(par, precision, modes), sizes
 
-    def resident_counts(self, modes: tuple[Mode, ...]) -> list[tuple[tuple, ...]]:
+    def resident_counts(self, modes: tuple[Mode, ...]) -> list[tuple[CountKey, ...]]:
         """The microbatch counts (`count_key`) the resident layouts of `modes` may
         need, in the order the search plans them (prune 3 may leave the last unused),
         grouped by microbatch: with and without full recomputation, a microbatch's
         counts share most of their pieces (`CountsAhead`)."""
-        groups: dict[tuple, dict[tuple, None]] = {}
+        groups: dict[CountKey, dict[CountKey, None]] = {}
         for par, precision, pruned, sizes in self.mesh_plans(modes):
             for size in sizes if "resident" in modes and "resident" not in pruned else []:
                 for c in self.candidates(par, ("resident",), precision, size):
-                    key = count_key(self.model_cfg, par, size, self.seq, c.recompute,
-                                    precision, self.space.attention)  # fmt: skip
+                    key = self.count_of(c)
                     groups.setdefault(key._replace(full=False), {})[key] = None
         return [tuple(keys) for keys in groups.values()]
 
