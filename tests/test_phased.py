@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from shardemu.accounting.count import Counter
 from shardemu.config import ConfigError, Parallelism, PhasedConfig, TrainConfig
 from shardemu.data import SyntheticCorpus
 from shardemu.parallel.mesh import make_mesh
@@ -168,6 +169,46 @@ def test_abstract_mode_counts_what_real_mode_did(tiny_model, runs):
         real = trainer.ledger.step_totals(1)
         assert plan["step_totals"] == real
         assert plan["device_high_water"] == max(t.high_water for t in trainer.tiers)
+
+
+def test_plans_sharing_a_counter_compile_only_new_pieces(tiny_model):
+    """A second trainer of other settings compiles only the pieces the first lacked:
+    moving the optimizer to the device adds its two updates, and the recomputation's
+    count (a backward over the forward's vjp, whose tree structure holds a jaxpr) is
+    not compiled again (it was, once per plan, before the counter kept the shapes)."""
+    counter = Counter()
+    for optimizer_on, new in (("host", None), ("device", 2)):
+        cfg = PhasedConfig(2, None, 1, None, "recompute", optimizer_on)
+        trainer = PhasedTrainer(
+            tiny_model, make_mesh(tensor=2, replica=REPLICA), TRAIN, cfg, counter=counter
+        )
+        before = len(counter)
+        trainer.plan()
+        assert new is None or len(counter) - before == new
+
+
+@pytest.mark.parametrize(
+    "name", ["4-rts4-keep-host", "4-rts1-offload-device-opt4", "2-rts4-recompute-device-opt1"]
+)
+def test_a_plan_for_memory_alone_equals_the_counted_plan(tiny_model, name):
+    """The dry run a layout's fit is judged by (`counting=False`) holds what the counted
+    step holds, phase by phase, and compiles none of the layers' pieces: their outputs'
+    shardings are declared (only small undeclared pieces such as `sq-norm` and `add`
+    compile, and `fwd-keep`, whose residuals are what a kept phase holds)."""
+    if tiny_model.cfg.family == "bert" and "keep" not in name:
+        pytest.skip("GPT covers this configuration")
+    phases, rts, rts_opt, activations, optimizer_on = CONFIGS[name]
+    cfg = PhasedConfig(phases, None, rts, rts_opt, activations, optimizer_on)
+    counter = Counter()
+    trainer = PhasedTrainer(
+        tiny_model, make_mesh(tensor=2, replica=REPLICA), TRAIN, cfg, counter=counter
+    )
+    memory = trainer.plan(counting=False)
+    compiled = len(counter)
+    counted = trainer.plan()
+    assert compiled <= 3 + 2 * (activations == "keep") < len(counter)
+    assert memory.pop("step_totals")["flops"] == 0 < counted.pop("step_totals")["flops"]
+    assert memory == counted
 
 
 def test_keep_recomputes_nothing_and_recompute_a_forward(runs):

@@ -79,6 +79,7 @@ class Counter:
 
     def __init__(self) -> None:
         self._counted: dict[tuple, Counted] = {}
+        self._shapes: dict[tuple, tuple] = {}
 
     def count(self, name: str, fn: Any, mesh: Mesh, args: tuple, context: tuple = ()) -> Counted:
         """Compile the jitted `fn` over the abstract `args` (once per signature).
@@ -100,6 +101,24 @@ class Counter:
                 module.read(fused_attention=True),
             )
         return self._counted[key]
+
+    def __len__(self) -> int:
+        """How many pieces it has compiled."""
+        return len(self._counted)
+
+    def shapes(self, name: str, fn: Any, mesh: Mesh, args: tuple, context: tuple = ()) -> tuple:
+        """(output leaves, tree structure) of the jitted `fn` over the abstract `args`,
+        traced (not compiled) once per signature as `count` compiles: each leaf a
+        `ShapeDtypeStruct` with the sharding `fn` declares for it (`out_shardings`),
+        or none (`Counted.out_shardings` has the compiled one). Kept here, not per
+        trainer, so that every plan in a process gets the same objects: a vjp's tree
+        structure holds its forward's jaxpr, which compares by identity, and a piece
+        counted over it (`bwd-keep`) would compile again for each plan that traced the
+        forward anew."""
+        key = (name, context, tuple(mesh.shape.items()), signature(args))
+        if key not in self._shapes:
+            self._shapes[key] = jax.tree.flatten(fn.trace(*abstract(args)).out_info)
+        return self._shapes[key]
 
 
 # The process's counter: every engine counts into it unless given its own, so a second

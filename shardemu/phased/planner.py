@@ -48,23 +48,27 @@ class DryRun:
         return max(t.high_water for t in self.tiers)
 
 
-def dry_run(trainer: PhasedTrainer, layout: Layout) -> DryRun:
+def dry_run(trainer: PhasedTrainer, layout: Layout, counting: bool = True) -> DryRun:
     """One step of `trainer`'s program with `layout`, in abstract mode, once per
-    trainer and layout: the phase count's search and the plan ask for the same one."""
-    if layout.slices in trainer.dry_runs:
-        return trainer.dry_runs[layout.slices]
+    trainer, layout and `counting`. Not counting, it is the step's memory alone: its
+    transfers and device tiers, and no computation events; it compiles only the
+    pieces that do not declare their outputs' shardings (`Executor.counting`), so a
+    layout that does not fit is found out before its pieces are compiled."""
+    key = (layout.slices, counting)
+    if key in trainer.dry_runs:
+        return trainer.dry_runs[key]
     ledger = Ledger()
     tiers = [Tier(f"device (stage {s})", None) for s in range(trainer.par.pipe)]
-    ex = trainer.executor(ledger, tiers, real=False)
+    ex = trainer.executor(ledger, tiers, real=False, counting=counting)
     state = trainer.abstract_state(layout)
     output = run_step(ex, layout, trainer.cfg, state, trainer.abstract_batches())
-    run = trainer.dry_runs[layout.slices] = DryRun(ledger, tiers, output)
+    run = trainer.dry_runs[key] = DryRun(ledger, tiers, output)
     return run
 
 
 def fewest_phases_that_fit(trainer: PhasedTrainer, capacity: int) -> int:
     """The largest phases whose step fits `capacity` bytes per device: tried in
-    abstract mode, fewest phases first. A phase computes with its layers' weights
+    abstract mode, for memory alone, fewest phases first. A phase computes with its layers' weights
     gathered on its devices, so a count whose phases' weights alone overflow
     `capacity` cannot fit and is not dry-run (but for the last, whose peak the error
     reports): GPT-3 on a 900 MB IPU fits one layer a phase, and counting there took
@@ -75,7 +79,7 @@ def fewest_phases_that_fit(trainer: PhasedTrainer, capacity: int) -> int:
     for n in counts:
         if layers // n * trainer.layer_bytes_per_device > capacity and n != counts[-1]:
             continue
-        peak = dry_run(trainer, trainer.layout(n)).device_peak
+        peak = dry_run(trainer, trainer.layout(n), counting=False).device_peak
         if peak <= capacity:
             return n
     raise CapacityError(
@@ -109,10 +113,13 @@ def phase_rows(trainer: PhasedTrainer, layout: Layout, output: StepOutput) -> li
     ]
 
 
-def plan(trainer: PhasedTrainer, layout: Layout) -> tuple[dict[str, Any], Ledger]:
+def plan(
+    trainer: PhasedTrainer, layout: Layout, counting: bool = True
+) -> tuple[dict[str, Any], Ledger]:
     """The phase plan of `layout` as data, with the device tiers' peak and the step's
-    ledger totals, from one dry run; and that step's ledger."""
-    run = dry_run(trainer, layout)
+    ledger totals, from one dry run; and that step's ledger. Not `counting`, its
+    memory alone (`dry_run`): the ledger has no computation."""
+    run = dry_run(trainer, layout, counting)
     state, cfg = trainer.abstract_state(layout), trainer.cfg
     report = {
         "phases": len(layout.slices),

@@ -204,7 +204,10 @@ def forward(
 def recompute_flops(ex: Executor, st: Stage, count: tuple, g_x: Any) -> float:
     """FLOPs per device of one layer's recomputation: its backward from the phase
     input minus its backward from kept residuals. (Not the forward's count: XLA drops
-    the recomputed forward's last matmul, whose output the vjp never uses.)"""
+    the recomputed forward's last matmul, whose output the vjp never uses.) None in a
+    dry run for memory alone (`Executor.counting`)."""
+    if not ex.counting:
+        return 0.0
     _, vjp_one = ex.shape("fwd-keep", st.fn("fwd-keep"), st, count)
     bwd = ex.count("bwd", st.fn("bwd"), st, (*count, g_x)).flops_per_device
     kept = ex.count("bwd-keep", st.fn("bwd-keep"), st, (vjp_one, g_x))

@@ -84,8 +84,7 @@ class PhasedTrainer:
         self.counter = PROCESS_COUNTER if counter is None else counter
         # what a piece compiles to depends on these settings as well as on its inputs
         self._context = (model.cfg, train, self.rules, cfg.rts, cfg.rts_opt)
-        self._shapes: dict = {}
-        self.dry_runs: dict[tuple, planner.DryRun] = {}  # by the layout's slices
+        self.dry_runs: dict[tuple, planner.DryRun] = {}  # by (layout slices, counting)
         # one layer's weights as a phase computes with them (gathered, tensor-sharded)
         layer = with_shardings(self.pieces.layer_shape_one, self.stages[0].layer_compute)
         self.layer_bytes_per_device = bytes_per_device(layer)
@@ -107,15 +106,21 @@ class PhasedTrainer:
         )
         return Layout(slices, self.stages)
 
-    def executor(self, ledger: Ledger, tiers: list[Tier], real: bool, step: int = 0) -> Executor:
+    def executor(
+        self, ledger: Ledger, tiers: list[Tier], real: bool, step: int = 0, counting: bool = True
+    ) -> Executor:
         return Executor(
-            ledger, tiers, AXIS_LABELS, real, self.counter, step, self._shapes, self._context
-        )
+            ledger, tiers, AXIS_LABELS, real, self.counter, step, self._context,
+            counting=counting,
+        )  # fmt: skip
 
-    def plan(self, phases: int | None = None, ledger: Ledger | None = None) -> dict[str, Any]:
+    def plan(
+        self, phases: int | None = None, ledger: Ledger | None = None, counting: bool = True
+    ) -> dict[str, Any]:
         """The phase plan (`planner.plan`) of this trainer's phases, or of `phases` (to
-        compare plans). Pass a `ledger` to receive that step's events."""
-        report, step = planner.plan(self, self.layout(phases))
+        compare plans). Pass a `ledger` to receive that step's events. Not `counting`,
+        the plan's memory alone, nothing compiled that need not be (`planner.dry_run`)."""
+        report, step = planner.plan(self, self.layout(phases), counting)
         if ledger is not None:
             ledger.events.extend(step.events)
         return report

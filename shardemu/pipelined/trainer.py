@@ -73,7 +73,6 @@ class PipelinedTrainer:
         self.holders = shared_holders(self.layout)
         self.counter = PROCESS_COUNTER if counter is None else counter
         self._context = (model.cfg, train, self.rules, 1, 1)  # as PhasedTrainer's, rts = 1
-        self._shapes: dict = {}
         self.ledger = Ledger()
         self.tiers = [Tier(f"device (stage {s})", None) for s in range(par.pipe)]
         self.steps_done = 0
@@ -185,7 +184,7 @@ class PipelinedTrainer:
         on = {s: jax.device_put(counts, self.stages[s].replicated) for s in self.holders}
         ex = Executor(
             self.ledger, self.tiers, AXIS_LABELS, True, self.counter, self.steps_done,
-            self._shapes, self._context,
+            self._context,
         )  # fmt: skip
         out: StepOutput = run_step(
             ex, self.layout, self.stages, self.train.schedule, state, self._passes(batch), on,

@@ -116,22 +116,19 @@ def _counted(
     model_cfg = padded_for(model_cfg, par)
     model = Model(model_cfg)
     passes, pass_cfg = _passes(train_cfg, par, microbatch_size)
-    plan, events = _one_pass(model_cfg, par, pass_cfg, phased, rules)
-    plan = copy.deepcopy(plan)
-    device_peak = plan["device_high_water"]
     sched = make_schedule("1f1b", par.pipe, passes) if passes > 1 else None
-    if sched is not None:
-        device_peak += _in_flight_activations(plan, sched, phased)
-    if phased.weight_streaming and hardware is not None:
-        _check_activations_fit(device_peak, hardware, pass_cfg, par)
-    host = plan["host_bytes_per_device"]
-    memory = {"device": device_peak, "host": host["weights"] + host["optimizer_state"]}
-    if must_fit and hardware is not None:
+    if must_fit and hardware is not None:  # its memory first: nothing compiled if it does not fit
+        plan, _ = _one_pass(model_cfg, par, pass_cfg, phased, rules, counting=False)
         layout = (
             f"{par} phased in {plan['phases']} phases (rts {phased.rts}, activations "
             f"{phased.activations}, optimizer on the {phased.optimizer_on})"
         )
-        require_fit(memory, hardware, layout)
+        require_fit(_memory(plan, sched, phased), hardware, layout)
+    plan, events = _one_pass(model_cfg, par, pass_cfg, phased, rules)
+    plan = copy.deepcopy(plan)
+    memory = _memory(plan, sched, phased)
+    if phased.weight_streaming and hardware is not None:
+        _check_activations_fit(memory["device"], hardware, pass_cfg, par)
     ledger = Ledger(list(events) if sched is None else repeat_passes(events, sched))
     totals = ledger.step_totals(0)
     analytic = flops.training_step(model_cfg, train_cfg.batch, train_cfg.seq)
@@ -184,18 +181,39 @@ def _counted(
 @functools.lru_cache(maxsize=64)
 def _one_pass(
     model_cfg: ModelConfig, par: Parallelism, pass_cfg: TrainConfig, phased: PhasedConfig,
-    rules: Rules | None,
+    rules: Rules | None, counting: bool = True,
 ) -> tuple[dict[str, Any], tuple[Event, ...]]:  # fmt: skip
     """One pass counted (the phase plan and its events), once per process for each
     setting: a search and the microbatch choice plan the same pass at several numbers of
-    passes. One stage's devices stand for every stage (identical stages count the same)."""
-    stage = dataclasses.replace(par, pipe=1)
-    mesh = mesh_from(stage, jax.devices()[: plan_devices(par)])
-    trainer = PhasedTrainer(Model(model_cfg), mesh, pass_cfg, phased, rules, par.pipe)
+    passes. Not `counting`, its memory alone (`planner.dry_run`)."""
     ledger = Ledger()
-    plan = trainer.plan(ledger=ledger)
+    plan = _trainer(model_cfg, par, pass_cfg, phased, rules).plan(ledger=ledger, counting=counting)
     plan.pop("step_totals")
     return plan, tuple(ledger.events)
+
+
+@functools.lru_cache(maxsize=16)
+def _trainer(
+    model_cfg: ModelConfig, par: Parallelism, pass_cfg: TrainConfig, phased: PhasedConfig,
+    rules: Rules | None,
+) -> PhasedTrainer:  # fmt: skip
+    """The abstract trainer of one pass: one stage's devices stand for every stage
+    (identical stages count the same). Kept for the pass's counted plan after its memory
+    alone, and its phase count found once."""
+    stage = dataclasses.replace(par, pipe=1)
+    mesh = mesh_from(stage, jax.devices()[: plan_devices(par)])
+    return PhasedTrainer(Model(model_cfg), mesh, pass_cfg, phased, rules, par.pipe)
+
+
+def _memory(plan: dict[str, Any], sched: Schedule | None, phased: PhasedConfig) -> dict[str, int]:
+    """Bytes per device a step of `plan`'s passes in `sched` (one pass without it) holds
+    in each tier: the device's peak with the passes in flight, the host's weights and
+    optimizer state."""
+    device = plan["device_high_water"]
+    if sched is not None:
+        device += _in_flight_activations(plan, sched, phased)
+    host = plan["host_bytes_per_device"]
+    return {"device": device, "host": host["weights"] + host["optimizer_state"]}
 
 
 def _check_activations_fit(

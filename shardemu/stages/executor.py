@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from shardemu.accounting.count import Counted, Counter, abstract, piece_events, signature
+from shardemu.accounting.count import Counted, Counter, piece_events
 from shardemu.accounting.ledger import Carries, Event, Ledger, Phase, Where
 from shardemu.stages.tiers import Tier, bytes_all_devices, bytes_per_device, with_memory_kind
 
@@ -40,16 +40,19 @@ class Executor:
         real: bool,
         counter: Counter,
         step: int = 0,
-        shapes: dict | None = None,
         context: tuple = (),
         fused_attention: bool = False,
+        counting: bool = True,
     ) -> None:
         self.ledger, self.tiers, self.real, self.step = ledger, tiers, real, step
+        # False: an abstract step for its memory alone (whether a layout fits), which
+        # records no computation and compiles only the pieces that do not declare
+        # their outputs' shardings
+        self.counting = counting or real
         self.fused_attention = fused_attention  # record kernels as FlashAttention's
         self.axis_labels = axis_labels  # mesh axis -> the name users know it by
         self.counter = counter
         self.context = context  # settings a piece's compilation depends on beyond its inputs
-        self._shapes: dict[tuple, Any] = {} if shapes is None else shapes
 
     # ---- transfers -----------------------------------------------------------------------
 
@@ -185,33 +188,37 @@ class Executor:
         collectives: those of `fn` compiled over `count_args` (default `args`), times
         `repeat`. A phase of k identical layers is counted as one layer times k (XLA's
         cost analysis counts a scanned body once, whatever its trip count).
-        `recompute`: FLOPs per device and repeat that recompute a forward pass."""
-        counted = self.count(name, fn, stage, args if count_args is None else count_args)
-        for event in piece_events(
-            counted, self.step, phase, stage.index, carries, on, repeat, recompute,
-            self.axis_labels, self.fused_attention,
-        ):  # fmt: skip
-            self.ledger.record(event)
+        `recompute`: FLOPs per device and repeat that recompute a forward pass. Not
+        counting (`counting`), only its outputs' shapes."""
+        count_args = args if count_args is None else count_args
+        if self.counting:
+            counted = self.count(name, fn, stage, count_args)
+            for event in piece_events(
+                counted, self.step, phase, stage.index, carries, on, repeat, recompute,
+                self.axis_labels, self.fused_attention,
+            ):  # fmt: skip
+                self.ledger.record(event)
         if self.real:
             return fn(*args)
-        return self._shaped(name, fn, stage.mesh, args, counted)
+        return self._shaped(name, fn, stage, args, count_args)
 
     def shape(self, name: str, fn: Any, stage: StageLike, args: tuple) -> Any:
         """The abstract outputs of `fn(*args)`, shardings included; nothing recorded."""
-        return self._shaped(name, fn, stage.mesh, args, self.count(name, fn, stage, args))
+        return self._shaped(name, fn, stage, args, args)
 
-    def _shaped(self, name: str, fn: Any, mesh: Mesh, args: tuple, counted: Counted) -> Any:
-        """Shapes of `fn(*args)` with the shardings of the counted piece's outputs moved
-        onto `mesh` (the count may come from an identical stage on other devices),
-        matched leaf by leaf (a stack of k layers has the one-layer piece's leaves; a
-        vjp's tree structure also names its trip count, so the structures differ)."""
-        key = (name, tuple(mesh.shape.items()), signature(args))
-        if key not in self._shapes:
-            self._shapes[key] = jax.tree.flatten(jax.eval_shape(fn, *abstract(args)))
-        shapes, treedef = self._shapes[key]
-        shardings = [_on_mesh(s, mesh) for s in jax.tree.leaves(counted.out_shardings)]
+    def _shaped(self, name: str, fn: Any, stage: StageLike, args: tuple, count_args: tuple) -> Any:
+        """Shapes of `fn(*args)`, each with the sharding `fn` declares for it or, where
+        it declares none, that of the piece counted over `count_args`, moved onto the
+        stage's mesh (a count or a trace may come from an identical stage on other
+        devices), matched leaf by leaf (a stack of k layers has the one-layer piece's
+        leaves; a vjp's tree structure also names its trip count, so they differ)."""
+        shapes, treedef = self.counter.shapes(name, fn, stage.mesh, args, self.context)
+        shardings = [x.sharding for x in shapes]
+        if not all(isinstance(s, NamedSharding) for s in shardings):
+            counted = self.count(name, fn, stage, count_args)
+            shardings = jax.tree.leaves(counted.out_shardings)
         return treedef.unflatten(
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_on_mesh(s, stage.mesh))
             for x, s in zip(shapes, shardings, strict=True)
         )
 

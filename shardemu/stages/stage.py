@@ -246,7 +246,7 @@ class Stage:
                 lambda a, b: jax.tree.map(jnp.add, to_fp32(a), to_fp32(b))
             ),
             "sparse-grads": lambda: jax.jit(apply_masks, out_shardings=self.layer_store),
-            "sq-norm": lambda: jax.jit(squared_norm),
+            "sq-norm": lambda: jax.jit(squared_norm, out_shardings=self.replicated),
         }
         for part in ("layers", "shared"):
             for kind in ("device", "pinned_host"):
