@@ -80,6 +80,7 @@ class Counter:
     def __init__(self) -> None:
         self._counted: dict[tuple, Counted] = {}
         self._shapes: dict[tuple, tuple] = {}
+        self._placed: dict[tuple, tuple] = {}
 
     def count(self, name: str, fn: Any, mesh: Mesh, args: tuple, context: tuple = ()) -> Counted:
         """Compile the jitted `fn` over the abstract `args` (once per signature).
@@ -106,19 +107,44 @@ class Counter:
         """How many pieces it has compiled."""
         return len(self._counted)
 
-    def shapes(self, name: str, fn: Any, mesh: Mesh, args: tuple, context: tuple = ()) -> tuple:
-        """(output leaves, tree structure) of the jitted `fn` over the abstract `args`,
-        traced (not compiled) once per signature as `count` compiles: each leaf a
-        `ShapeDtypeStruct` with the sharding `fn` declares for it (`out_shardings`),
-        or none (`Counted.out_shardings` has the compiled one). Kept here, not per
-        trainer, so that every plan in a process gets the same objects: a vjp's tree
-        structure holds its forward's jaxpr, which compares by identity, and a piece
-        counted over it (`bwd-keep`) would compile again for each plan that traced the
-        forward anew."""
-        key = (name, context, tuple(mesh.shape.items()), signature(args))
-        if key not in self._shapes:
-            self._shapes[key] = jax.tree.flatten(fn.trace(*abstract(args)).out_info)
-        return self._shapes[key]
+    def outputs(
+        self, name: str, fn: Any, mesh: Mesh, args: tuple, context: tuple, count_args: tuple
+    ) -> tuple[list, Any]:
+        """(output leaves, tree structure) of the jitted `fn` over the abstract `args`
+        on `mesh`: each leaf a `ShapeDtypeStruct` with the sharding `fn` declares for
+        it (`out_shardings`) or, where it declares none, that of the piece counted over
+        `count_args` (compiled: `count`), moved onto `mesh`. Traced once per signature
+        (an identical stage on other devices reuses the trace) and placed once per
+        mesh. Kept here, not per trainer, so that every plan in a process gets the
+        same objects: a vjp's tree structure holds its forward's jaxpr, which compares
+        by identity, and a piece counted over it (`bwd-keep`) would compile again for
+        each plan that traced the forward anew."""
+        sig = signature(args)
+        placed = (name, context, mesh, sig)
+        if placed not in self._placed:
+            key = (name, context, tuple(mesh.shape.items()), sig)
+            if key not in self._shapes:
+                self._shapes[key] = jax.tree.flatten(fn.trace(*abstract(args)).out_info)
+            shapes, treedef = self._shapes[key]
+            shardings = [x.sharding for x in shapes]
+            if not all(isinstance(s, NamedSharding) for s in shardings):
+                counted = self.count(name, fn, mesh, count_args, context)
+                shardings = jax.tree.leaves(counted.out_shardings)
+            leaves = [
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_mesh(s, mesh))
+                for x, s in zip(shapes, shardings, strict=True)
+            ]
+            self._placed[placed] = (leaves, treedef)
+        return self._placed[placed]
+
+
+def on_mesh(sharding: Any, mesh: Mesh) -> Any:
+    """The same layout over `mesh`'s devices (meshes of one shape, one device order)."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+    if sharding.device_set == set(mesh.devices.flat):
+        return sharding
+    raise NotImplementedError(f"cannot move {type(sharding).__name__} to another stage's mesh")
 
 
 # The process's counter: every engine counts into it unless given its own, so a second

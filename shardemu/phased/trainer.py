@@ -85,6 +85,7 @@ class PhasedTrainer:
         # what a piece compiles to depends on these settings as well as on its inputs
         self._context = (model.cfg, train, self.rules, cfg.rts, cfg.rts_opt)
         self.dry_runs: dict[tuple, planner.DryRun] = {}  # by (layout slices, counting)
+        self._abstract_states: dict[tuple, PhasedState] = {}  # by layout slices
         # one layer's weights as a phase computes with them (gathered, tensor-sharded)
         layer = with_shardings(self.pieces.layer_shape_one, self.stages[0].layer_compute)
         self.layer_bytes_per_device = bytes_per_device(layer)
@@ -151,8 +152,15 @@ class PhasedTrainer:
         return PhasedState(shared, layers, opt_shared, opt_layers)
 
     def abstract_state(self, layout: Layout | None = None) -> PhasedState:
-        """The host-tier state as shapes and shardings: abstract mode's weights."""
+        """The host-tier state as shapes and shardings: abstract mode's weights. Built
+        once per layout (a plan's dry runs and rows read it; GPT-3's 96 phases take a
+        quarter of a second); the steps that read it do not change it."""
         lay = layout or self.layout()
+        if lay.slices not in self._abstract_states:
+            self._abstract_states[lay.slices] = self._abstract_state(lay)
+        return self._abstract_states[lay.slices]
+
+    def _abstract_state(self, lay: Layout) -> PhasedState:
         first, tx_layers, tx_shared = self.stages[0], self.pieces.tx_layers, self.pieces.tx_shared
 
         def sds(shapes: Any, shardings: Any) -> Any:

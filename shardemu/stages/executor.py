@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from shardemu.accounting.count import Counted, Counter, piece_events
 from shardemu.accounting.ledger import Carries, Event, Ledger, Phase, Where
@@ -208,32 +208,18 @@ class Executor:
 
     def _shaped(self, name: str, fn: Any, stage: StageLike, args: tuple, count_args: tuple) -> Any:
         """Shapes of `fn(*args)`, each with the sharding `fn` declares for it or, where
-        it declares none, that of the piece counted over `count_args`, moved onto the
-        stage's mesh (a count or a trace may come from an identical stage on other
-        devices), matched leaf by leaf (a stack of k layers has the one-layer piece's
-        leaves; a vjp's tree structure also names its trip count, so they differ)."""
-        shapes, treedef = self.counter.shapes(name, fn, stage.mesh, args, self.context)
-        shardings = [x.sharding for x in shapes]
-        if not all(isinstance(s, NamedSharding) for s in shardings):
-            counted = self.count(name, fn, stage, count_args)
-            shardings = jax.tree.leaves(counted.out_shardings)
-        return treedef.unflatten(
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_on_mesh(s, stage.mesh))
-            for x, s in zip(shapes, shardings, strict=True)
+        it declares none, that of the piece counted over `count_args`
+        (`Counter.outputs`), matched leaf by leaf (a stack of k layers has the one-layer
+        piece's leaves; a vjp's tree structure also names its trip count, so the
+        structures differ)."""
+        leaves, treedef = self.counter.outputs(
+            name, fn, stage.mesh, args, self.context, count_args
         )
+        return treedef.unflatten(leaves)
 
     def count(self, name: str, fn: Any, stage: StageLike, args: tuple) -> Counted:
         """Compile `fn` over the abstract `args` once per signature and count it."""
         return self.counter.count(name, fn, stage.mesh, args, self.context)
-
-
-def _on_mesh(sharding: Any, mesh: Mesh) -> Any:
-    """The same layout over `mesh`'s devices (meshes of one shape, one device order)."""
-    if isinstance(sharding, NamedSharding):
-        return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
-    if sharding.device_set == set(mesh.devices.flat):
-        return sharding
-    raise NotImplementedError(f"cannot move {type(sharding).__name__} to another stage's mesh")
 
 
 def one_layer(tree: Any) -> Any:
