@@ -12,6 +12,8 @@ counted as one layer and recorded `repeat`ed k times.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,9 +88,7 @@ class Counter:
         """Compile the jitted `fn` over the abstract `args` (once per signature).
         `context`: the settings `fn` itself depends on (its optimizer, its rules), so
         that pieces of one name built with other settings are counted apart."""
-        # the mesh's axis sizes, not its devices: identical stages share counts, but the
-        # same specs on a mesh of other sizes are other shards
-        key = (name, context, tuple(mesh.shape.items()), signature(args))
+        key = _key(name, mesh, args, context)
         if key not in self._counted:
             compiled = fn.lower(*abstract(args)).compile(compiler_options=COUNT_OPTIONS)
             text = compiled.as_text()
@@ -107,6 +107,21 @@ class Counter:
         """How many pieces it has compiled."""
         return len(self._counted)
 
+    def count_all(self, pieces: Iterable[tuple], workers: int = 2) -> None:
+        """Count each piece `(name, fn, mesh, args, context)` not counted yet, `workers`
+        at a time: XLA compiles without holding Python's global interpreter lock, so
+        on two cores two pieces compile side by side. (A dry run for memory alone lists
+        the pieces its counted run will count: `Executor.pieces`.)"""
+        todo: dict[tuple, tuple] = {}
+        for piece in pieces:
+            name, _, mesh, args, context = piece
+            key = _key(name, mesh, args, context)
+            if key not in self._counted:
+                todo.setdefault(key, piece)
+        with ThreadPoolExecutor(workers, thread_name_prefix="count") as pool:
+            for _ in pool.map(lambda p: self.count(*p), todo.values()):
+                pass
+
     def outputs(
         self, name: str, fn: Any, mesh: Mesh, args: tuple, context: tuple, count_args: tuple
     ) -> tuple[list, Any]:
@@ -119,10 +134,9 @@ class Counter:
         same objects: a vjp's tree structure holds its forward's jaxpr, which compares
         by identity, and a piece counted over it (`bwd-keep`) would compile again for
         each plan that traced the forward anew."""
-        sig = signature(args)
-        placed = (name, context, mesh, sig)
+        key = _key(name, mesh, args, context)
+        placed = (key, mesh)
         if placed not in self._placed:
-            key = (name, context, tuple(mesh.shape.items()), sig)
             if key not in self._shapes:
                 self._shapes[key] = jax.tree.flatten(fn.trace(*abstract(args)).out_info)
             shapes, treedef = self._shapes[key]
@@ -136,6 +150,13 @@ class Counter:
             ]
             self._placed[placed] = (leaves, treedef)
         return self._placed[placed]
+
+
+def _key(name: str, mesh: Mesh, args: tuple, context: tuple) -> tuple:
+    """What a piece's count depends on. The mesh's axis sizes, not its devices:
+    identical stages share counts, but the same specs on a mesh of other sizes are
+    other shards."""
+    return (name, context, tuple(mesh.shape.items()), signature(args))
 
 
 def on_mesh(sharding: Any, mesh: Mesh) -> Any:

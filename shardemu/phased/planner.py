@@ -42,6 +42,7 @@ class DryRun:
     ledger: Ledger
     tiers: list[Tier]
     output: StepOutput
+    pieces: list[tuple]  # not counting: what the counted step will count (`Executor`)
 
     @property
     def device_peak(self) -> int:
@@ -53,16 +54,19 @@ def dry_run(trainer: PhasedTrainer, layout: Layout, counting: bool = True) -> Dr
     trainer, layout and `counting`. Not counting, it is the step's memory alone: its
     transfers and device tiers, and no computation events; it compiles only the
     pieces that do not declare their outputs' shardings (`Executor.counting`), so a
-    layout that does not fit is found out before its pieces are compiled."""
+    layout that does not fit is found out before its pieces are compiled. Counting
+    after such a run, its pieces are compiled first, two at a time."""
     key = (layout.slices, counting)
     if key in trainer.dry_runs:
         return trainer.dry_runs[key]
+    if counting and (memory := trainer.dry_runs.get((layout.slices, False))) is not None:
+        trainer.counter.count_all(memory.pieces)
     ledger = Ledger()
     tiers = [Tier(f"device (stage {s})", None) for s in range(trainer.par.pipe)]
     ex = trainer.executor(ledger, tiers, real=False, counting=counting)
     state = trainer.abstract_state(layout)
     output = run_step(ex, layout, trainer.cfg, state, trainer.abstract_batches())
-    run = trainer.dry_runs[key] = DryRun(ledger, tiers, output)
+    run = trainer.dry_runs[key] = DryRun(ledger, tiers, output, ex.pieces)
     return run
 
 

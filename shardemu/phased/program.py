@@ -205,8 +205,10 @@ def recompute_flops(ex: Executor, st: Stage, count: tuple, g_x: Any) -> float:
     """FLOPs per device of one layer's recomputation: its backward from the phase
     input minus its backward from kept residuals. (Not the forward's count: XLA drops
     the recomputed forward's last matmul, whose output the vjp never uses.) None in a
-    dry run for memory alone (`Executor.counting`)."""
+    dry run for memory alone (`Executor.counting`), which lists the forward's piece
+    (the backward's is the phase's own)."""
     if not ex.counting:
+        ex.will_count("fwd-keep", st.fn("fwd-keep"), st, count)
         return 0.0
     _, vjp_one = ex.shape("fwd-keep", st.fn("fwd-keep"), st, count)
     bwd = ex.count("bwd", st.fn("bwd"), st, (*count, g_x)).flops_per_device

@@ -47,8 +47,10 @@ class Executor:
         self.ledger, self.tiers, self.real, self.step = ledger, tiers, real, step
         # False: an abstract step for its memory alone (whether a layout fits), which
         # records no computation and compiles only the pieces that do not declare
-        # their outputs' shardings
+        # their outputs' shardings; it lists the pieces a counted step would count
+        # (name, fn, mesh, count args, context) for `Counter.count_all`
         self.counting = counting or real
+        self.pieces: list[tuple] = []
         self.fused_attention = fused_attention  # record kernels as FlashAttention's
         self.axis_labels = axis_labels  # mesh axis -> the name users know it by
         self.counter = counter
@@ -198,6 +200,8 @@ class Executor:
                 self.axis_labels, self.fused_attention,
             ):  # fmt: skip
                 self.ledger.record(event)
+        else:
+            self.will_count(name, fn, stage, count_args)
         if self.real:
             return fn(*args)
         return self._shaped(name, fn, stage, args, count_args)
@@ -212,10 +216,12 @@ class Executor:
         (`Counter.outputs`), matched leaf by leaf (a stack of k layers has the one-layer
         piece's leaves; a vjp's tree structure also names its trip count, so the
         structures differ)."""
-        leaves, treedef = self.counter.outputs(
-            name, fn, stage.mesh, args, self.context, count_args
-        )
+        leaves, treedef = self.counter.outputs(name, fn, stage.mesh, args, self.context, count_args)
         return treedef.unflatten(leaves)
+
+    def will_count(self, name: str, fn: Any, stage: StageLike, args: tuple) -> None:
+        """Not counting: list a piece the counted step will count (`pieces`)."""
+        self.pieces.append((name, fn, stage.mesh, args, self.context))
 
     def count(self, name: str, fn: Any, stage: StageLike, args: tuple) -> Counted:
         """Compile `fn` over the abstract `args` once per signature and count it."""
