@@ -72,11 +72,11 @@ def dry_run(trainer: PhasedTrainer, layout: Layout, counting: bool = True) -> Dr
 
 def fewest_phases_that_fit(trainer: PhasedTrainer, capacity: int) -> int:
     """The largest phases whose step fits `capacity` bytes per device: tried in
-    abstract mode, for memory alone, fewest phases first. A phase computes with its layers' weights
-    gathered on its devices, so a count whose phases' weights alone overflow
-    `capacity` cannot fit and is not dry-run (but for the last, whose peak the error
-    reports): GPT-3 on a 900 MB IPU fits one layer a phase, and counting there took
-    eleven dry runs."""
+    abstract mode, for memory alone, fewest phases first. A phase computes with its
+    layers' weights gathered on its devices, so a count whose phases' weights alone
+    overflow `capacity` cannot fit and is not dry-run (but for the last, whose peak the
+    error reports): GPT-3 on a 900 MB IPU fits one layer a phase, and counting there
+    took eleven dry runs."""
     layers, pipe = trainer.model.cfg.num_layers, trainer.par.pipe
     counts = valid_phase_counts(layers, pipe)
     peak = 0

@@ -204,7 +204,7 @@ def forward(
 def recompute_flops(ex: Executor, st: Stage, count: tuple, g_x: Any) -> float:
     """FLOPs per device of one layer's recomputation: its backward from the phase
     input minus its backward from kept residuals. (Not the forward's count: XLA drops
-    the recomputed forward's last matmul, whose output the vjp never uses.) None in a
+    the recomputed forward's last matmul, whose output the vjp never uses.) Zero in a
     dry run for memory alone (`Executor.counting`), which lists the forward's piece
     (the backward's is the phase's own)."""
     if not ex.counting:
