@@ -193,8 +193,8 @@ def test_plans_sharing_a_counter_compile_only_new_pieces(tiny_model):
 def test_a_plan_for_memory_alone_equals_the_counted_plan(tiny_model, name):
     """The dry run a layout's fit is judged by (`counting=False`) holds what the counted
     step holds, phase by phase, and compiles none of the layers' pieces: their outputs'
-    shardings are declared (only small undeclared pieces such as `sq-norm` and `add`
-    compile, and `fwd-keep`, whose residuals are what a kept phase holds)."""
+    shardings are declared (only undeclared pieces compile: the small `add`, and
+    `fwd-keep`, whose residuals are what a kept phase holds)."""
     if tiny_model.cfg.family == "bert" and "keep" not in name:
         pytest.skip("GPT covers this configuration")
     phases, rts, rts_opt, activations, optimizer_on = CONFIGS[name]
