@@ -147,6 +147,10 @@ CLI_ROWS = [
     row("plan-virtual-0", [*A100, "--mesh", "pipe=2", "--schedule", "interleaved", "--virtual",
         "0"], "virtual must be a positive integer, got 0"),  # fmt: skip
     row("plan-phased-pipe-3", [*PHASED, "--mesh", "pipe=3"], "4 layers do not split evenly"),
+    row("plan-phased-stage-layers", [*PHASED, "--mesh", "pipe=2", "--stage-layers", "1,3"],
+        "--stage-layers 1,3 is for resident plans"),  # fmt: skip
+    row("plan-stage-layers-sum", [*A100, "--mesh", "pipe=2", "--stage-layers", "1,2"],
+        "--stage-layers 1,2 sums to 3 but the model has 4 layers"),  # fmt: skip
     row("plan-phased-too-wide", [*PHASED, "--model", "gpt3-175b", "--mesh",
         "tensor=8,replica=512", "--batch", "512"], "tensor x replica = 4096 virtual devices"),
     row("demo-steps-0", ["demo", "--steps", "0"], "steps must be a positive integer, got 0"),

@@ -148,3 +148,42 @@ def test_batch_must_split_into_microbatches_and_accumulation(tiny_model):
         ConfigError, match="replica \\* microbatches \\* grad_accum = 2 \\* 4 \\* 4 = 32"
     ):
         PipelinedTrainer(tiny_model, make_mesh(pipe=2, tensor=2, replica=2), bad)
+
+
+def test_a_plan_of_uneven_stages_counts_what_the_engine_runs(tiny_model):
+    """`plan --stage-layers 1,3` against the pipelined engine running the same stages,
+    two witnesses: XLA counting the engine's stage programs, and the planner's one
+    layer counted and repeated for each of a stage's layers. Each stage's forward and
+    backward FLOPs (embedding and head included, updates left out) agree within 2%.
+    The uneven plan moves work and adds none: its total is the even plan's, and its
+    step is longer (stage 1's three layers set the pace)."""
+    from shardemu.config import Parallelism
+    from shardemu.predict.hardware import PROFILES
+    from shardemu.predict.plan_resident import plan_resident
+
+    train = TrainConfig(batch=16, seq=16, microbatches=2, stage_layers=(1, 3))
+    trainer = PipelinedTrainer(tiny_model, make_mesh(2, 1, 1, devices=jax.devices()[:2]), train)
+    corpus = SyntheticCorpus(tiny_model.cfg.vocab_size, seed=0)
+    trainer.step(trainer.init(0), tiny_model.batch(corpus, 0, train.batch, train.seq))
+
+    def per_stage(events) -> list[float]:
+        out = [0.0, 0.0]
+        for e in events:
+            if e.kind == "compute" and e.phase.kind != "update":
+                out[e.stage] += e.flops
+        return out
+
+    def plan(stage_layers):
+        report, ledger, _ = plan_resident(
+            tiny_model.cfg, Parallelism(pipe=2), 16, 16, 8, PROFILES["a100-80gb"],
+            recompute="none", stage_layers=stage_layers,
+        )  # fmt: skip
+        return report, per_stage(ledger.events)
+
+    engine = per_stage(trainer.ledger.step(0))
+    (uneven, planned), (even, evenly) = plan((1, 3)), plan(None)
+    assert uneven["stage_layers"] == [1, 3] and even["stage_layers"] == [2, 2]
+    np.testing.assert_allclose(planned, engine, rtol=0.02)
+    assert planned[1] > 2.5 * planned[0]  # three layers and the head against one
+    assert sum(planned) == pytest.approx(sum(evenly), rel=1e-9)
+    assert uneven["step_time_s"] > even["step_time_s"]

@@ -240,6 +240,7 @@ def cmd_describe(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     """Every setting is checked before anything is counted or written."""
+    from shardemu.pipelined.layout import pipeline_layout
     from shardemu.predict.plan_phased import plan_devices
     from shardemu.report.plandir import flatten
     from shardemu.report.rundir import default_run_dir, require_new
@@ -251,6 +252,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"--attention {args.attention} is for resident plans: the phased planner times "
             f"the attention XLA emits; leave out --attention or --phased"
+        )
+    if phased is not None and args.stage_layers is not None:
+        raise ConfigError(
+            f"--stage-layers {args.stage_layers} is for resident plans: phased stages run "
+            f"equal phases of layers; leave out --stage-layers or --phased"
         )
     hardware = get_hardware(args.hardware) if args.hardware else None
     tracking = tracking_config(args)
@@ -272,6 +278,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         **({"steps": sparse.updates} if sparse else {}),
     )  # fmt: skip
     train_cfg.check_fits(model_cfg, par)
+    if train_cfg.stage_layers is not None:  # refused now, not after counting
+        pipeline_layout(model_cfg.num_layers, par.pipe, train_cfg.virtual, train_cfg.stage_layers)
     if hardware is not None:
         hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))  # refused now
     micro = args.microbatch_size
@@ -329,7 +337,7 @@ def _plan_resident(
     settings = {
         "schedule": train_cfg.schedule, "virtual": train_cfg.virtual,
         "recompute": args.recompute, "sparsity": train_cfg.sparsity,
-        "attention": args.attention,
+        "attention": args.attention, "stage_layers": train_cfg.stage_layers,
         "precision": train_cfg.precision, "overlap": overlap,
     }  # fmt: skip
     batch, seq = train_cfg.batch, train_cfg.seq

@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(run, required=False)
     run.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R (missing axes are 1)")
     run_args(run, TrainConfig())
-    pipeline_args(run, stage_layers=True)
+    pipeline_args(run)
     tracking_args(run)
 
     demo = sub.add_parser(
@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequences per microbatch per replica (default: the whole batch at once); "
         "phased plans run the batch as pipelined passes of this size",
     )
-    pipeline_args(plan, stage_layers=False)
+    pipeline_args(plan)
     plan.add_argument(
         "--recompute",
         choices=("none", "selective", "full"),
@@ -446,7 +446,7 @@ def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     return {a.dest for a in command._actions if words.intersection(a.option_strings)}
 
 
-def pipeline_args(p: argparse.ArgumentParser, stage_layers: bool) -> None:
+def pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--schedule",
         choices=SCHEDULES,
@@ -460,13 +460,12 @@ def pipeline_args(p: argparse.ArgumentParser, stage_layers: bool) -> None:
         metavar="V",
         help="model chunks per stage, interleaved schedule only (default 2)",
     )
-    if stage_layers:
-        p.add_argument(
-            "--stage-layers",
-            default=None,
-            metavar="N,N,...",
-            help="layers of each pipeline stage, e.g. 3,7,7,7 (default: even)",
-        )
+    p.add_argument(
+        "--stage-layers",
+        default=None,
+        metavar="N,N,...",
+        help="layers of each pipeline stage, e.g. 3,7,7,7 (default: even); plans: resident only",
+    )
 
 
 def pipeline_config(args: argparse.Namespace) -> dict[str, Any]:

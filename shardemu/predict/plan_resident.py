@@ -50,6 +50,7 @@ from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import megatron_rules
 from shardemu.parallel.schedules import Schedule, Slot, make_schedule
 from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
+from shardemu.pipelined.layout import PipelineLayout, pipeline_layout
 from shardemu.predict.costmodel import Timeline, predict, require_fit
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
@@ -254,21 +255,20 @@ def _selective(
 
 
 def _step_events(
-    mb: Microbatch, sched: Schedule, model_cfg: ModelConfig, par: Parallelism,
-    microbatch_size: int, seq: int, overlap: Overlap,
+    mb: Microbatch, sched: Schedule, lay: PipelineLayout, model_cfg: ModelConfig,
+    par: Parallelism, microbatch_size: int, seq: int, overlap: Overlap,
 ) -> list[Event]:  # fmt: skip
-    """The step's ledger: the schedule's slots, then each stage's gradient all-reduce
-    (after its last backward, or only the shared weights' there when the layers' reduce
-    in buckets during their last backward: `overlap.py`) and optimizer updates."""
-    p, v, L, r = par.pipe, sched.virtual, model_cfg.num_layers, par.replica
-    per_chunk, last_vs = L // (p * v), p * v - 1
+    """The step's ledger: the schedule's slots (each virtual stage runs `lay`'s layers),
+    then each stage's gradient all-reduce (after its last backward, or only the shared
+    weights' there when the layers' reduce in buckets during their last backward:
+    `overlap.py`) and optimizer updates."""
+    p, r, last_vs = par.pipe, par.replica, lay.last
     itemsize = jnp.dtype(model_cfg.param_dtype).itemsize  # activations' dtype
     x_bytes = microbatch_size * seq * model_cfg.embed_dim * itemsize
     bucketed = overlap.grad_reduce == "bucketed" and r > 1
-    buckets = overlap.buckets(mb.layer_bytes * per_chunk)
 
     def phase(kind: str, vs: int, micro: int | None = None) -> Phase:
-        return Phase(kind, vs, (vs * per_chunk, (vs + 1) * per_chunk), micro)  # type: ignore[arg-type]
+        return Phase(kind, vs, lay.slices[vs], micro)  # type: ignore[arg-type]
 
     def all_reduce(grad_bytes: int, tag: Phase, stage: int = 0) -> Event:
         """The ring all-reduce of `grad_bytes` per device over `replica`: each device
@@ -283,10 +283,12 @@ def _step_events(
         """A chunk's layers' forward or backward; with `reduce`, the backward in
         `buckets` equal parts, each followed by the all-reduce of its gradients."""
         piece = mb.pieces["forward" if kind == "F" else "backward"]
+        n = lay.layers_of(tag.index)
         if not reduce:
-            return [_scaled(e, per_chunk, r, phase=tag) for e in piece]
-        grads, out = mb.layer_bytes * per_chunk, []
-        part = [_scaled(e, per_chunk / buckets, r, phase=tag) for e in piece]
+            return [_scaled(e, n, r, phase=tag) for e in piece]
+        grads, out = mb.layer_bytes * n, []
+        buckets = overlap.buckets(grads)
+        part = [_scaled(e, n / buckets, r, phase=tag) for e in piece]
         for i in range(buckets):
             out += [*part, all_reduce(grads * (i + 1) // buckets - grads * i // buckets, tag)]
         return out
@@ -332,20 +334,40 @@ def _step_events(
         return chunk_events(slot.kind, vs, reduce)
 
     after = []
-    for s in range(p):
+    for s, n in enumerate(lay.stage_layers()):
         last_b = max(
             (sl for sl in sched.slots if sl.stage == s and sl.kind == "B"), key=lambda sl: sl.time
         )
         shared = s in (0, p - 1)
-        grads = (0 if bucketed else mb.layer_bytes * L // p) + (mb.shared_bytes if shared else 0)
+        grads = (0 if bucketed else mb.layer_bytes * n) + (mb.shared_bytes if shared else 0)
         if r > 1 and grads:
             tag = phase("backward", sched.virtual_stage(last_b), last_b.microbatch)
             after.append(all_reduce(grads, tag, s))
         update = Phase("update", s)
-        after += [_scaled(e, L // p, r, phase=update, stage=s) for e in mb.pieces["update0"]]
+        after += [_scaled(e, n, r, phase=update, stage=s) for e in mb.pieces["update0"]]
         if shared:
             after += [_scaled(e, 1, r, phase=update, stage=s) for e in mb.pieces["update-shared"]]
     return assemble(sched, slot_events, after=after)
+
+
+def _stage_bytes(
+    mb: Microbatch,
+    layers: int,
+    shared: bool,
+    microbatches: int,
+    held: float,
+    model_cfg: ModelConfig,
+) -> int:
+    """Device bytes per device of a stage of `layers` layers (and the shared weights
+    where it holds them): weights, gradients and optimizer state, and what its layers
+    keep for the `held` microbatches in flight at its peak (`Schedule.peak_activations`).
+    Gradients are the weights' dtype, summed over microbatches in FP32
+    (`training/precision.py`)."""
+    weights = mb.layer_bytes * layers + (mb.shared_bytes if shared else 0)
+    optimizer = mb.opt_bytes[0] * layers + (mb.opt_bytes[1] if shared else 0)
+    itemsize = jnp.dtype(model_cfg.param_dtype).itemsize
+    grads = weights if microbatches == 1 else weights * 4 // itemsize
+    return weights + grads + optimizer + round(held * layers * mb.keep_bytes)
 
 
 def plan_resident(
@@ -363,13 +385,15 @@ def plan_resident(
     overlap: Overlap = DEFAULT_OVERLAP,
     attention: str = "materialized",
     must_fit: bool = False,
+    stage_layers: tuple[int, ...] | None = None,
 ) -> tuple[dict[str, Any], Ledger, Timeline]:
     """Predict a resident (pipelined) step of `batch` sequences on `hardware` in
     `precision`, its communication overlapped as `overlap` says and its attention core
     `materialized` or `fused` (`ATTENTION`): the report, the step's ledger and its
-    timeline. With `must_fit`, a layout over the device memory raises `CapacityError`
-    before its step is assembled and timed. Needs `par.tensor` JAX devices (one
-    stage's tensor group)."""
+    timeline. `stage_layers`: the layers of each pipeline stage (`--stage-layers`;
+    even without it), as `pipeline_layout` splits them. With `must_fit`, a layout over
+    the device memory raises `CapacityError` before its step is assembled and timed.
+    Needs `par.tensor` JAX devices (one stage's tensor group)."""
     t0 = time.perf_counter()
     hardware = hardware.at_precision(arithmetic(model_cfg, precision))
     key = count_key(model_cfg, par, microbatch_size, seq, recompute, precision, attention)
@@ -383,33 +407,30 @@ def plan_resident(
         )
     m = batch // per_step
     p, v, L = par.pipe, virtual, model_cfg.num_layers
-    if L % (p * v):
+    if stage_layers is None and L % (p * v):
         raise ConfigError(f"{L} layers do not split into pipe * virtual = {p * v} equal chunks")
+    lay = pipeline_layout(L, p, v, stage_layers)
     sched = make_schedule(schedule, p, m, v)
     if attention not in ATTENTION:
         raise ConfigError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
     mb = counted_microbatch(*key)
     if recompute == "selective":
         mb = _selective(mb, model_cfg, par.tensor, microbatch_size, seq, key.fused_attention)
-    peak = max(sched.peak_activations(s) for s in range(p))
-    per_chunk = L // (p * v)
-    weights = mb.layer_bytes * L // p + mb.shared_bytes
-    optimizer = mb.opt_bytes[0] * L // p + mb.opt_bytes[1]
-    # gradients: the weights' dtype, summed over microbatches in FP32 (`training/precision.py`)
-    itemsize = jnp.dtype(model_cfg.param_dtype).itemsize
-    grads = weights if m == 1 else weights * 4 // itemsize
-    device_bytes = weights + grads + optimizer + round(peak * per_chunk * v * mb.keep_bytes)
+    device_bytes = max(
+        _stage_bytes(mb, n, s in (0, p - 1), m, sched.peak_activations(s), model_cfg)
+        for s, n in enumerate(lay.stage_layers())
+    )
     if must_fit:
         layout = f"{par} microbatch {microbatch_size} {schedule} recompute={recompute}"
         require_fit({"device": device_bytes}, hardware, layout)
-    ledger = Ledger(_step_events(mb, sched, model_cfg, par, microbatch_size, seq, overlap))
+    ledger = Ledger(_step_events(mb, sched, lay, model_cfg, par, microbatch_size, seq, overlap))
     totals = ledger.step_totals(0)
     timed = ledger.events
     if sparsity is not None:  # the layers' matmuls at the hardware's block-sparse speed
         factor = layer_factor(hardware, model_cfg, seq, sparsity)
         layers = {k: scale_compute(mb.pieces[k], factor) for k in ("forward", "backward")}
         sparse_mb = dataclasses.replace(mb, pieces={**mb.pieces, **layers})
-        timed = _step_events(sparse_mb, sched, model_cfg, par, microbatch_size, seq, overlap)
+        timed = _step_events(sparse_mb, sched, lay, model_cfg, par, microbatch_size, seq, overlap)
     timeline, prediction = predict(
         timed,
         hardware,
@@ -436,6 +457,7 @@ def plan_resident(
             "microbatches": m,
             "schedule": schedule,
             "virtual": v,
+            "stage_layers": lay.stage_layers(),
             "recompute": recompute,
             "precision": precision,
             "overlap": overlap.to_json(),
