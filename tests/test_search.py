@@ -135,7 +135,9 @@ def test_phased_pruning_drops_only_layouts_that_do_not_fit():
         c for c in s.candidates(par, ("phased",), "fp32", 2)
         if c.rts == 1 and c.activations in ("offload", "keep")
     ]  # fmt: skip
-    rows = {r["label"]: r for r in s.screen_group(group)}
+    checked = s.check_group(group)
+    s.finish(checked)
+    rows = {r["label"]: r for r in checked}
     pruned = [c for c in group if rows[c.label]["status"] == "pruned"]
     assert len(pruned) == 4  # behind the two that do not fit: the optimizer on the device, keep
     assert sum(1 for r in rows.values() if r.get("fits")) == 2

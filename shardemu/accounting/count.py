@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,50 +77,72 @@ class Counted:
 class Counter:
     """Compiles each piece once per signature and keeps its counts. Share one counter
     between the trainers and plans that count the same pieces (a phase-count search, a
-    test suite) to compile each piece once."""
+    test suite) to compile each piece once. Pieces can also be compiled in the
+    background (`count_ahead`), `workers` at a time: XLA compiles without holding
+    Python's global interpreter lock, so on two cores two pieces compile side by side,
+    or one beside the caller's own work."""
 
-    def __init__(self) -> None:
+    def __init__(self, workers: int = 2) -> None:
         self._counted: dict[tuple, Counted] = {}
         self._shapes: dict[tuple, tuple] = {}
         self._placed: dict[tuple, tuple] = {}
+        self._ahead: dict[tuple, Future] = {}  # by key: compiling, or compiled, in the pool
+        self._workers = workers
+        self._pool: ThreadPoolExecutor | None = None  # started by the first `count_ahead`
 
     def count(self, name: str, fn: Any, mesh: Mesh, args: tuple, context: tuple = ()) -> Counted:
-        """Compile the jitted `fn` over the abstract `args` (once per signature).
-        `context`: the settings `fn` itself depends on (its optimizer, its rules), so
-        that pieces of one name built with other settings are counted apart."""
+        """Compile the jitted `fn` over the abstract `args` (once per signature; a piece
+        compiling in the background is waited for). `context`: the settings `fn`
+        itself depends on (its optimizer, its rules), so that pieces of one name built
+        with other settings are counted apart."""
         key = _key(name, mesh, args, context)
         if key not in self._counted:
-            compiled = fn.lower(*abstract(args)).compile(compiler_options=COUNT_OPTIONS)
-            text = compiled.as_text()
-            module = Kernels(text, compute_itemsize(args))
-            self._counted[key] = Counted(
-                float(compiled.cost_analysis().get("flops", 0.0)),
-                mesh.size,
-                tuple(collectives(text, mesh)),
-                compiled.output_shardings,
-                *module.read(),
-                module.read(fused_attention=True),
-            )
+            ahead = self._ahead.get(key)
+            if ahead is not None:
+                ahead.result()  # raises what the background compile raised
+            else:
+                self._compile(key, fn, mesh, args)
         return self._counted[key]
+
+    def _compile(self, key: tuple, fn: Any, mesh: Mesh, args: tuple) -> None:
+        compiled = fn.lower(*abstract(args)).compile(compiler_options=COUNT_OPTIONS)
+        text = compiled.as_text()
+        module = Kernels(text, compute_itemsize(args))
+        self._counted[key] = Counted(
+            float(compiled.cost_analysis().get("flops", 0.0)),
+            mesh.size,
+            tuple(collectives(text, mesh)),
+            compiled.output_shardings,
+            *module.read(),
+            module.read(fused_attention=True),
+        )
 
     def __len__(self) -> int:
         """How many pieces it has compiled."""
         return len(self._counted)
 
-    def count_all(self, pieces: Iterable[tuple], workers: int = 2) -> None:
-        """Count each piece `(name, fn, mesh, args, context)` not counted yet, `workers`
-        at a time: XLA compiles without holding Python's global interpreter lock, so
-        on two cores two pieces compile side by side. (A dry run for memory alone lists
-        the pieces its counted run will count: `Executor.pieces`.)"""
-        todo: dict[tuple, tuple] = {}
-        for piece in pieces:
-            name, _, mesh, args, context = piece
+    def count_ahead(self, pieces: Iterable[tuple]) -> list[Future]:
+        """Start compiling, in the background, each piece `(name, fn, mesh, args,
+        context)` not counted or compiling yet, and return the futures of all of them.
+        (A dry run for memory alone lists the pieces its counted run will count:
+        `Executor.pieces`.) `count` waits for a piece compiling here."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="count")
+        futures = {}
+        for name, fn, mesh, args, context in pieces:
             key = _key(name, mesh, args, context)
-            if key not in self._counted:
-                todo.setdefault(key, piece)
-        with ThreadPoolExecutor(workers, thread_name_prefix="count") as pool:
-            for _ in pool.map(lambda p: self.count(*p), todo.values()):
-                pass
+            if key in self._counted or key in futures:
+                continue
+            if key not in self._ahead:
+                self._ahead[key] = self._pool.submit(self._compile, key, fn, mesh, args)
+            futures[key] = self._ahead[key]
+        return list(futures.values())
+
+    def count_all(self, pieces: Iterable[tuple]) -> None:
+        """Count each piece `(name, fn, mesh, args, context)`, those not counted yet
+        compiled `workers` at a time (`count_ahead`), and wait for all of them."""
+        for future in self.count_ahead(pieces):
+            future.result()
 
     def outputs(
         self, name: str, fn: Any, mesh: Mesh, args: tuple, context: tuple, count_args: tuple

@@ -70,6 +70,16 @@ def dry_run(trainer: PhasedTrainer, layout: Layout, counting: bool = True) -> Dr
     return run
 
 
+def count_ahead(trainer: PhasedTrainer, layout: Layout) -> None:
+    """Start compiling in the background the pieces that `layout`'s counted step will
+    count, as its dry run for memory alone listed them (`dry_run`): a search judges
+    other layouts' memory while they compile."""
+    memory = trainer.dry_runs.get((layout.slices, False))
+    if memory is None:
+        raise ValueError("count_ahead follows a dry run for memory alone of the same layout")
+    trainer.counter.count_ahead(memory.pieces)
+
+
 def fewest_phases_that_fit(trainer: PhasedTrainer, capacity: int) -> int:
     """The largest phases whose step fits `capacity` bytes per device: tried in
     abstract mode, for memory alone, fewest phases first. A phase computes with its

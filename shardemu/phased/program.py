@@ -296,7 +296,7 @@ def backward(
     g_head = fwd.g_head
     if last is not first:  # the tied embedding's second term, from the head's stage
         g_head = ex.send(last.index, g_head, first.shared_store, SHARED_BWD, "gradients")
-    g_shared = ex.run(SHARED_BWD, "add", first.fn("add"), first, (g_embed, g_head))
+    g_shared = ex.run(SHARED_BWD, "add-shared", first.fn("add-shared"), first, (g_embed, g_head))
     shared_grads, square = gradients_out(ex, cfg, first, SHARED_BWD, "shared", g_shared, None)
     squares.append(square)
     for st_index, (_, key) in shared.items():

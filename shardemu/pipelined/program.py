@@ -254,9 +254,10 @@ def _sum_shared(
         "gradients",
     )  # fmt: skip
     # the same operands in the same order on both stages: bit-identical sums
+    add = "add-shared"
     return {
-        first.index: ex.run(SHARED_BWD, "add", first.fn("add"), first, (g_first, from_last)),
-        last.index: ex.run(SHARED_BWD, "add", last.fn("add"), last, (from_first, g_last)),
+        first.index: ex.run(SHARED_BWD, add, first.fn(add), first, (g_first, from_last)),
+        last.index: ex.run(SHARED_BWD, add, last.fn(add), last, (from_first, g_last)),
     }
 
 

@@ -27,6 +27,7 @@ from shardemu.models import Model, param_bytes, param_count
 from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Schedule, make_schedule
+from shardemu.phased import planner
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.predict.costmodel import Timeline, predict, require_fit
 from shardemu.predict.hardware import Hardware
@@ -110,20 +111,13 @@ def _counted(
 ) -> tuple[dict[str, Any], Ledger, Timeline | None]:  # fmt: skip
     """`plan_phased`'s work at one microbatch size: the report, the step's ledger and
     (with `hardware`) its timeline."""
-    if hardware is not None:
-        hardware = hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))
     given_vocab = model_cfg.vocab_size
-    model_cfg = padded_for(model_cfg, par)
+    hardware, model_cfg, passes, pass_cfg, sched = _setting(
+        model_cfg, par, train_cfg, hardware, microbatch_size
+    )
     model = Model(model_cfg)
-    passes, pass_cfg = _passes(train_cfg, par, microbatch_size)
-    sched = make_schedule("1f1b", par.pipe, passes) if passes > 1 else None
     if must_fit and hardware is not None:  # its memory first: nothing compiled if it does not fit
-        plan, _ = _one_pass(model_cfg, par, pass_cfg, phased, rules, counting=False)
-        layout = (
-            f"{par} phased in {plan['phases']} phases (rts {phased.rts}, activations "
-            f"{phased.activations}, optimizer on the {phased.optimizer_on})"
-        )
-        require_fit(_memory(plan, sched, phased), hardware, layout)
+        _require_fit(model_cfg, par, pass_cfg, phased, rules, sched, hardware)
     plan, events = _one_pass(model_cfg, par, pass_cfg, phased, rules)
     plan = copy.deepcopy(plan)
     memory = _memory(plan, sched, phased)
@@ -178,7 +172,52 @@ def _counted(
     return report, ledger, timeline
 
 
-@functools.lru_cache(maxsize=64)
+def check_fit(
+    model_cfg: ModelConfig, par: Parallelism, train_cfg: TrainConfig, phased: PhasedConfig,
+    hardware: Hardware, microbatch_size: int | None = None, rules: Rules | None = None,
+) -> None:  # fmt: skip
+    """Judge a phased layout's step by its memory alone, as `plan_phased(...,
+    must_fit=True)` does first: `CapacityError` when it does not fit `hardware`'s
+    tiers. When it fits, the pieces its counted plan will count start compiling in
+    the background (`planner.count_ahead`): a search judges the next layouts while
+    they compile, and plans this one after."""
+    hardware, model_cfg, _, pass_cfg, sched = _setting(
+        model_cfg, par, train_cfg, hardware, microbatch_size
+    )
+    _require_fit(model_cfg, par, pass_cfg, phased, rules, sched, hardware)
+    trainer = _trainer(model_cfg, par, pass_cfg, phased, rules)
+    planner.count_ahead(trainer, trainer.layout())
+
+
+def _setting(
+    model_cfg: ModelConfig, par: Parallelism, train_cfg: TrainConfig,
+    hardware: Hardware | None, microbatch_size: int | None,
+) -> tuple[Hardware | None, ModelConfig, int, TrainConfig, Schedule | None]:  # fmt: skip
+    """What a plan at one microbatch size runs: the hardware at the training's
+    precision, the model with its vocabulary padded for the mesh, the number of passes,
+    one pass's training settings and the passes' pipeline schedule (none for one)."""
+    if hardware is not None:
+        hardware = hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))
+    passes, pass_cfg = _passes(train_cfg, par, microbatch_size)
+    sched = make_schedule("1f1b", par.pipe, passes) if passes > 1 else None
+    return hardware, padded_for(model_cfg, par), passes, pass_cfg, sched
+
+
+def _require_fit(
+    model_cfg: ModelConfig, par: Parallelism, pass_cfg: TrainConfig, phased: PhasedConfig,
+    rules: Rules | None, sched: Schedule | None, hardware: Hardware,
+) -> None:  # fmt: skip
+    """`CapacityError` unless the step's memory, from a dry run of one pass for memory
+    alone (which compiles almost nothing), fits `hardware`'s tiers."""
+    plan, _ = _one_pass(model_cfg, par, pass_cfg, phased, rules, counting=False)
+    layout = (
+        f"{par} phased in {plan['phases']} phases (rts {phased.rts}, activations "
+        f"{phased.activations}, optimizer on the {phased.optimizer_on})"
+    )
+    require_fit(_memory(plan, sched, phased), hardware, layout)
+
+
+@functools.lru_cache(maxsize=128)
 def _one_pass(
     model_cfg: ModelConfig, par: Parallelism, pass_cfg: TrainConfig, phased: PhasedConfig,
     rules: Rules | None, counting: bool = True,
@@ -192,14 +231,15 @@ def _one_pass(
     return plan, tuple(ledger.events)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=64)
 def _trainer(
     model_cfg: ModelConfig, par: Parallelism, pass_cfg: TrainConfig, phased: PhasedConfig,
     rules: Rules | None,
 ) -> PhasedTrainer:  # fmt: skip
     """The abstract trainer of one pass: one stage's devices stand for every stage
     (identical stages count the same). Kept for the pass's counted plan after its memory
-    alone, and its phase count found once."""
+    alone, and its phase count found once: a search judges two groups of layouts (up
+    to 48 settings) before it plans the first group's that fit."""
     stage = dataclasses.replace(par, pipe=1)
     mesh = mesh_from(stage, jax.devices()[: plan_devices(par)])
     return PhasedTrainer(Model(model_cfg), mesh, pass_cfg, phased, rules, par.pipe)

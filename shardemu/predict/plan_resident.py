@@ -129,7 +129,7 @@ def count_microbatch(
         g_w, _ = ex.run(BACKWARD, "bwd-keep", st.fn("bwd-keep"), st, (vjp, g_x))
     ex.run(BACKWARD, "sq-norm", st.fn("sq-norm"), st, (g_w,))
     g_embed = ex.run(EMBED_BWD, "embed-bwd", st.fn("embed-bwd"), st, (shared, batch, g_x))
-    ex.run(EMBED_BWD, "add", st.fn("add"), st, (g_embed, g_head))
+    ex.run(EMBED_BWD, "add-shared", st.fn("add-shared"), st, (g_embed, g_head))
     norm = jax.ShapeDtypeStruct((), np.float32, sharding=st.replicated)
     opt_bytes = []
     for part, phase, weights, opt_sh, tx in (

@@ -63,7 +63,7 @@ from shardemu.predict.ahead import CountsAhead
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import microbatch_candidates
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
-from shardemu.predict.plan_phased import plan_phased
+from shardemu.predict.plan_phased import check_fit, plan_phased
 from shardemu.predict.plan_resident import (
     CountKey,
     count_key,
@@ -268,11 +268,8 @@ class Searcher:
                 return row | _measures(self.plan(c, m), m, "planned")
             second = self.plan(c, m2)  # the full step's memory: whether it fits
             first = self.plan(c, m1)
-        except CapacityError as err:  # not timed (prune 2)
-            needed = {} if err.needed is None else {"device_bytes": err.needed}
-            return row | {"status": "does not fit", "fits": False, "reason": str(err), **needed}
-        except ConfigError as err:
-            return row | {"status": "refused", "reason": str(err)}
+        except (CapacityError, ConfigError) as err:
+            return row | _refusal(err)
         s1, s2 = first["step_time_s"], second["step_time_s"]
         step = s1 + (m - m1) * (s2 - s1) / (m2 - m1)
         out = _measures(second, m2, "extrapolated")
@@ -293,12 +290,36 @@ class Searcher:
                       if mode == "resident" else _phased_settings(par))
         ]  # fmt: skip
 
-    def screen_group(self, group: list[Candidate]) -> list[dict[str, Any]]:
-        """Screen one mesh, precision and microbatch size's candidates. Prune 4: phased
-        settings are screened least device memory first (`_memory_ranks`); one that
-        holds at least what a setting that did not fit holds, in every respect, is not
-        planned."""
-        rows = [self.screen(c) for c in group if c.mode == "resident"]
+    def check(self, c: Candidate) -> dict[str, Any] | None:
+        """Phased `c`'s full step judged by its memory alone (`check_fit`): its row when
+        it does not fit (prune 2) or is refused; None when it fits, its pieces then
+        compiling in the background for `screen`."""
+        m = self.microbatches(c)
+        passes = min(m, 2 * c.pipe)  # the plan `screen` judges the step's memory by
+        phased = PhasedConfig(
+            device_memory=self.hardware.device_memory_bytes, rts=c.rts,
+            activations=c.activations, optimizer_on=c.optimizer_on,  # type: ignore[arg-type]
+            prefetch=c.prefetch,
+        )  # fmt: skip
+        train = TrainConfig(
+            batch=c.microbatch_size * c.replica * passes, seq=self.seq, precision=c.precision
+        )
+        try:
+            check_fit(self.model_cfg, c.par, train, phased, self.hardware, c.microbatch_size)
+        except (CapacityError, ConfigError) as err:
+            return _row(c) | {"microbatches": m} | _refusal(err)
+        return None
+
+    def check_group(self, group: list[Candidate]) -> list[dict[str, Any] | Candidate]:
+        """One mesh, precision and microbatch size's candidates: the resident ones
+        screened, the phased ones judged by memory (`check`), each a row, or the
+        candidate itself where it fits and is left for `finish` to screen. Prune 4:
+        phased settings are judged least device memory first (`_memory_ranks`); one
+        that holds at least what a setting that did not fit holds, in every respect,
+        is not planned."""
+        out: list[dict[str, Any] | Candidate] = [
+            self.screen(c) for c in group if c.mode == "resident"
+        ]
         failed: list[tuple[int, tuple[int, ...], str]] = []  # (rts, ranks, label)
         for c in sorted((c for c in group if c.mode == "phased"), key=_memory_ranks):
             ranks = _memory_ranks(c)
@@ -309,13 +330,18 @@ class Searcher:
             )  # fmt: skip
             if worse is not None:
                 why = f"holds at least what {worse} holds on the device, which does not fit"
-                rows.append(_row(c) | {"status": "pruned", "reason": why})
+                out.append(_row(c) | {"status": "pruned", "reason": why})
                 continue
-            row = self.screen(c)
-            rows.append(row)
-            if not row.get("fits") and row["status"] != "refused":
+            row = self.check(c)
+            out.append(c if row is None else row)
+            if row is not None and row["status"] == "does not fit":
                 failed.append((c.rts, ranks, c.label))
-        return rows
+        return out
+
+    def finish(self, checked: list[dict[str, Any] | Candidate]) -> None:
+        """Screen, in place, the candidates `check_group` left: their pieces have been
+        compiling since it judged their memory."""
+        checked[:] = [self.screen(x) if isinstance(x, Candidate) else x for x in checked]
 
     def pruned_modes(self, par: Parallelism, precision: str, modes: tuple[Mode, ...]) -> dict:
         """Prune 1, by mode: the reason no layout of `par` in `precision` can fit."""
@@ -363,16 +389,29 @@ class Searcher:
         return [tuple(keys) for keys in groups.values()]
 
     def run_mode(self, modes: tuple[Mode, ...], rows: list[dict[str, Any]]) -> None:
+        """Search `modes`' layouts into `rows`. A group's fitting phased layouts are
+        screened after the next group is judged, so their pieces compile meanwhile."""
+        groups: list[list[dict[str, Any] | Candidate]] = []
+        waiting: list[dict[str, Any] | Candidate] = []  # judged, its pieces compiling
+
+        def fit(x: dict[str, Any] | Candidate) -> bool:
+            return isinstance(x, Candidate) or bool(x.get("fits"))
+
         for par, precision, pruned, sizes in self.mesh_plans(modes):
-            rows += [_pruned(par, precision, mode, why) for mode, why in pruned.items()]
+            groups.append([_pruned(par, precision, mode, why) for mode, why in pruned.items()])
             use = tuple(m for m in modes if m not in pruned)
             for size in sizes if use else []:
-                screened = self.screen_group(self.candidates(par, use, precision, size))
-                rows += screened
-                if not any(r.get("fits") for r in screened):
+                checked = self.check_group(self.candidates(par, use, precision, size))
+                groups.append(checked)
+                self.finish(waiting)
+                waiting = checked
+                if not any(fit(x) for x in checked):
                     break  # prune 3: larger microbatches fit no better
             if precision == self.space.precisions[-1]:
-                self.log(f"{par}: {sum(1 for r in rows if r.get('fits'))} layouts fit so far")
+                fits = sum(fit(x) for group in groups for x in group)
+                self.log(f"{par}: {fits} layouts fit so far")
+        self.finish(waiting)
+        rows += [row for group in groups for row in group]  # type: ignore[misc]
 
 
 def _measures(report: dict[str, Any], microbatches: int, how: str) -> dict[str, Any]:
@@ -393,6 +432,16 @@ def _measures(report: dict[str, Any], microbatches: int, how: str) -> dict[str, 
 
 def _row(c: Candidate) -> dict[str, Any]:
     return {"label": c.label, **c.settings()}
+
+
+def _refusal(err: CapacityError | ConfigError) -> dict[str, Any]:
+    """A row's status when its planner refused it: a layout over a memory tier is kept
+    with its device bytes and not timed (prune 2); a setting the planner refuses, with
+    its reason."""
+    if isinstance(err, CapacityError):
+        needed = {} if err.needed is None else {"device_bytes": err.needed}
+        return {"status": "does not fit", "fits": False, "reason": str(err), **needed}
+    return {"status": "refused", "reason": str(err)}
 
 
 def _candidate(row: dict[str, Any]) -> Candidate:

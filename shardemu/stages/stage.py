@@ -241,7 +241,14 @@ class Stage:
                 jax.value_and_grad(head_loss, argnums=(0, 1)),
                 out_shardings=(self.replicated, (self.shared_store, self.act)),
             ),
-            "add": lambda: jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b)),
+            # the shared weights' gradient: its embedding and head halves summed (with
+            # weight streaming, each system's: a row per system, `systems.py`)
+            "add-shared": lambda: jax.jit(
+                lambda a, b: jax.tree.map(jnp.add, a, b),
+                out_shardings=jax.tree.map(lambda _: self.stacked, self.shared_store)
+                if self._per_system
+                else self.shared_store,
+            ),
             "accumulate": lambda: jax.jit(
                 lambda a, b: jax.tree.map(jnp.add, to_fp32(a), to_fp32(b))
             ),
