@@ -196,6 +196,7 @@ def forward(
     scale_arg = ex.place(np.float32(scale), last.replicated)
     args = (shared[last.index][0], x, batches[last.index], None, scale_arg)
     out.loss, (out.g_head, out.g_x) = ex.run(HEAD, "head", last.fn("head"), last, args)
+    ex.tiers[last.index].admit("g-head", bytes_per_device(out.g_head), HEAD)
     ex.tiers[last.index].release(f"x{n}")
     out.fetched = fetched
     return out
@@ -227,6 +228,7 @@ def backward_phase(
         vjp, count = fwd.kept.pop(i)
         _, vjp_one = ex.shape("fwd-keep", st.fn("fwd-keep"), st, count)
         g_w, g_x = ex.run(phase, "bwd-keep", st.fn("bwd-keep"), st, (vjp, g_x), (vjp_one, g_x), k)
+        tier.admit(f"g{i}", bytes_per_device(g_w), phase)
         tier.release(f"res{i}")
         return g_w, g_x
     weights, held = gather(ex, cfg, st, f"w{i}", fwd.fetched.pop(i), "layers", phase, k)
@@ -237,6 +239,7 @@ def backward_phase(
         g_w, g_x = ex.run(
             phase, "bwd-acts", st.fn("bwd-acts"), st, args, (count[0], kept_one, g_x), k
         )
+        tier.admit(f"g{i}", bytes_per_device(g_w), phase)
         tier.release(held)
         tier.release(f"res{i}")
         return g_w, g_x
@@ -247,6 +250,7 @@ def backward_phase(
         phase, "bwd", st.fn("bwd"), st, (weights, x_i, mask, g_x), (*count, g_x), k,
         recompute=recompute_flops(ex, st, count, g_x),
     )  # fmt: skip
+    tier.admit(f"g{i}", bytes_per_device(g_w), phase)
     tier.release(held)
     tier.release(f"x{i}")
     return g_w, g_x
@@ -289,15 +293,24 @@ def backward(
         opt = state.opt_layers[i]
         masks = opt.masks if isinstance(opt, SparseState) else None
         grads[i], square = gradients_out(ex, cfg, st, phase, "layers", g_w, masks)
+        ex.tiers[st.index].release(f"g{i}")
         squares.append(square)
 
     args = (shared[0][0], batches[0], g_x)
     g_embed = ex.run(EMBED_BWD, "embed-bwd", first.fn("embed-bwd"), first, args)
+    tier = ex.tiers[first.index]
+    tier.admit("g-embed", bytes_per_device(g_embed), EMBED_BWD)
     g_head = fwd.g_head
     if last is not first:  # the tied embedding's second term, from the head's stage
         g_head = ex.send(last.index, g_head, first.shared_store, SHARED_BWD, "gradients")
+        ex.tiers[last.index].release("g-head")
+        tier.admit("g-head", bytes_per_device(g_head), SHARED_BWD)
     g_shared = ex.run(SHARED_BWD, "add-shared", first.fn("add-shared"), first, (g_embed, g_head))
+    tier.admit("g-shared", bytes_per_device(g_shared), SHARED_BWD)
+    tier.release("g-embed")
+    tier.release("g-head")
     shared_grads, square = gradients_out(ex, cfg, first, SHARED_BWD, "shared", g_shared, None)
+    tier.release("g-shared")
     squares.append(square)
     for st_index, (_, key) in shared.items():
         ex.tiers[st_index].release(key)
