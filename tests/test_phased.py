@@ -263,11 +263,16 @@ def test_device_memory_picks_the_fewest_phases_that_fit(tiny_model, runs):
     trainer = runs("1-rts1-recompute-host")[0]
     peaks = {n: trainer.plan(n)["device_high_water"] for n in (1, 2, 4)}
     assert peaks[1] == max(t.high_water for t in trainer.tiers)
-    for n, peak in peaks.items():  # the bound that spares dry runs is below every peak
-        assert tiny_model.cfg.num_layers // n * trainer.layer_bytes_per_device <= peak
-        # a phase's backward writes its weight gradients beside its weights (rts 1: as
-        # large), and both are held until the gradients leave for the host
-        assert 2 * tiny_model.cfg.num_layers // n * trainer.layer_bytes_per_device <= peak
+    # a phase's backward writes its weight gradients beside its weights (rts 1: as
+    # large), and both are held until the gradients leave for the host
+    assert trainer.backward_bytes_per_layer == 2 * trainer.layer_bytes_per_device
+    # the bound that spares dry runs is below every peak, for every configuration
+    for name, (_, rts, rts_opt, activations, optimizer_on) in CONFIGS.items():
+        cfg = PhasedConfig(None, None, rts, rts_opt, activations, optimizer_on)
+        other = PhasedTrainer(tiny_model, make_mesh(tensor=2, replica=REPLICA), TRAIN, cfg)
+        for n in (1, 2, 4):
+            peak = other.plan(n, counting=False)["device_high_water"]
+            assert tiny_model.cfg.num_layers // n * other.backward_bytes_per_layer <= peak, name
     assert peaks[4] < peaks[1]  # prefetching one phase ahead: 2 phases may peak like 1
     for budget in sorted(set(peaks.values())):
         cfg = PhasedConfig(device_memory=budget)

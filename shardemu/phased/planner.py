@@ -82,24 +82,29 @@ def count_ahead(trainer: PhasedTrainer, layout: Layout) -> None:
 
 def fewest_phases_that_fit(trainer: PhasedTrainer, capacity: int) -> int:
     """The largest phases whose step fits `capacity` bytes per device: tried in
-    abstract mode, for memory alone, fewest phases first. A phase computes with its
-    layers' weights gathered on its devices, so a count whose phases' weights alone
-    overflow `capacity` cannot fit and is not dry-run (but for the last, whose peak the
-    error reports): GPT-3 on a 900 MB IPU fits one layer a phase, and counting there
-    took eleven dry runs."""
+    abstract mode, for memory alone, fewest phases first. A phase's backward holds its
+    layers' weights gathered on its devices and, beside them, the gradients it writes
+    (`PhasedTrainer.backward_bytes_per_layer`), so a count whose phases need more than
+    `capacity` for those alone cannot fit and is not dry-run: GPT-3 on a 900 MB IPU fits
+    one layer a phase, and counting there took eleven dry runs; at rts 1 not even one
+    layer fits (its FP16 weights and gradients over tensor 8 are 906 MB), which is
+    known without a dry run."""
     layers, pipe = trainer.model.cfg.num_layers, trainer.par.pipe
     counts = valid_phase_counts(layers, pipe)
-    peak = 0
+    peak, what = 0, "need"
     for n in counts:
-        if layers // n * trainer.layer_bytes_per_device > capacity and n != counts[-1]:
+        floor = layers // n * trainer.backward_bytes_per_layer
+        if floor > capacity:
+            peak, what = floor, "need at least (a layer's weights and its gradients)"
             continue
-        peak = dry_run(trainer, trainer.layout(n), counting=False).device_peak
+        peak, what = dry_run(trainer, trainer.layout(n), counting=False).device_peak, "need"
         if peak <= capacity:
             return n
     raise CapacityError(
         f"no phase count fits --device-memory {capacity:,}: even {counts[-1]} "
-        f"phases of one layer need {peak:,} bytes per device; raise "
-        f"--device-memory, add tensor sharding, use --rts, or --activations recompute"
+        f"phases of one layer {what} {peak:,} bytes per device; raise "
+        f"--device-memory, add tensor sharding, use --rts, or --activations recompute",
+        needed=peak,
     )
 
 

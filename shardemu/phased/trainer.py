@@ -89,6 +89,10 @@ class PhasedTrainer:
         # one layer's weights as a phase computes with them (gathered, tensor-sharded)
         layer = with_shardings(self.pieces.layer_shape_one, self.stages[0].layer_compute)
         self.layer_bytes_per_device = bytes_per_device(layer)
+        # what a phase's backward holds per layer at least: those weights, and beside
+        # them the gradients it writes (in the stored layout) until they leave
+        grads = with_shardings(self.pieces.layer_shape_one, self.stages[0].layer_store)
+        self.backward_bytes_per_layer = self.layer_bytes_per_device + bytes_per_device(grads)
         self.ledger = Ledger()
         self.tiers = [Tier(f"device (stage {s})", cfg.device_memory) for s in range(par.pipe)]
         layers = model.cfg.num_layers
