@@ -236,16 +236,24 @@ class Searcher:
                 attention=self.space.attention, must_fit=True,
             )  # fmt: skip
             return report
+        train, phased = self.phased_settings(c, microbatches)
+        return plan_phased(
+            self.model_cfg, c.par, train, phased, hardware=self.hardware,
+            microbatch_size=c.microbatch_size, overlap=self.space.overlap, must_fit=True,
+        )  # fmt: skip
+
+    def phased_settings(self, c: Candidate, passes: int) -> tuple[TrainConfig, PhasedConfig]:
+        """Phased candidate `c`'s training settings for `passes` passes, and its phased
+        settings against the device memory (the planner picks the fewest phases)."""
+        train = TrainConfig(
+            batch=c.microbatch_size * c.replica * passes, seq=self.seq, precision=c.precision
+        )
         phased = PhasedConfig(
             device_memory=self.hardware.device_memory_bytes, rts=c.rts,
             activations=c.activations, optimizer_on=c.optimizer_on,  # type: ignore[arg-type]
             prefetch=c.prefetch,
         )  # fmt: skip
-        train = TrainConfig(batch=batch, seq=self.seq, precision=c.precision)
-        return plan_phased(
-            self.model_cfg, c.par, train, phased, hardware=self.hardware,
-            microbatch_size=c.microbatch_size, overlap=self.space.overlap, must_fit=True,
-        )  # fmt: skip
+        return train, phased
 
     def count_of(self, c: Candidate) -> CountKey:
         """The microbatch count resident candidate `c`'s plans use."""
@@ -295,15 +303,8 @@ class Searcher:
         it does not fit (prune 2) or is refused; None when it fits, its pieces then
         compiling in the background for `screen`."""
         m = self.microbatches(c)
-        passes = min(m, 2 * c.pipe)  # the plan `screen` judges the step's memory by
-        phased = PhasedConfig(
-            device_memory=self.hardware.device_memory_bytes, rts=c.rts,
-            activations=c.activations, optimizer_on=c.optimizer_on,  # type: ignore[arg-type]
-            prefetch=c.prefetch,
-        )  # fmt: skip
-        train = TrainConfig(
-            batch=c.microbatch_size * c.replica * passes, seq=self.seq, precision=c.precision
-        )
+        # the plan `screen` judges the step's memory by: m passes, or 2p
+        train, phased = self.phased_settings(c, min(m, 2 * c.pipe))
         try:
             check_fit(self.model_cfg, c.par, train, phased, self.hardware, c.microbatch_size)
         except (CapacityError, ConfigError) as err:
