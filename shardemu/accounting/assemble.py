@@ -28,7 +28,7 @@ def assemble(
     """`before`, then `slot_events(slot)` for each slot in (time, stage) order with its
     phases set to the slot's microbatch and its stage set to the slot's, then `after`."""
     step = list(before)
-    for slot in sorted(schedule.slots, key=lambda s: (s.time, s.stage)):
+    for slot in schedule.in_order:
         step += [e.placed(slot.microbatch, slot.stage) for e in slot_events(slot)]
     return step + list(after)
 

@@ -11,6 +11,7 @@ counted as one layer and recorded `repeat`ed k times.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -86,22 +87,33 @@ class Counter:
         self._counted: dict[tuple, Counted] = {}
         self._shapes: dict[tuple, tuple] = {}
         self._placed: dict[tuple, tuple] = {}
-        self._ahead: dict[tuple, Future] = {}  # by key: compiling, or compiled, in the pool
+        # by key: compiling, or compiled, in the pool or in a thread's `count`
+        self._ahead: dict[tuple, Future] = {}
+        self._lock = threading.Lock()
         self._workers = workers
         self._pool: ThreadPoolExecutor | None = None  # started by the first `count_ahead`
 
     def count(self, name: str, fn: Any, mesh: Mesh, args: tuple, context: tuple = ()) -> Counted:
-        """Compile the jitted `fn` over the abstract `args` (once per signature; a piece
-        compiling in the background is waited for). `context`: the settings `fn`
+        """Compile the jitted `fn` over the abstract `args` (once per signature: a piece
+        another thread is compiling is waited for, not compiled twice). `context`: the settings `fn`
         itself depends on (its optimizer, its rules), so that pieces of one name built
         with other settings are counted apart."""
         key = _key(name, mesh, args, context)
         if key not in self._counted:
-            ahead = self._ahead.get(key)
-            if ahead is not None:
-                ahead.result()  # raises what the background compile raised
+            with self._lock:  # another thread compiling it (`count_ahead`, or `count`)?
+                future = self._ahead.get(key)
+                mine = future is None
+                if mine:
+                    future = self._ahead[key] = Future()
+            if mine:
+                try:
+                    self._compile(key, fn, mesh, args)
+                except BaseException as err:
+                    future.set_exception(err)
+                    raise
+                future.set_result(None)
             else:
-                self._compile(key, fn, mesh, args)
+                future.result()  # raises what the other thread's compile raised
         return self._counted[key]
 
     def _compile(self, key: tuple, fn: Any, mesh: Mesh, args: tuple) -> None:
@@ -133,9 +145,10 @@ class Counter:
             key = _key(name, mesh, args, context)
             if key in self._counted or key in futures:
                 continue
-            if key not in self._ahead:
-                self._ahead[key] = self._pool.submit(self._compile, key, fn, mesh, args)
-            futures[key] = self._ahead[key]
+            with self._lock:
+                if key not in self._ahead:
+                    self._ahead[key] = self._pool.submit(self._compile, key, fn, mesh, args)
+                futures[key] = self._ahead[key]
         return list(futures.values())
 
     def count_all(self, pieces: Iterable[tuple]) -> None:
@@ -165,7 +178,10 @@ class Counter:
             shardings = [x.sharding for x in shapes]
             if not all(isinstance(s, NamedSharding) for s in shardings):
                 counted = self.count(name, fn, mesh, count_args, context)
-                shardings = jax.tree.leaves(counted.out_shardings)
+                shardings = [
+                    s if isinstance(s, NamedSharding) else c
+                    for s, c in zip(shardings, jax.tree.leaves(counted.out_shardings), strict=True)
+                ]
             leaves = [
                 jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_mesh(s, mesh))
                 for x, s in zip(shapes, shardings, strict=True)

@@ -67,11 +67,12 @@ class Phase:
     def at(self, micro: int) -> Phase:
         """The same phase for microbatch `micro`, made once per microbatch and kept on
         this phase (outside its fields): a search places millions of events."""
-        made = self.__dict__.setdefault("_at", {})
-        phase = made.get(micro)
-        if phase is None:
-            phase = made[micro] = dataclasses.replace(self, micro=micro)
-        return phase
+        try:
+            return self.__dict__["_at"][micro]
+        except KeyError:  # not `dataclasses.replace`, which reads the fields each call
+            made = self.__dict__.setdefault("_at", {})
+            phase = made[micro] = Phase(self.kind, self.index, self.layers, micro)
+            return phase
 
     def __str__(self) -> str:
         """The readable name: fwd3, bwd-embed, update-shared, fwd@5 (microbatch 5)."""
@@ -111,10 +112,18 @@ class Event:
     def placed(self, micro: int, stage: int) -> Event:
         """This event for microbatch `micro` on pipeline stage `stage`. A plain copy of
         the fields: `dataclasses.replace` re-runs `__init__`, and a GPT-3 step on an
-        IPU-POD places 750k events."""
+        IPU-POD places 750k events. The copy remembers the event it was placed from
+        (`origin`): a timeline times each origin once."""
         event = object.__new__(Event)
         event.__dict__.update(self.__dict__, phase=self.phase.at(micro), stage=stage)
+        event.__dict__.setdefault("_origin", self)
         return event
+
+    @property
+    def origin(self) -> Event:
+        """The event this one was placed from (itself, if it was not placed): the same
+        work, the same duration, on another microbatch or stage."""
+        return self.__dict__.get("_origin", self)
 
 
 def totals(events: Iterable[Event]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ Symbols: p stages (devices), m microbatches, v virtual stages (chunks) per devic
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -63,15 +64,24 @@ class Schedule:
         busy = 2 * self.microbatches * self.virtual
         return 1 - busy / self.makespan
 
+    @cached_property
+    def in_order(self) -> tuple[Slot, ...]:
+        """The slots in time order, stages in order within a time step."""
+        return tuple(sorted(self.slots, key=lambda s: (s.time, s.stage)))
+
+    @cached_property
+    def _peaks(self) -> dict[int, int]:
+        held: dict[int, int] = dict.fromkeys(range(self.stages), 0)
+        peak = dict(held)
+        for slot in self.in_order:
+            held[slot.stage] += 1 if slot.kind == "F" else -1
+            peak[slot.stage] = max(peak[slot.stage], held[slot.stage])
+        return peak
+
     def peak_activations(self, stage: int) -> float:
         """Most microbatches' activations `stage` holds at once (F done, B not yet), in
         units of a whole stage's activations (a chunk holds 1/v of them)."""
-        held = peak = 0
-        for slot in sorted(self.slots, key=lambda s: s.time):
-            if slot.stage == stage:
-                held += 1 if slot.kind == "F" else -1
-                peak = max(peak, held)
-        return peak / self.virtual
+        return self._peaks.get(stage, 0) / self.virtual
 
     @property
     def p2p_transfers(self) -> int:
@@ -164,8 +174,10 @@ def simulate(programs: list[list[Op]], p: int, v: int) -> list[Slot]:
     return slots
 
 
+@functools.lru_cache(maxsize=512)
 def make_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
-    """The schedule `name` for p stages, m microbatches and v chunks per device."""
+    """The schedule `name` for p stages, m microbatches and v chunks per device (made
+    once per process: a search plans each schedule for several layouts)."""
     if name not in SCHEDULES:
         raise ConfigError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if stages < 1 or microbatches < 1 or virtual < 1:

@@ -155,8 +155,13 @@ def build_timeline(
     pending: dict[int, float] = {}  # collectives since a stage's compute
     reductions: dict[int, float] = {}  # gradient reductions, per stage
     shared_in: dict[int, float] = defaultdict(float)  # the shared weights, per stage
+    timing: dict[int, tuple[str, float]] = {}  # by origin (`Event.placed`): stream, seconds
     for i, e in enumerate(events):
-        stream = stream_of(e)
+        origin = e.__dict__.get("_origin", e)  # `e.origin`, a search asks millions of times
+        known = timing.get(id(origin))
+        if known is None:
+            known = timing[id(origin)] = (stream_of(e), duration(e, hw, par))
+        stream, seconds = known
         ready = stream_free[(e.stage, stream)]
         reduction = e.kind == "collective" and e.axis != "pipe" and e.carries == "gradients"
         if e.kind == "compute":
@@ -174,7 +179,7 @@ def build_timeline(
                 ready = max(ready, last_compute_on_stage.get(e.stage, 0.0), produced)
         if e.phase.kind == "update":
             ready = max(ready, gradients_out)
-        end = ready + duration(e, hw, par)
+        end = ready + seconds
         spans.append(Span(i, e.stage, stream, e.phase, ready, end, e))
         stream_free[(e.stage, stream)] = end
         if e.kind == "compute":

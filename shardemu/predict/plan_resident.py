@@ -104,8 +104,9 @@ def count_microbatch(
     built = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), rules)
     st = built.stages[0]
     ledger = Ledger()
+    counter = PROCESS_COUNTER if counter is None else counter  # an empty Counter is falsy
     ex = Executor(
-        ledger, [Tier("device", None)], AXIS_LABELS, False, counter or PROCESS_COUNTER,
+        ledger, [Tier("device", None)], AXIS_LABELS, False, counter,
         fused_attention=fused_attention,
     )  # fmt: skip
     shared = with_shardings(built.shared_shapes, st.shared_compute)
@@ -254,6 +255,14 @@ def _selective(
     return dataclasses.replace(mb, keep_bytes=keep)
 
 
+@functools.lru_cache(maxsize=4096)
+def _phase(kind: str, index: int, layers: tuple[int, int]) -> Phase:
+    """One phase object per phase, shared by every plan in the process, so that the
+    phases it makes for each microbatch (`Phase.at`) are made once: a search assembles
+    hundreds of steps of the same phases."""
+    return Phase(kind, index, layers)  # type: ignore[arg-type]
+
+
 def _step_events(
     mb: Microbatch, sched: Schedule, lay: PipelineLayout, model_cfg: ModelConfig,
     par: Parallelism, microbatch_size: int, seq: int, overlap: Overlap,
@@ -268,7 +277,8 @@ def _step_events(
     bucketed = overlap.grad_reduce == "bucketed" and r > 1
 
     def phase(kind: str, vs: int, micro: int | None = None) -> Phase:
-        return Phase(kind, vs, lay.slices[vs], micro)  # type: ignore[arg-type]
+        tag = _phase(kind, vs, lay.slices[vs])
+        return tag if micro is None else tag.at(micro)
 
     def all_reduce(grad_bytes: int, tag: Phase, stage: int = 0) -> Event:
         """The ring all-reduce of `grad_bytes` per device over `replica`: each device
@@ -323,10 +333,11 @@ def _step_events(
         return events
 
     last_backward: dict[int, int] = {}  # virtual stage -> time of its last backward
-    for sl in sched.slots:
+    last_b: dict[int, Slot] = {}  # stage -> its last backward
+    for sl in sched.in_order:
         if sl.kind == "B":
-            vs = sched.virtual_stage(sl)
-            last_backward[vs] = max(last_backward.get(vs, sl.time), sl.time)
+            last_backward[sched.virtual_stage(sl)] = sl.time
+            last_b[sl.stage] = sl
 
     def slot_events(slot: Slot) -> list[Event]:
         vs = sched.virtual_stage(slot)
@@ -335,13 +346,10 @@ def _step_events(
 
     after = []
     for s, n in enumerate(lay.stage_layers()):
-        last_b = max(
-            (sl for sl in sched.slots if sl.stage == s and sl.kind == "B"), key=lambda sl: sl.time
-        )
         shared = s in (0, p - 1)
         grads = (0 if bucketed else mb.layer_bytes * n) + (mb.shared_bytes if shared else 0)
         if r > 1 and grads:
-            tag = phase("backward", sched.virtual_stage(last_b), last_b.microbatch)
+            tag = phase("backward", sched.virtual_stage(last_b[s]), last_b[s].microbatch)
             after.append(all_reduce(grads, tag, s))
         update = Phase("update", s)
         after += [_scaled(e, n, r, phase=update, stage=s) for e in mb.pieces["update0"]]

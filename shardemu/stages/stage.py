@@ -234,7 +234,9 @@ class Stage:
                 out_shardings=self.shared_store,
             ),
             "fwd": lambda: traced(model.apply_layers, out_shardings=self.act),
-            "fwd-keep": lambda: traced(layer_vjp),
+            # its output laid out as `fwd`'s (the residuals as XLA lays them out), so that the
+            # pieces that take it compile once for both
+            "fwd-keep": lambda: traced(layer_vjp, out_shardings=(self.act, None)),
             "bwd": lambda: traced(lambda w, x, m, g: layer_vjp(w, x, m)[1](g), **grads_out),
             "bwd-keep": lambda: traced(lambda vjp, g: vjp(g), **grads_out),
             "head": lambda: traced(
