@@ -51,6 +51,8 @@ SEED_LIMIT = 2**32  # numpy.random.default_rng and jax.random.key take seeds bel
 # Tokens per step beyond which shapes stop being countable: activations are tokens x width
 # elements, and XLA's dimension arithmetic is int64 (2**40 tokens x 2**17 width < 2**63).
 MAX_TOKENS_PER_STEP = 2**40
+# BERT masks 15% of a sequence's tokens for prediction (Devlin et al. 2019, Section 3.1)
+MASKED_LM_PROB = 0.15
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class ModelConfig:
     gelu_approximate: bool = True  # GPT-2 uses the tanh form; BERT the exact erf form
     init_std: float = 0.02
     param_dtype: str = "float32"
+    # BERT: positions per sequence its masked-LM head predicts (`predictions`); 0: 15%
+    max_predictions: int = 0
 
     def __post_init__(self) -> None:
         if self.family not in ("gpt", "bert"):
@@ -87,6 +91,11 @@ class ModelConfig:
         _require_finite(
             "ModelConfig", True, layer_norm_eps=self.layer_norm_eps, init_std=self.init_std
         )
+        if not isinstance(self.max_predictions, int) or self.max_predictions < 0:
+            raise ConfigError(
+                f"ModelConfig.max_predictions must be a whole number of positions (0 for "
+                f"15% of the sequence), got {self.max_predictions!r}"
+            )
         if self.embed_dim % self.num_heads:
             raise ConfigError(
                 f"ModelConfig.embed_dim={self.embed_dim} is not divisible by "
@@ -104,6 +113,14 @@ class ModelConfig:
 
     def replace(self, **changes: object) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+    def predictions(self, seq: int) -> int:
+        """How many positions of a sequence of `seq` tokens BERT's masked-LM head
+        predicts: `max_predictions`, or the ceiling of 15% of them, at most `seq`. The
+        reference pre-training data gathers `max_predictions_per_seq` positions a
+        sequence (Google's create_pretraining_data.py: 20 at s = 128 and 80 at 512, as
+        NVIDIA's BERT also uses; Graphcore's MLPerf BERT 76 at 512)."""
+        return min(seq, self.max_predictions or math.ceil(MASKED_LM_PROB * seq))
 
     def pad_vocab(self, multiple: int) -> ModelConfig:
         """Round the vocabulary up to a multiple, as Megatron-LM's

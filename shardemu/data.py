@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardemu.config import MASKED_LM_PROB
 from shardemu.errors import ConfigError
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
@@ -89,8 +90,13 @@ class SyntheticCorpus:
         text = self._chains(rng, topic, self._random_words(rng, batch), seq + 1)
         return {"tokens": text[:, :-1], "targets": text[:, 1:]}
 
-    def bert_batch(self, step: int, batch: int, seq: int) -> dict[str, np.ndarray]:
-        """Sentence pairs with masked-LM targets and weights and a next-sentence label."""
+    def bert_batch(
+        self, step: int, batch: int, seq: int, predictions: int
+    ) -> dict[str, np.ndarray]:
+        """Sentence pairs with a next-sentence label and, for the masked-LM head, up to
+        `predictions` masked positions a sequence with their original tokens, as
+        BERT's pre-training data holds them (`masked_lm_positions`, `_ids`, `_weights`
+        in Google's create_pretraining_data.py)."""
         rng = self._rng(step)
         tokens = np.full((batch, seq), PAD, dtype=np.int32)
         segments = np.zeros((batch, seq), dtype=np.int32)
@@ -104,11 +110,12 @@ class SyntheticCorpus:
             tokens[i, :n_real] = row
             segments[i, len_a + 2 : n_real] = 1
         attention_mask = (tokens != PAD).astype(np.int32)
-        masked, targets, weights = self._mask(rng, tokens)
+        masked, positions, targets, weights = self._mask(rng, tokens, predictions)
         return {
             "tokens": masked,
             "segments": segments,
             "attention_mask": attention_mask,
+            "mlm_positions": positions,
             "mlm_targets": targets,
             "mlm_weights": weights,
             "next_sentence": next_sentence,
@@ -128,21 +135,31 @@ class SyntheticCorpus:
         return a_then_b[:len_a], b
 
     def _mask(
-        self, rng: np.random.Generator, tokens: np.ndarray, rate: float = 0.15
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """BERT's 80/10/10 masking of `rate` of each row's word positions."""
+        self, rng: np.random.Generator, tokens: np.ndarray, predictions: int,
+        rate: float = MASKED_LM_PROB,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+        """BERT's 80/10/10 masking of `rate` of each row's word positions, at most
+        `predictions` of them: the masked tokens, and [b, predictions] the chosen
+        positions (ascending), their original tokens and weight 1, then weight-0
+        padding."""
+        if predictions < 1:
+            raise ConfigError(f"a BERT batch needs at least 1 masked position, got {predictions}")
         masked = tokens.copy()
-        weights = np.zeros(tokens.shape, dtype=np.int32)
+        positions, targets, weights = (
+            np.zeros((tokens.shape[0], predictions), dtype=np.int32) for _ in range(3)
+        )
         for i in range(tokens.shape[0]):
             candidates = np.flatnonzero(tokens[i] >= FIRST_WORD)
-            n = max(1, round(rate * len(candidates)))
+            n = min(predictions, max(1, round(rate * len(candidates))))
             chosen = rng.choice(candidates, size=n, replace=False)
-            weights[i, chosen] = 1
             u = rng.random(n)
             masked[i, chosen[u < 0.8]] = MASK
             swap = chosen[(u >= 0.8) & (u < 0.9)]
             masked[i, swap] = self._random_words(rng, len(swap))
-        return masked, tokens.copy(), weights
+            positions[i, :n] = np.sort(chosen)
+            targets[i, :n] = tokens[i, positions[i, :n]]
+            weights[i, :n] = 1
+        return masked, positions, targets, weights
 
 
 SPLITS = ("train", "validation")

@@ -58,6 +58,10 @@ CLI_ROWS = [
     row("no-model", ["run"], "the following argument is required: --model"),
     row("unknown-model", ["run", "--model", "gpt-9000"], "unknown model 'gpt-9000'"),
     row("pad-vocab-0", [*GPT, "--pad-vocab", "0"], "multiple must be a positive integer, got 0"),
+    row("max-predictions-gpt", [*GPT, "--max-predictions", "4"],
+        "--max-predictions goes with a BERT model"),
+    row("max-predictions-0", ["run", "--model", "bert-tiny", "--max-predictions", "0"],
+        "a positive number of positions, got 0 for bert-tiny"),  # fmt: skip
     row("pad-vocab-negative", [*GPT, "--pad-vocab", "-8"], "must be a positive integer, got -8"),
     row("pad-vocab-huge", [*GPT, "--pad-vocab", str(10**12)], "is larger than gpt-tiny's vocab"),
     row("describe-pad-vocab-0", ["describe", "--model", "gpt-tiny", "--pad-vocab", "0"],

@@ -34,8 +34,8 @@ def xla_training_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
     model = Model(cfg)
     shapes, _ = model.abstract_params()
     inputs = {
-        k: jax.ShapeDtypeStruct((batch, seq)[: len(axes)], jnp.int32)
-        for k, axes in model.batch_axes.items()
+        k: jax.ShapeDtypeStruct(shape, jnp.int32)
+        for k, shape in model.batch_shapes(batch, seq).items()
     }
     compiled = jax.jit(jax.value_and_grad(model.loss)).lower(shapes, inputs).compile()
     return compiled.cost_analysis()["flops"]

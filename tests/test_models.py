@@ -72,11 +72,33 @@ def test_bert_ignores_padding():
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 4, 512)
     segments = jnp.zeros_like(tokens)
     mask = jnp.ones_like(tokens).at[:, 12:].set(0)
-    mlm_a, nsp_a = model.module.apply({"params": params}, tokens, segments, mask)
-    mlm_b, nsp_b = model.module.apply({"params": params}, tokens.at[:, 12:].set(9), segments, mask)
+    every = jnp.broadcast_to(jnp.arange(16), (2, 16))  # the masked-LM head at every position
+
+    def apply(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return model.module.apply({"params": params}, tokens, segments, mask, every)
+
+    mlm_a, nsp_a = apply(tokens)
+    mlm_b, nsp_b = apply(tokens.at[:, 12:].set(9))
     np.testing.assert_allclose(mlm_a[:, :12], mlm_b[:, :12], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(nsp_a, nsp_b, rtol=1e-6, atol=1e-6)
     # ... while a visible token does change the others (attention is bidirectional).
-    mlm_c, _ = model.module.apply({"params": params}, tokens.at[:, 11].set(9), segments, mask)
+    mlm_c, _ = apply(tokens.at[:, 11].set(9))
     assert not np.allclose(mlm_a[:, :11], mlm_c[:, :11])
     assert mlm_a.shape == (2, 16, 512) and nsp_a.shape == (2, 2)
+
+
+def test_bert_predicts_at_the_masked_positions_what_it_would_at_every_one():
+    """The masked-LM head gathers the masked positions first: its logits there are the
+    all-position head's logits at those positions, and the loss reads only them."""
+    model = Model(get_preset("bert-tiny"))
+    params = model.init_params(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 4, 512)
+    segments, mask = jnp.zeros_like(tokens), jnp.ones_like(tokens)
+    every = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    positions = jnp.array([[1, 5, 9], [0, 2, 15]])
+    mlm_all, nsp_all = model.module.apply({"params": params}, tokens, segments, mask, every)
+    mlm, nsp = model.module.apply({"params": params}, tokens, segments, mask, positions)
+    assert mlm.shape == (2, 3, 512)
+    gathered = jnp.take_along_axis(mlm_all, positions[..., None], axis=1)
+    np.testing.assert_allclose(mlm, gathered, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(nsp, nsp_all, rtol=1e-6, atol=1e-6)

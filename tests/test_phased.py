@@ -222,8 +222,8 @@ def test_keep_recomputes_nothing_and_recompute_a_forward(runs):
     recompute = runs("2-rts4-recompute-device-opt1")[0].ledger.step_totals(0)
     assert keep["flops"] - keep["model_flops"] < recompute["flops"] - recompute["model_flops"]
     # they differ only by the elementwise work a forward does to save residuals for its
-    # backward: 9% on a d=64 BERT, 0.1% at GPT-3 scale (test below, README)
-    assert keep["model_flops"] == pytest.approx(recompute["model_flops"], rel=0.1)
+    # backward: 11% on a d=64 BERT, 0.1% at GPT-3 scale (test below, README)
+    assert keep["model_flops"] == pytest.approx(recompute["model_flops"], rel=0.12)
 
 
 def test_abstract_plan_model_flops_match_the_analytic_formula():

@@ -43,13 +43,15 @@ def layer_forward(cfg: ModelConfig, batch: int, seq: int) -> dict[str, int]:
 
 
 def head_forward(cfg: ModelConfig, batch: int, seq: int) -> dict[str, int]:
-    """The output head's forward matmuls (the embedding lookup is a gather: 0 FLOPs)."""
+    """The output head's forward matmuls (the embedding lookup is a gather: 0 FLOPs);
+    BERT's masked-LM head at its P masked positions a sequence (`models/bert.py`)."""
     tokens, d, vocab = batch * seq, cfg.embed_dim, cfg.vocab_size
     if cfg.family == "gpt":
         return {"logits": matmul(tokens, d, vocab)}
+    masked = batch * cfg.predictions(seq)
     return {
-        "mlm_transform": matmul(tokens, d, d),
-        "logits": matmul(tokens, d, vocab),
+        "mlm_transform": matmul(masked, d, d),
+        "logits": matmul(masked, d, vocab),
         "pooler": matmul(batch, d, d),
         "nsp": matmul(batch, d, 2),
     }

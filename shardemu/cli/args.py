@@ -42,6 +42,14 @@ def model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
         metavar="M",
         help="round the vocabulary up to a multiple of M (Megatron's vocab padding)",
     )
+    p.add_argument(
+        "--max-predictions",
+        type=int,
+        default=None,
+        metavar="P",
+        help="BERT: masked positions a sequence its masked-LM head predicts "
+        "(max_predictions_per_seq; default 15%% of --seq, rounded up)",
+    )
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -63,6 +71,13 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
                 f"{', '.join(given)} go with --model gpt or --model bert, not a preset"
             )
         cfg = get_preset(args.model)
+    if args.max_predictions is not None:
+        if cfg.family != "bert" or args.max_predictions < 1:
+            raise ConfigError(
+                f"--max-predictions goes with a BERT model and is a positive number of "
+                f"positions, got {args.max_predictions} for {cfg.name} ({cfg.family})"
+            )
+        cfg = cfg.replace(max_predictions=args.max_predictions)
     return cfg if args.pad_vocab is None else cfg.pad_vocab(args.pad_vocab)
 
 

@@ -183,7 +183,8 @@ def _mesh(par: Parallelism) -> str:
 
 def _model_flags(model: ModelConfig, seq: int, path: Path) -> dict[str, Any]:
     """--model (a preset, with --pad-vocab when padded) or --model gpt|bert with its
-    dimensions; checked by building the model back as the command line would."""
+    dimensions, and BERT's --max-predictions when set; checked by building the model
+    back as the command line would."""
     preset = PRESETS.get(model.name)
     if preset is not None:
         flags: dict[str, Any] = {"model": model.name}
@@ -194,7 +195,9 @@ def _model_flags(model: ModelConfig, seq: int, path: Path) -> dict[str, Any]:
             "model": model.family, "layers": model.num_layers, "hidden": model.embed_dim,
             "heads": model.num_heads, "vocab": model.vocab_size,
         }  # fmt: skip
-    names = ("model", "layers", "hidden", "heads", "vocab", "pad_vocab")
+    if model.max_predictions:
+        flags["max_predictions"] = model.max_predictions
+    names = ("model", "layers", "hidden", "heads", "vocab", "pad_vocab", "max_predictions")
     rebuilt = model_config(argparse.Namespace(**{n: flags.get(n) for n in names}, seq=seq))
     if rebuilt != model:
         differ = [

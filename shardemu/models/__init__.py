@@ -71,8 +71,11 @@ class Model:
         stack = layer_stack(self.family.layer, self.cfg, length=length)
         return stack.apply({"params": layer_params}, x_bsd, mask)[0]
 
-    def head(self, params: dict, x_bsd: jax.Array) -> Any:
-        return self.module.apply({"params": params}, x_bsd, method="head")
+    def head(self, params: dict, x_bsd: jax.Array, batch: Batch) -> Any:
+        """The head's outputs from the last layer's activations (and the batch arrays
+        it reads: BERT's masked positions)."""
+        args = (batch[k] for k in self.family.head_inputs)
+        return self.module.apply({"params": params}, x_bsd, *args, method="head")
 
     def loss_sums(self, outputs: Any, batch: Batch) -> LossTerms:
         return self.family.loss_sums(outputs, batch)
@@ -84,7 +87,7 @@ class Model:
         """Embed, all layers, head: the summed loss terms of `batch`."""
         x_bsd, mask = self.embed(params, batch)
         x_bsd = self.apply_layers(params[self.stack_key], x_bsd, mask)
-        return self.loss_sums(self.head(params, x_bsd), batch)
+        return self.loss_sums(self.head(params, x_bsd, batch), batch)
 
     def loss(self, params: dict, batch: Batch) -> jax.Array:
         """The training loss of one batch."""
@@ -93,22 +96,25 @@ class Model:
     def batch(
         self, corpus: SyntheticCorpus, step: int, size: int, seq: int
     ) -> dict[str, np.ndarray]:
-        return self.family.make_batch(corpus, step, size, seq)
+        return self.family.make_batch(corpus, step, size, seq, self.cfg)
+
+    def batch_shapes(self, size: int, seq: int) -> dict[str, tuple[int, ...]]:
+        """The shape of each array of a batch of `size` sequences of `seq` tokens."""
+        dims = {"batch": size, "sequence": seq, "predictions": self.cfg.predictions(seq)}
+        return {k: tuple(dims[a] for a in axes) for k, axes in self.batch_axes.items()}
 
     def abstract_batch(self, size: int, seq: int, shardings: dict[str, Any]) -> Batch:
         """A batch of `size` sequences of `seq` tokens as shapes, each array with its
         sharding: what a step compiles over."""
-        dims = (size, seq)
         return {
-            k: jax.ShapeDtypeStruct(dims[: len(axes)], np.int32, sharding=shardings[k])
-            for k, axes in self.batch_axes.items()
+            k: jax.ShapeDtypeStruct(shape, np.int32, sharding=shardings[k])
+            for k, shape in self.batch_shapes(size, seq).items()
         }
 
     def _init_inputs(self) -> tuple[jax.Array, ...]:
         ids = jnp.zeros((1, min(8, self.cfg.max_positions)), jnp.int32)
-        return tuple(
-            jnp.ones_like(ids) if k == "attention_mask" else ids for k in self.family.inputs
-        )
+        inputs = [jnp.ones_like(ids) if k == "attention_mask" else ids for k in self.family.inputs]
+        return (*inputs, *(jnp.zeros((1, 1), jnp.int32) for _ in self.family.head_inputs))
 
     def _boxed_params(self, rng: jax.Array) -> dict:
         return self.module.init(rng, *self._init_inputs())["params"]

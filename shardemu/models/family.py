@@ -32,10 +32,11 @@ class Family:
     layer         the Flax module of one layer, stacked on a leading `layers` axis
     stack_key     the parameter subtree that holds the stacked layers
     inputs        the batch arrays `embed` takes, in order
+    head_inputs   the batch arrays `head` takes after the activations, in order
     batch_axes    logical axes of every array in a training batch
     loss_sums     (head outputs, batch) -> the loss's summed terms
     loss_counts   batch -> the counts that divide them
-    make_batch    (corpus, step, size, seq) -> a host batch
+    make_batch    (corpus, step, size, seq, model config) -> a host batch
     example_mask  whether the attention mask is per example ([b, 1, s], travels with
                   the batch) or one for all ([1, s, s] causal)
     """
@@ -48,8 +49,9 @@ class Family:
     batch_axes: dict[str, LogicalAxes]
     loss_sums: Callable[[Any, dict], LossTerms]
     loss_counts: Callable[[dict], LossTerms]
-    make_batch: Callable[[SyntheticCorpus, int, int, int], dict[str, np.ndarray]]
+    make_batch: Callable[[SyntheticCorpus, int, int, int, ModelConfig], dict[str, np.ndarray]]
     example_mask: bool
+    head_inputs: tuple[str, ...] = ()
 
 
 FAMILIES: dict[str, Family] = {}

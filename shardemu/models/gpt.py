@@ -95,7 +95,7 @@ FAMILY = register(
         batch_axes={"tokens": ("batch", "sequence"), "targets": ("batch", "sequence")},
         loss_sums=gpt_loss_sums,
         loss_counts=gpt_loss_counts,
-        make_batch=lambda corpus, step, size, seq: corpus.gpt_batch(step, size, seq),
+        make_batch=lambda corpus, step, size, seq, _cfg: corpus.gpt_batch(step, size, seq),
         example_mask=False,
     )
 )

@@ -9,6 +9,7 @@ Models name every parameter and key activation dimension with a logical axis:
     vocab     vocabulary rows V                      layers    stacked transformer layers L
     position  rows of a learned position table       segment   rows of BERT's segment table
     classes   outputs of a small classifier head     embed_out second width of a d x d matrix
+    predictions  BERT's masked positions a sequence (its masked-LM head's rows)
 
 A rules table maps each logical name to a mesh axis (or None: replicated). The default,
 `megatron_rules()`, is Megatron-LM tensor parallelism (Shoeybi et al. 2019, "Megatron-LM",
@@ -45,7 +46,7 @@ def megatron_rules(sequence_parallel: bool = False) -> Rules:
     """Megatron-style tensor parallelism over `tensor`, data parallelism over `replica`.
 
     With `sequence_parallel`, the residual stream between the tensor-parallel matmuls
-    (layer norms, residual adds, BERT's masked-LM transform) is split over `tensor` by
+    (layer norms, residual adds) is split over `tensor` by
     sequence, as Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
     Transformer Models", Section 4.2.2) do: each all-reduce over `tensor` becomes a
     reduce-scatter and an all-gather of the same bytes, and that work and its
@@ -54,6 +55,7 @@ def megatron_rules(sequence_parallel: bool = False) -> Rules:
     return (
         ("batch", "replica"),
         ("sequence", None),
+        ("predictions", None),
         ("residual_sequence", "tensor" if sequence_parallel else None),
         ("embed", None),
         ("embed_out", None),

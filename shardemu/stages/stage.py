@@ -274,7 +274,7 @@ class Stage:
         share of the whole batch's loss when `counts` are the whole batch's
         (`models/__init__.py`); times the loss scale `scale` (`training/precision.py`)."""
         model = self.model
-        sums = model.loss_sums(model.head(shared, x), batch)
+        sums = model.loss_sums(model.head(shared, x, batch), batch)
         return normalise(sums, model.loss_counts(batch) if counts is None else counts) * scale
 
     def _update(self, part: str, kind: str) -> Any:

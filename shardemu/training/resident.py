@@ -119,9 +119,10 @@ class Trainer:
             replicated,
         )  # fmt: skip
         self.batch_shardings = {}
+        shapes = model.batch_shapes(train.batch, train.seq)
         for key, axes in model.batch_axes.items():
             spec = logical_to_spec(axes, self.rules, f"batch array {key!r}")
-            shape = (train.batch, train.seq)[: len(axes)]
+            shape = shapes[key]
             check_divisible(f"batch array {key!r} {shape}", shape, axes, spec, axis_sizes)
             self.batch_shardings[key] = NamedSharding(mesh, spec)
         self._replicated = replicated
