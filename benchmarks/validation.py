@@ -206,6 +206,30 @@ CASES = [
         precision="fp16-mixed",  # the IPU computes FP16, not bfloat16 (hardware.py)
         stage_layers=(3, 4, 4, 1),
     ),
+    *(
+        Case(
+            f"BERT-Large phase 1 (seq 128), {gpus} A100",
+            "NVIDIA DeepLearningExamples, PaddlePaddle/LanguageModeling/BERT/README.md, "
+            "Pre-training NVIDIA DGX A100 (8x A100 80GB) and its multi-node table: mixed "
+            f"precision, 256 sequences a GPU, {steps} accumulation steps: {rate} sequences/s",
+            get_preset("bert-large"),  # 20 masked positions a sequence, as NVIDIA's phase 1
+            Parallelism(replica=gpus),
+            256 * steps * gpus,
+            128,
+            256,
+            "a100-80gb",
+            "1f1b",
+            1,
+            "none",
+            "sequences_per_s",
+            rate,
+            "slow: a layer's forward moves 12.2 GB besides its matmuls at 256 x 128 tokens "
+            "as XLA's CPU fusions count it (7.2 ms against 4.0 ms of matmuls); NVIDIA's BERT "
+            "fuses bias, GELU, softmax and layer norm into few kernels",
+            precision="fp16-mixed",
+        )
+        for gpus, steps, rate in ((1, 32, 694), (8, 32, 5541), (256, 1, 157952))
+    ),
 ]
 
 
