@@ -1,0 +1,58 @@
+"""The counter (`accounting/count.py`): each piece compiled once per signature, however
+many threads ask for it and whichever path (kept or recomputed layers) reaches it."""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shardemu.accounting.count import Counter
+from shardemu.config import get_preset
+from shardemu.models import Model
+from shardemu.parallel.mesh import make_mesh
+from shardemu.predict.plan_resident import count_microbatch
+
+
+class SlowCounter(Counter):
+    """A counter whose compiles take long enough for a second thread to ask meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.compiles = 0
+
+    def _compile(self, key, fn, mesh, args) -> None:
+        self.compiles += 1
+        time.sleep(0.3)
+        super()._compile(key, fn, mesh, args)
+
+
+def test_two_threads_asking_for_one_piece_compile_it_once():
+    mesh = make_mesh(tensor=1, replica=1, devices=jax.devices()[:1])
+    x = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+    fn = jax.jit(lambda a: jnp.tanh(a @ a))
+    counter, got = SlowCounter(), []
+    threads = [
+        threading.Thread(target=lambda: got.append(counter.count("piece", fn, mesh, (x,))))
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counter.compiles == 1 and len(counter) == 1
+    assert got[0] is got[1] and got[0].flops_per_device > 0
+
+
+def test_the_head_compiles_once_for_kept_and_recomputed_layers():
+    """`fwd-keep` declares its output's layout as `fwd` does, so the head that takes it
+    has one signature, and a counter given to `count_microbatch` is the one it fills
+    (an empty counter, falsy by its length, once fell back to the process's)."""
+    counter = Counter()
+    model = Model(get_preset("gpt-tiny"))
+    for full in (True, False):
+        count_microbatch(model, 2, 2, 16, full, counter=counter)
+    names = [key[0] for key in counter._counted]
+    assert names.count("head") == 1
+    assert names.count("fwd") == names.count("fwd-keep") == 1
