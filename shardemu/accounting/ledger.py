@@ -112,18 +112,13 @@ class Event:
     def placed(self, micro: int, stage: int) -> Event:
         """This event for microbatch `micro` on pipeline stage `stage`. A plain copy of
         the fields: `dataclasses.replace` re-runs `__init__`, and a GPT-3 step on an
-        IPU-POD places 750k events. The copy remembers the event it was placed from
-        (`origin`): a timeline times each origin once."""
+        IPU-POD places 750k events. The copy keeps the event it was placed from as
+        `_origin` (outside its fields): the same work and duration on another microbatch
+        or stage, which a timeline times once (`costmodel.build_timeline`)."""
         event = object.__new__(Event)
         event.__dict__.update(self.__dict__, phase=self.phase.at(micro), stage=stage)
         event.__dict__.setdefault("_origin", self)
         return event
-
-    @property
-    def origin(self) -> Event:
-        """The event this one was placed from (itself, if it was not placed): the same
-        work, the same duration, on another microbatch or stage."""
-        return self.__dict__.get("_origin", self)
 
 
 def totals(events: Iterable[Event]) -> dict[str, Any]:

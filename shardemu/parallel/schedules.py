@@ -22,9 +22,8 @@ Symbols: p stages (devices), m microbatches, v virtual stages (chunks) per devic
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Literal
 
 from shardemu.config import ConfigError
@@ -174,7 +173,7 @@ def simulate(programs: list[list[Op]], p: int, v: int) -> list[Slot]:
     return slots
 
 
-@functools.lru_cache(maxsize=512)
+@lru_cache(maxsize=512)
 def make_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
     """The schedule `name` for p stages, m microbatches and v chunks per device (made
     once per process: a search plans each schedule for several layouts)."""

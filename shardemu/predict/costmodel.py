@@ -157,7 +157,7 @@ def build_timeline(
     shared_in: dict[int, float] = defaultdict(float)  # the shared weights, per stage
     timing: dict[int, tuple[str, float]] = {}  # by origin (`Event.placed`): stream, seconds
     for i, e in enumerate(events):
-        origin = e.__dict__.get("_origin", e)  # `e.origin`, a search asks millions of times
+        origin = e.__dict__.get("_origin", e)  # what `e` was placed from (`Event.placed`)
         known = timing.get(id(origin))
         if known is None:
             known = timing[id(origin)] = (stream_of(e), duration(e, hw, par))
