@@ -29,11 +29,13 @@ class DeviceError(ShardemuError, RuntimeError):
 
 class CapacityError(ShardemuError, RuntimeError):
     """A memory tier cannot hold what a phase needs; the message names both and the fix.
-    `needed`: the bytes per device a layout needs on its device tier, where known."""
+    `needed`: the bytes per device a layout needs on its device tier, where known;
+    `at_least`: whether that is only a lower bound (found without compiling)."""
 
-    def __init__(self, message: str, needed: int | None = None) -> None:
+    def __init__(self, message: str, needed: int | None = None, at_least: bool = False) -> None:
         super().__init__(message)
         self.needed = needed
+        self.at_least = at_least
 
 
 class HardwareError(ShardemuError, ValueError):

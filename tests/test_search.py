@@ -11,9 +11,16 @@ import json
 import pytest
 from cli_helpers import shardemu
 
+from shardemu.accounting import flops
 from shardemu.config import ConfigError, Parallelism, custom_model
 from shardemu.predict.hardware import PROFILES
-from shardemu.predict.plan_resident import plan_resident
+from shardemu.predict.plan_resident import (
+    count_key,
+    counted_microbatch,
+    memory_bound,
+    plan_resident,
+)
+from shardemu.predict.roofline import least_step_seconds
 from shardemu.predict.search import Searcher, Space, pareto, search
 
 DEVICES, BATCH, SEQ = 4, 16, 32
@@ -30,6 +37,8 @@ PHASED_GB = 0.0011
 # tensor 4 and microbatches of 2 add counts (4.8 s each) but no new kind of layout: the
 # suite's time matters
 SPACE = Space(precisions=("bf16",), modes="resident", max_tensor=2, max_microbatch=1)
+# compute-bound (a slow peak, FP32 at half of it): FP32 layouts come out behind BF16's
+SLOW = dataclasses.replace(HW, name="a100-slow", peak_tflops=1e-3, fp32_tflops=5e-4)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +46,7 @@ def searched():
     return search(TINY, HW, DEVICES, BATCH, SEQ, SPACE, top=3)
 
 
-def brute_force() -> dict[str, dict]:
+def brute_force(precision: str = "bf16", hw=HW) -> dict[str, dict]:
     """Every resident layout in the search's space, planned whole: label -> report."""
     out = {}
     for p, t in itertools.product((1, 2, 4), (1, 2)):
@@ -50,13 +59,13 @@ def brute_force() -> dict[str, dict]:
         ):
             try:
                 report, _, _ = plan_resident(
-                    TINY, Parallelism(p, t, r), BATCH, SEQ, b, HW, schedule, v, rec,
-                    precision="bf16",
+                    TINY, Parallelism(p, t, r), BATCH, SEQ, b, hw, schedule, v, rec,
+                    precision=precision,
                 )  # fmt: skip
             except ConfigError:  # interleaved with microbatches pipe does not divide
                 continue
             name = f"{schedule}x{v}" if v > 1 else schedule
-            out[f"p{p} t{t} r{r} b{b} bf16 {name} recompute={rec}"] = report
+            out[f"p{p} t{t} r{r} b{b} {precision} {name} recompute={rec}"] = report
     return out
 
 
@@ -71,15 +80,67 @@ def test_search_finds_what_brute_force_finds(searched):
         assert rows[label]["device_bytes"] == report["memory_per_device"]["device"]["bytes"]
     assert any(r["status"] == "extrapolated" for r in rows.values())
     unfit = {r["label"]: r for r in searched["candidates"] if r["status"] == "does not fit"}
-    assert unfit  # not timed, but their memory is the planner's
+    # not timed, but their memory is the planner's, or found over the memory already by
+    # its lower bound (nothing compiled)
+    bounded = {k: r for k, r in unfit.items() if "device_bytes_at_least" in r}
+    assert bounded
     for label, row in unfit.items():
-        assert row["device_bytes"] == brute[label]["memory_per_device"]["device"]["bytes"]
+        needed = brute[label]["memory_per_device"]["device"]["bytes"]
+        assert row.get("device_bytes", needed) == needed
+        assert HW.device_memory_bytes < row.get("device_bytes_at_least", needed) <= needed
         assert "step_time_s" not in row
     winner = min(fits, key=lambda k: fits[k]["step_time_s"])
     assert searched["best"]["label"] == winner
     assert [r["label"] for r in searched["top"]] == sorted(
         fits, key=lambda k: fits[k]["step_time_s"]
     )[:3]
+
+
+def test_memory_bound_is_the_count_or_less():
+    """`memory_bound` (traced) against `counted_microbatch` (compiled): the weights' and
+    optimizer state's bytes equal, the kept bytes equal with full recomputation (the
+    layer's input, its sharding declared) and at most the count's without."""
+    for tensor, recompute, attention in itertools.product(
+        (1, 2), ("none", "full"), ("materialized", "fused")
+    ):
+        key = count_key(TINY, Parallelism(tensor=tensor), 1, SEQ, recompute, "bf16", attention)
+        bound, counted = memory_bound(*key), counted_microbatch(*key)
+        assert (bound.layer_bytes, bound.shared_bytes, bound.opt_bytes) == (
+            counted.layer_bytes, counted.shared_bytes, counted.opt_bytes
+        )  # fmt: skip
+        if recompute == "full" or tensor == 1:  # one device: every shard is whole
+            assert bound.keep_bytes == counted.keep_bytes
+        else:
+            assert 0 < bound.keep_bytes < counted.keep_bytes
+
+
+def test_slower_precision_pruned_by_its_bound_changes_no_result():
+    """Prune 5 on a compute-bound profile where FP32 computes at half BF16's rate: the
+    search with both precisions finds brute force's top 3 and Pareto front over both,
+    and each layout it did not plan takes at least its bound's time and bytes, and is
+    beaten by the layout the reason names. Every planned layout's step is at least its
+    model FLOPs at the compute rate (`least_step_seconds`)."""
+    space = dataclasses.replace(SPACE, precisions=("fp32", "bf16"))
+    got = search(TINY, SLOW, DEVICES, BATCH, SEQ, space, top=3)
+    brute = {**brute_force("fp32", SLOW), **brute_force("bf16", SLOW)}
+    model_flops = flops.training_step(TINY, BATCH, SEQ)
+    for label, report in brute.items():
+        hw = SLOW.at_precision(label.split()[4])
+        assert report["step_time_s"] >= least_step_seconds(model_flops, DEVICES, hw)
+    rows = [
+        {"label": k, "fits": r["memory_per_device"]["device"]["fits"],
+         "step_time_s": r["step_time_s"], "device_bytes": r["memory_per_device"]["device"]["bytes"]}
+        for k, r in brute.items()
+    ]  # fmt: skip
+    fits = sorted((r for r in rows if r["fits"]), key=lambda r: r["step_time_s"])
+    assert [r["label"] for r in got["top"]] == [r["label"] for r in fits[:3]]
+    assert [r["label"] for r in got["pareto"]] == [r["label"] for r in pareto(rows)]
+    behind = [r for r in got["candidates"] if "least_step_time_s" in r]
+    assert behind and all(r["precision"] == "fp32" for r in behind)
+    for row in behind:
+        report = brute[row["label"]]
+        assert report["step_time_s"] >= row["least_step_time_s"]
+        assert report["memory_per_device"]["device"]["bytes"] >= row["device_bytes_at_least"]
 
 
 def test_pareto_front_is_the_undominated_layouts(searched):

@@ -25,14 +25,20 @@ class CountsAhead:
     two threads compiling the same piece would each compile it."""
 
     def __init__(
-        self, fn: Callable[..., Any], groups: Iterable[tuple[tuple, ...]], workers: int = 2
+        self, fn: Callable[..., Any], groups: Iterable[tuple[tuple, ...]] = (), workers: int = 2
     ) -> None:
+        self._fn = fn
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="count-ahead")
         self._futures: dict[tuple, Future] = {}
+        self.add(groups)
+
+    def add(self, groups: Iterable[tuple[tuple, ...]]) -> None:
+        """Queue more groups, after those queued (a key queued before is not again)."""
         for group in groups:
             keys = [k for k in dict.fromkeys(group) if k not in self._futures]
-            future = self._pool.submit(lambda keys=keys: [fn(*k) for k in keys])
-            self._futures |= dict.fromkeys(keys, future)
+            if keys:
+                future = self._pool.submit(lambda keys=keys: [self._fn(*k) for k in keys])
+                self._futures |= dict.fromkeys(keys, future)
 
     def ready(self, key: tuple) -> None:
         """Return once `fn(*key)` is made, or is the caller's to make."""

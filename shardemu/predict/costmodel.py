@@ -269,13 +269,16 @@ def capacities(hw: Hardware) -> dict[str, int]:
     return {"device": hw.device_memory_bytes, "host": hw.host_memory_bytes}
 
 
-def require_fit(memory: dict[str, int], hw: Hardware, layout: str) -> None:
+def require_fit(memory: dict[str, int], hw: Hardware, layout: str, at_least: bool = False) -> None:
     """Raise `CapacityError` (with the device bytes) if `memory` (bytes per device by
-    tier) overflows a tier of `hw`: a search times only the layouts that fit."""
+    tier; with `at_least`, a lower bound of them) overflows a tier of `hw`: a search
+    times only the layouts that fit."""
     capacity = capacities(hw)
     over = {t: (used, capacity[t]) for t, used in memory.items() if used > capacity[t]}
     if over:
-        told = "; ".join(f"{t} {used:,} bytes > {cap:,}" for t, (used, cap) in over.items())
+        least = "at least " if at_least else ""
+        told = "; ".join(f"{t} {least}{used:,} bytes > {cap:,}" for t, (used, cap) in over.items())
         raise CapacityError(
-            f"{layout} does not fit {hw.name} per device: {told}", needed=memory.get("device")
-        )
+            f"{layout} does not fit {hw.name} per device: {told}",
+            needed=memory.get("device"), at_least=at_least,
+        )  # fmt: skip

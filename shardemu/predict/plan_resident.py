@@ -31,10 +31,11 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from shardemu.accounting import flops
 from shardemu.accounting.assemble import assemble
-from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
+from shardemu.accounting.count import PROCESS_COUNTER, Counter, abstract, with_shardings
 from shardemu.accounting.ledger import Event, Ledger, Phase
 from shardemu.accounting.matmuls import squeezed
 from shardemu.config import (
@@ -98,20 +99,13 @@ def count_microbatch(
     `precision` (`model` is then the model that computes in it: `compute_model`). With
     `fused_attention`, its kernels and kept bytes are FlashAttention's: no [s, s]
     scores in memory (`accounting/matmuls.py`)."""
-    mesh = mesh_from(Parallelism(tensor=tensor), jax.devices()[:tensor])
-    train = TrainConfig(batch=microbatch_size, seq=seq, precision=precision)
-    rules = stage_rules(megatron_rules())
-    built = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), rules)
-    st = built.stages[0]
+    built, st, shared, layer, batch = _one_stage(model, tensor, microbatch_size, seq, precision)
     ledger = Ledger()
     counter = PROCESS_COUNTER if counter is None else counter  # an empty Counter is falsy
     ex = Executor(
         ledger, [Tier("device", None)], AXIS_LABELS, False, counter,
         fused_attention=fused_attention,
     )  # fmt: skip
-    shared = with_shardings(built.shared_shapes, st.shared_compute)
-    layer = with_shardings(built.layer_shape_one, st.layer_compute)
-    batch = model.abstract_batch(microbatch_size, seq, st.batch)
     x, mask = ex.run(EMBED, "embed", st.fn("embed"), st, (shared, batch))
     if full_recompute:
         y, keep = ex.run(FORWARD, "fwd", st.fn("fwd"), st, (layer, x, mask)), bytes_per_device(x)
@@ -137,7 +131,7 @@ def count_microbatch(
         ("layers", Phase("update", 0), layer, st.layer_opt, built.tx_layers),
         ("shared", Phase("update"), shared, st.shared_opt, built.tx_shared),
     ):
-        opt = with_shardings(jax.eval_shape(tx.init, weights), opt_sh)
+        opt = _optimizer_state(tx, weights, opt_sh)
         opt_bytes.append(bytes_per_device(opt))
         name = f"update-{part}-device"
         ex.run(
@@ -149,6 +143,63 @@ def count_microbatch(
         pieces.setdefault(key, []).append(e)
     layer_bytes, shared_bytes = bytes_per_device(layer), bytes_per_device(shared)
     return Microbatch(pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes))
+
+
+def _one_stage(model: Model, tensor: int, microbatch_size: int, seq: int, precision: str) -> tuple:
+    """(built stages, the stage, its shared weights, one layer's weights, a microbatch),
+    abstract and sharded, on one pipeline stage of `tensor` JAX devices."""
+    mesh = mesh_from(Parallelism(tensor=tensor), jax.devices()[:tensor])
+    train = TrainConfig(batch=microbatch_size, seq=seq, precision=precision)
+    built = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(),
+                         stage_rules(megatron_rules()))  # fmt: skip
+    st = built.stages[0]
+    shared = with_shardings(built.shared_shapes, st.shared_compute)
+    layer = with_shardings(built.layer_shape_one, st.layer_compute)
+    return built, st, shared, layer, model.abstract_batch(microbatch_size, seq, st.batch)
+
+
+def _optimizer_state(tx: Any, weights: Any, shardings: Any) -> Any:
+    """The abstract optimizer state of `weights`, sharded as `shardings`."""
+    return with_shardings(jax.eval_shape(tx.init, weights), shardings)
+
+
+@functools.lru_cache(maxsize=256)
+def memory_bound(
+    cfg: ModelConfig, tensor: int, microbatch_size: int, seq: int, full: bool, precision: str,
+    fused_attention: bool,
+) -> Microbatch:  # fmt: skip
+    """`counted_microbatch`'s bytes (`count_key`), with nothing compiled and no pieces:
+    a search judges memory first, and most layouts that do not fit would compile only to
+    find that out. Exact, but for what a layer keeps for its backward without full
+    recomputation: those residuals' shardings are XLA's choice, made as it compiles, so
+    each counts at least its bytes over the `tensor` devices (the most it is split
+    over), or exactly where the piece declares its sharding. (The vjp of GPT-3 175B's
+    layer at tensor 8: at least 1.22 GB a device, 2.49 GB counted.)"""
+    model = Model(cfg)
+    built, st, shared, layer, batch = _one_stage(model, tensor, microbatch_size, seq, precision)
+    x, mask = st.fn("embed").trace(*abstract((shared, batch))).out_info
+    if full:
+        keep = bytes_per_device(x)
+    else:
+        _, vjp = st.fn("fwd-keep").trace(*abstract((layer, x, mask))).out_info
+        scores = (microbatch_size, cfg.num_heads, seq, seq)
+        keep = sum(
+            _bytes_at_least(leaf, tensor) for leaf in jax.tree.leaves(vjp)
+            if not (fused_attention and squeezed(leaf.shape) == squeezed(scores))
+        )  # fmt: skip
+    opt = (
+        bytes_per_device(_optimizer_state(built.tx_layers, layer, st.layer_opt)),
+        bytes_per_device(_optimizer_state(built.tx_shared, shared, st.shared_opt)),
+    )
+    return Microbatch({}, bytes_per_device(layer), bytes_per_device(shared), keep, opt)
+
+
+def _bytes_at_least(leaf: Any, devices: int) -> int:
+    """Bytes a device holds of a traced output: its shard's where its sharding is
+    declared, else at least its bytes over all `devices`."""
+    if isinstance(leaf.sharding, NamedSharding):
+        return bytes_per_device(leaf)
+    return math.prod(leaf.shape) * leaf.dtype.itemsize // devices
 
 
 def _bytes_of_shape(tree: Any, shape: tuple[int, ...]) -> int:
@@ -237,22 +288,25 @@ def _scaled(e: Event, factor: float, replica: int, **changes: Any) -> Event:
     )
 
 
-def _selective(
-    mb: Microbatch, cfg: ModelConfig, tensor: int, b: int, seq: int, fused_attention: bool
-) -> Microbatch:
+def _selective(mb: Microbatch, cfg: ModelConfig, b: int, seq: int) -> Microbatch:
     """Selective recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation
     in Large Transformer Models", Section 4.2): keep everything but the attention core's
-    s x s scores and probabilities, and recompute that core (Q K^T and probs V) in the
-    backward pass. Adds its forward FLOPs (flops.py) to each layer's backward and keeps
-    per layer and device the bytes without the two [b, A/t, s, s] tensors (which fused
-    attention never kept)."""
+    s x s scores and probabilities (`_selective_keep`), and recompute that core (Q K^T
+    and probs V) in the backward pass: its forward FLOPs (flops.py) added to each
+    layer's backward."""
     core = flops.layer_forward(cfg, b, seq)
-    mb = _add_backward_flops(mb, core["attn_scores"] + core["attn_context"])
-    if fused_attention:
+    return _add_backward_flops(mb, core["attn_scores"] + core["attn_context"])
+
+
+def _selective_keep(mb: Microbatch, key: CountKey) -> Microbatch:
+    """`mb` keeping what selective recomputation keeps per layer and device: not the
+    two [b, A/t, s, s] tensors of the attention core (which fused attention never
+    kept)."""
+    if key.fused_attention:
         return mb
-    itemsize = jnp.dtype(cfg.param_dtype).itemsize
-    keep = max(mb.keep_bytes - 2 * b * (cfg.num_heads // tensor) * seq * seq * itemsize, 0)
-    return dataclasses.replace(mb, keep_bytes=keep)
+    cfg, b, s = key.cfg, key.microbatch_size, key.seq
+    scores = b * (cfg.num_heads // key.tensor) * s * s * jnp.dtype(cfg.param_dtype).itemsize
+    return dataclasses.replace(mb, keep_bytes=max(mb.keep_bytes - 2 * scores, 0))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -378,6 +432,62 @@ def _stage_bytes(
     return weights + grads + optimizer + round(held * layers * mb.keep_bytes)
 
 
+def _layout(
+    model_cfg: ModelConfig, par: Parallelism, batch: int, seq: int, microbatch_size: int,
+    schedule: str, virtual: int, recompute: str, precision: str, attention: str,
+    stage_layers: tuple[int, ...] | None,
+) -> tuple[PipelineLayout, Schedule, CountKey]:  # fmt: skip
+    """A resident layout's layers per stage, its schedule and the count it uses; a
+    `ConfigError` for a setting it cannot take."""
+    if recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"--recompute must be none, selective or full, got {recompute!r}")
+    if attention not in ATTENTION:
+        raise ConfigError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+    key = count_key(model_cfg, par, microbatch_size, seq, recompute, precision, attention)
+    per_step = par.replica * microbatch_size
+    if batch % per_step:
+        raise ConfigError(
+            f"--batch {batch} is not divisible by replica * --microbatch-size = {per_step}"
+        )
+    p, v, L = par.pipe, virtual, key.cfg.num_layers
+    if stage_layers is None and L % (p * v):
+        raise ConfigError(f"{L} layers do not split into pipe * virtual = {p * v} equal chunks")
+    lay = pipeline_layout(L, p, v, stage_layers)
+    return lay, make_schedule(schedule, p, batch // per_step, v), key
+
+
+def _device_bytes(
+    mb: Microbatch, key: CountKey, recompute: str, par: Parallelism, lay: PipelineLayout,
+    sched: Schedule,
+) -> int:  # fmt: skip
+    """Device bytes per device of the layout's fullest stage (`_stage_bytes`), its
+    layers keeping what `mb` keeps (less the attention core under selective
+    recomputation)."""
+    if recompute == "selective":
+        mb = _selective_keep(mb, key)
+    return max(
+        _stage_bytes(
+            mb, n, s in (0, par.pipe - 1), sched.microbatches, sched.peak_activations(s), key.cfg
+        )  # fmt: skip
+        for s, n in enumerate(lay.stage_layers())
+    )
+
+
+def device_bytes_at_least(
+    model_cfg: ModelConfig, par: Parallelism, batch: int, seq: int, microbatch_size: int,
+    schedule: str = "1f1b", virtual: int = 1, recompute: Recompute = "full",
+    precision: str = "fp32", attention: str = "materialized",
+) -> int:  # fmt: skip
+    """At most the device bytes per device `plan_resident` finds for this layout, with
+    nothing compiled (`memory_bound`): a search counts no microbatch that none of its
+    layouts could fit."""
+    lay, sched, key = _layout(
+        model_cfg, par, batch, seq, microbatch_size, schedule, virtual, recompute, precision,
+        attention, None,
+    )  # fmt: skip
+    return _device_bytes(memory_bound(*key), key, recompute, par, lay, sched)
+
+
 def plan_resident(
     model_cfg: ModelConfig,
     par: Parallelism,
@@ -400,37 +510,27 @@ def plan_resident(
     `materialized` or `fused` (`ATTENTION`): the report, the step's ledger and its
     timeline. `stage_layers`: the layers of each pipeline stage (`--stage-layers`;
     even without it), as `pipeline_layout` splits them. With `must_fit`, a layout over
-    the device memory raises `CapacityError` before its step is assembled and timed.
+    the device memory raises `CapacityError` before its step is assembled and timed,
+    and before its microbatch is counted where its least bytes (`memory_bound`) are
+    over already.
     Needs `par.tensor` JAX devices (one stage's tensor group)."""
     t0 = time.perf_counter()
     hardware = hardware.at_precision(arithmetic(model_cfg, precision))
-    key = count_key(model_cfg, par, microbatch_size, seq, recompute, precision, attention)
-    model_cfg = key.cfg
-    if recompute not in ("none", "selective", "full"):
-        raise ConfigError(f"--recompute must be none, selective or full, got {recompute!r}")
-    per_step = par.replica * microbatch_size
-    if batch % per_step:
-        raise ConfigError(
-            f"--batch {batch} is not divisible by replica * --microbatch-size = {per_step}"
-        )
-    m = batch // per_step
-    p, v, L = par.pipe, virtual, model_cfg.num_layers
-    if stage_layers is None and L % (p * v):
-        raise ConfigError(f"{L} layers do not split into pipe * virtual = {p * v} equal chunks")
-    lay = pipeline_layout(L, p, v, stage_layers)
-    sched = make_schedule(schedule, p, m, v)
-    if attention not in ATTENTION:
-        raise ConfigError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+    lay, sched, key = _layout(
+        model_cfg, par, batch, seq, microbatch_size, schedule, virtual, recompute, precision,
+        attention, stage_layers,
+    )  # fmt: skip
+    model_cfg, m = key.cfg, sched.microbatches
+    layout = f"{par} microbatch {microbatch_size} {schedule} recompute={recompute}"
+    if must_fit:  # nothing compiled for a layout whose least bytes are over the memory
+        least = _device_bytes(memory_bound(*key), key, recompute, par, lay, sched)
+        require_fit({"device": least}, hardware, layout, at_least=True)
     mb = counted_microbatch(*key)
-    if recompute == "selective":
-        mb = _selective(mb, model_cfg, par.tensor, microbatch_size, seq, key.fused_attention)
-    device_bytes = max(
-        _stage_bytes(mb, n, s in (0, p - 1), m, sched.peak_activations(s), model_cfg)
-        for s, n in enumerate(lay.stage_layers())
-    )
+    device_bytes = _device_bytes(mb, key, recompute, par, lay, sched)
     if must_fit:
-        layout = f"{par} microbatch {microbatch_size} {schedule} recompute={recompute}"
         require_fit({"device": device_bytes}, hardware, layout)
+    if recompute == "selective":
+        mb = _selective(mb, model_cfg, microbatch_size, seq)
     ledger = Ledger(_step_events(mb, sched, lay, model_cfg, par, microbatch_size, seq, overlap))
     totals = ledger.step_totals(0)
     timed = ledger.events
@@ -464,7 +564,7 @@ def plan_resident(
             "microbatch_size": microbatch_size,
             "microbatches": m,
             "schedule": schedule,
-            "virtual": v,
+            "virtual": virtual,
             "stage_layers": lay.stage_layers(),
             "recompute": recompute,
             "precision": precision,

@@ -44,6 +44,16 @@ def run_seconds(
     return seconds + max(rest / rate, memory_bytes / bandwidth)
 
 
+def least_step_seconds(flops: float, devices: int, hw: Hardware) -> float:
+    """No step that computes `flops` FLOPs over `devices` devices of `hw` is faster:
+    each run of a piece takes at least its FLOPs at peak x efficiency (`run_seconds`:
+    each matmul's term, and the rest's, is at least its FLOPs at that rate), a stage's
+    computations run one after another on its compute stream
+    (`costmodel.build_timeline`), and some stage computes at least the average share.
+    So no layout's utilisation exceeds the efficiency."""
+    return flops / (devices * hw.peak_tflops * hw.efficiency * 1e12)
+
+
 def compute_seconds(event: Event, hw: Hardware) -> float:
     """Seconds of a device computation event: its runs (the FLOPs it holds, which
     schedules, repeats and sparsity scale, over one run's) times one run's roofline."""

@@ -25,12 +25,23 @@ Pruning, in order, each exact (it never drops a layout that fits):
    phase gathers whole before it runs) exceed it has no phased layout that fits;
 2. a layout that does not fit its tiers (the planner's own memory count, made before
    its step is assembled: `must_fit`) is kept in the JSON with its device bytes and
-   the reason, and not timed;
+   the reason, and not timed. A resident layout is first judged by a lower bound of
+   its bytes, found with nothing compiled (`plan_resident.memory_bound`): over the
+   memory, its row gives `device_bytes_at_least` instead, and a microbatch count no
+   layout could use is never made (on GPT-3 175B's A100 search, every count without
+   full recomputation: 37% of the compiling);
 3. a larger microbatch holds more activations: once no layout of a microbatch size
    fits, the larger sizes of that mesh and precision are not counted;
 4. phased settings are screened least device memory first; a setting that holds at
    least what one of the same rts that did not fit holds, in each of activations, the
-   optimizer's place and prefetch, is not planned.
+   optimizer's place and prefetch, is not planned;
+5. branch and bound: the precisions are searched fastest compute rate first
+   (`rate_classes`). A resident layout in a slower one cannot be faster than its
+   model FLOPs at that rate on every device (`roofline.least_step_seconds`), nor hold
+   fewer bytes than its least (`memory_bound`). Where `top` layouts already found are
+   faster than that, and one of them is faster and holds no more, it can be neither
+   among the top nor on the memory/time Pareto front, and is not counted or planned
+   (GPT-3 175B on A100s: every FP32 layout, a third of the counting).
 
 Prediction: a step of m microbatches (or passes) is the schedule's steady state
 repeated once every stage has started: from m = p microbatches, 1F1B's and the
@@ -56,6 +67,7 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
+from shardemu.accounting import flops
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.errors import CapacityError
 from shardemu.models import Model, count_params
@@ -68,8 +80,10 @@ from shardemu.predict.plan_resident import (
     CountKey,
     count_key,
     counted_microbatch,
+    device_bytes_at_least,
     plan_resident,
 )
+from shardemu.predict.roofline import least_step_seconds
 from shardemu.training.precision import arithmetic, compute_model
 
 Mode = Literal["resident", "phased"]
@@ -205,6 +219,7 @@ class Searcher:
     space: Space
     log: Callable[[str], None] = lambda _: None
     ahead: CountsAhead | None = None  # the counts being made in the background
+    top: int = 5  # the layouts the search ranks: prune 5 keeps any that could be among them
 
     def __post_init__(self) -> None:
         if self.devices < 1 or self.batch < 1 or self.seq < 1:
@@ -222,6 +237,22 @@ class Searcher:
         self.params = count_params(self.model_cfg)
         two = self.model_cfg.replace(num_layers=2)
         self.layer_params = count_params(two) - count_params(two.replace(num_layers=1))
+        self.model_flops = flops.training_step(self.model_cfg, self.batch, self.seq)
+        self.faster: list[dict[str, Any]] = []  # the fitting rows of faster precisions
+        self._least_bytes: dict[Candidate, int | None] = {}
+
+    def rate(self, precision: str) -> float:
+        """FLOP/s a device computes at in `precision`: peak x efficiency."""
+        hw = self.hardware.at_precision(arithmetic(self.model_cfg, precision))
+        return hw.peak_tflops * hw.efficiency
+
+    def rate_classes(self) -> list[tuple[str, ...]]:
+        """The space's precisions grouped by compute rate, fastest first (prune 5)."""
+        rates = {p: self.rate(p) for p in self.space.precisions}
+        return [
+            tuple(p for p in self.space.precisions if rates[p] == rate)
+            for rate in sorted(set(rates.values()), reverse=True)
+        ]
 
     def plan(self, c: Candidate, microbatches: int) -> dict[str, Any]:
         """The planner's report for `c` with `microbatches` microbatches (or passes)."""
@@ -264,6 +295,54 @@ class Searcher:
 
     def microbatches(self, c: Candidate) -> int:
         return self.batch // (c.replica * c.microbatch_size)
+
+    def least_bytes(self, c: Candidate) -> int | None:
+        """Resident `c`'s least device bytes (`device_bytes_at_least`: nothing
+        compiled), for the step `screen` judges its memory by; None for a setting the
+        planner refuses."""
+        if c not in self._least_bytes:
+            batch = c.microbatch_size * c.replica * min(self.microbatches(c), 2 * c.pipe)
+            try:
+                self._least_bytes[c] = device_bytes_at_least(
+                    self.model_cfg, c.par, batch, self.seq, c.microbatch_size, c.schedule,
+                    c.virtual, c.recompute, c.precision, self.space.attention,  # type: ignore[arg-type]
+                )  # fmt: skip
+            except ConfigError:
+                self._least_bytes[c] = None
+        return self._least_bytes[c]
+
+    def may_fit_memory(self, least_bytes: int | None) -> bool:
+        return least_bytes is not None and least_bytes <= self.hardware.device_memory_bytes
+
+    def may_fit(self, c: Candidate) -> bool:
+        """Whether resident `c` may fit the device (`least_bytes`) and is not ruled out
+        by prune 5 (`behind`): whether its count may be needed."""
+        return self.may_fit_memory(self.least_bytes(c)) and self.behind(c) is None
+
+    def behind(self, c: Candidate) -> dict[str, Any] | None:
+        """Prune 5 (module docstring): resident `c`'s row when layouts of faster
+        precisions (`faster`) rule it out of the top and of the Pareto front, else
+        None."""
+        least = least_step_seconds(
+            self.model_flops, self.devices, self.hardware.at_precision(
+                arithmetic(self.model_cfg, c.precision))
+        )  # fmt: skip
+        faster = [r for r in self.faster if r["step_time_s"] < least]
+        least_bytes = self.least_bytes(c)
+        if len(faster) < self.top or not self.may_fit_memory(least_bytes):
+            return None  # over the memory: `screen` says so, with nothing compiled
+        smaller = [r for r in faster if r["device_bytes"] <= least_bytes]
+        if not smaller:
+            return None
+        d = min(smaller, key=lambda r: r["step_time_s"])
+        why = (
+            f"at least {least:.2f} s (its model FLOPs at {c.precision}'s compute rate) "
+            f"and {least_bytes / 1e9:.1f} GB a device: {len(faster)} faster layouts found, "
+            f"and {d['label']} takes {d['step_time_s']:.2f} s in {d['device_bytes'] / 1e9:.1f} GB"
+        )
+        return _row(c) | {"microbatches": self.microbatches(c), "status": "pruned",
+                          "reason": why, "least_step_time_s": least,
+                          "device_bytes_at_least": least_bytes}  # fmt: skip
 
     def screen(self, c: Candidate) -> dict[str, Any]:
         """`c` predicted by extrapolating two short steps (module docstring), or planned
@@ -319,7 +398,7 @@ class Searcher:
         that holds at least what a setting that did not fit holds, in every respect,
         is not planned."""
         out: list[dict[str, Any] | Candidate] = [
-            self.screen(c) for c in group if c.mode == "resident"
+            self.behind(c) or self.screen(c) for c in group if c.mode == "resident"
         ]
         failed: list[tuple[int, tuple[int, ...], str]] = []  # (rts, ranks, label)
         for c in sorted((c for c in group if c.mode == "phased"), key=_memory_ranks):
@@ -364,41 +443,55 @@ class Searcher:
         return out
 
     def mesh_plans(
-        self, modes: tuple[Mode, ...]
+        self, modes: tuple[Mode, ...], precisions: tuple[str, ...]
     ) -> Iterator[tuple[Parallelism, str, dict[Mode, str], list[int]]]:
-        """In search order, each mesh and precision: the modes prune 1 drops (with the
-        reason) and the microbatch sizes to try."""
+        """In search order, each mesh and precision of `precisions`: the modes prune 1
+        drops (with the reason) and the microbatch sizes to try."""
         for par in meshes(self.model_cfg, self.devices, self.batch, self.space.max_tensor):
             sizes = [
                 b for b in microbatch_candidates(self.batch // par.replica)
                 if b <= self.space.max_microbatch
             ]  # fmt: skip
-            for precision in self.space.precisions:
+            for precision in precisions:
                 yield par, precision, self.pruned_modes(par, precision, modes), sizes
 
-    def resident_counts(self, modes: tuple[Mode, ...]) -> list[tuple[CountKey, ...]]:
+    def resident_counts(
+        self, modes: tuple[Mode, ...], precisions: tuple[str, ...]
+    ) -> list[tuple[CountKey, ...]]:
         """The microbatch counts (`count_key`) the resident layouts of `modes` may
-        need, in the order the search plans them (prune 3 may leave the last unused),
-        grouped by microbatch: with and without full recomputation, a microbatch's
-        counts share most of their pieces (`CountsAhead`)."""
+        need (those of layouts whose least bytes fit: `may_fit`), in the order the
+        search plans them (prune 3 may leave the last unused), grouped by microbatch:
+        with and without full recomputation, a microbatch's counts share most of their
+        pieces (`CountsAhead`)."""
         groups: dict[CountKey, dict[CountKey, None]] = {}
-        for par, precision, pruned, sizes in self.mesh_plans(modes):
+        for par, precision, pruned, sizes in self.mesh_plans(modes, precisions):
             for size in sizes if "resident" in modes and "resident" not in pruned else []:
                 for c in self.candidates(par, ("resident",), precision, size):
+                    if not self.may_fit(c):
+                        continue
                     key = self.count_of(c)
                     groups.setdefault(key._replace(full=False), {})[key] = None
         return [tuple(keys) for keys in groups.values()]
 
-    def run_mode(self, modes: tuple[Mode, ...], rows: list[dict[str, Any]]) -> None:
-        """Search `modes`' layouts into `rows`. A group's fitting phased layouts are
-        screened after the next group is judged, so their pieces compile meanwhile."""
+    def run_mode(
+        self, modes: tuple[Mode, ...], rows: list[dict[str, Any]], precisions: tuple[str, ...]
+    ) -> None:
+        """Search `modes`' layouts in `precisions` (one rate class) into `rows`, their
+        counts queued to be made ahead. A group's fitting phased layouts are screened
+        after the next group is judged, so their pieces compile meanwhile."""
+        self.faster = [r for r in rows if r.get("fits")]
+        if self.ahead is not None:
+            self.ahead.add(self.resident_counts(modes, precisions))
         groups: list[list[dict[str, Any] | Candidate]] = []
         waiting: list[dict[str, Any] | Candidate] = []  # judged, its pieces compiling
 
         def fit(x: dict[str, Any] | Candidate) -> bool:
             return isinstance(x, Candidate) or bool(x.get("fits"))
 
-        for par, precision, pruned, sizes in self.mesh_plans(modes):
+        def bounded(x: dict[str, Any] | Candidate) -> bool:  # pruned by prune 5
+            return isinstance(x, dict) and "least_step_time_s" in x
+
+        for par, precision, pruned, sizes in self.mesh_plans(modes, precisions):
             groups.append([_pruned(par, precision, mode, why) for mode, why in pruned.items()])
             use = tuple(m for m in modes if m not in pruned)
             for size in sizes if use else []:
@@ -406,9 +499,9 @@ class Searcher:
                 groups.append(checked)
                 self.finish(waiting)
                 waiting = checked
-                if not any(fit(x) for x in checked):
+                if not any(fit(x) or bounded(x) for x in checked):
                     break  # prune 3: larger microbatches fit no better
-            if precision == self.space.precisions[-1]:
+            if precision == precisions[-1]:
                 fits = sum(fit(x) for group in groups for x in group)
                 self.log(f"{par}: {fits} layouts fit so far")
         self.finish(waiting)
@@ -437,10 +530,11 @@ def _row(c: Candidate) -> dict[str, Any]:
 
 def _refusal(err: CapacityError | ConfigError) -> dict[str, Any]:
     """A row's status when its planner refused it: a layout over a memory tier is kept
-    with its device bytes and not timed (prune 2); a setting the planner refuses, with
-    its reason."""
+    with its device bytes (or their lower bound) and not timed (prune 2); a setting the
+    planner refuses, with its reason."""
     if isinstance(err, CapacityError):
-        needed = {} if err.needed is None else {"device_bytes": err.needed}
+        field = "device_bytes_at_least" if err.at_least else "device_bytes"
+        needed = {} if err.needed is None else {field: err.needed}
         return {"status": "does not fit", "fits": False, "reason": str(err), **needed}
     return {"status": "refused", "reason": str(err)}
 
@@ -480,17 +574,19 @@ def search(
     t0 = time.perf_counter()
     if top < 1:
         raise ConfigError(f"--top must be a positive number of layouts, got {top}")
-    s = Searcher(model_cfg, hardware, devices, batch, seq, space, log)
+    s = Searcher(model_cfg, hardware, devices, batch, seq, space, log, top=top)
     rows: list[dict[str, Any]] = []
     order: dict[str, tuple[Mode, ...]] = {
         "auto": ("resident",), "resident": ("resident",), "phased": ("phased",),
         "both": ("resident", "phased"),
     }  # fmt: skip
-    with CountsAhead(counted_microbatch, s.resident_counts(order[space.modes])) as s.ahead:
-        s.run_mode(order[space.modes], rows)
+    with CountsAhead(counted_microbatch) as s.ahead:
+        for precisions in s.rate_classes():
+            s.run_mode(order[space.modes], rows, precisions)
         if space.modes == "auto" and not any(r.get("fits") for r in rows):
             log("no resident layout fits: searching phased layouts")
-            s.run_mode(("phased",), rows)
+            for precisions in s.rate_classes():
+                s.run_mode(("phased",), rows, precisions)
         fitting = sorted((r for r in rows if r.get("fits")), key=lambda r: r["step_time_s"])
         if not fitting:
             raise CapacityError(
