@@ -28,8 +28,7 @@ Pruning, in order, each exact (it never drops a layout that fits):
    the reason, and not timed. A resident layout is first judged by a lower bound of
    its bytes, found with nothing compiled (`plan_resident.memory_bound`): over the
    memory, its row gives `device_bytes_at_least` instead, and a microbatch count no
-   layout could use is never made (on GPT-3 175B's A100 search, every count without
-   full recomputation: 37% of the compiling);
+   layout could use is never made (prune 5 also needs the bound);
 3. a larger microbatch holds more activations: once no layout of a microbatch size
    fits, the larger sizes of that mesh and precision are not counted;
 4. phased settings are screened least device memory first; a setting that holds at
@@ -336,9 +335,9 @@ class Searcher:
             return None
         d = min(smaller, key=lambda r: r["step_time_s"])
         why = (
-            f"at least {least:.2f} s (its model FLOPs at {c.precision}'s compute rate) "
-            f"and {least_bytes / 1e9:.1f} GB a device: {len(faster)} faster layouts found, "
-            f"and {d['label']} takes {d['step_time_s']:.2f} s in {d['device_bytes'] / 1e9:.1f} GB"
+            f"at least {least:.4g} s (its model FLOPs at {c.precision}'s compute rate) and "
+            f"{least_bytes / 1e9:.4g} GB a device: {len(faster)} layouts are faster, and "
+            f"{d['label']} takes {d['step_time_s']:.4g} s in {d['device_bytes'] / 1e9:.4g} GB"
         )
         return _row(c) | {"microbatches": self.microbatches(c), "status": "pruned",
                           "reason": why, "least_step_time_s": least,
@@ -502,8 +501,8 @@ class Searcher:
                 if not any(fit(x) or bounded(x) for x in checked):
                     break  # prune 3: larger microbatches fit no better
             if precision == precisions[-1]:
-                fits = sum(fit(x) for group in groups for x in group)
-                self.log(f"{par}: {fits} layouts fit so far")
+                fits = len(self.faster) + sum(fit(x) for group in groups for x in group)
+                self.log(f"{par} {'/'.join(precisions)}: {fits} layouts fit so far")
         self.finish(waiting)
         rows += [row for group in groups for row in group]  # type: ignore[misc]
 
