@@ -157,6 +157,17 @@ class Counter:
         for future in self.count_ahead(pieces):
             future.result()
 
+    def traced(
+        self, name: str, fn: Any, mesh: Mesh, args: tuple, context: tuple = ()
+    ) -> tuple[list, Any]:
+        """(output leaves, tree structure) of the jitted `fn` traced over the abstract
+        `args`, once per signature: each leaf with the sharding `fn` declares, or none
+        (nothing compiled)."""
+        key = _key(name, mesh, args, context)
+        if key not in self._shapes:
+            self._shapes[key] = jax.tree.flatten(fn.trace(*abstract(args)).out_info)
+        return self._shapes[key]
+
     def outputs(
         self, name: str, fn: Any, mesh: Mesh, args: tuple, context: tuple, count_args: tuple
     ) -> tuple[list, Any]:
@@ -172,9 +183,7 @@ class Counter:
         key = _key(name, mesh, args, context)
         placed = (key, mesh)
         if placed not in self._placed:
-            if key not in self._shapes:
-                self._shapes[key] = jax.tree.flatten(fn.trace(*abstract(args)).out_info)
-            shapes, treedef = self._shapes[key]
+            shapes, treedef = self.traced(name, fn, mesh, args, context)
             shardings = [x.sharding for x in shapes]
             if not all(isinstance(s, NamedSharding) for s in shardings):
                 counted = self.count(name, fn, mesh, count_args, context)

@@ -21,8 +21,8 @@ class CountsAhead:
     order over `workers` background threads. Before using a key's count the caller
     calls `ready(key)`: it waits for the key's group if it is being made, and takes
     the group back if it has not started, so the caller makes its keys itself (no
-    count is made twice at once). Keys that share compiled pieces belong in one group:
-    two threads compiling the same piece would each compile it."""
+    count is made twice at once). `add` queues more groups, each as its iterable
+    yields it."""
 
     def __init__(
         self, fn: Callable[..., Any], groups: Iterable[tuple[tuple, ...]] = (), workers: int = 2
@@ -33,7 +33,9 @@ class CountsAhead:
         self.add(groups)
 
     def add(self, groups: Iterable[tuple[tuple, ...]]) -> None:
-        """Queue more groups, after those queued (a key queued before is not again)."""
+        """Queue more groups, after those queued (a key queued before is not again),
+        each as soon as `groups` yields it: the caller may work out the next groups
+        while the first are made."""
         for group in groups:
             keys = [k for k in dict.fromkeys(group) if k not in self._futures]
             if keys:

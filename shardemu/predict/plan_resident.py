@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 
 from shardemu.accounting import flops
 from shardemu.accounting.assemble import assemble
-from shardemu.accounting.count import PROCESS_COUNTER, Counter, abstract, with_shardings
+from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Event, Ledger, Phase
 from shardemu.accounting.matmuls import squeezed
 from shardemu.config import (
@@ -177,11 +177,16 @@ def memory_bound(
     layer at tensor 8: at least 1.22 GB a device, 2.49 GB counted.)"""
     model = Model(cfg)
     built, st, shared, layer, batch = _one_stage(model, tensor, microbatch_size, seq, precision)
-    x, mask = st.fn("embed").trace(*abstract((shared, batch))).out_info
+    # traced through the process counter, whose count of the microbatch then reuses it
+    leaves, tree = PROCESS_COUNTER.outputs("embed", st.fn("embed"), st.mesh, (shared, batch), (),
+                                           (shared, batch))  # fmt: skip
+    x, mask = tree.unflatten(leaves)  # shardings declared: nothing compiled
     if full:
         keep = bytes_per_device(x)
     else:
-        _, vjp = st.fn("fwd-keep").trace(*abstract((layer, x, mask))).out_info
+        leaves, tree = PROCESS_COUNTER.traced("fwd-keep", st.fn("fwd-keep"), st.mesh,
+                                              (layer, x, mask))  # fmt: skip
+        _, vjp = tree.unflatten(leaves)
         scores = (microbatch_size, cfg.num_heads, seq, seq)
         keep = sum(
             _bytes_at_least(leaf, tensor) for leaf in jax.tree.leaves(vjp)

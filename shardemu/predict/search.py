@@ -456,21 +456,22 @@ class Searcher:
 
     def resident_counts(
         self, modes: tuple[Mode, ...], precisions: tuple[str, ...]
-    ) -> list[tuple[CountKey, ...]]:
+    ) -> Iterator[tuple[CountKey, ...]]:
         """The microbatch counts (`count_key`) the resident layouts of `modes` may
         need (those of layouts whose least bytes fit: `may_fit`), in the order the
-        search plans them (prune 3 may leave the last unused), grouped by microbatch:
-        with and without full recomputation, a microbatch's counts share most of their
-        pieces (`CountsAhead`)."""
-        groups: dict[CountKey, dict[CountKey, None]] = {}
+        search plans them (prune 3 may leave the last unused), a group per mesh and
+        microbatch size: yielded as found, so that counting starts while the later
+        layouts' bounds are worked out."""
+        seen: set[CountKey] = set()
         for par, precision, pruned, sizes in self.mesh_plans(modes, precisions):
             for size in sizes if "resident" in modes and "resident" not in pruned else []:
-                for c in self.candidates(par, ("resident",), precision, size):
-                    if not self.may_fit(c):
-                        continue
-                    key = self.count_of(c)
-                    groups.setdefault(key._replace(full=False), {})[key] = None
-        return [tuple(keys) for keys in groups.values()]
+                group = tuple(dict.fromkeys(
+                    self.count_of(c) for c in self.candidates(par, ("resident",), precision, size)
+                    if self.may_fit(c) and self.count_of(c) not in seen
+                ))  # fmt: skip
+                seen.update(group)
+                if group:
+                    yield group
 
     def run_mode(
         self, modes: tuple[Mode, ...], rows: list[dict[str, Any]], precisions: tuple[str, ...]
