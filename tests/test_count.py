@@ -56,3 +56,22 @@ def test_the_head_compiles_once_for_kept_and_recomputed_layers():
     names = [key[0] for key in counter._counted]
     assert names.count("head") == 1
     assert names.count("fwd") == names.count("fwd-keep") == 1
+
+
+def test_models_alike_in_shape_are_counted_apart():
+    """Two GPTs that differ only in their GELU (tanh or erf form: the same weights and
+    activations) compile different layers: a resident plan's count of one must not be
+    the other's (the pieces' context names the model)."""
+    from shardemu.config import Parallelism, custom_model
+    from shardemu.predict.plan_resident import count_key, counted_microbatch
+
+    cfg = custom_model("gpt", 2, 32, 4, 64, 32)
+    forward = [
+        counted_microbatch(*count_key(
+            cfg.replace(gelu_approximate=tanh), Parallelism(tensor=2), 1, 32, "none", "fp32",
+            "materialized",
+        )).pieces["forward"][0]
+        for tanh in (True, False)
+    ]  # fmt: skip
+    assert forward[0].flops != forward[1].flops
+    assert forward[0].memory_bytes != forward[1].memory_bytes

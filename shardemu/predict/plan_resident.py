@@ -80,15 +80,17 @@ class Microbatch:
     """One microbatch's work on one stage's tensor group, counted: events per piece
     (`embed`, `forward` and `backward` of one layer, `head`, `embed-backward`, `update`
     of one layer and of the shared weights), and the bytes per device of one layer's
-    weights, of the shared weights, of what one layer keeps for its backward, and of
-    the optimizer state of one layer and of the shared weights (FP32 master weights
-    included under mixed precision)."""
+    weights, of the shared weights, of what one layer keeps for its backward, of the
+    optimizer state of one layer and of the shared weights (FP32 master weights
+    included under mixed precision), and of a layer's input (what a pipeline stage
+    sends the next)."""
 
     pieces: dict[str, list[Event]]
     layer_bytes: int
     shared_bytes: int
     keep_bytes: int
     opt_bytes: tuple[int, int]
+    act_bytes: int
 
 
 def count_microbatch(
@@ -99,11 +101,13 @@ def count_microbatch(
     `precision` (`model` is then the model that computes in it: `compute_model`). With
     `fused_attention`, its kernels and kept bytes are FlashAttention's: no [s, s]
     scores in memory (`accounting/matmuls.py`)."""
-    built, st, shared, layer, batch = _one_stage(model, tensor, microbatch_size, seq, precision)
+    built, st, shared, layer, batch, context = _one_stage(
+        model, tensor, microbatch_size, seq, precision
+    )
     ledger = Ledger()
     counter = PROCESS_COUNTER if counter is None else counter  # an empty Counter is falsy
     ex = Executor(
-        ledger, [Tier("device", None)], AXIS_LABELS, False, counter,
+        ledger, [Tier("device", None)], AXIS_LABELS, False, counter, context=context,
         fused_attention=fused_attention,
     )  # fmt: skip
     x, mask = ex.run(EMBED, "embed", st.fn("embed"), st, (shared, batch))
@@ -142,20 +146,25 @@ def count_microbatch(
         key = str(e.phase) if e.phase.kind == "update" else e.phase.kind
         pieces.setdefault(key, []).append(e)
     layer_bytes, shared_bytes = bytes_per_device(layer), bytes_per_device(shared)
-    return Microbatch(pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes))
+    return Microbatch(
+        pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes), bytes_per_device(x)
+    )
 
 
 def _one_stage(model: Model, tensor: int, microbatch_size: int, seq: int, precision: str) -> tuple:
-    """(built stages, the stage, its shared weights, one layer's weights, a microbatch),
-    abstract and sharded, on one pipeline stage of `tensor` JAX devices."""
+    """(built stages, the stage, its shared weights, one layer's weights, a microbatch,
+    the counting context), abstract and sharded, on one pipeline stage of `tensor` JAX
+    devices. The context (the model and the rules) keeps apart the counts of pieces
+    whose inputs look alike but compute or place their outputs otherwise."""
     mesh = mesh_from(Parallelism(tensor=tensor), jax.devices()[:tensor])
     train = TrainConfig(batch=microbatch_size, seq=seq, precision=precision)
-    built = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(),
-                         stage_rules(megatron_rules()))  # fmt: skip
+    rules = stage_rules(megatron_rules())
+    built = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), rules)
     st = built.stages[0]
     shared = with_shardings(built.shared_shapes, st.shared_compute)
     layer = with_shardings(built.layer_shape_one, st.layer_compute)
-    return built, st, shared, layer, model.abstract_batch(microbatch_size, seq, st.batch)
+    batch = model.abstract_batch(microbatch_size, seq, st.batch)
+    return built, st, shared, layer, batch, (model.cfg, rules)
 
 
 def _optimizer_state(tx: Any, weights: Any, shardings: Any) -> Any:
@@ -176,16 +185,18 @@ def memory_bound(
     over), or exactly where the piece declares its sharding. (The vjp of GPT-3 175B's
     layer at tensor 8: at least 1.22 GB a device, 2.49 GB counted.)"""
     model = Model(cfg)
-    built, st, shared, layer, batch = _one_stage(model, tensor, microbatch_size, seq, precision)
+    built, st, shared, layer, batch, context = _one_stage(
+        model, tensor, microbatch_size, seq, precision
+    )
     # traced through the process counter, whose count of the microbatch then reuses it
-    leaves, tree = PROCESS_COUNTER.outputs("embed", st.fn("embed"), st.mesh, (shared, batch), (),
-                                           (shared, batch))  # fmt: skip
+    embed = (shared, batch)
+    leaves, tree = PROCESS_COUNTER.outputs("embed", st.fn("embed"), st.mesh, embed, context, embed)
     x, mask = tree.unflatten(leaves)  # shardings declared: nothing compiled
     if full:
         keep = bytes_per_device(x)
     else:
         leaves, tree = PROCESS_COUNTER.traced("fwd-keep", st.fn("fwd-keep"), st.mesh,
-                                              (layer, x, mask))  # fmt: skip
+                                              (layer, x, mask), context)  # fmt: skip
         _, vjp = tree.unflatten(leaves)
         scores = (microbatch_size, cfg.num_heads, seq, seq)
         keep = sum(
@@ -196,7 +207,9 @@ def memory_bound(
         bytes_per_device(_optimizer_state(built.tx_layers, layer, st.layer_opt)),
         bytes_per_device(_optimizer_state(built.tx_shared, shared, st.shared_opt)),
     )
-    return Microbatch({}, bytes_per_device(layer), bytes_per_device(shared), keep, opt)
+    return Microbatch(
+        {}, bytes_per_device(layer), bytes_per_device(shared), keep, opt, bytes_per_device(x)
+    )
 
 
 def _bytes_at_least(leaf: Any, devices: int) -> int:
@@ -323,16 +336,13 @@ def _phase(kind: str, index: int, layers: tuple[int, int]) -> Phase:
 
 
 def _step_events(
-    mb: Microbatch, sched: Schedule, lay: PipelineLayout, model_cfg: ModelConfig,
-    par: Parallelism, microbatch_size: int, seq: int, overlap: Overlap,
+    mb: Microbatch, sched: Schedule, lay: PipelineLayout, par: Parallelism, overlap: Overlap
 ) -> list[Event]:  # fmt: skip
     """The step's ledger: the schedule's slots (each virtual stage runs `lay`'s layers),
     then each stage's gradient all-reduce (after its last backward, or only the shared
     weights' there when the layers' reduce in buckets during their last backward:
     `overlap.py`) and optimizer updates."""
     p, r, last_vs = par.pipe, par.replica, lay.last
-    itemsize = jnp.dtype(model_cfg.param_dtype).itemsize  # activations' dtype
-    x_bytes = microbatch_size * seq * model_cfg.embed_dim * itemsize
     bucketed = overlap.grad_reduce == "bucketed" and r > 1
 
     def phase(kind: str, vs: int, micro: int | None = None) -> Phase:
@@ -385,7 +395,7 @@ def _step_events(
             events.append(
                 Event(
                     0, phase(tag.kind, to), "collective", carries,
-                    bytes=x_bytes * r * par.tensor, axis="pipe",
+                    bytes=mb.act_bytes * r * par.tensor, axis="pipe",
                     devices=r * par.tensor, op="collective-permute", group=2,
                 )
             )  # fmt: skip
@@ -536,14 +546,14 @@ def plan_resident(
         require_fit({"device": device_bytes}, hardware, layout)
     if recompute == "selective":
         mb = _selective(mb, model_cfg, microbatch_size, seq)
-    ledger = Ledger(_step_events(mb, sched, lay, model_cfg, par, microbatch_size, seq, overlap))
+    ledger = Ledger(_step_events(mb, sched, lay, par, overlap))
     totals = ledger.step_totals(0)
     timed = ledger.events
     if sparsity is not None:  # the layers' matmuls at the hardware's block-sparse speed
         factor = layer_factor(hardware, model_cfg, seq, sparsity)
         layers = {k: scale_compute(mb.pieces[k], factor) for k in ("forward", "backward")}
         sparse_mb = dataclasses.replace(mb, pieces={**mb.pieces, **layers})
-        timed = _step_events(sparse_mb, sched, lay, model_cfg, par, microbatch_size, seq, overlap)
+        timed = _step_events(sparse_mb, sched, lay, par, overlap)
     timeline, prediction = predict(
         timed,
         hardware,
