@@ -240,17 +240,18 @@ class Searcher:
         self.faster: list[dict[str, Any]] = []  # the fitting rows of faster precisions
         self._least_bytes: dict[Candidate, int | None] = {}
 
-    def rate(self, precision: str) -> float:
-        """FLOP/s a device computes at in `precision`: peak x efficiency."""
+    def least_step(self, precision: str) -> float:
+        """No layout in `precision` is faster (`roofline.least_step_seconds`)."""
         hw = self.hardware.at_precision(arithmetic(self.model_cfg, precision))
-        return hw.peak_tflops * hw.efficiency
+        return least_step_seconds(self.model_flops, self.devices, hw)
 
     def rate_classes(self) -> list[tuple[str, ...]]:
-        """The space's precisions grouped by compute rate, fastest first (prune 5)."""
-        rates = {p: self.rate(p) for p in self.space.precisions}
+        """The space's precisions grouped by compute rate (the same least step),
+        fastest first (prune 5)."""
+        least = {p: self.least_step(p) for p in self.space.precisions}
         return [
-            tuple(p for p in self.space.precisions if rates[p] == rate)
-            for rate in sorted(set(rates.values()), reverse=True)
+            tuple(p for p in self.space.precisions if least[p] == step)
+            for step in sorted(set(least.values()))
         ]
 
     def plan(self, c: Candidate, microbatches: int) -> dict[str, Any]:
@@ -322,10 +323,7 @@ class Searcher:
         """Prune 5 (module docstring): resident `c`'s row when layouts of faster
         precisions (`faster`) rule it out of the top and of the Pareto front, else
         None."""
-        least = least_step_seconds(
-            self.model_flops, self.devices, self.hardware.at_precision(
-                arithmetic(self.model_cfg, c.precision))
-        )  # fmt: skip
+        least = self.least_step(c.precision)
         faster = [r for r in self.faster if r["step_time_s"] < least]
         least_bytes = self.least_bytes(c)
         if len(faster) < self.top or not self.may_fit_memory(least_bytes):
