@@ -306,13 +306,13 @@ def _scaled(e: Event, factor: float, replica: int, **changes: Any) -> Event:
     )
 
 
-def _selective(mb: Microbatch, cfg: ModelConfig, b: int, seq: int) -> Microbatch:
+def _selective(mb: Microbatch, key: CountKey) -> Microbatch:
     """Selective recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation
     in Large Transformer Models", Section 4.2): keep everything but the attention core's
     s x s scores and probabilities (`_selective_keep`), and recompute that core (Q K^T
     and probs V) in the backward pass: its forward FLOPs (flops.py) added to each
     layer's backward."""
-    core = flops.layer_forward(cfg, b, seq)
+    core = flops.layer_forward(key.cfg, key.microbatch_size, key.seq)
     return _add_backward_flops(mb, core["attn_scores"] + core["attn_context"])
 
 
@@ -545,7 +545,7 @@ def plan_resident(
     if must_fit:
         require_fit({"device": device_bytes}, hardware, layout)
     if recompute == "selective":
-        mb = _selective(mb, model_cfg, microbatch_size, seq)
+        mb = _selective(mb, key)
     ledger = Ledger(_step_events(mb, sched, lay, par, overlap))
     totals = ledger.step_totals(0)
     timed = ledger.events

@@ -325,8 +325,10 @@ class Searcher:
         None."""
         least = self.least_step(c.precision)
         faster = [r for r in self.faster if r["step_time_s"] < least]
+        if len(faster) < self.top:
+            return None
         least_bytes = self.least_bytes(c)
-        if len(faster) < self.top or not self.may_fit_memory(least_bytes):
+        if not self.may_fit_memory(least_bytes):
             return None  # over the memory: `screen` says so, with nothing compiled
         smaller = [r for r in faster if r["device_bytes"] <= least_bytes]
         if not smaller:
