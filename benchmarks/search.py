@@ -25,7 +25,8 @@ from pathlib import Path
 from shardemu import use_virtual_devices
 from shardemu.config import Parallelism, PhasedConfig, TrainConfig, get_preset
 from shardemu.predict.hardware import PROFILES
-from shardemu.predict.search import Space, search, search_devices
+from shardemu.predict.search import Space, search
+from shardemu.run.verify import search_devices
 
 RESULTS = Path(__file__).resolve().parent / "results" / "search.json"
 MODEL, BATCH, SEQ = "gpt3-175b", 1536, 2048
@@ -48,13 +49,13 @@ def published(case: dict) -> dict:
         phased = PhasedConfig(phases=cfg.num_layers, rts=par.replica, activations="offload",
                               prefetch=False)  # fmt: skip
         train = TrainConfig(batch=BATCH, seq=SEQ, precision=case["precision"])
-        report = plan_phased(cfg, par, train, phased, hardware=hw, microbatch_size=1)
+        report = plan_phased(cfg, par, train, phased, hardware=hw, microbatch_size=1).report
     else:
         from shardemu.predict.plan_resident import plan_resident
 
-        report, _, _ = plan_resident(
+        report = plan_resident(
             cfg, par, BATCH, SEQ, 1, hw, recompute="full", precision=case["precision"]
-        )
+        ).report
     memory = report["memory_per_device"]
     return {
         "layout": str(par),

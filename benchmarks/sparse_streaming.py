@@ -57,7 +57,7 @@ def main() -> None:
                 train,
                 PhasedConfig(),
                 hardware=get_hardware(hw_name),
-            )
+            ).report
             row = {
                 "hardware": hw_name,
                 "mesh": mesh or "1 device",

@@ -241,11 +241,11 @@ def run(case: Case) -> dict:
     }  # fmt: skip
     hw = PROFILES[case.hardware]
     if case.microbatch_size:
-        r, _, _ = plan_resident(
+        r = plan_resident(
             case.model, case.par, case.batch, case.seq, case.microbatch_size, hw, **settings
-        )
+        ).report
     else:  # not published: the size `shardemu plan` picks
-        r, _, _ = plan_resident_auto(case.model, case.par, case.batch, case.seq, hw, **settings)
+        r = plan_resident_auto(case.model, case.par, case.batch, case.seq, hw, **settings).report
     predicted = {
         "tflops_per_device": r["tflops_per_device"], "mfu": r["utilisation"],
         "sequences_per_s": case.batch / r["step_time_s"],

@@ -35,7 +35,7 @@ def main() -> None:
     model = custom_model("gpt", 105, 20480, 128, 51200, 2048)
     par = Parallelism(pipe=35, tensor=8)
     t0 = time.perf_counter()
-    _, _, timeline = plan_resident(model, par, args.batch, 2048, 1, get_hardware("a100-80gb"))
+    timeline = plan_resident(model, par, args.batch, 2048, 1, get_hardware("a100-80gb")).timeline
     plan_s = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()

@@ -35,7 +35,7 @@ from shardemu.predict.hardware import PROFILES  # noqa: E402
 from shardemu.predict.plan_resident import plan_resident  # noqa: E402
 from shardemu.report.rundir import default_run_dir  # noqa: E402
 from shardemu.report.views import save_figure  # noqa: E402
-from shardemu.training.runner import train  # noqa: E402
+from shardemu.run.runner import train  # noqa: E402
 
 FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
 
@@ -46,7 +46,7 @@ DEPTHS = {4: Parallelism(pipe=4, replica=4), 8: Parallelism(pipe=8, replica=2)}
 
 def predict(depth: int, par: Parallelism) -> dict:
     model = get_preset("bert-large").replace(param_dtype="float16")
-    r, _, _ = plan_resident(model, par, GLOBAL_BATCH, SEQ, MICROBATCH, HW, schedule="1f1b")
+    r = plan_resident(model, par, GLOBAL_BATCH, SEQ, MICROBATCH, HW, schedule="1f1b").report
     mem = r["memory_per_device"]["device"]
     return {
         "depth": depth,

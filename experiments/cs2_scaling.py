@@ -66,7 +66,7 @@ from shardemu.predict.hardware import PROFILES  # noqa: E402
 from shardemu.predict.plan_phased import plan_phased  # noqa: E402
 from shardemu.report.rundir import default_run_dir  # noqa: E402
 from shardemu.report.views import save_figure  # noqa: E402
-from shardemu.training.runner import train  # noqa: E402
+from shardemu.run.runner import train  # noqa: E402
 
 FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
 CS2 = PROFILES["cs2"]
@@ -93,7 +93,7 @@ def plan(name: str, systems: int, per_system: int, micro: int) -> dict:
     return plan_phased(
         model, Parallelism(replica=systems), train_cfg, POLICY, hardware=CS2,
         microbatch_size=micro,
-    )  # fmt: skip
+    ).report  # fmt: skip
 
 
 def divisors(n: int, at_most: int) -> list[int]:

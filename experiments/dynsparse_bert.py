@@ -41,7 +41,7 @@ from rich.table import Table  # noqa: E402
 from shardemu.config import Parallelism, SparsityConfig, TrainConfig, custom_model  # noqa: E402
 from shardemu.report.rundir import default_run_dir, read_metrics  # noqa: E402
 from shardemu.report.views import save_figure  # noqa: E402
-from shardemu.training.runner import train  # noqa: E402
+from shardemu.run.runner import train  # noqa: E402
 
 FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
 WIDTHS = (64, 128)

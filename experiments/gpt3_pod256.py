@@ -33,6 +33,7 @@ from shardemu.config import Parallelism, PhasedConfig, TrainConfig, get_preset  
 from shardemu.predict.hardware import PROFILES  # noqa: E402
 from shardemu.predict.plan_phased import padded_for, plan_phased  # noqa: E402
 from shardemu.report.describe import describe  # noqa: E402
+from shardemu.report.plandir import write_plan_dir  # noqa: E402
 from shardemu.report.rundir import default_run_dir  # noqa: E402
 from shardemu.report.views import save_figure  # noqa: E402
 
@@ -70,7 +71,10 @@ def resident() -> dict:
 def phased(name: str, cfg: PhasedConfig, out: Path | None) -> dict:
     model = padded_for(get_preset("gpt3-175b"), PAR).replace(param_dtype="float16")
     train = TrainConfig(batch=GLOBAL_BATCH, seq=SEQ)
-    r = plan_phased(model, PAR, train, cfg, hardware=HW, out=out, microbatch_size=MICROBATCH)
+    planned = plan_phased(model, PAR, train, cfg, hardware=HW, microbatch_size=MICROBATCH)
+    if out is not None:
+        write_plan_dir(out, planned)
+    r = planned.report
     return {
         "setting": name,
         "passes": r["passes"],

@@ -44,7 +44,7 @@ PHASES = (1, 2, 3, 4, 6, 8, 12, 24)
 
 def run(phases: int, prefetch: bool) -> dict:
     cfg = PhasedConfig(phases=phases, prefetch=prefetch)
-    report = plan_phased(MODEL, PAR, TRAIN, cfg, hardware=HARDWARE)
+    report = plan_phased(MODEL, PAR, TRAIN, cfg, hardware=HARDWARE).report
     busy = report["stream_busy_s"]
     streaming = busy.get("stage0/h2d", 0.0) + busy.get("stage0/d2h", 0.0)
     exposed = report["breakdown"]["exposed_transfer_s"]

@@ -39,6 +39,7 @@ from shardemu.errors import (
     ShardingError,
 )
 from shardemu.models import Model, param_bytes, param_count
+from shardemu.numerics.optim import make_optimizer
 from shardemu.parallel.mesh import AXIS_NAMES, PIPE, REPLICA, TENSOR, make_mesh
 from shardemu.parallel.rules import (
     activation_rules,
@@ -52,18 +53,17 @@ from shardemu.parallel.rules import (
 from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.report.describe import describe
 from shardemu.report.trackers import Tracker, Trackers, TrackingConfig
-from shardemu.sparsity import SparseState, wrap_optax
-from shardemu.training.engine import (
+from shardemu.resident.trainer import Trainer
+from shardemu.run.engine import (
     Engine,
     PhasedEngine,
     PipelinedEngine,
     ResidentEngine,
     StepResult,
 )
-from shardemu.training.loop import StepInfo, TrainLoop
-from shardemu.training.optim import make_optimizer
-from shardemu.training.resident import Trainer
-from shardemu.training.runner import RunResult, RunSettings, resume_settings, train
+from shardemu.run.loop import StepInfo, TrainLoop
+from shardemu.run.runner import RunResult, RunSettings, resume_settings, train
+from shardemu.sparsity import SparseState, wrap_optax
 
 __all__ = [
     "AXIS_NAMES",

@@ -265,7 +265,7 @@ class Parallelism:
 
 BLOCK_SIZES = (1, 4, 8, 16)
 DATASETS = ("synthetic", "stdlib")  # data.CORPORA
-PRECISIONS = ("fp32", "bf16", "fp16-mixed")  # training/precision.py
+PRECISIONS = ("fp32", "bf16", "fp16-mixed")  # numerics/precision.py
 
 
 @dataclass(frozen=True)
@@ -343,7 +343,7 @@ class TrainConfig:
     sparsity: SparsityConfig | None = None  # block-sparse layer weights (None: dense)
     data: str = "synthetic"  # the training text: `synthetic` or `stdlib` (data.py)
     # `fp32`, or 16-bit weights, activations and gradients with FP32 master weights and
-    # optimizer state: `bf16`, `fp16-mixed` (loss-scaled) (training/precision.py)
+    # optimizer state: `bf16`, `fp16-mixed` (loss-scaled) (numerics/precision.py)
     precision: str = "fp32"
     # split the residual stream over `tensor` by sequence (Korthikanti et al. 2022)
     sequence_parallel: bool = False

@@ -85,7 +85,7 @@ def _single_device_reference(model: Model, train: TrainConfig, steps: int) -> di
     import optax
 
     from shardemu.data import SyntheticCorpus
-    from shardemu.training.optim import make_optimizer
+    from shardemu.numerics.optim import make_optimizer
 
     params = jax.jit(model.init_params)(jax.random.key(train.seed))
     tx = make_optimizer(train, *model.abstract_params())

@@ -311,7 +311,7 @@ def test_a_command_line_with_one_broken_field_is_refused(flag, data, tmp_path):
 def test_a_run_that_fails_before_its_first_step_removes_its_directory(tmp_path, monkeypatch):
     """The engine is built before the directory is made; a failure between the two
     (here, the compile) takes the directory away again."""
-    from shardemu.training import engine
+    from shardemu.run import engine
 
     def broken(self, seed):
         raise api.DeviceError("the compile failed")

@@ -148,12 +148,16 @@ def test_plan_writes_a_trace_that_adds_up(tmp_path):
     on a stream, and per stream the durations add up to the report's busy times."""
     from shardemu.config import get_preset
     from shardemu.predict.plan_phased import plan_phased
+    from shardemu.report.plandir import write_plan_dir
 
-    report = plan_phased(
+    planned = plan_phased(
         get_preset("gpt-tiny"), Parallelism(pipe=2, tensor=2, replica=2),
         TrainConfig(batch=8, seq=16, seed=0), PhasedConfig(phases=2, rts=2),
-        hardware=PROFILES["ipu-pod16"], out=tmp_path,
+        hardware=PROFILES["ipu-pod16"],
     )  # fmt: skip
+    assert not any(tmp_path.iterdir())  # a planner writes nothing
+    write_plan_dir(tmp_path, planned)
+    report = planned.report
     assert {"step_time_s", "utilisation", "memory_per_device", "trace"} <= set(report)
     assert (tmp_path / "timeline.png").stat().st_size > 0
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
@@ -186,7 +190,7 @@ def test_resident_plan_recomputation_and_schedules():
     par, hw = Parallelism(pipe=2, tensor=2, replica=2), PROFILES["a100-80gb"]
 
     def plan(recompute="full", schedule="1f1b"):
-        r, _, _ = plan_resident(get_preset("gpt-tiny"), par, 16, 16, 2, hw, schedule, 1, recompute)
+        r = plan_resident(get_preset("gpt-tiny"), par, 16, 16, 2, hw, schedule, 1, recompute).report
         return r | {"memory": r["memory_per_device"]["device"]["bytes"]}
 
     full, selective, none = plan("full"), plan("selective"), plan("none")
@@ -222,9 +226,9 @@ def test_a_pipelined_plan_without_a_microbatch_size_picks_the_fastest(tmp_path, 
     fastest = min(choice["step_time_s"], key=choice["step_time_s"].get)
     assert choice["chosen"] == report["microbatch_size"] == int(fastest)
     assert f"--microbatch-size {fastest} (not given: of 1, 2, 4 " in out.err
-    explicit, _, _ = plan_resident(
+    explicit = plan_resident(
         get_preset("gpt-tiny"), Parallelism(pipe=2), 4, 16, int(fastest), PROFILES["a100-80gb"]
-    )
+    ).report
     assert explicit["step_time_s"] == report["step_time_s"]
     # a refusal every size shares is the user's to fix: it comes back, not "no size"
     with pytest.raises(ConfigError, match="4 layers do not split into pipe \\* virtual = 6"):
@@ -245,11 +249,11 @@ def test_phased_passes_accumulate_one_counted_pass():
 
     par, cfg = Parallelism(pipe=2, tensor=2, replica=2), PhasedConfig(phases=2)
     hw, model = PROFILES["ipu-pod16"], get_preset("gpt-tiny")
-    whole = plan_phased(model, par, TrainConfig(batch=16, seq=16, seed=0), cfg, hardware=hw)
-    one = plan_phased(model, par, TrainConfig(batch=2, seq=16, seed=0), cfg, hardware=hw)
+    whole = plan_phased(model, par, TrainConfig(batch=16, seq=16, seed=0), cfg, hardware=hw).report
+    one = plan_phased(model, par, TrainConfig(batch=2, seq=16, seed=0), cfg, hardware=hw).report
     passes = plan_phased(
         model, par, TrainConfig(batch=8, seq=16, seed=0), cfg, hardware=hw, microbatch_size=1
-    )
+    ).report
     assert passes["passes"] == 4
     assert passes["model_flops"] == pytest.approx(4 * one["model_flops"], rel=1e-9)
     # per-pass work that does not scale with the batch (gradient norms, the tied

@@ -15,7 +15,7 @@ import pytest
 
 from shardemu.config import ConfigError, TrainConfig
 from shardemu.parallel.mesh import make_mesh
-from shardemu.training.resident import Trainer
+from shardemu.resident.trainer import Trainer
 
 # (2, 1) and (1, 2) are covered by (2, 2), (8, 1) and (1, 8); dropped to keep the suite
 # inside its 10-minute budget on a loaded 2-core machine

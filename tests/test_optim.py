@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from shardemu.config import TrainConfig
-from shardemu.training.optim import decay_mask, make_optimizer
+from shardemu.numerics.optim import decay_mask, make_optimizer
 
 
 def test_lamb_on_stacked_layers_equals_lamb_per_layer():

@@ -87,9 +87,9 @@ def plans():
 
 
 def test_options_move_the_same_bytes_and_flops(plans):
-    end = plans["end"][0]
+    end = plans["end"].report
     for name in ("bucketed", "blocking"):
-        other = plans[name][0]
+        other = plans[name].report
         assert other["flops"] == pytest.approx(end["flops"], rel=1e-12)
         for axis, sent in end["bytes_collective"].items():
             assert other["bytes_collective"][axis] == pytest.approx(sent, rel=1e-9), axis
@@ -99,7 +99,8 @@ def test_bucketed_reduction_hides_all_but_its_tail(plans):
     """Each stage's layer gradients reduce in buckets during the last microbatch's
     backward: the step is shorter by at most the layers' whole reduction, and the
     buckets are where the options say (the last backward of each stage only)."""
-    (end, _, end_timeline), (bucketed, ledger, _) = plans["end"], plans["bucketed"]
+    end, end_timeline = plans["end"].report, plans["end"].timeline
+    bucketed, ledger = plans["bucketed"].report, plans["bucketed"].ledger
     reductions = [e for e in ledger.events if e.axis == "replica" and e.carries == "gradients"]
     assert {e.phase.micro for e in reductions} == {3}  # the last of 4 microbatches
     per_stage = [sum(e.stage == s for e in reductions) for s in (0, 1)]
@@ -116,7 +117,7 @@ def test_bucketed_reduction_hides_all_but_its_tail(plans):
 
 
 def test_blocking_sends_cost_time(plans):
-    assert plans["blocking"][0]["step_time_s"] > plans["end"][0]["step_time_s"]
+    assert plans["blocking"].report["step_time_s"] > plans["end"].report["step_time_s"]
 
 
 @pytest.mark.parametrize(

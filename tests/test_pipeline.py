@@ -18,7 +18,7 @@ from shardemu.data import SyntheticCorpus
 from shardemu.parallel.mesh import make_mesh
 from shardemu.parallel.schedules import make_schedule
 from shardemu.pipelined.trainer import PipelinedTrainer
-from shardemu.training.resident import Trainer
+from shardemu.resident.trainer import Trainer
 
 # (pipe, tensor, replica, microbatches, accum, schedule, virtual, stage_layers): every
 # schedule; tensor and replica inside stages; accumulation; uneven stages; fewer
@@ -174,10 +174,17 @@ def test_a_plan_of_uneven_stages_counts_what_the_engine_runs(tiny_model):
         return out
 
     def plan(stage_layers):
-        report, ledger, _ = plan_resident(
-            tiny_model.cfg, Parallelism(pipe=2), 16, 16, 8, PROFILES["a100-80gb"],
-            recompute="none", stage_layers=stage_layers,
-        )  # fmt: skip
+        planned = plan_resident(
+            tiny_model.cfg,
+            Parallelism(pipe=2),
+            16,
+            16,
+            8,
+            PROFILES["a100-80gb"],
+            recompute="none",
+            stage_layers=stage_layers,
+        )
+        report, ledger = planned.report, planned.ledger  # fmt: skip
         return report, per_stage(ledger.events)
 
     engine = per_stage(trainer.ledger.step(0))

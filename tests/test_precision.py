@@ -2,7 +2,7 @@
 
 Sharded runs of every engine are compared with a hand-written single-device reference
 of mixed precision (a 16-bit copy of FP32 master weights, FP32 Adam, loss scaling for
-float16) that shares no code with `training/precision.py`; bytes in each tier and on
+float16) that shares no code with `numerics/precision.py`; bytes in each tier and on
 each link with the dtypes; loss scaling's skip-and-halve with its rule.
 """
 
@@ -19,13 +19,13 @@ from shardemu.config import ConfigError, PhasedConfig, SparsityConfig, TrainConf
 from shardemu.data import SyntheticCorpus
 from shardemu.errors import HardwareError
 from shardemu.models import Model, param_count
+from shardemu.numerics.optim import make_optimizer
+from shardemu.numerics.precision import GROWTH_INTERVAL, MasterState, with_master_weights
 from shardemu.parallel.mesh import make_mesh
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.predict.hardware import PROFILES, Hardware
-from shardemu.training.optim import make_optimizer
-from shardemu.training.precision import GROWTH_INTERVAL, MasterState, with_master_weights
-from shardemu.training.resident import Trainer
+from shardemu.resident.trainer import Trainer
 
 STEPS = 3
 

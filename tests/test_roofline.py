@@ -124,10 +124,10 @@ def test_a_resident_plan_with_fused_attention() -> None:
     par, batch, b = Parallelism(pipe=2, tensor=1, replica=2), 8, 2
 
     def plan(attention: str) -> dict:
-        report, _, _ = plan_resident(
+        report = plan_resident(
             cfg, par, batch, 2048, b, PROFILES["h100-sxm"], recompute="none",
             precision="bf16", attention=attention,
-        )  # fmt: skip
+        ).report  # fmt: skip
         return report
 
     plain, fused = plan("materialized"), plan("fused")

@@ -58,10 +58,10 @@ def brute_force(precision: str = "bf16", hw=HW) -> dict[str, dict]:
             (1,), schedules, ("none", "selective", "full")
         ):
             try:
-                report, _, _ = plan_resident(
+                report = plan_resident(
                     TINY, Parallelism(p, t, r), BATCH, SEQ, b, hw, schedule, v, rec,
                     precision=precision,
-                )  # fmt: skip
+                ).report  # fmt: skip
             except ConfigError:  # interleaved with microbatches pipe does not divide
                 continue
             name = f"{schedule}x{v}" if v > 1 else schedule

@@ -18,6 +18,7 @@ from cli_helpers import shardemu
 
 from shardemu import Model, Parallelism, SyntheticCorpus, TrainConfig, get_preset
 from shardemu.accounting.ledger import Ledger
+from shardemu.accounting.sizes import bytes_all_devices
 from shardemu.config import PhasedConfig, SparsityConfig, custom_model
 from shardemu.parallel.mesh import mesh_from
 from shardemu.phased.trainer import PhasedTrainer
@@ -25,12 +26,11 @@ from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.predict.hardware import HardwareError, get_hardware, load_profile
 from shardemu.predict.sparse import sparse_compute, sparse_share
 from shardemu.report.rundir import read_metrics
+from shardemu.resident.trainer import Trainer
+from shardemu.run.engine import PhasedEngine, PipelinedEngine, ResidentEngine
 from shardemu.sparsity import apply_masks, densities, sparse_leaves, wrap_optax
 from shardemu.sparsity.masks import block_mask, block_norms, matrix_shape
 from shardemu.sparsity.wrapper import _updated
-from shardemu.stages.tiers import bytes_all_devices
-from shardemu.training.engine import PhasedEngine, PipelinedEngine, ResidentEngine
-from shardemu.training.resident import Trainer
 
 GPT = Model(get_preset("gpt-tiny"))
 SHAPES, LOGICAL = GPT.abstract_params()

@@ -16,7 +16,7 @@ from shardemu.accounting.ledger import totals
 from shardemu.config import TrainConfig, get_preset
 from shardemu.models import Model
 from shardemu.parallel.mesh import make_mesh
-from shardemu.training.resident import Trainer
+from shardemu.resident.trainer import Trainer
 
 TRAIN = TrainConfig(batch=8, seq=16)
 TENSOR, REPLICA = 4, 2

@@ -17,8 +17,8 @@ from shardemu import __version__
 from shardemu.cli.config_file import run_flags
 from shardemu.config import ConfigError
 from shardemu.report.rundir import read_metrics
+from shardemu.report.scalars import step_scalars
 from shardemu.report.sweep import load_sweep
-from shardemu.report.trackers import step_scalars
 
 RUN = ["run", "--model", "gpt-tiny", "--mesh", "tensor=2", "--steps", "3", "--batch", "4",
        "--seq", "16", "--seed", "0"]  # fmt: skip

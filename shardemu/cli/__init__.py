@@ -37,9 +37,10 @@ from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.devices import MAX_VIRTUAL_DEVICES, use_virtual_devices
 from shardemu.errors import ShardemuError
 from shardemu.launch import join, launch, process_index
+from shardemu.numerics.precision import arithmetic
 from shardemu.predict.hardware import get_hardware
+from shardemu.predict.plan import Plan
 from shardemu.report.tables import param_table, print_phase_plan, summary_table
-from shardemu.training.precision import arithmetic
 
 console = Console(stderr=True)
 
@@ -142,7 +143,7 @@ def _run_resumed(args: argparse.Namespace) -> None:
             f"run's settings come from {args.resume}/config.json; only {', '.join(may[:-1])} "
             f"and {may[-1]} may be given with --resume"
         )
-    from shardemu.training.runner import resume_settings
+    from shardemu.run.runner import resume_settings
 
     was = resume_settings(args.resume)
     par = parallelism(args) if "mesh" in args.given else was.parallelism
@@ -169,7 +170,7 @@ def _train_with_progress(
 ) -> None:  # fmt: skip
     """`train` with a progress bar on stderr, then the summary table on stdout. The
     caller has fixed the device count, so the runner may be imported now."""
-    from shardemu.training.runner import train
+    from shardemu.run.runner import train
 
     with Progress(
         TextColumn(f"[bold]shardemu run[/] {model_cfg.name} on {par}: {{task.description}}"),
@@ -226,7 +227,7 @@ def cmd_describe(args: argparse.Namespace) -> None:
         from shardemu.predict.plan_phased import plan_phased
 
         train_cfg = TrainConfig(batch=args.batch, seq=args.seq)
-        report["phase_plan"] = plan_phased(model_cfg, par, train_cfg, phased)["plan"]
+        report["phase_plan"] = plan_phased(model_cfg, par, train_cfg, phased).report["plan"]
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -299,21 +300,23 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if out is not None:
         require_new(Path(out))
     if phased is None:
-        report = _plan_resident(
-            args, model_cfg, par, train_cfg, micro, hardware, Path(out), tracking, overlap
-        )
+        planned = _plan_resident(args, model_cfg, par, train_cfg, micro, hardware, overlap)
     else:
         use_virtual_devices(plan_devices(par))  # one pipeline stage's devices
         from shardemu.predict.plan_phased import plan_phased
 
         auto = micro is None and par.pipe > 1 and hardware is not None  # timed passes
-        report = plan_phased(
-            model_cfg, par, train_cfg, phased, hardware=hardware, out=out,
-            microbatch_size="auto" if auto else micro, tracking=tracking,
-            overlap=overlap,
+        planned = plan_phased(
+            model_cfg, par, train_cfg, phased, hardware=hardware,
+            microbatch_size="auto" if auto else micro, overlap=overlap,
         )  # fmt: skip
-        if auto:
-            _say_microbatch(report["microbatch_choice"])
+    report = planned.report
+    if "microbatch_choice" in report:
+        _say_microbatch(report["microbatch_choice"])
+    if out is not None:
+        from shardemu.report.plandir import write_plan_dir
+
+        write_plan_dir(Path(out), planned, tracking)
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -327,12 +330,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 def _plan_resident(
     args: argparse.Namespace, model_cfg: Any, par: Parallelism, train_cfg: TrainConfig,
-    micro: int | None, hardware: Any, out: Path, tracking: Any, overlap: Any,
-) -> dict[str, Any]:  # fmt: skip
+    micro: int | None, hardware: Any, overlap: Any,
+) -> Plan:  # fmt: skip
     """`shardemu plan` without --phased: a resident pipelined step on `hardware`."""
     use_virtual_devices(par.tensor)  # one stage's tensor group counts a microbatch
     from shardemu.predict.plan_resident import plan_resident, plan_resident_auto
-    from shardemu.report.plandir import write_plan_dir
 
     settings = {
         "schedule": train_cfg.schedule, "virtual": train_cfg.virtual,
@@ -342,17 +344,9 @@ def _plan_resident(
     }  # fmt: skip
     batch, seq = train_cfg.batch, train_cfg.seq
     if micro is None and par.pipe > 1:  # one microbatch would be a (p-1)/p bubble
-        report, ledger, timeline = plan_resident_auto(
-            model_cfg, par, batch, seq, hardware, **settings
-        )
-        _say_microbatch(report["microbatch_choice"])
-    else:
-        size = micro if micro is not None else batch // par.replica
-        report, ledger, timeline = plan_resident(
-            model_cfg, par, batch, seq, size, hardware, **settings
-        )
-    write_plan_dir(out, report, ledger, timeline, tracking)
-    return report
+        return plan_resident_auto(model_cfg, par, batch, seq, hardware, **settings)
+    size = micro if micro is not None else batch // par.replica
+    return plan_resident(model_cfg, par, batch, seq, size, hardware, **settings)
 
 
 def _say_microbatch(choice: dict[str, Any]) -> None:
@@ -430,11 +424,11 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 def cmd_search(args: argparse.Namespace) -> None:
     """Search, write search.json and pareto.png, verify the winner, print the top."""
-    from shardemu.predict.search import search, search_devices
-    from shardemu.predict.verify import verify
+    from shardemu.predict.search import search
     from shardemu.report.rundir import default_run_dir, require_new
     from shardemu.report.tables import search_table
     from shardemu.report.views import plot_pareto
+    from shardemu.run.verify import search_devices, verify
 
     hardware = get_hardware(args.hardware)
     model_cfg = model_config(args)

@@ -169,7 +169,7 @@ _UNROLLED = contextvars.ContextVar("shardemu_unrolled_layers", default=False)
 def unrolled_layers() -> Iterator[None]:
     """Trace layer stacks written out layer by layer instead of as a loop. XLA's cost
     analysis counts a loop body once whatever its trip count, so a whole model is
-    counted unrolled (`training/resident.py`); training runs the loop."""
+    counted unrolled (`resident/trainer.py`); training runs the loop."""
     token = _UNROLLED.set(True)
     try:
         yield

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shardemu.accounting.ledger import Ledger
+from shardemu.accounting.sizes import bytes_per_device
 from shardemu.errors import CapacityError, ConfigError
 from shardemu.phased.program import Layout, StepOutput, run_step
-from shardemu.stages.tiers import Tier, bytes_per_device
+from shardemu.stages.tiers import Tier
 
 if TYPE_CHECKING:
     from shardemu.phased.trainer import PhasedTrainer

@@ -39,12 +39,12 @@ import jax
 import numpy as np
 
 from shardemu.accounting.ledger import Phase
+from shardemu.accounting.sizes import bytes_per_device
 from shardemu.config import PhasedConfig
+from shardemu.numerics.precision import host_scale
 from shardemu.sparsity import SparseState
 from shardemu.stages.executor import Executor, one_layer
 from shardemu.stages.stage import Stage, sparse_grads
-from shardemu.stages.tiers import bytes_per_device
-from shardemu.training.precision import host_scale
 
 SHARED, EMBED, HEAD = Phase("shared"), Phase("embed"), Phase("head")
 # the forward and backward pieces of the policies that keep a phase's residuals: all of

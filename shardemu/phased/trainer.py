@@ -20,16 +20,17 @@ from jax.sharding import Mesh
 
 from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Ledger
+from shardemu.accounting.sizes import bytes_per_device
 from shardemu.config import ConfigError, PhasedConfig, TrainConfig
 from shardemu.models import Model
+from shardemu.numerics.precision import as_compute, compute_model
 from shardemu.parallel.mesh import parallelism_of
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.phased import planner
 from shardemu.phased.program import Layout, PhasedState, run_step
 from shardemu.stages.executor import Executor
 from shardemu.stages.stage import AXIS_LABELS, Stage, build_stages, stage_meshes, stage_rules
-from shardemu.stages.tiers import Tier, bytes_per_device, with_memory_kind
-from shardemu.training.precision import as_compute, compute_model
+from shardemu.stages.tiers import Tier, with_memory_kind
 
 
 @dataclass

@@ -31,13 +31,13 @@ import jax
 import numpy as np
 
 from shardemu.accounting.ledger import Phase
+from shardemu.accounting.sizes import bytes_per_device
+from shardemu.numerics.precision import host_scale
 from shardemu.parallel.schedules import Slot, programs
 from shardemu.pipelined.layout import PipelineLayout
 from shardemu.sparsity import SparseState
 from shardemu.stages.executor import Executor, one_layer
 from shardemu.stages.stage import Stage, sparse_grads
-from shardemu.stages.tiers import bytes_per_device
-from shardemu.training.precision import host_scale
 
 SHARED_BWD = Phase("shared-backward")
 
@@ -71,7 +71,7 @@ class Sums:
         self.ex, self.trees = ex, {}
 
     def add(self, key: tuple, st: Stage, tree: Any, phase: Phase) -> None:
-        """Add `tree` in; 16-bit gradients add up in FP32 (`training/precision.py`)."""
+        """Add `tree` in; 16-bit gradients add up in FP32 (`numerics/precision.py`)."""
         if key in self.trees:
             piece = "accumulate"
             tree = self.ex.run(phase, piece, st.fn(piece), st, (self.trees[key], tree))

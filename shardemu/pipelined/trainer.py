@@ -20,8 +20,10 @@ from jax.sharding import Mesh
 
 from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Ledger
+from shardemu.accounting.sizes import bytes_per_device
 from shardemu.config import PhasedConfig, TrainConfig
 from shardemu.models import Model
+from shardemu.numerics.precision import as_compute, compute_model
 from shardemu.parallel.mesh import parallelism_of
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.parallel.schedules import Slot, make_schedule
@@ -36,8 +38,7 @@ from shardemu.stages.stage import (
     stage_meshes,
     stage_rules,
 )
-from shardemu.stages.tiers import Tier, bytes_per_device
-from shardemu.training.precision import as_compute, compute_model
+from shardemu.stages.tiers import Tier
 
 
 @dataclass
@@ -158,7 +159,7 @@ class PipelinedTrainer:
     def _passes(self, batch: dict[str, np.ndarray]) -> list[list[dict[int, dict]]]:
         """The batch as accumulation passes of microbatches, each on the stages that
         read it. Pass a holds examples a, a + k, ...; its microbatch i every m-th of
-        those (the split of `parallel/microbatch.py`)."""
+        those (the split of `resident/microbatch.py`)."""
         k, m = self.train.grad_accum, self.train.microbatches
         readers = [self.stages[s] for s in self.holders]
 

@@ -13,7 +13,6 @@ import copy
 import dataclasses
 import functools
 import time
-from pathlib import Path
 from typing import Any, Literal
 
 import jax
@@ -24,19 +23,18 @@ from shardemu.accounting.ledger import Event, Ledger
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.errors import CapacityError
 from shardemu.models import Model, param_bytes, param_count
+from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.phased import planner
 from shardemu.phased.trainer import PhasedTrainer
-from shardemu.predict.costmodel import Timeline, predict, require_fit
+from shardemu.predict.costmodel import predict, require_fit
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
+from shardemu.predict.plan import Plan
 from shardemu.predict.sparse import model_flops_sparse, sparse_compute, sparse_report
-from shardemu.report.plandir import write_plan_dir
-from shardemu.report.trackers import TrackingConfig
-from shardemu.training.precision import arithmetic
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
@@ -62,18 +60,16 @@ def plan_phased(
     phased: PhasedConfig,
     rules: Rules | None = None,
     hardware: Hardware | None = None,
-    out: str | Path | None = None,
     microbatch_size: int | Literal["auto"] | None = None,
-    tracking: TrackingConfig | None = None,
     overlap: Overlap = DEFAULT_OVERLAP,
     must_fit: bool = False,
-) -> dict[str, Any]:
-    """Count one phased step in abstract mode: the JSON `shardemu plan --json` prints.
+) -> Plan:
+    """Count one phased step in abstract mode (its report is the JSON `shardemu plan
+    --json` prints); write nothing.
     The pipeline's stages are planned on one stage's devices (`plan_devices`); a
     vocabulary the tensor axis does not divide is padded (`padded_for`).
     With `hardware`, add the predicted step (`costmodel.py`, its pipeline sends as
-    `overlap` says; each phase's gradients reduce after its backward); with `out`, write the run
-    directory and log to the `tracking` trackers (`report/plandir.py`). With
+    `overlap` says; each phase's gradients reduce after its backward). With
     `microbatch_size` b, the batch runs as passes of b sequences per replica, pipelined
     over the stages (`accounting/assemble.py`, a 1F1B schedule): one pass is counted;
     `"auto"` plans each candidate size on `hardware` and keeps the fastest that fits
@@ -86,29 +82,27 @@ def plan_phased(
         if hardware is None:
             raise ConfigError("choosing the microbatch size times each one: give --hardware")
 
-        def candidate(size: int) -> tuple[dict[str, Any], Any]:
-            report, ledger, timeline = _counted(
+        def candidate(size: int) -> tuple[dict[str, Any], Plan]:
+            planned = _counted(
                 model_cfg, par, train_cfg, phased, rules, hardware, size, overlap, must_fit
             )
-            return report, (ledger, timeline)
+            return planned.report, planned
 
-        report, (ledger, timeline) = choose_microbatch(train_cfg.batch, par, candidate)
+        _, planned = choose_microbatch(train_cfg.batch, par, candidate)
     else:
-        report, ledger, timeline = _counted(
+        planned = _counted(
             model_cfg, par, train_cfg, phased, rules, hardware, microbatch_size, overlap,
             must_fit,
         )  # fmt: skip
-    if out is not None:
-        write_plan_dir(Path(out), report, ledger, timeline, tracking)
-    report["elapsed_s"] = time.perf_counter() - t0
-    return report
+    planned.report["elapsed_s"] = time.perf_counter() - t0
+    return planned
 
 
 def _counted(
     model_cfg: ModelConfig, par: Parallelism, train_cfg: TrainConfig, phased: PhasedConfig,
     rules: Rules | None, hardware: Hardware | None, microbatch_size: int | None,
     overlap: Overlap, must_fit: bool = False,
-) -> tuple[dict[str, Any], Ledger, Timeline | None]:  # fmt: skip
+) -> Plan:  # fmt: skip
     """`plan_phased`'s work at one microbatch size: the report, the step's ledger and
     (with `hardware`) its timeline."""
     given_vocab = model_cfg.vocab_size
@@ -169,7 +163,7 @@ def _counted(
             f"stage{stage}/{stream}": busy
             for (stage, stream), busy in sorted(timeline.stream_totals().items())
         }
-    return report, ledger, timeline
+    return Plan(report, ledger, timeline)
 
 
 def check_fit(

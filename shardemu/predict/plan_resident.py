@@ -38,6 +38,7 @@ from shardemu.accounting.assemble import assemble
 from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Event, Ledger, Phase
 from shardemu.accounting.matmuls import squeezed
+from shardemu.accounting.sizes import bytes_per_device
 from shardemu.config import (
     ConfigError,
     ModelConfig,
@@ -47,15 +48,17 @@ from shardemu.config import (
     TrainConfig,
 )
 from shardemu.models import Model, count_params
+from shardemu.numerics.precision import arithmetic, compute_model
 from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import megatron_rules
 from shardemu.parallel.schedules import Schedule, Slot, make_schedule
 from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
 from shardemu.pipelined.layout import PipelineLayout, pipeline_layout
-from shardemu.predict.costmodel import Timeline, predict, require_fit
+from shardemu.predict.costmodel import predict, require_fit
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
+from shardemu.predict.plan import Plan
 from shardemu.predict.plan_phased import padded_for
 from shardemu.predict.sparse import (
     layer_factor,
@@ -65,8 +68,7 @@ from shardemu.predict.sparse import (
 )
 from shardemu.stages.executor import Executor
 from shardemu.stages.stage import AXIS_LABELS, build_stages, stage_meshes, stage_rules
-from shardemu.stages.tiers import Tier, bytes_per_device
-from shardemu.training.precision import arithmetic, compute_model
+from shardemu.stages.tiers import Tier
 
 Recompute = Literal["none", "selective", "full"]
 # how the attention core runs: as XLA emits it ([s, s] scores in memory) or fused
@@ -439,7 +441,7 @@ def _stage_bytes(
     where it holds them): weights, gradients and optimizer state, and what its layers
     keep for the `held` microbatches in flight at its peak (`Schedule.peak_activations`).
     Gradients are the weights' dtype, summed over microbatches in FP32
-    (`training/precision.py`)."""
+    (`numerics/precision.py`)."""
     weights = mb.layer_bytes * layers + (mb.shared_bytes if shared else 0)
     optimizer = mb.opt_bytes[0] * layers + (mb.opt_bytes[1] if shared else 0)
     itemsize = jnp.dtype(model_cfg.param_dtype).itemsize
@@ -519,7 +521,7 @@ def plan_resident(
     attention: str = "materialized",
     must_fit: bool = False,
     stage_layers: tuple[int, ...] | None = None,
-) -> tuple[dict[str, Any], Ledger, Timeline]:
+) -> Plan:
     """Predict a resident (pipelined) step of `batch` sequences on `hardware` in
     `precision`, its communication overlapped as `overlap` says and its attention core
     `materialized` or `fused` (`ATTENTION`): the report, the step's ledger and its
@@ -568,7 +570,7 @@ def plan_resident(
     )
     step = prediction["step_time_s"]
     analytic = flops.training_step(model_cfg, batch, seq)
-    return (
+    return Plan(
         {
             "model": model_cfg.name,
             "mesh": str(par),
@@ -604,15 +606,13 @@ def plan_resident(
 def plan_resident_auto(
     model_cfg: ModelConfig, par: Parallelism, batch: int, seq: int, hardware: Hardware,
     **settings: Any,
-) -> tuple[dict[str, Any], Ledger, Timeline]:  # fmt: skip
+) -> Plan:  # fmt: skip
     """`plan_resident` at the microbatch size `choose_microbatch` picks for this layout;
     the report says so under `microbatch_choice`."""
 
     def plan(size: int) -> tuple[dict[str, Any], Any]:
-        report, ledger, timeline = plan_resident(
-            model_cfg, par, batch, seq, size, hardware, **settings
-        )
-        return report, (ledger, timeline)
+        planned = plan_resident(model_cfg, par, batch, seq, size, hardware, **settings)
+        return planned.report, planned
 
-    report, (ledger, timeline) = choose_microbatch(batch, par, plan)
-    return report, ledger, timeline
+    _, planned = choose_microbatch(batch, par, plan)
+    return planned

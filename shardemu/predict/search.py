@@ -70,6 +70,7 @@ from shardemu.accounting import flops
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.errors import CapacityError
 from shardemu.models import Model, count_params
+from shardemu.numerics.precision import arithmetic, compute_model
 from shardemu.predict.ahead import CountsAhead
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import microbatch_candidates
@@ -83,7 +84,6 @@ from shardemu.predict.plan_resident import (
     plan_resident,
 )
 from shardemu.predict.roofline import least_step_seconds
-from shardemu.training.precision import arithmetic, compute_model
 
 Mode = Literal["resident", "phased"]
 MODES = ("auto", "resident", "phased", "both")
@@ -260,18 +260,18 @@ class Searcher:
         if c.mode == "resident":
             if self.ahead is not None:
                 self.ahead.ready(self.count_of(c))
-            report, _, _ = plan_resident(
+            report = plan_resident(
                 self.model_cfg, c.par, batch, self.seq, c.microbatch_size, self.hardware,
                 schedule=c.schedule, virtual=c.virtual, recompute=c.recompute,  # type: ignore[arg-type]
                 precision=c.precision, overlap=self.space.overlap,
                 attention=self.space.attention, must_fit=True,
-            )  # fmt: skip
+            ).report  # fmt: skip
             return report
         train, phased = self.phased_settings(c, microbatches)
         return plan_phased(
             self.model_cfg, c.par, train, phased, hardware=self.hardware,
             microbatch_size=c.microbatch_size, overlap=self.space.overlap, must_fit=True,
-        )  # fmt: skip
+        ).report  # fmt: skip
 
     def phased_settings(self, c: Candidate, passes: int) -> tuple[TrainConfig, PhasedConfig]:
         """Phased candidate `c`'s training settings for `passes` passes, and its phased
@@ -570,7 +570,7 @@ def search(
 ) -> dict[str, Any]:  # fmt: skip
     """Search the layouts (module docstring): every candidate's row, the best `top`
     planned at the full batch (`top`, fastest first), and the memory/time Pareto front.
-    Needs the most virtual devices any planned mesh does (`search_devices`)."""
+    Needs the most virtual devices any planned mesh does (`run.verify.search_devices`)."""
     t0 = time.perf_counter()
     if top < 1:
         raise ConfigError(f"--top must be a positive number of layouts, got {top}")
@@ -623,16 +623,3 @@ def search(
         "candidates": rows,
         "elapsed_s": time.perf_counter() - t0,
     }
-
-
-def search_devices(model_cfg: ModelConfig, devices: int, batch: int, space: Space) -> int:
-    """Virtual devices a search needs: a resident plan counts one tensor group, a phased
-    plan one stage (tensor x replica), the winner's check runs its pipe x tensor x
-    (replica, at most two) (`verify.py`)."""
-    from shardemu.predict.verify import verify_mesh
-
-    phased = space.modes != "resident"
-    return max(
-        max(p.tensor * (p.replica if phased else 1), verify_mesh(p).num_devices)
-        for p in meshes(model_cfg, devices, batch, space.max_tensor)
-    )

@@ -16,7 +16,7 @@ from typing import Any
 
 from shardemu.errors import RunDirError
 from shardemu.report.rundir import read_metrics
-from shardemu.report.trackers import scalars
+from shardemu.report.scalars import scalars
 
 # config.json fields that are not settings: when and how a run was started, which
 # devices it got, files and results (a plan's config.json is its report)

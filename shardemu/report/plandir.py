@@ -12,8 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shardemu.accounting.ledger import Ledger
-from shardemu.predict.costmodel import Timeline
+from shardemu.predict.plan import Plan
 from shardemu.report.rundir import RunDir
 from shardemu.report.trackers import TrackingConfig, open_trackers
 from shardemu.report.views import write_views
@@ -41,11 +40,10 @@ def plan_record(report: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def write_plan_dir(
-    out: Path, report: dict[str, Any], ledger: Ledger, timeline: Timeline | None,
-    tracking: TrackingConfig | None = None,
-) -> None:  # fmt: skip
-    """Write the plan's run directory and log it to the `tracking` trackers."""
+def write_plan_dir(out: Path, plan: Plan, tracking: TrackingConfig | None = None) -> None:
+    """Write the plan's run directory and log it to the `tracking` trackers; the views'
+    file names join the plan's report."""
+    report, ledger, timeline = plan.report, plan.ledger, plan.timeline
     if tracking is not None:
         tracking.check_installed()
     run = RunDir(out, command="plan")

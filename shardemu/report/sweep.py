@@ -25,7 +25,7 @@ import numpy as np
 
 from shardemu.errors import ConfigError, ShardemuError
 from shardemu.report.rundir import fmt_value, read_metrics
-from shardemu.report.trackers import scalars
+from shardemu.report.scalars import scalars
 
 _TOP_KEYS = ("command", "method", "metric", "parameters", "run_cap", "name", "description")
 _DISTRIBUTIONS = (

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shardemu.report.trackers import step_scalars
+from shardemu.report.scalars import step_scalars
 
 TENSORBOARD_DIR = "tensorboard"
 

@@ -14,7 +14,6 @@ before anything runs, with the extra to install.
 from __future__ import annotations
 
 import importlib.util
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,28 +40,6 @@ class Tracker(Protocol):
 
     def finish(self) -> None:
         """Flush and close; the tracker is not used again."""
-
-
-def scalars(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    """The finite numbers of a record, nested dicts flattened with `/`
-    (`bytes_collective/tensor`): what a scalar chart can draw."""
-    out: dict[str, float] = {}
-    for key, value in metrics.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(scalars(value, f"{name}/"))
-        elif (
-            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        ):
-            out[name] = value
-    return out
-
-
-def step_scalars(record: dict[str, Any]) -> dict[str, float]:
-    """A step record's scalars without the step itself (the x axis, given apart)."""
-    out = scalars(record)
-    out.pop("step", None)
-    return out
 
 
 class Trackers:

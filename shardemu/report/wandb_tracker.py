@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shardemu.errors import ConfigError
-from shardemu.report.trackers import scalars, step_scalars
+from shardemu.report.scalars import scalars, step_scalars
 
 
 class WandbTracker:

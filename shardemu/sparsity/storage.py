@@ -22,9 +22,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardemu.accounting.sizes import bytes_all_devices
 from shardemu.config import SparsityConfig
 from shardemu.sparsity.masks import block_mask, densities, is_sparse, matrix_shape
-from shardemu.stages.tiers import bytes_all_devices
 
 INDEX_BYTES = 3 * 4  # (layer, block row, block column), int32 each
 

@@ -19,7 +19,8 @@ from jax.sharding import Mesh
 
 from shardemu.accounting.count import Counted, Counter, piece_events
 from shardemu.accounting.ledger import Carries, Event, Ledger, Phase, Where
-from shardemu.stages.tiers import Tier, bytes_all_devices, bytes_per_device, with_memory_kind
+from shardemu.accounting.sizes import bytes_all_devices, bytes_per_device
+from shardemu.stages.tiers import Tier, with_memory_kind
 
 
 class StageLike(Protocol):

@@ -26,20 +26,20 @@ from shardemu.accounting.ledger import Phase
 from shardemu.config import ModelConfig, PhasedConfig, TrainConfig
 from shardemu.models import Model, normalise
 from shardemu.models.layers import ACT_BSD
-from shardemu.parallel.rules import Rules, activation_rules, logical_to_spec, resolve_specs
-from shardemu.sparsity import apply_masks, init_state, opt_state_shardings, sparse_optimizer
-from shardemu.sparsity.storage import compressed_bytes
-from shardemu.stages.executor import Executor
-from shardemu.stages.systems import per_system_builders
-from shardemu.stages.tiers import with_memory_kind
-from shardemu.training.optim import clip_by_norm, make_optimizer, squared_norm
-from shardemu.training.precision import (
+from shardemu.numerics.optim import clip_by_norm, make_optimizer, squared_norm
+from shardemu.numerics.precision import (
     apply_update,
     is_mixed,
     to_fp32,
     unscale,
     with_master_weights,
 )
+from shardemu.parallel.rules import Rules, activation_rules, logical_to_spec, resolve_specs
+from shardemu.sparsity import apply_masks, init_state, opt_state_shardings, sparse_optimizer
+from shardemu.sparsity.storage import compressed_bytes
+from shardemu.stages.executor import Executor
+from shardemu.stages.systems import per_system_builders
+from shardemu.stages.tiers import with_memory_kind
 
 RTS = "rts"
 STAGE_AXES = ("pipe", "replica", RTS, "tensor")
@@ -272,7 +272,7 @@ class Stage:
     ) -> jax.Array:
         """The loss of `batch`; of a microbatch (or one system's share of the batch), its
         share of the whole batch's loss when `counts` are the whole batch's
-        (`models/__init__.py`); times the loss scale `scale` (`training/precision.py`)."""
+        (`models/__init__.py`); times the loss scale `scale` (`numerics/precision.py`)."""
         model = self.model
         sums = model.loss_sums(model.head(shared, x, batch), batch)
         return normalise(sums, model.loss_counts(batch) if counts is None else counts) * scale

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardemu.numerics.optim import squared_norm
 from shardemu.sparsity import apply_masks
 from shardemu.stages.tiers import with_memory_kind
-from shardemu.training.optim import squared_norm
 
 if TYPE_CHECKING:
     from shardemu.stages.stage import Stage

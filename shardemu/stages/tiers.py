@@ -12,28 +12,12 @@ streaming memory in the source systems) is reported by the plan, not enforced.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
 
 from shardemu.errors import CapacityError
-
-
-def bytes_per_device(tree: Any) -> int:
-    """Bytes one device holds of a tree of sharded arrays (its largest shard)."""
-    return sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
-    )
-
-
-def bytes_all_devices(tree: Any) -> int:
-    """Bytes summed over every device holding a copy or a shard."""
-    return sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize * len(x.sharding.device_set)
-        for x in jax.tree.leaves(tree)
-    )
 
 
 def with_memory_kind(shardings: Any, kind: str) -> Any:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from shardemu.config import TrainConfig
-from shardemu.training.precision import to_fp32
+from shardemu.numerics.precision import to_fp32
 
 _DECAYED = ("kernel", "embedding")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from shardemu.training.engine import Engine, StepResult
+from shardemu.run.engine import Engine, StepResult
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ over `tensor` and `replica` by the rules table; one `jax.jit` step runs forward,
 backward and the optax update.
 
 With grad_accum > 1 the batch is processed in chunks whose gradients add up to the
-whole batch's (`parallel/microbatch.py`). On a 1-device mesh the step *is* plain
+whole batch's (`resident/microbatch.py`). On a 1-device mesh the step *is* plain
 single-device `jax.jit`: the reference every engine must agree with. Meshes with
 pipeline stages, and microbatched steps, run on the pipelined engine
 (`pipelined/trainer.py`).
@@ -29,8 +29,15 @@ from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import ConfigError, TrainConfig
 from shardemu.models import Model
 from shardemu.models.layers import unrolled_layers
+from shardemu.numerics.optim import make_optimizer
+from shardemu.numerics.precision import (
+    apply_update,
+    compute_model,
+    loss_scale,
+    unscale,
+    with_master_weights,
+)
 from shardemu.parallel.mesh import parallelism_of
-from shardemu.parallel.microbatch import accumulate
 from shardemu.parallel.rules import (
     Rules,
     activation_rules,
@@ -40,19 +47,12 @@ from shardemu.parallel.rules import (
     resolve_specs,
     rules_or_default,
 )
+from shardemu.resident.microbatch import accumulate
 from shardemu.sparsity import (
     SparseState,
     apply_masks,
     opt_state_shardings,
     sparse_optimizer,
-)
-from shardemu.training.optim import make_optimizer
-from shardemu.training.precision import (
-    apply_update,
-    compute_model,
-    loss_scale,
-    unscale,
-    with_master_weights,
 )
 
 _COMPILED: dict[tuple, jax.stages.Compiled] = {}  # Trainer.compiled's, process-wide

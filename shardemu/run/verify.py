@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from shardemu.config import ModelConfig, Parallelism, PhasedConfig, TrainConfig
-from shardemu.predict.search import Candidate
+from shardemu.predict.search import Candidate, Space, meshes
 
 VERIFY_REPLICAS = 2
 STEPS = 3
@@ -75,7 +75,7 @@ def verify(model_cfg: ModelConfig, c: Candidate, out: Path) -> dict[str, Any]:
     """Train `c`'s scaled-down layout and one device for `STEPS` steps (run directories
     under `out`); the losses, their largest relative difference and whether it is
     within `TOLERANCE`."""
-    from shardemu.training.runner import train
+    from shardemu.run.runner import train
 
     tiny, par = scaled_down(model_cfg, c)
     train_cfg, phased = _settings(c, par)
@@ -102,3 +102,14 @@ def verify(model_cfg: ModelConfig, c: Candidate, out: Path) -> dict[str, Any]:
         "equal": worst <= TOLERANCE[c.precision],
         "run_dirs": [str(sharded.run_dir), str(one.run_dir)],
     }
+
+
+def search_devices(model_cfg: ModelConfig, devices: int, batch: int, space: Space) -> int:
+    """Virtual devices a search needs: a resident plan counts one tensor group, a phased
+    plan one stage (tensor x replica), the winner's check runs its pipe x tensor x
+    (replica, at most two) (`verify_mesh`)."""
+    phased = space.modes != "resident"
+    return max(
+        max(p.tensor * (p.replica if phased else 1), verify_mesh(p).num_devices)
+        for p in meshes(model_cfg, devices, batch, space.max_tensor)
+    )

@@ -53,7 +53,7 @@ class StopSignals:
 def check_finite(record: dict[str, Any], learning_rate: float) -> None:
     """Raise `NonFiniteError` when a step's loss or gradient norm is NaN or infinite;
     a loss-scaled step (`loss_scale` recorded) whose gradients overflowed was skipped
-    and its scale halved (`training/precision.py`): only its loss must be finite."""
+    and its scale halved (`numerics/precision.py`): only its loss must be finite."""
     checked = ("loss",) if "loss_scale" in record else ("loss", "grad_norm")
     bad = {k: record[k] for k in checked if not math.isfinite(record[k])}
     if bad:

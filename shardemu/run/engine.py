@@ -23,13 +23,13 @@ import numpy as np
 from shardemu.accounting import flops
 from shardemu.accounting.count import PROCESS_COUNTER
 from shardemu.accounting.ledger import Event, Ledger
+from shardemu.accounting.sizes import bytes_per_device
+from shardemu.numerics.precision import scale_fields
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.trainer import PipelinedTrainer
+from shardemu.resident.trainer import Trainer, held_out, loss_terms
 from shardemu.sparsity import sparse_counts
 from shardemu.stages.stage import init_params
-from shardemu.stages.tiers import bytes_per_device
-from shardemu.training.precision import scale_fields
-from shardemu.training.resident import Trainer, held_out, loss_terms
 
 
 @dataclass

@@ -23,6 +23,8 @@ from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig,
 from shardemu.data import make_corpus
 from shardemu.errors import CheckpointError, NonFiniteError, RunInterrupted
 from shardemu.models import Model, param_bytes, param_count
+from shardemu.numerics.optim import learning_rate_at
+from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.mesh import mesh_from, parallelism_of
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.parallel.schedules import make_schedule
@@ -35,13 +37,11 @@ from shardemu.predict.sparse import sparse_compute, sparse_report
 from shardemu.report.rundir import RunDir, config_record, default_run_dir, read_metrics
 from shardemu.report.trackers import Trackers, TrackingConfig, open_trackers
 from shardemu.report.views import write_views
-from shardemu.training.checkpoint import Checkpoints
-from shardemu.training.engine import Engine, PhasedEngine, PipelinedEngine, ResidentEngine
-from shardemu.training.faults import StopSignals, check_finite
-from shardemu.training.loop import StepInfo, TrainLoop
-from shardemu.training.optim import learning_rate_at
-from shardemu.training.precision import arithmetic
-from shardemu.training.resident import Trainer
+from shardemu.resident.trainer import Trainer
+from shardemu.run.checkpoint import Checkpoints
+from shardemu.run.engine import Engine, PhasedEngine, PipelinedEngine, ResidentEngine
+from shardemu.run.faults import StopSignals, check_finite
+from shardemu.run.loop import StepInfo, TrainLoop
 
 EVAL_BATCHES = 4  # held-out batches of the run's batch size, the same at every evaluation
 

@@ -1,0 +1,35 @@
+"""The one value both planners return: a step planned from shapes alone.
+
+`plan_resident` and `plan_phased` count a step and assemble it; neither writes a file.
+The command line, the search and the experiments write a run directory from a `Plan`
+(`report/plandir.py`) or read its report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shardemu.accounting.ledger import Ledger
+from shardemu.predict.costmodel import Timeline
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A planned step: `report` (what `shardemu plan --json` prints: settings, counts,
+    memory and, with hardware, the predicted step), the `ledger` of counted events it
+    was assembled from, and its `timeline` on the hardware (None without one)."""
+
+    report: dict[str, Any]
+    ledger: Ledger
+    timeline: Timeline | None
+
+    @property
+    def step_time_s(self) -> float:
+        """The predicted step; a plan without hardware has none."""
+        if "step_time_s" not in self.report:
+            raise KeyError("this plan has no prediction: plan it with a Hardware profile")
+        return self.report["step_time_s"]
+
+    def to_json(self) -> dict[str, Any]:
+        return self.report

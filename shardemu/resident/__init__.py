@@ -1,0 +1,1 @@
+"""The resident engine: every weight on device, the whole step one sharded `jax.jit`."""
