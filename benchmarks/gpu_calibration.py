@@ -88,7 +88,7 @@ def bandwidth() -> list[dict[str, Any]]:
 
 def layers() -> list[dict[str, Any]]:
     """GPT layers forward and backward on one device, timed and cost-analysed."""
-    from shardemu.config import custom_model
+    from shardemu.models import custom_model
     from shardemu.models.gpt import GPTBlock
 
     rows = []

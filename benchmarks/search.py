@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from shardemu import use_virtual_devices
-from shardemu.config import Parallelism, PhasedConfig, TrainConfig, get_preset
+from shardemu.config import Parallelism, PhasedConfig, TrainConfig
+from shardemu.models import get_preset
 from shardemu.predict.hardware import PROFILES
 from shardemu.predict.search import Space, search
 from shardemu.run.verify import search_devices

@@ -24,13 +24,8 @@ use_virtual_devices(8)
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from shardemu.config import (  # noqa: E402
-    Parallelism,
-    PhasedConfig,
-    SparsityConfig,
-    TrainConfig,
-    get_preset,
-)
+from shardemu.config import Parallelism, PhasedConfig, SparsityConfig, TrainConfig  # noqa: E402
+from shardemu.models import get_preset  # noqa: E402
 from shardemu.predict.hardware import get_hardware  # noqa: E402
 from shardemu.predict.plan_phased import plan_phased  # noqa: E402
 from shardemu.report.rundir import write_measurement  # noqa: E402

@@ -28,7 +28,8 @@ use_virtual_devices(12)  # the widest tensor group: PaLM's 12
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from shardemu.config import ModelConfig, Parallelism, custom_model, get_preset  # noqa: E402
+from shardemu.config import ModelConfig, Parallelism  # noqa: E402
+from shardemu.models import custom_model, get_preset  # noqa: E402
 from shardemu.predict.hardware import PROFILES  # noqa: E402
 from shardemu.predict.overlap import Overlap  # noqa: E402
 from shardemu.predict.plan_resident import plan_resident, plan_resident_auto  # noqa: E402

@@ -30,7 +30,8 @@ use_virtual_devices(16)
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from shardemu.config import Parallelism, TrainConfig, get_preset  # noqa: E402
+from shardemu.config import Parallelism, TrainConfig  # noqa: E402
+from shardemu.models import get_preset  # noqa: E402
 from shardemu.predict.hardware import PROFILES  # noqa: E402
 from shardemu.predict.plan_resident import plan_resident  # noqa: E402
 from shardemu.report.rundir import default_run_dir  # noqa: E402

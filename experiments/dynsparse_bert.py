@@ -38,7 +38,8 @@ use_virtual_devices(1)
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from shardemu.config import Parallelism, SparsityConfig, TrainConfig, custom_model  # noqa: E402
+from shardemu.config import Parallelism, SparsityConfig, TrainConfig  # noqa: E402
+from shardemu.models import custom_model  # noqa: E402
 from shardemu.report.rundir import default_run_dir, read_metrics  # noqa: E402
 from shardemu.report.views import save_figure  # noqa: E402
 from shardemu.run.runner import train  # noqa: E402

@@ -29,7 +29,8 @@ use_virtual_devices(32)  # one pipeline stage's devices: t * r; the 8 stages are
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from shardemu.config import Parallelism, PhasedConfig, TrainConfig, get_preset  # noqa: E402
+from shardemu.config import Parallelism, PhasedConfig, TrainConfig  # noqa: E402
+from shardemu.models import get_preset  # noqa: E402
 from shardemu.predict.hardware import PROFILES  # noqa: E402
 from shardemu.predict.plan_phased import padded_for, plan_phased  # noqa: E402
 from shardemu.report.describe import describe  # noqa: E402

@@ -27,7 +27,8 @@ use_virtual_devices(16)
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from shardemu.config import Parallelism, PhasedConfig, TrainConfig, get_preset  # noqa: E402
+from shardemu.config import Parallelism, PhasedConfig, TrainConfig  # noqa: E402
+from shardemu.models import get_preset  # noqa: E402
 from shardemu.predict.hardware import PROFILES  # noqa: E402
 from shardemu.predict.plan_phased import plan_phased  # noqa: E402
 from shardemu.report.rundir import default_run_dir  # noqa: E402

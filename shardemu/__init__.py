@@ -7,6 +7,13 @@ The public API. Typical use, before anything touches a JAX device:
     mesh = shardemu.make_mesh(tensor=2, replica=4)       # a plain jax.sharding.Mesh
     model = shardemu.Model(shardemu.get_preset("gpt-tiny"))
     trainer = shardemu.Trainer(model, mesh, shardemu.TrainConfig())
+
+and planning from shapes alone, with nothing allocated:
+
+    planned = shardemu.plan(shardemu.get_preset("gpt3-1.3b"), shardemu.Parallelism(pipe=2),
+                            shardemu.TrainConfig(batch=8, seq=1024),
+                            shardemu.get_hardware("a100-80gb"))
+    planned.step_time_s, planned.ledger, planned.timeline
 """
 
 from importlib import metadata
@@ -16,14 +23,7 @@ try:
 except metadata.PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
-from shardemu.config import (
-    PRESETS,
-    ModelConfig,
-    Parallelism,
-    SparsityConfig,
-    TrainConfig,
-    get_preset,
-)
+from shardemu.config import ModelConfig, Parallelism, PhasedConfig, SparsityConfig, TrainConfig
 from shardemu.data import StdlibCorpus, SyntheticCorpus
 from shardemu.devices import use_virtual_devices
 from shardemu.errors import (
@@ -38,7 +38,7 @@ from shardemu.errors import (
     ShardemuError,
     ShardingError,
 )
-from shardemu.models import Model, param_bytes, param_count
+from shardemu.models import PRESETS, Model, get_preset, param_bytes, param_count
 from shardemu.numerics.optim import make_optimizer
 from shardemu.parallel.mesh import AXIS_NAMES, PIPE, REPLICA, TENSOR, make_mesh
 from shardemu.parallel.rules import (
@@ -50,7 +50,13 @@ from shardemu.parallel.rules import (
     param_table,
     resolve_specs,
 )
+from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.trainer import PipelinedTrainer
+from shardemu.predict.hardware import PROFILES, Hardware, get_hardware
+from shardemu.predict.overlap import Overlap
+from shardemu.predict.plan import Plan
+from shardemu.predict.planning import plan
+from shardemu.predict.search import Space, search
 from shardemu.report.describe import describe
 from shardemu.report.trackers import Tracker, Trackers, TrackingConfig
 from shardemu.resident.trainer import Trainer
@@ -66,6 +72,16 @@ from shardemu.run.runner import RunResult, RunSettings, resume_settings, train
 from shardemu.sparsity import SparseState, wrap_optax
 
 __all__ = [
+    "PROFILES",
+    "Hardware",
+    "Overlap",
+    "PhasedConfig",
+    "PhasedTrainer",
+    "Plan",
+    "Space",
+    "get_hardware",
+    "plan",
+    "search",
     "AXIS_NAMES",
     "PIPE",
     "PRESETS",

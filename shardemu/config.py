@@ -3,19 +3,8 @@
 Everything a run depends on is one of these frozen dataclasses, so a run directory can
 record it whole (`dataclasses.asdict`) and two runs can be compared field by field.
 
-Model presets and their sources:
-- GPT-2 (Radford et al. 2019, "Language Models are Unsupervised Multitask Learners",
-  Table 2; vocabulary 50257 and context 1024 from the released `hparams.json`).
-- GPT-3 (Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1; context
-  2048, d_ff = 4 d_model, GPT-2 vocabulary). Table 2.1 lists GPT-3 XL (1.3B) with 24 heads
-  of 128, which does not multiply to d_model 2048; we use 16 heads of 128 as public
-  re-implementations do (EleutherAI GPT-Neo 1.3B). GPT-3 13B's d_model 5140 likewise
-  does not equal 40 heads x 128; we use 5120 (as Megatron-LM's GPT-3 13B recipe does).
-- BERT (Devlin et al. 2019, "BERT: Pre-training of Deep Bidirectional Transformers",
-  Section 3: Base L=12 H=768 A=12, Large L=24 H=1024 A=16; vocabulary 30522, 512
-  positions and 2 segment types from the released `bert_config.json`).
-- `gpt-tiny` and `bert-tiny` are shardemu's own test sizes: 8 heads and a vocabulary of
-  512 so that every tensor axis up to 8 divides them, 4 layers for up to 4 stages.
+Model presets live with their families (`models/gpt.py`, `models/bert.py`), each
+with its sources; `ModelConfig.family` names a registered family (`models/family.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +16,6 @@ from typing import Literal
 
 from shardemu.errors import ConfigError
 
-Family = Literal["gpt", "bert"]
 OptimizerName = Literal["adamw", "lamb"]
 
 
@@ -60,7 +48,7 @@ class ModelConfig:
     """Transformer dimensions. Symbols: L layers, d embed, A heads, d_ff mlp, V vocab."""
 
     name: str
-    family: Family
+    family: str  # a registered family (models/family.py), checked when a Model is built
     vocab_size: int
     num_layers: int
     embed_dim: int
@@ -76,8 +64,6 @@ class ModelConfig:
     max_predictions: int = 0
 
     def __post_init__(self) -> None:
-        if self.family not in ("gpt", "bert"):
-            raise ConfigError(f"ModelConfig.family must be 'gpt' or 'bert', got {self.family!r}")
         _require_positive(
             "ModelConfig",
             vocab_size=self.vocab_size,
@@ -133,90 +119,6 @@ class ModelConfig:
             )
         padded = -(-self.vocab_size // multiple) * multiple
         return self.replace(vocab_size=padded)
-
-
-def _gpt(name: str, layers: int, d: int, heads: int, ctx: int = 2048) -> ModelConfig:
-    return ModelConfig(
-        name=name,
-        family="gpt",
-        vocab_size=50257,
-        num_layers=layers,
-        embed_dim=d,
-        num_heads=heads,
-        mlp_dim=4 * d,
-        max_positions=ctx,
-    )
-
-
-def _bert(name: str, layers: int, d: int, heads: int) -> ModelConfig:
-    return ModelConfig(
-        name=name,
-        family="bert",
-        vocab_size=30522,
-        num_layers=layers,
-        embed_dim=d,
-        num_heads=heads,
-        mlp_dim=4 * d,
-        max_positions=512,
-        layer_norm_eps=1e-12,
-        gelu_approximate=False,
-    )
-
-
-PRESETS: dict[str, ModelConfig] = {
-    c.name: c
-    for c in (
-        ModelConfig("gpt-tiny", "gpt", 512, 4, 64, 8, 256, 128),
-        _gpt("gpt2-small", 12, 768, 12, ctx=1024),
-        _gpt("gpt2-medium", 24, 1024, 16, ctx=1024),
-        _gpt("gpt2-large", 36, 1280, 20, ctx=1024),
-        _gpt("gpt2-xl", 48, 1600, 25, ctx=1024),
-        _gpt("gpt3-1.3b", 24, 2048, 16),
-        _gpt("gpt3-13b", 40, 5120, 40),
-        _gpt("gpt3-175b", 96, 12288, 96),
-        ModelConfig(
-            "bert-tiny",
-            "bert",
-            512,
-            4,
-            64,
-            8,
-            256,
-            128,
-            layer_norm_eps=1e-12,
-            gelu_approximate=False,
-        ),
-        _bert("bert-base", 12, 768, 12),
-        _bert("bert-large", 24, 1024, 16),
-    )
-}
-
-
-def custom_model(
-    family: str, layers: int, hidden: int, heads: int, vocab: int | None, positions: int
-) -> ModelConfig:
-    """A GPT or BERT of any size, shaped like the presets (d_ff = 4 d; GPT-2's and
-    BERT's vocabularies unless given): `--model gpt --layers L --hidden H --heads A`."""
-    if family not in ("gpt", "bert"):
-        raise ConfigError(f"custom dimensions need --model gpt or bert, got {family!r}")
-    _require_positive("custom model", layers=layers, hidden=hidden, heads=heads)
-    if hidden % heads:
-        raise ConfigError(f"--hidden {hidden} is not divisible by --heads {heads}")
-    make = _gpt if family == "gpt" else _bert
-    cfg = make(f"{family}-L{layers}-H{hidden}-A{heads}", layers, hidden, heads)
-    return cfg.replace(
-        vocab_size=cfg.vocab_size if vocab is None else vocab,
-        max_positions=max(positions, cfg.max_positions),
-    )
-
-
-def get_preset(name: str) -> ModelConfig:
-    """The preset called `name`, or an error listing the known ones."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        known = ", ".join(PRESETS)
-        raise ConfigError(f"unknown model {name!r}; known presets: {known}") from None
 
 
 @dataclass(frozen=True)
@@ -404,8 +306,6 @@ class TrainConfig:
                 f"--seq {self.seq} exceeds {model.name}'s {model.max_positions} positions; "
                 f"use --seq <= {model.max_positions}"
             )
-        if model.family == "bert" and self.seq < 8:
-            raise ConfigError(f"BERT sentence pairs need --seq >= 8, got {self.seq}")
         if self.sequence_parallel and self.seq % parallelism.tensor:
             raise ConfigError(
                 f"--sequence-parallel splits the sequence over tensor={parallelism.tensor}, "

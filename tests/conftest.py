@@ -30,8 +30,8 @@ assert len(jax.devices()) == 8  # start the backend now: no command can change t
 
 import pytest  # noqa: E402
 
-from shardemu.config import TrainConfig, get_preset  # noqa: E402
-from shardemu.models import Model  # noqa: E402
+from shardemu.config import TrainConfig  # noqa: E402
+from shardemu.models import Model, get_preset  # noqa: E402
 
 NUM_DEVICES = 8
 TINY = {"gpt": "gpt-tiny", "bert": "bert-tiny"}

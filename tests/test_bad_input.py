@@ -241,7 +241,7 @@ API_ROWS = [
     (lambda: api.Parallelism(pipe=1.5), "pipe must be a positive integer, got 1.5"),
     (lambda: api.get_preset("gpt-tiny").replace(init_std=NAN), "init_std must be a finite"),
     (lambda: api.get_preset("gpt-tiny").replace(layer_norm_eps=0.0), "layer_norm_eps must be"),
-    (lambda: api.get_preset("gpt-tiny").replace(family="t5"), "family must be 'gpt' or 'bert'"),
+    (lambda: api.Model(api.get_preset("gpt-tiny").replace(family="t5")), "family 't5'; regist"),
     (lambda: api.get_preset("gpt-tiny").replace(param_dtype="int8"), "param_dtype must be"),
     (lambda: api.get_preset("gpt-tiny").replace(num_heads=3), "not divisible by num_heads=3"),
     (lambda: api.get_preset("gpt-tiny").pad_vocab(0), "must be a positive integer, got 0"),

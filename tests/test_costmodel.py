@@ -146,7 +146,7 @@ def test_profiles_and_profile_files(tmp_path):
 def test_plan_writes_a_trace_that_adds_up(tmp_path):
     """The trace of a planned gpt-tiny step on pipe=2: every event complete, no overlap
     on a stream, and per stream the durations add up to the report's busy times."""
-    from shardemu.config import get_preset
+    from shardemu.models import get_preset
     from shardemu.predict.plan_phased import plan_phased
     from shardemu.report.plandir import write_plan_dir
 
@@ -184,7 +184,7 @@ def test_resident_plan_recomputation_and_schedules():
     memory (full > selective > none in executed FLOPs, the reverse in memory) at equal
     model FLOPs; GPipe and 1F1B take about the same time but 1F1B holds fewer microbatches; the
     bubble appears in the timeline."""
-    from shardemu.config import get_preset
+    from shardemu.models import get_preset
     from shardemu.predict.plan_resident import plan_resident
 
     par, hw = Parallelism(pipe=2, tensor=2, replica=2), PROFILES["a100-80gb"]
@@ -211,7 +211,7 @@ def test_a_pipelined_plan_without_a_microbatch_size_picks_the_fastest(tmp_path, 
     batch per replica and takes the fastest that fits; it says so. The chosen plan is
     the one `--microbatch-size` gives, and its step the minimum of the candidates'."""
     from shardemu.cli import main
-    from shardemu.config import get_preset
+    from shardemu.models import get_preset
     from shardemu.predict.microbatch import microbatch_candidates
     from shardemu.predict.plan_phased import plan_phased
     from shardemu.predict.plan_resident import plan_resident, plan_resident_auto
@@ -244,7 +244,7 @@ def test_phased_passes_accumulate_one_counted_pass():
     """A batch of 8 as 4 pipelined passes of 1 sequence per replica: 4 times one pass's
     model FLOPs and gradient bytes, about half a batch of 16's FLOPs, and a step shorter
     than 4 passes back to back (the pipeline overlaps them)."""
-    from shardemu.config import get_preset
+    from shardemu.models import get_preset
     from shardemu.predict.plan_phased import plan_phased
 
     par, cfg = Parallelism(pipe=2, tensor=2, replica=2), PhasedConfig(phases=2)

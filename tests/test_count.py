@@ -9,8 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardemu.accounting.count import Counter
-from shardemu.config import get_preset
-from shardemu.models import Model
+from shardemu.models import Model, get_preset
 from shardemu.parallel.mesh import make_mesh
 from shardemu.predict.plan_resident import count_microbatch
 
@@ -62,7 +61,8 @@ def test_models_alike_in_shape_are_counted_apart():
     """Two GPTs that differ only in their GELU (tanh or erf form: the same weights and
     activations) compile different layers: a resident plan's count of one must not be
     the other's (the pieces' context names the model)."""
-    from shardemu.config import Parallelism, custom_model
+    from shardemu.config import Parallelism
+    from shardemu.models import custom_model
     from shardemu.predict.plan_resident import count_key, counted_microbatch
 
     cfg = custom_model("gpt", 2, 32, 4, 64, 32)

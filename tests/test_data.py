@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from shardemu.config import ConfigError, get_preset
+from shardemu.config import ConfigError
 from shardemu.data import CLS, FIRST_WORD, MASK, PAD, SEP, SyntheticCorpus
+from shardemu.models import get_preset
 
 corpus = SyntheticCorpus(vocab_size=512, seed=3)
 

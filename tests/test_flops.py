@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 from shardemu.accounting import flops
-from shardemu.config import ModelConfig, get_preset
-from shardemu.models import Model
+from shardemu.config import ModelConfig
+from shardemu.models import Model, get_preset
 
 # Wide enough that matmuls dominate the elementwise work XLA also counts. One layer:
 # XLA's cost analysis counts a while-loop body once whatever its trip count (see the

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardemu.config import get_preset
-from shardemu.models import Model, param_bytes, param_count
+from shardemu.models import Model, get_preset, param_bytes, param_count
 
 # Reference counts: Hugging Face GPT2Model / BertForPreTraining with the same configs.
 EXACT = {"gpt2-small": 124_439_808, "bert-base": 110_106_428, "bert-large": 336_226_108}

@@ -8,7 +8,8 @@ across nodes; every event is on one device."""
 import pytest
 
 from shardemu.accounting.ledger import Event, Phase
-from shardemu.config import ConfigError, Parallelism, get_preset
+from shardemu.config import ConfigError, Parallelism
+from shardemu.models import get_preset
 from shardemu.predict.costmodel import build_timeline
 from shardemu.predict.hardware import PROFILES, Hardware
 from shardemu.predict.overlap import MAX_BUCKETS, Overlap

@@ -229,7 +229,7 @@ def test_keep_recomputes_nothing_and_recompute_a_forward(runs):
 def test_abstract_plan_model_flops_match_the_analytic_formula():
     """A matmul-dominated GPT (d=512) planned in abstract mode with recomputation: the
     ledger's model FLOPs (executed minus recomputed) are within 3% of flops.py."""
-    from shardemu.config import get_preset
+    from shardemu.models import get_preset
     from shardemu.predict.plan_phased import plan_phased
 
     cfg = get_preset("gpt-tiny").replace(embed_dim=512, mlp_dim=2048, num_layers=2)

@@ -15,10 +15,10 @@ import pytest
 from shardemu.accounting.collectives import collectives
 from shardemu.accounting.count import Counter
 from shardemu.cli import main
-from shardemu.config import ConfigError, PhasedConfig, SparsityConfig, TrainConfig, get_preset
+from shardemu.config import ConfigError, PhasedConfig, SparsityConfig, TrainConfig
 from shardemu.data import SyntheticCorpus
 from shardemu.errors import HardwareError
-from shardemu.models import Model, param_count
+from shardemu.models import Model, get_preset, param_count
 from shardemu.numerics.optim import make_optimizer
 from shardemu.numerics.precision import GROWTH_INTERVAL, MasterState, with_master_weights
 from shardemu.parallel.mesh import make_mesh

@@ -116,7 +116,7 @@ def test_a_resident_plan_with_fused_attention() -> None:
     FlashAttention's backward recomputes (one per layer, microbatch and replica); the
     kept activations lose the [s, s] probabilities; the step is faster at seq 2048."""
     from shardemu.accounting import flops
-    from shardemu.config import custom_model
+    from shardemu.models import custom_model
     from shardemu.predict.hardware import PROFILES
     from shardemu.predict.plan_resident import plan_resident
 

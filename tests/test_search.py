@@ -12,7 +12,8 @@ import pytest
 from cli_helpers import shardemu
 
 from shardemu.accounting import flops
-from shardemu.config import ConfigError, Parallelism, custom_model
+from shardemu.config import ConfigError, Parallelism
+from shardemu.models import custom_model
 from shardemu.predict.hardware import PROFILES
 from shardemu.predict.plan_resident import (
     count_key,

@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
-from shardemu.config import Parallelism, get_preset
+from shardemu.config import Parallelism
+from shardemu.models import get_preset
 from shardemu.parallel.rules import (
     ShardingError,
     logical_to_spec,

@@ -19,7 +19,8 @@ from cli_helpers import shardemu
 from shardemu import Model, Parallelism, SyntheticCorpus, TrainConfig, get_preset
 from shardemu.accounting.ledger import Ledger
 from shardemu.accounting.sizes import bytes_all_devices
-from shardemu.config import PhasedConfig, SparsityConfig, custom_model
+from shardemu.config import PhasedConfig, SparsityConfig
+from shardemu.models import custom_model
 from shardemu.parallel.mesh import mesh_from
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.trainer import PipelinedTrainer

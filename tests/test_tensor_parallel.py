@@ -13,8 +13,8 @@ import pytest
 
 from shardemu.accounting.count import Counter
 from shardemu.accounting.ledger import totals
-from shardemu.config import TrainConfig, get_preset
-from shardemu.models import Model
+from shardemu.config import TrainConfig
+from shardemu.models import Model, get_preset
 from shardemu.parallel.mesh import make_mesh
 from shardemu.resident.trainer import Trainer
 

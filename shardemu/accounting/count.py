@@ -116,8 +116,23 @@ class Counter:
                 future.result()  # raises what the other thread's compile raised
         return self._counted[key]
 
+    def count_compiled(
+        self, name: str, compiled: Any, mesh: Mesh, args: tuple, context: tuple = ()
+    ) -> Counted:
+        """`count` from a piece already compiled over `args` to run (its optimized HLO
+        is the one a count compiles: `COUNT_OPTIONS` change only LLVM's code)."""
+        key = _key(name, mesh, args, context)
+        if key not in self._counted:
+            with self._lock:
+                self._read(key, compiled, mesh, args)
+        return self._counted[key]
+
     def _compile(self, key: tuple, fn: Any, mesh: Mesh, args: tuple) -> None:
         compiled = fn.lower(*abstract(args)).compile(compiler_options=COUNT_OPTIONS)
+        self._read(key, compiled, mesh, args)
+
+    def _read(self, key: tuple, compiled: Any, mesh: Mesh, args: tuple) -> None:
+        """Keep the counts of `compiled` under `key`."""
         text = compiled.as_text()
         module = Kernels(text, compute_itemsize(args))
         self._counted[key] = Counted(

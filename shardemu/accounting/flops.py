@@ -21,6 +21,7 @@ stack of L layers reports one layer: compare per layer, or multiply.
 from __future__ import annotations
 
 from shardemu.config import ModelConfig
+from shardemu.models.family import get_family
 
 
 def matmul(m: int, k: int, n: int) -> int:
@@ -43,18 +44,11 @@ def layer_forward(cfg: ModelConfig, batch: int, seq: int) -> dict[str, int]:
 
 
 def head_forward(cfg: ModelConfig, batch: int, seq: int) -> dict[str, int]:
-    """The output head's forward matmuls (the embedding lookup is a gather: 0 FLOPs);
-    BERT's masked-LM head at its P masked positions a sequence (`models/bert.py`)."""
-    tokens, d, vocab = batch * seq, cfg.embed_dim, cfg.vocab_size
-    if cfg.family == "gpt":
-        return {"logits": matmul(tokens, d, vocab)}
-    masked = batch * cfg.predictions(seq)
-    return {
-        "mlm_transform": matmul(masked, d, d),
-        "logits": matmul(masked, d, vocab),
-        "pooler": matmul(batch, d, d),
-        "nsp": matmul(batch, d, 2),
-    }
+    """The output head's forward matmuls, as its family declares them
+    (`Family.head_matmuls`: GPT's at every position, BERT's masked-LM head at its P
+    masked positions a sequence)."""
+    shapes = get_family(cfg.family).head_matmuls(cfg, batch, seq)
+    return {name: matmul(m, k, n) for name, (m, k, n) in shapes.items()}
 
 
 def forward(cfg: ModelConfig, batch: int, seq: int) -> int:

@@ -37,9 +37,9 @@ from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.devices import MAX_VIRTUAL_DEVICES, use_virtual_devices
 from shardemu.errors import ShardemuError
 from shardemu.launch import join, launch, process_index
+from shardemu.models import Model
 from shardemu.numerics.precision import arithmetic
 from shardemu.predict.hardware import get_hardware
-from shardemu.predict.plan import Plan
 from shardemu.report.tables import param_table, print_phase_plan, summary_table
 
 console = Console(stderr=True)
@@ -254,6 +254,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
             f"--attention {args.attention} is for resident plans: the phased planner times "
             f"the attention XLA emits; leave out --attention or --phased"
         )
+    if phased is not None and args.recompute != "full":
+        raise ConfigError(
+            f"--recompute {args.recompute} is for resident plans: a phased plan keeps, "
+            f"offloads or recomputes activations as --activations says"
+        )
     if phased is not None and args.stage_layers is not None:
         raise ConfigError(
             f"--stage-layers {args.stage_layers} is for resident plans: phased stages run "
@@ -278,7 +283,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         # a plan counts one step; a dynamic pattern's update schedule is not timed
         **({"steps": sparse.updates} if sparse else {}),
     )  # fmt: skip
-    train_cfg.check_fits(model_cfg, par)
+    Model(model_cfg).check_fits(train_cfg, par)
     if train_cfg.stage_layers is not None:  # refused now, not after counting
         pipeline_layout(model_cfg.num_layers, par.pipe, train_cfg.virtual, train_cfg.stage_layers)
     if hardware is not None:
@@ -299,17 +304,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
     out = args.out or (default_run_dir(f"plan-{model_cfg.name}") if hardware else None)
     if out is not None:
         require_new(Path(out))
-    if phased is None:
-        planned = _plan_resident(args, model_cfg, par, train_cfg, micro, hardware, overlap)
-    else:
-        use_virtual_devices(plan_devices(par))  # one pipeline stage's devices
-        from shardemu.predict.plan_phased import plan_phased
+    use_virtual_devices(plan_devices(par) if phased else par.tensor)  # one stage's devices
+    from shardemu.predict.planning import plan
 
-        auto = micro is None and par.pipe > 1 and hardware is not None  # timed passes
-        planned = plan_phased(
-            model_cfg, par, train_cfg, phased, hardware=hardware,
-            microbatch_size="auto" if auto else micro, overlap=overlap,
-        )  # fmt: skip
+    planned = plan(
+        model_cfg, par, train_cfg, hardware, phased=phased, microbatch_size=micro,
+        recompute=args.recompute, attention=args.attention, overlap=overlap,
+    )  # fmt: skip
     report = planned.report
     if "microbatch_choice" in report:
         _say_microbatch(report["microbatch_choice"])
@@ -326,27 +327,6 @@ def cmd_plan(args: argparse.Namespace) -> None:
     )
     if phased is not None:
         print_phase_plan(table, report["plan"])
-
-
-def _plan_resident(
-    args: argparse.Namespace, model_cfg: Any, par: Parallelism, train_cfg: TrainConfig,
-    micro: int | None, hardware: Any, overlap: Any,
-) -> Plan:  # fmt: skip
-    """`shardemu plan` without --phased: a resident pipelined step on `hardware`."""
-    use_virtual_devices(par.tensor)  # one stage's tensor group counts a microbatch
-    from shardemu.predict.plan_resident import plan_resident, plan_resident_auto
-
-    settings = {
-        "schedule": train_cfg.schedule, "virtual": train_cfg.virtual,
-        "recompute": args.recompute, "sparsity": train_cfg.sparsity,
-        "attention": args.attention, "stage_layers": train_cfg.stage_layers,
-        "precision": train_cfg.precision, "overlap": overlap,
-    }  # fmt: skip
-    batch, seq = train_cfg.batch, train_cfg.seq
-    if micro is None and par.pipe > 1:  # one microbatch would be a (p-1)/p bubble
-        return plan_resident_auto(model_cfg, par, batch, seq, hardware, **settings)
-    size = micro if micro is not None else batch // par.replica
-    return plan_resident(model_cfg, par, batch, seq, size, hardware, **settings)
 
 
 def _say_microbatch(choice: dict[str, Any]) -> None:

@@ -19,9 +19,8 @@ from shardemu.config import (
     PhasedConfig,
     SparsityConfig,
     TrainConfig,
-    custom_model,
-    get_preset,
 )
+from shardemu.models import FAMILIES, PRESETS, custom_model, get_preset
 from shardemu.parallel.schedules import SCHEDULES
 from shardemu.report.trackers import DEFAULT_WANDB_PROJECT, TrackingConfig
 
@@ -30,8 +29,8 @@ def model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument(
         "--model",
         required=required,
-        help="preset name (gpt-tiny, gpt2-small, bert-base, ...), or gpt / bert with --layers "
-        "--hidden --heads [--vocab]",
+        help=f"a preset ({', '.join(PRESETS)}), or a family ({' / '.join(FAMILIES)}) with "
+        "--layers --hidden --heads [--vocab]",
     )
     for flag in ("--layers", "--hidden", "--heads", "--vocab"):
         p.add_argument(flag, type=int, default=None, help=f"custom model {flag[2:]}")
@@ -56,7 +55,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     if args.model is None:
         raise ConfigError("the following argument is required: --model (or --resume RUN_DIR)")
     dims = {"--layers": args.layers, "--hidden": args.hidden, "--heads": args.heads}
-    if args.model in ("gpt", "bert"):
+    if args.model in FAMILIES:
         missing = [flag for flag, value in dims.items() if value is None]
         if missing:
             raise ConfigError(f"--model {args.model} needs {', '.join(missing)} (or a preset name)")

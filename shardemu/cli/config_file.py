@@ -18,14 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from shardemu.cli.args import model_config
-from shardemu.config import (
-    PRESETS,
-    ConfigError,
-    ModelConfig,
-    Parallelism,
-    PhasedConfig,
-    TrainConfig,
-)
+from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.models import PRESETS
 from shardemu.parallel.rules import megatron_rules
 
 # keys that make no sense inside a settings file

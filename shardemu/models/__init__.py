@@ -22,14 +22,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardemu.config import ModelConfig
+from shardemu.config import ModelConfig, Parallelism, TrainConfig
 from shardemu.data import SyntheticCorpus
+from shardemu.errors import ConfigError
 from shardemu.models import bert, gpt  # noqa: F401  (each registers its family)
-from shardemu.models.family import FAMILIES, Family, LogicalAxes, LossTerms, get_family
+from shardemu.models.family import (
+    FAMILIES,
+    PRESETS,
+    Family,
+    LogicalAxes,
+    LossTerms,
+    custom_model,
+    get_family,
+    get_preset,
+)
 from shardemu.models.layers import layer_stack
 
 Batch = dict[str, jax.Array]
-__all__ = ["FAMILIES", "Batch", "Family", "LogicalAxes", "LossTerms", "Model", "normalise"]
+__all__ = [
+    "FAMILIES", "PRESETS", "Batch", "Family", "LogicalAxes", "LossTerms", "Model",
+    "custom_model", "get_preset", "normalise",
+]  # fmt: skip
 
 
 def normalise(sums: LossTerms, counts: LossTerms) -> jax.Array:
@@ -57,6 +70,15 @@ class Model:
     def batch_axes(self) -> dict[str, LogicalAxes]:
         """Logical axes of every array in a training batch."""
         return self.family.batch_axes
+
+    def check_fits(self, train: TrainConfig, par: Parallelism) -> None:
+        """Refuse training settings this model or the mesh cannot take
+        (`TrainConfig.check_fits`), and sequences shorter than its family's batches hold."""
+        train.check_fits(self.cfg, par)
+        if train.seq < self.family.min_seq:
+            raise ConfigError(
+                f"{self.family.name} batches need --seq >= {self.family.min_seq}, got {train.seq}"
+            )
 
     def _inputs(self, batch: Batch) -> tuple[jax.Array, ...]:
         return tuple(batch[k] for k in self.family.inputs)

@@ -15,6 +15,12 @@ every position, and for BERT-Base that matmul at every position is a fifth of th
 forward pass.
 
 Like GPT, the model is `embed`, the layer stack `layers`, and `head`.
+
+Presets and their sources: BERT (Devlin et al. 2019, Section 3: Base L=12 H=768 A=12,
+Large L=24 H=1024 A=16; vocabulary 30522, 512 positions and 2 segment types from the
+released `bert_config.json`). `bert-tiny` is shardemu's own test size: 8 heads and a
+vocabulary of 512 so that every tensor axis up to 8 divides it, 4 layers for up to 4
+stages.
 """
 
 from __future__ import annotations
@@ -124,6 +130,41 @@ def bert_loss_counts(batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
     return masked, jnp.asarray(batch["next_sentence"].size, jnp.float32)
 
 
+def shaped(name: str, layers: int, d: int, heads: int) -> ModelConfig:
+    """A BERT of these dimensions: d_ff = 4 d, BERT's vocabulary, 512 positions, the
+    exact (erf) GELU and LayerNorm epsilon 1e-12 of the released `bert_config.json`."""
+    return ModelConfig(
+        name=name,
+        family="bert",
+        vocab_size=30522,
+        num_layers=layers,
+        embed_dim=d,
+        num_heads=heads,
+        mlp_dim=4 * d,
+        max_positions=512,
+        layer_norm_eps=1e-12,
+        gelu_approximate=False,
+    )
+
+
+def head_matmuls(cfg: ModelConfig, batch: int, seq: int) -> dict[str, tuple[int, int, int]]:
+    """The masked-LM head at its P masked positions a sequence, the pooler and the
+    next-sentence classifier (the embedding lookup is a gather)."""
+    masked, d = batch * cfg.predictions(seq), cfg.embed_dim
+    return {
+        "mlm_transform": (masked, d, d),
+        "logits": (masked, d, cfg.vocab_size),
+        "pooler": (batch, d, d),
+        "nsp": (batch, d, 2),
+    }
+
+
+PRESETS = (
+    shaped("bert-tiny", 4, 64, 8).replace(vocab_size=512, mlp_dim=256, max_positions=128),
+    shaped("bert-base", 12, 768, 12),
+    shaped("bert-large", 24, 1024, 16),
+)
+
 FAMILY = register(
     Family(
         name="bert",
@@ -147,5 +188,9 @@ FAMILY = register(
             step, size, seq, cfg.predictions(seq)
         ),
         example_mask=True,
+        shaped=shaped,
+        head_matmuls=head_matmuls,
+        presets=PRESETS,
+        min_seq=8,  # a sentence pair: [CLS] A [SEP] B [SEP] with room for both halves
     )
 )

@@ -1,9 +1,10 @@
 """Model families by name: what an engine needs to know of GPT, BERT, or the next one.
 
-Adding a family is one file: define its Flax module and layer, its loss terms and its
-batches, and `register` a `Family`; `models/__init__.py` imports the file. `Model`
-(`models/__init__.py`) looks the family up by `ModelConfig.family` and never branches
-on its name.
+Adding a family is one file: define its Flax module and layer, its loss terms, its
+batches, its head's matmuls and its presets, and `register` a `Family`;
+`models/__init__.py` imports the file. `Model` (`models/__init__.py`), the analytic
+FLOP count (`accounting/flops.py`) and the command line look the family up by
+`ModelConfig.family` and never branch on its name.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ class Family:
     make_batch    (corpus, step, size, seq, model config) -> a host batch
     example_mask  whether the attention mask is per example ([b, 1, s], travels with
                   the batch) or one for all ([1, s, s] causal)
+    shaped        (name, layers, hidden, heads) -> a config of those dimensions shaped
+                  like the family's presets (`--model NAME --layers ...`)
+    head_matmuls  (config, batch, seq) -> the output head's forward matmuls by name,
+                  as (m, k, n): what the analytic FLOP count needs of the head
+    presets       the family's named configurations, with their sources
+    head_inputs   the batch arrays `head` takes after the activations, in order
+    min_seq       the shortest sequence a batch can hold (BERT's sentence pairs)
     """
 
     name: str
@@ -51,16 +59,26 @@ class Family:
     loss_counts: Callable[[dict], LossTerms]
     make_batch: Callable[[SyntheticCorpus, int, int, int, ModelConfig], dict[str, np.ndarray]]
     example_mask: bool
+    shaped: Callable[[str, int, int, int], ModelConfig]
+    head_matmuls: Callable[[ModelConfig, int, int], dict[str, tuple[int, int, int]]]
+    presets: tuple[ModelConfig, ...] = ()
     head_inputs: tuple[str, ...] = ()
+    min_seq: int = 1
 
 
 FAMILIES: dict[str, Family] = {}
+PRESETS: dict[str, ModelConfig] = {}
 
 
 def register(family: Family) -> Family:
+    """Add `family` and its presets to the registries."""
     if family.name in FAMILIES:
         raise ValueError(f"model family {family.name!r} is registered twice")
+    for preset in family.presets:
+        if preset.name in PRESETS or preset.family != family.name:
+            raise ValueError(f"preset {preset.name!r} clashes or is not of {family.name!r}")
     FAMILIES[family.name] = family
+    PRESETS.update((preset.name, preset) for preset in family.presets)
     return family
 
 
@@ -72,3 +90,35 @@ def get_family(name: str) -> Family:
         raise ConfigError(
             f"unknown model family {name!r}; registered: {', '.join(FAMILIES)}"
         ) from None
+
+
+def get_preset(name: str) -> ModelConfig:
+    """The preset called `name`, or an error listing the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        known = ", ".join(PRESETS)
+        raise ConfigError(f"unknown model {name!r}; known presets: {known}") from None
+
+
+def custom_model(
+    family: str, layers: int, hidden: int, heads: int, vocab: int | None, positions: int
+) -> ModelConfig:
+    """A model of `family` of any size, shaped like its presets (`Family.shaped`), its
+    vocabulary `vocab` unless None, at least `positions` positions:
+    `--model gpt --layers L --hidden H --heads A`."""
+    if family not in FAMILIES:
+        raise ConfigError(
+            f"custom dimensions need --model set to a family ({', '.join(FAMILIES)}), "
+            f"got {family!r}"
+        )
+    for flag, value in {"--layers": layers, "--hidden": hidden, "--heads": heads}.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
+    if hidden % heads:
+        raise ConfigError(f"--hidden {hidden} is not divisible by --heads {heads}")
+    cfg = FAMILIES[family].shaped(f"{family}-L{layers}-H{hidden}-A{heads}", layers, hidden, heads)
+    return cfg.replace(
+        vocab_size=cfg.vocab_size if vocab is None else vocab,
+        max_positions=max(positions, cfg.max_positions),
+    )

@@ -8,6 +8,17 @@ projection tied to the token embedding. Residual projections start at std
 
 The model is three parts so that engines can run them apart: `embed` (tokens ->
 activations and mask), the layer stack `blocks`, and `head` (activations -> logits).
+
+Presets and their sources:
+- GPT-2 (Radford et al. 2019, "Language Models are Unsupervised Multitask Learners",
+  Table 2; vocabulary 50257 and context 1024 from the released `hparams.json`).
+- GPT-3 (Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1; context
+  2048, d_ff = 4 d_model, GPT-2 vocabulary). Table 2.1 lists GPT-3 XL (1.3B) with 24 heads
+  of 128, which does not multiply to d_model 2048; we use 16 heads of 128 as public
+  re-implementations do (EleutherAI GPT-Neo 1.3B). GPT-3 13B's d_model 5140 likewise
+  does not equal 40 heads x 128; we use 5120 (as Megatron-LM's GPT-3 13B recipe does).
+- `gpt-tiny` is shardemu's own test size: 8 heads and a vocabulary of 512 so that every
+  tensor axis up to 8 divides it, 4 layers for up to 4 stages.
 """
 
 from __future__ import annotations
@@ -85,6 +96,36 @@ def gpt_loss_counts(batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
     return (jnp.asarray(batch["targets"].size, jnp.float32),)
 
 
+def shaped(name: str, layers: int, d: int, heads: int, ctx: int = 2048) -> ModelConfig:
+    """A GPT of these dimensions: d_ff = 4 d, GPT-2's vocabulary."""
+    return ModelConfig(
+        name=name,
+        family="gpt",
+        vocab_size=50257,
+        num_layers=layers,
+        embed_dim=d,
+        num_heads=heads,
+        mlp_dim=4 * d,
+        max_positions=ctx,
+    )
+
+
+def head_matmuls(cfg: ModelConfig, batch: int, seq: int) -> dict[str, tuple[int, int, int]]:
+    """The tied output projection at every position (the embedding lookup is a gather)."""
+    return {"logits": (batch * seq, cfg.embed_dim, cfg.vocab_size)}
+
+
+PRESETS = (
+    ModelConfig("gpt-tiny", "gpt", 512, 4, 64, 8, 256, 128),
+    shaped("gpt2-small", 12, 768, 12, ctx=1024),
+    shaped("gpt2-medium", 24, 1024, 16, ctx=1024),
+    shaped("gpt2-large", 36, 1280, 20, ctx=1024),
+    shaped("gpt2-xl", 48, 1600, 25, ctx=1024),
+    shaped("gpt3-1.3b", 24, 2048, 16),
+    shaped("gpt3-13b", 40, 5120, 40),
+    shaped("gpt3-175b", 96, 12288, 96),
+)
+
 FAMILY = register(
     Family(
         name="gpt",
@@ -97,5 +138,8 @@ FAMILY = register(
         loss_counts=gpt_loss_counts,
         make_batch=lambda corpus, step, size, seq, _cfg: corpus.gpt_batch(step, size, seq),
         example_mask=False,
+        shaped=shaped,
+        head_matmuls=head_matmuls,
+        presets=PRESETS,
     )
 )

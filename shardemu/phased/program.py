@@ -44,12 +44,16 @@ from shardemu.config import PhasedConfig
 from shardemu.numerics.precision import host_scale
 from shardemu.sparsity import SparseState
 from shardemu.stages.executor import Executor, one_layer
+from shardemu.stages.pieces import Piece
 from shardemu.stages.stage import Stage, sparse_grads
 
 SHARED, EMBED, HEAD = Phase("shared"), Phase("embed"), Phase("head")
 # the forward and backward pieces of the policies that keep a phase's residuals: all of
 # them (weights included), or all but the weights (weight streaming, `stages/systems.py`)
-KEEP_PIECES = {"keep": ("fwd-keep", "bwd-keep"), "keep-activations": ("fwd-acts", "bwd-acts")}
+KEEP_PIECES = {
+    "keep": (Piece.FWD_KEEP, Piece.BWD_KEEP),
+    "keep-activations": (Piece.FWD_ACTS, Piece.BWD_ACTS),
+}
 EMBED_BWD, SHARED_BWD = Phase("embed-backward"), Phase("shared-backward")
 
 
@@ -124,7 +128,7 @@ def gather(
         return stored, key
     count = (one_layer(stored),) if part == "layers" else None
     full = ex.run(
-        phase, f"gather-{part}", st.fn(f"gather-{part}"), st, (stored,),
+        phase, Piece.gather(part), st, (stored,),
         count_args=count, repeat=repeat if count else 1, carries="weights",
     )  # fmt: skip
     ex.tiers[st.index].admit(f"{key}*", bytes_per_device(full), phase)
@@ -156,7 +160,7 @@ def forward(
     and its loss (times the loss scale `scale`)."""
     n, k = len(lay.slices), lay.layers_per_phase
     first, last = lay.stages[0], lay.stages[-1]
-    x, mask = ex.run(EMBED, "embed", first.fn("embed"), first, (shared[0][0], batches[0]))
+    x, mask = ex.run(EMBED, Piece.EMBED, first, (shared[0][0], batches[0]))
     ex.tiers[first.index].admit("x0", bytes_per_device(x), EMBED)
     out = Forward(None, None, None, {0: mask}, {}, {})
     ahead = 1 if cfg.prefetch else 0  # phases fetched before the one that runs
@@ -178,13 +182,13 @@ def forward(
         args, count = (weights, x, mask), (one_layer(weights), x, mask)
         if cfg.activations in KEEP_PIECES:  # the backward's residuals stay on the device
             piece = KEEP_PIECES[cfg.activations][0]
-            y, kept = ex.run(phase, piece, st.fn(piece), st, args, count, k)
+            y, kept = ex.run(phase, piece, st, args, count, k)
             out.kept[i] = (kept, count)
             tier.admit(f"res{i}", bytes_per_device(kept), phase)
             tier.release(f"x{i}")
             out.activation_bytes.append(bytes_per_device(kept))
         else:
-            y = ex.run(phase, "fwd", st.fn("fwd"), st, args, count, k)
+            y = ex.run(phase, Piece.FWD, st, args, count, k)
             out.activation_bytes.append(bytes_per_device(x))
             out.kept[i] = x
             if cfg.activations == "offload":
@@ -195,7 +199,7 @@ def forward(
         tier.admit(f"x{i + 1}", bytes_per_device(x), phase)
     scale_arg = ex.place(np.float32(scale), last.replicated)
     args = (shared[last.index][0], x, batches[last.index], None, scale_arg)
-    out.loss, (out.g_head, out.g_x) = ex.run(HEAD, "head", last.fn("head"), last, args)
+    out.loss, (out.g_head, out.g_x) = ex.run(HEAD, Piece.HEAD, last, args)
     ex.tiers[last.index].admit("g-head", bytes_per_device(out.g_head), HEAD)
     ex.tiers[last.index].release(f"x{n}")
     out.fetched = fetched
@@ -209,11 +213,11 @@ def recompute_flops(ex: Executor, st: Stage, count: tuple, g_x: Any) -> float:
     dry run for memory alone (`Executor.counting`), which lists the forward's piece
     (the backward's is the phase's own)."""
     if not ex.counting:
-        ex.will_count("fwd-keep", st.fn("fwd-keep"), st, count)
+        ex.will_count(Piece.FWD_KEEP, st, count)
         return 0.0
-    _, vjp_one = ex.shape("fwd-keep", st.fn("fwd-keep"), st, count)
-    bwd = ex.count("bwd", st.fn("bwd"), st, (*count, g_x)).flops_per_device
-    kept = ex.count("bwd-keep", st.fn("bwd-keep"), st, (vjp_one, g_x))
+    _, vjp_one = ex.shape(Piece.FWD_KEEP, st, count)
+    bwd = ex.count(Piece.BWD, st, (*count, g_x)).flops_per_device
+    kept = ex.count(Piece.BWD_KEEP, st, (vjp_one, g_x))
     return bwd - kept.flops_per_device
 
 
@@ -226,19 +230,17 @@ def backward_phase(
     tier = ex.tiers[st.index]
     if cfg.activations == "keep":
         vjp, count = fwd.kept.pop(i)
-        _, vjp_one = ex.shape("fwd-keep", st.fn("fwd-keep"), st, count)
-        g_w, g_x = ex.run(phase, "bwd-keep", st.fn("bwd-keep"), st, (vjp, g_x), (vjp_one, g_x), k)
+        _, vjp_one = ex.shape(Piece.FWD_KEEP, st, count)
+        g_w, g_x = ex.run(phase, Piece.BWD_KEEP, st, (vjp, g_x), (vjp_one, g_x), k)
         tier.admit(f"g{i}", bytes_per_device(g_w), phase)
         tier.release(f"res{i}")
         return g_w, g_x
     weights, held = gather(ex, cfg, st, f"w{i}", fwd.fetched.pop(i), "layers", phase, k)
     if cfg.activations == "keep-activations":  # the weights came in again, the rest stayed
         kept, count = fwd.kept.pop(i)
-        _, kept_one = ex.shape("fwd-acts", st.fn("fwd-acts"), st, count)
+        _, kept_one = ex.shape(Piece.FWD_ACTS, st, count)
         args = (weights, kept, g_x)
-        g_w, g_x = ex.run(
-            phase, "bwd-acts", st.fn("bwd-acts"), st, args, (count[0], kept_one, g_x), k
-        )
+        g_w, g_x = ex.run(phase, Piece.BWD_ACTS, st, args, (count[0], kept_one, g_x), k)
         tier.admit(f"g{i}", bytes_per_device(g_w), phase)
         tier.release(held)
         tier.release(f"res{i}")
@@ -247,7 +249,7 @@ def backward_phase(
     mask = fwd.masks[st.index]
     count = (one_layer(weights), x_i, mask)
     g_w, g_x = ex.run(
-        phase, "bwd", st.fn("bwd"), st, (weights, x_i, mask, g_x), (*count, g_x), k,
+        phase, Piece.BWD, st, (weights, x_i, mask, g_x), (*count, g_x), k,
         recompute=recompute_flops(ex, st, count, g_x),
     )  # fmt: skip
     tier.admit(f"g{i}", bytes_per_device(g_w), phase)
@@ -297,7 +299,7 @@ def backward(
         squares.append(square)
 
     args = (shared[0][0], batches[0], g_x)
-    g_embed = ex.run(EMBED_BWD, "embed-bwd", first.fn("embed-bwd"), first, args)
+    g_embed = ex.run(EMBED_BWD, Piece.EMBED_BWD, first, args)
     tier = ex.tiers[first.index]
     tier.admit("g-embed", bytes_per_device(g_embed), EMBED_BWD)
     g_head = fwd.g_head
@@ -305,7 +307,7 @@ def backward(
         g_head = ex.send(last.index, g_head, first.shared_store, SHARED_BWD, "gradients")
         ex.tiers[last.index].release("g-head")
         tier.admit("g-head", bytes_per_device(g_head), SHARED_BWD)
-    g_shared = ex.run(SHARED_BWD, "add-shared", first.fn("add-shared"), first, (g_embed, g_head))
+    g_shared = ex.run(SHARED_BWD, Piece.ADD_SHARED, first, (g_embed, g_head))
     tier.admit("g-shared", bytes_per_device(g_shared), SHARED_BWD)
     tier.release("g-embed")
     tier.release("g-head")
@@ -330,11 +332,11 @@ def gradients_out(
     store = st.layer_store if part == "layers" else st.shared_store
     if cfg.weight_streaming:
         rows = jax.tree.map(lambda _: st.stacked, store)
-        name = f"swarmx-reduce-{part}"
-        return ex.reduce(st, name, st.fn(name), grads, rows, masks, phase, "gradients")
+        name = Piece.swarmx_reduce(part)
+        return ex.reduce(st, name, grads, rows, masks, phase, "gradients")
     if masks is not None:  # the masks came in as the weights' coordinates
         grads = sparse_grads(ex, st, phase, grads, ex.place(masks, st.on_device(masks)))
-    square = ex.run(phase, "sq-norm", st.fn("sq-norm"), st, (grads,))
+    square = ex.run(phase, Piece.SQ_NORM, st, (grads,))
     return ex.to_host(st.index, grads, store, phase, "gradients"), square
 
 
@@ -348,19 +350,17 @@ def update_part(
     opt_sh = st.layer_opt if part == "layers" else st.shared_opt
     kind = "device" if cfg.optimizer_on == "device" else "pinned_host"
     norm_arg = ex.place(np.float32(norm), st.replicated.with_memory_kind(kind))
-    name = f"update-{part}-{kind}"
+    name = Piece.update(part, kind)
     if kind == "pinned_host":
         return ex.run(
-            phase, name, st.fn(name), st, (grads, opt, weights, norm_arg),
+            phase, name, st, (grads, opt, weights, norm_arg),
             carries="optimizer_state", on="host",
         )  # fmt: skip
     sized = st.layer_bytes if part == "layers" else lambda w, o: None
     w = ex.to_device(st.index, "update:w", weights, store, phase, "weights", sized(weights, opt))
     o = ex.to_device(st.index, "update:opt", opt, opt_sh, phase, "optimizer_state")
     g = ex.to_device(st.index, "update:g", grads, store, phase, "gradients")
-    new_w, new_o = ex.run(
-        phase, name, st.fn(name), st, (g, o, w, norm_arg), carries="optimizer_state"
-    )
+    new_w, new_o = ex.run(phase, name, st, (g, o, w, norm_arg), carries="optimizer_state")
     for key in ("update:w", "update:opt", "update:g"):
         ex.tiers[st.index].release(key)
     return (

@@ -64,7 +64,7 @@ class PhasedTrainer:
                 raise ConfigError("emulated_stages needs a mesh with pipe=1 (one stage's devices)")
             par = dataclasses.replace(par, pipe=emulated_stages)
         self.emulated = emulated_stages is not None
-        train.check_fits(model.cfg, par)
+        model.check_fits(train, par)
         cfg.check_mesh(par)
         if model.cfg.num_layers % par.pipe:
             raise ConfigError(

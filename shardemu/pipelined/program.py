@@ -37,6 +37,7 @@ from shardemu.parallel.schedules import Slot, programs
 from shardemu.pipelined.layout import PipelineLayout
 from shardemu.sparsity import SparseState
 from shardemu.stages.executor import Executor, one_layer
+from shardemu.stages.pieces import Piece
 from shardemu.stages.stage import Stage, sparse_grads
 
 SHARED_BWD = Phase("shared-backward")
@@ -73,8 +74,8 @@ class Sums:
     def add(self, key: tuple, st: Stage, tree: Any, phase: Phase) -> None:
         """Add `tree` in; 16-bit gradients add up in FP32 (`numerics/precision.py`)."""
         if key in self.trees:
-            piece = "accumulate"
-            tree = self.ex.run(phase, piece, st.fn(piece), st, (self.trees[key], tree))
+            piece = Piece.ACCUMULATE
+            tree = self.ex.run(phase, piece, st, (self.trees[key], tree))
         self.trees[key] = tree
 
 
@@ -136,13 +137,13 @@ class Pass:
         shared, batch = self.state.shared.get(st.index), self.batches[mb].get(st.index)
         if j == 0:
             embed = Phase("embed", micro=micro)
-            x, mask = ex.run(embed, "embed", st.fn("embed"), st, (shared, batch))
+            x, mask = ex.run(embed, Piece.EMBED, st, (shared, batch))
         else:
             x, mask = self.inputs.pop((mb, j))
         w = self.state.chunks[j]
         count = (one_layer(w), x, mask)
         args, k = (w, x, mask), lay.layers_of(j)
-        y, vjp = ex.run(phase, "fwd-keep", st.fn("fwd-keep"), st, args, count, k)
+        y, vjp = ex.run(phase, Piece.FWD_KEEP, st, args, count, k)
         self.kept[(mb, j)] = (vjp, count)
         self.residual_bytes[st.index] = bytes_per_device(vjp)
         ex.tiers[st.index].admit(f"residuals {micro}/{j}", bytes_per_device(vjp), phase)
@@ -150,7 +151,7 @@ class Pass:
             head = Phase("head", micro=micro)
             scale = ex.place(self.scale, st.replicated)
             args = (shared, y, batch, self.counts[st.index], scale)
-            loss, (g_shared, g_y) = ex.run(head, "head", st.fn("head"), st, args)
+            loss, (g_shared, g_y) = ex.run(head, Piece.HEAD, st, args)
             self.losses.append(loss)
             self.sums.add(("shared", st.index), st, g_shared, head)
             return [(self.grads_in, (mb, j), g_y)]
@@ -174,16 +175,14 @@ class Pass:
         micro, phase = self.offset + mb, self._phase("backward", j, mb)
         vjp, count = self.kept.pop((mb, j))
         g = self.grads_in.pop((mb, j))
-        _, vjp_one = ex.shape("fwd-keep", st.fn("fwd-keep"), st, count)
-        g_w, g_x = ex.run(
-            phase, "bwd-keep", st.fn("bwd-keep"), st, (vjp, g), (vjp_one, g), lay.layers_of(j)
-        )
+        _, vjp_one = ex.shape(Piece.FWD_KEEP, st, count)
+        g_w, g_x = ex.run(phase, Piece.BWD_KEEP, st, (vjp, g), (vjp_one, g), lay.layers_of(j))
         ex.tiers[st.index].release(f"residuals {micro}/{j}")
         self.sums.add(("layers", j), st, g_w, phase)
         if j == 0:
             embed = Phase("embed-backward", micro=micro)
             args = (self.state.shared[st.index], self.batches[mb][st.index], g_x)
-            g_embed = ex.run(embed, "embed-bwd", st.fn("embed-bwd"), st, args)
+            g_embed = ex.run(embed, Piece.EMBED_BWD, st, args)
             self.sums.add(("shared", st.index), st, g_embed, embed)
             return []
         dest = self.stages[lay.stage_of(j - 1)]
@@ -254,10 +253,10 @@ def _sum_shared(
         "gradients",
     )  # fmt: skip
     # the same operands in the same order on both stages: bit-identical sums
-    add = "add-shared"
+    add = Piece.ADD_SHARED
     return {
-        first.index: ex.run(SHARED_BWD, add, first.fn(add), first, (g_first, from_last)),
-        last.index: ex.run(SHARED_BWD, add, last.fn(add), last, (from_first, g_last)),
+        first.index: ex.run(SHARED_BWD, add, first, (g_first, from_last)),
+        last.index: ex.run(SHARED_BWD, add, last, (from_first, g_last)),
     }
 
 
@@ -272,9 +271,7 @@ def _global_norm(
     ]
     first = min(shared_grads)
     parts.append((Phase("update"), first, shared_grads[first]))
-    squares = [
-        ex.run(phase, "sq-norm", stages[s].fn("sq-norm"), stages[s], (g,)) for phase, s, g in parts
-    ]
+    squares = [ex.run(phase, Piece.SQ_NORM, stages[s], (g,)) for phase, s, g in parts]
     return math.sqrt(sum(float(s) for s in squares)) if ex.real else 0.0
 
 
@@ -293,7 +290,7 @@ def _update(
         st = stages[lay.stage_of(j)]
         args = (g, state.opt_chunks[j], state.chunks[j], norm_on(st))
         phase = Phase("update", j, lay.slices[j])
-        w, o = ex.run(phase, "update-layers-device", st.fn("update-layers-device"), st, args,
+        w, o = ex.run(phase, Piece.UPDATE_LAYERS_DEVICE, st, args,
                       carries="optimizer_state")  # fmt: skip
         chunks.append(w)
         opt_chunks.append(o)
@@ -302,7 +299,7 @@ def _update(
         st = stages[s]
         args = (g, state.opt_shared[s], state.shared[s], norm_on(st))
         shared[s], opt_shared[s] = ex.run(
-            Phase("update"), "update-shared-device", st.fn("update-shared-device"), st, args,
+            Phase("update"), Piece.UPDATE_SHARED_DEVICE, st, args,
             carries="optimizer_state",
         )  # fmt: skip
     return PipelinedState(chunks, opt_chunks, shared, opt_shared)

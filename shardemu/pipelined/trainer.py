@@ -62,7 +62,7 @@ class PipelinedTrainer:
     ) -> None:
         model = compute_model(model, train.precision)  # 16-bit weights for mixed precision
         par = parallelism_of(mesh)
-        train.check_fits(model.cfg, par)
+        model.check_fits(train, par)
         self.layout = pipeline_layout(
             model.cfg.num_layers, par.pipe, train.virtual, train.stage_layers
         )

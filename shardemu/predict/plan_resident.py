@@ -67,6 +67,7 @@ from shardemu.predict.sparse import (
     sparse_report,
 )
 from shardemu.stages.executor import Executor
+from shardemu.stages.pieces import Piece
 from shardemu.stages.stage import AXIS_LABELS, build_stages, stage_meshes, stage_rules
 from shardemu.stages.tiers import Tier
 
@@ -112,25 +113,25 @@ def count_microbatch(
         ledger, [Tier("device", None)], AXIS_LABELS, False, counter, context=context,
         fused_attention=fused_attention,
     )  # fmt: skip
-    x, mask = ex.run(EMBED, "embed", st.fn("embed"), st, (shared, batch))
+    x, mask = ex.run(EMBED, Piece.EMBED, st, (shared, batch))
     if full_recompute:
-        y, keep = ex.run(FORWARD, "fwd", st.fn("fwd"), st, (layer, x, mask)), bytes_per_device(x)
+        y, keep = ex.run(FORWARD, Piece.FWD, st, (layer, x, mask)), bytes_per_device(x)
     else:
-        y, vjp = ex.run(FORWARD, "fwd-keep", st.fn("fwd-keep"), st, (layer, x, mask))
+        y, vjp = ex.run(FORWARD, Piece.FWD_KEEP, st, (layer, x, mask))
         scores = (microbatch_size, model.cfg.num_heads // tensor, seq, seq)
         keep = bytes_per_device(vjp) - (_bytes_of_shape(vjp, scores) if fused_attention else 0)
-    _, (g_head, g_x) = ex.run(HEAD, "head", st.fn("head"), st, (shared, y, batch))
+    _, (g_head, g_x) = ex.run(HEAD, Piece.HEAD, st, (shared, y, batch))
     if full_recompute:
         count = (layer, x, mask)
         g_w, _ = ex.run(
-            BACKWARD, "bwd", st.fn("bwd"), st, (*count, g_x),
+            BACKWARD, Piece.BWD, st, (*count, g_x),
             recompute=recompute_flops(ex, st, count, g_x),
         )  # fmt: skip
     else:
-        g_w, _ = ex.run(BACKWARD, "bwd-keep", st.fn("bwd-keep"), st, (vjp, g_x))
-    ex.run(BACKWARD, "sq-norm", st.fn("sq-norm"), st, (g_w,))
-    g_embed = ex.run(EMBED_BWD, "embed-bwd", st.fn("embed-bwd"), st, (shared, batch, g_x))
-    ex.run(EMBED_BWD, "add-shared", st.fn("add-shared"), st, (g_embed, g_head))
+        g_w, _ = ex.run(BACKWARD, Piece.BWD_KEEP, st, (vjp, g_x))
+    ex.run(BACKWARD, Piece.SQ_NORM, st, (g_w,))
+    g_embed = ex.run(EMBED_BWD, Piece.EMBED_BWD, st, (shared, batch, g_x))
+    ex.run(EMBED_BWD, Piece.ADD_SHARED, st, (g_embed, g_head))
     norm = jax.ShapeDtypeStruct((), np.float32, sharding=st.replicated)
     opt_bytes = []
     for part, phase, weights, opt_sh, tx in (
@@ -139,10 +140,8 @@ def count_microbatch(
     ):
         opt = _optimizer_state(tx, weights, opt_sh)
         opt_bytes.append(bytes_per_device(opt))
-        name = f"update-{part}-device"
-        ex.run(
-            phase, name, st.fn(name), st, (weights, opt, weights, norm), carries="optimizer_state"
-        )
+        name = Piece.update(part, "device")
+        ex.run(phase, name, st, (weights, opt, weights, norm), carries="optimizer_state")
     pieces: dict[str, list[Event]] = {}
     for e in ledger.events:
         key = str(e.phase) if e.phase.kind == "update" else e.phase.kind
@@ -192,12 +191,14 @@ def memory_bound(
     )
     # traced through the process counter, whose count of the microbatch then reuses it
     embed = (shared, batch)
-    leaves, tree = PROCESS_COUNTER.outputs("embed", st.fn("embed"), st.mesh, embed, context, embed)
+    leaves, tree = PROCESS_COUNTER.outputs(
+        Piece.EMBED, st.fn(Piece.EMBED), st.mesh, embed, context, embed
+    )
     x, mask = tree.unflatten(leaves)  # shardings declared: nothing compiled
     if full:
         keep = bytes_per_device(x)
     else:
-        leaves, tree = PROCESS_COUNTER.traced("fwd-keep", st.fn("fwd-keep"), st.mesh,
+        leaves, tree = PROCESS_COUNTER.traced(Piece.FWD_KEEP, st.fn(Piece.FWD_KEEP), st.mesh,
                                               (layer, x, mask), context)  # fmt: skip
         _, vjp = tree.unflatten(leaves)
         scores = (microbatch_size, cfg.num_heads, seq, seq)

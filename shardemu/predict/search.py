@@ -226,7 +226,7 @@ class Searcher:
                 f"--devices, --batch and --seq must be positive, got {self.devices}, "
                 f"{self.batch}, {self.seq}"
             )
-        TrainConfig(batch=self.batch, seq=self.seq).check_fits(self.model_cfg, Parallelism())
+        Model(self.model_cfg).check_fits(TrainConfig(batch=self.batch, seq=self.seq), Parallelism())
         for precision in self.space.precisions:  # refuses a precision the profile lacks
             self.hardware.at_precision(arithmetic(self.model_cfg, precision))
         if self.space.modes not in MODES:

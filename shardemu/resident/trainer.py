@@ -90,7 +90,7 @@ class Trainer:
         self, model: Model, mesh: Mesh, train: TrainConfig, rules: Rules | None = None
     ) -> None:
         par = parallelism_of(mesh)
-        train.check_fits(model.cfg, par)
+        model.check_fits(train, par)
         if par.pipe > 1 or train.microbatches > 1:
             raise ConfigError(
                 f"the resident Trainer runs whole-batch steps without pipeline stages (got "

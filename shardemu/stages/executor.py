@@ -20,14 +20,20 @@ from jax.sharding import Mesh
 from shardemu.accounting.count import Counted, Counter, piece_events
 from shardemu.accounting.ledger import Carries, Event, Ledger, Phase, Where
 from shardemu.accounting.sizes import bytes_all_devices, bytes_per_device
+from shardemu.stages.pieces import Piece
 from shardemu.stages.tiers import Tier, with_memory_kind
 
 
 class StageLike(Protocol):
-    """Where a piece runs: a pipeline stage's index and mesh (`stages/stage.py`)."""
+    """Where a piece runs: a pipeline stage's index, its mesh and its compiled pieces
+    (`stages/stage.py`)."""
 
     index: int
     mesh: Mesh
+
+    def fn(self, piece: Piece) -> Any: ...
+
+    def executable(self, piece: Piece, args: tuple) -> Any | None: ...
 
 
 class Executor:
@@ -103,12 +109,12 @@ class Executor:
         return out
 
     def reduce(
-        self, stage: StageLike, name: str, fn: Any, stacked: Any, shardings: Any,
+        self, stage: StageLike, piece: Piece, stacked: Any, shardings: Any,
         masks: Any, phase: Phase, carries: Carries,
     ) -> Any:  # fmt: skip
         """Every system's gradients -> the host tier, summed on the way (SwarmX's
         reduce): the [systems, ...] stack leaves the devices (each system its own row,
-        in `shardings`) and `fn(stack, masks)` sums it where it lands. One `reduce`
+        in `shardings`) and `piece(stack, masks)` sums it where it lands. One `reduce`
         event over the `swarmx` link whose bytes are what each link carries: one
         system's gradients. The sum is the network's, so it is not a computation of the
         ledger (nor are the cross-device adds XLA compiles it into collectives)."""
@@ -121,7 +127,7 @@ class Executor:
             )
         )  # fmt: skip
         args = (rows, masks)
-        return fn(*args) if self.real else self.shape(name, fn, stage, args)
+        return stage.fn(piece)(*args) if self.real else self.shape(piece, stage, args)
 
     def send(self, stage: int, tree: Any, shardings: Any, phase: Phase, carries: Carries) -> Any:
         """Device to device across pipeline stages: a point-to-point transfer over `pipe`."""
@@ -177,8 +183,7 @@ class Executor:
     def run(
         self,
         phase: Phase,
-        name: str,
-        fn: Any,
+        piece: Piece,
         stage: StageLike,
         args: tuple,
         count_args: tuple | None = None,
@@ -187,46 +192,54 @@ class Executor:
         on: Where = "device",
         recompute: float = 0.0,
     ) -> Any:
-        """Run `fn(*args)` (real) or shape it (abstract), and record its FLOPs and
-        collectives: those of `fn` compiled over `count_args` (default `args`), times
+        """Run `stage`'s `piece` on `args` (real) or shape it (abstract), and record its
+        FLOPs and collectives: those of the piece compiled over `count_args` (default `args`), times
         `repeat`. A phase of k identical layers is counted as one layer times k (XLA's
         cost analysis counts a scanned body once, whatever its trip count).
         `recompute`: FLOPs per device and repeat that recompute a forward pass. Not
         counting (`counting`), only its outputs' shapes."""
+        # a piece counted over the arrays it runs on compiles once for both
+        run = stage.executable(piece, args) if self.real and count_args is None else None
         count_args = args if count_args is None else count_args
         if self.counting:
-            counted = self.count(name, fn, stage, count_args)
+            if run is not None:
+                counted = self.counter.count_compiled(piece, run, stage.mesh, args, self.context)
+            else:
+                counted = self.count(piece, stage, count_args)
             for event in piece_events(
                 counted, self.step, phase, stage.index, carries, on, repeat, recompute,
                 self.axis_labels, self.fused_attention,
             ):  # fmt: skip
                 self.ledger.record(event)
         else:
-            self.will_count(name, fn, stage, count_args)
+            self.will_count(piece, stage, count_args)
         if self.real:
-            return fn(*args)
-        return self._shaped(name, fn, stage, args, count_args)
+            return (run or stage.fn(piece))(*args)
+        return self._shaped(piece, stage, args, count_args)
 
-    def shape(self, name: str, fn: Any, stage: StageLike, args: tuple) -> Any:
-        """The abstract outputs of `fn(*args)`, shardings included; nothing recorded."""
-        return self._shaped(name, fn, stage, args, args)
+    def shape(self, piece: Piece, stage: StageLike, args: tuple) -> Any:
+        """The abstract outputs of `piece` on `args`, shardings included; nothing recorded."""
+        return self._shaped(piece, stage, args, args)
 
-    def _shaped(self, name: str, fn: Any, stage: StageLike, args: tuple, count_args: tuple) -> Any:
-        """Shapes of `fn(*args)`, each with the sharding `fn` declares for it or, where
+    def _shaped(self, piece: Piece, stage: StageLike, args: tuple, count_args: tuple) -> Any:
+        """Shapes of `piece` on `args`, each with the sharding it declares for it or, where
         it declares none, that of the piece counted over `count_args`
         (`Counter.outputs`), matched leaf by leaf (a stack of k layers has the one-layer
         piece's leaves; a vjp's tree structure also names its trip count, so the
         structures differ)."""
-        leaves, treedef = self.counter.outputs(name, fn, stage.mesh, args, self.context, count_args)
+        fn = stage.fn(piece)
+        leaves, treedef = self.counter.outputs(
+            piece, fn, stage.mesh, args, self.context, count_args
+        )
         return treedef.unflatten(leaves)
 
-    def will_count(self, name: str, fn: Any, stage: StageLike, args: tuple) -> None:
+    def will_count(self, piece: Piece, stage: StageLike, args: tuple) -> None:
         """Not counting: list a piece the counted step will count (`pieces`)."""
-        self.pieces.append((name, fn, stage.mesh, args, self.context))
+        self.pieces.append((piece, stage.fn(piece), stage.mesh, args, self.context))
 
-    def count(self, name: str, fn: Any, stage: StageLike, args: tuple) -> Counted:
-        """Compile `fn` over the abstract `args` once per signature and count it."""
-        return self.counter.count(name, fn, stage.mesh, args, self.context)
+    def count(self, piece: Piece, stage: StageLike, args: tuple) -> Counted:
+        """Compile `stage`'s `piece` over the abstract `args` once per signature and count it."""
+        return self.counter.count(piece, stage.fn(piece), stage.mesh, args, self.context)
 
 
 def one_layer(tree: Any) -> Any:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from shardemu.accounting.count import signature
 from shardemu.accounting.ledger import Phase
 from shardemu.config import ModelConfig, PhasedConfig, TrainConfig
 from shardemu.models import Model, normalise
@@ -38,6 +39,7 @@ from shardemu.parallel.rules import Rules, activation_rules, logical_to_spec, re
 from shardemu.sparsity import apply_masks, init_state, opt_state_shardings, sparse_optimizer
 from shardemu.sparsity.storage import compressed_bytes
 from shardemu.stages.executor import Executor
+from shardemu.stages.pieces import Piece
 from shardemu.stages.systems import per_system_builders
 from shardemu.stages.tiers import with_memory_kind
 
@@ -184,6 +186,7 @@ class Stage:
         self.layer_opt = self._opt(tx_layers, opt_layer_shapes, named(specs.layer_opt))
         self.shared_opt = self._opt(tx_shared, opt_shared_shapes, named(specs.shared_opt))
         self._fns: dict[str, Any] = {}
+        self._executables: dict[tuple, Any] = {}
         # weight streaming: the gradient pieces run per system (`systems.py`)
         self._per_system = per_system_builders(self) if per_system else {}
 
@@ -207,13 +210,26 @@ class Stage:
             lambda m, sh: self.replicated if m.ndim == 0 else sh, masks, self.layer_store
         )
 
-    def fn(self, name: str) -> Any:
+    def fn(self, name: Piece) -> Any:
         """The jitted piece `name` (see `_build`), built once per stage."""
         if name not in self._fns:
             self._fns[name] = self._build(name)
         return self._fns[name]
 
-    def _build(self, name: str) -> Any:
+    def executable(self, name: Piece, args: tuple) -> Any | None:
+        """The piece `name` compiled for this stage's devices over the signature of the
+        arrays `args`, once: the executor runs it and counts it from this one compile
+        (jit's own call would compile it a second time). None where `args` holds
+        something other than arrays (a Python number is traced by value)."""
+        leaves = jax.tree.leaves(args)
+        if not all(isinstance(x, jax.Array) for x in leaves):
+            return None
+        key = (name, signature(args))
+        if key not in self._executables:
+            self._executables[key] = self.fn(name).lower(*args).compile()
+        return self._executables[key]
+
+    def _build(self, name: Piece) -> Any:
         model, mesh, rules = self.model, self.mesh, self.rules
 
         def traced(fn: Any, **out: Any) -> Any:
@@ -226,40 +242,40 @@ class Stage:
         layer_vjp, head_loss = self.layer_vjp, self.head_loss
         grads_out = {"out_shardings": (self.layer_store, self.act)}
         builders = {
-            "gather-layers": lambda: jax.jit(lambda w: w, out_shardings=self.layer_compute),
-            "gather-shared": lambda: jax.jit(lambda w: w, out_shardings=self.shared_compute),
-            "embed": lambda: traced(model.embed, out_shardings=(self.act, self.mask)),
-            "embed-bwd": lambda: traced(
+            Piece.GATHER_LAYERS: lambda: jax.jit(lambda w: w, out_shardings=self.layer_compute),
+            Piece.GATHER_SHARED: lambda: jax.jit(lambda w: w, out_shardings=self.shared_compute),
+            Piece.EMBED: lambda: traced(model.embed, out_shardings=(self.act, self.mask)),
+            Piece.EMBED_BWD: lambda: traced(
                 lambda s, b, g: jax.vjp(lambda s_: model.embed(s_, b)[0], s)[1](g)[0],
                 out_shardings=self.shared_store,
             ),
-            "fwd": lambda: traced(model.apply_layers, out_shardings=self.act),
+            Piece.FWD: lambda: traced(model.apply_layers, out_shardings=self.act),
             # its output laid out as `fwd`'s (the residuals as XLA lays them out), so that the
             # pieces that take it compile once for both
-            "fwd-keep": lambda: traced(layer_vjp, out_shardings=(self.act, None)),
-            "bwd": lambda: traced(lambda w, x, m, g: layer_vjp(w, x, m)[1](g), **grads_out),
-            "bwd-keep": lambda: traced(lambda vjp, g: vjp(g), **grads_out),
-            "head": lambda: traced(
+            Piece.FWD_KEEP: lambda: traced(layer_vjp, out_shardings=(self.act, None)),
+            Piece.BWD: lambda: traced(lambda w, x, m, g: layer_vjp(w, x, m)[1](g), **grads_out),
+            Piece.BWD_KEEP: lambda: traced(lambda vjp, g: vjp(g), **grads_out),
+            Piece.HEAD: lambda: traced(
                 jax.value_and_grad(head_loss, argnums=(0, 1)),
                 out_shardings=(self.replicated, (self.shared_store, self.act)),
             ),
             # the shared weights' gradient: its embedding and head halves summed (with
             # weight streaming, each system's: a row per system, `systems.py`)
-            "add-shared": lambda: jax.jit(
+            Piece.ADD_SHARED: lambda: jax.jit(
                 lambda a, b: jax.tree.map(jnp.add, a, b),
                 out_shardings=jax.tree.map(lambda _: self.stacked, self.shared_store)
                 if self._per_system
                 else self.shared_store,
             ),
-            "accumulate": lambda: jax.jit(
+            Piece.ACCUMULATE: lambda: jax.jit(
                 lambda a, b: jax.tree.map(jnp.add, to_fp32(a), to_fp32(b))
             ),
-            "sparse-grads": lambda: jax.jit(apply_masks, out_shardings=self.layer_store),
-            "sq-norm": lambda: jax.jit(squared_norm, out_shardings=self.replicated),
+            Piece.SPARSE_GRADS: lambda: jax.jit(apply_masks, out_shardings=self.layer_store),
+            Piece.SQ_NORM: lambda: jax.jit(squared_norm, out_shardings=self.replicated),
         }
         for part in ("layers", "shared"):
             for kind in ("device", "pinned_host"):
-                builders[f"update-{part}-{kind}"] = lambda p=part, k=kind: self._update(p, k)
+                builders[Piece.update(part, kind)] = lambda p=part, k=kind: self._update(p, k)
         return (builders | self._per_system)[name]()
 
     def layer_vjp(self, w: Any, x: jax.Array, mask: jax.Array) -> Any:
@@ -402,4 +418,4 @@ def sparse_grads(ex: Executor, st: Stage, phase: Phase, grads: Any, masks: Any) 
     """A sparse model's gradients of a stack of layers: its zero weights' dropped, so
     that the norm that clips them (and is reported) is the sparse model's, as in the
     resident engine. `masks` on the devices of `st` (`Stage.on_device`)."""
-    return ex.run(phase, "sparse-grads", st.fn("sparse-grads"), st, (grads, masks))
+    return ex.run(phase, Piece.SPARSE_GRADS, st, (grads, masks))

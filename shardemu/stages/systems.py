@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardemu.numerics.optim import squared_norm
 from shardemu.sparsity import apply_masks
+from shardemu.stages.pieces import Piece
 from shardemu.stages.tiers import with_memory_kind
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ def _signature(*trees: Any) -> tuple:
     return tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(trees))
 
 
-def per_system_builders(st: Stage) -> dict[str, Callable[[], Any]]:
+def per_system_builders(st: Stage) -> dict[Piece, Callable[[], Any]]:
     """The weight-streaming versions of a stage's gradient pieces (`fwd-acts`,
     `bwd-acts`, `bwd`, `head`, `embed-bwd`) and the host tier's `swarmx-reduce-*`."""
     model, mesh = st.model, st.mesh
@@ -124,11 +125,13 @@ def per_system_builders(st: Stage) -> dict[str, Callable[[], Any]]:
         return jax.jit(run, out_shardings=(with_memory_kind(store, "pinned_host"), host))
 
     return {
-        "fwd-acts": lambda: jax.jit(per_system(fwd_acts, (w_spec, act, mask), (act, systems))),
-        "bwd-acts": lambda: jax.jit(per_system(bwd_acts, (w_spec, systems, act), (systems, act))),
-        "bwd": lambda: jax.jit(per_system(bwd, (w_spec, act, mask, act), (systems, act))),
-        "head": lambda: jax.jit(head),
-        "embed-bwd": lambda: jax.jit(embed_bwd),
-        "swarmx-reduce-layers": lambda: reduce("layers"),
-        "swarmx-reduce-shared": lambda: reduce("shared"),
+        Piece.FWD_ACTS: lambda: jax.jit(per_system(fwd_acts, (w_spec, act, mask), (act, systems))),
+        Piece.BWD_ACTS: lambda: jax.jit(
+            per_system(bwd_acts, (w_spec, systems, act), (systems, act))
+        ),
+        Piece.BWD: lambda: jax.jit(per_system(bwd, (w_spec, act, mask, act), (systems, act))),
+        Piece.HEAD: lambda: jax.jit(head),
+        Piece.EMBED_BWD: lambda: jax.jit(embed_bwd),
+        Piece.SWARMX_REDUCE_LAYERS: lambda: reduce("layers"),
+        Piece.SWARMX_REDUCE_SHARED: lambda: reduce("shared"),
     }

@@ -1,0 +1,79 @@
+"""One entry point for planning a step from shapes alone: `plan` hands a layout to the
+planner it needs (`plan_resident` for a resident, pipelined step; `plan_phased` with a
+`PhasedConfig`) and returns their one `Plan`. The command line's `shardemu plan`, the
+search and a Python caller plan through it alike.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.parallel.rules import Rules
+from shardemu.predict.hardware import Hardware
+from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
+from shardemu.predict.plan import Plan
+from shardemu.predict.plan_phased import plan_phased
+from shardemu.predict.plan_resident import Recompute, plan_resident, plan_resident_auto
+
+
+def plan(
+    model: ModelConfig,
+    par: Parallelism,
+    train: TrainConfig,
+    hardware: Hardware | None = None,
+    *,
+    phased: PhasedConfig | None = None,
+    microbatch_size: int | Literal["auto"] | None = None,
+    recompute: Recompute = "full",
+    attention: str = "materialized",
+    overlap: Overlap = DEFAULT_OVERLAP,
+    rules: Rules | None = None,
+    must_fit: bool = False,
+) -> Plan:
+    """Plan one training step of `model` on `par` with `train`'s settings (batch,
+    sequence, schedule, precision, sparsity, stage layers), timed on `hardware`.
+
+    Without `phased`: a resident step (`plan_resident`: `recompute` and `attention`
+    apply; needs `hardware`; Megatron-LM's rules). With `phased`: a phased or
+    weight-streaming step (`plan_phased`: its activations policy replaces `recompute`;
+    `rules` apply). `microbatch_size` None on a pipeline (pipe > 1) with hardware, or
+    "auto", plans each candidate size and keeps the fastest that fits (one microbatch
+    would leave (p-1)/p of a p-stage pipeline idle); None otherwise is the whole batch
+    per replica. With `must_fit`, a step over a memory tier raises `CapacityError`.
+    Needs JAX devices for one stage (`plan_phased.plan_devices`) or one tensor group."""
+    auto = microbatch_size == "auto" or (
+        microbatch_size is None and par.pipe > 1 and hardware is not None
+    )
+    if phased is not None:
+        if recompute != "full" or attention != "materialized":
+            raise ConfigError(
+                f"recompute={recompute!r} and attention={attention!r} set a resident plan; "
+                f"a phased plan keeps, offloads or recomputes activations as "
+                f"PhasedConfig.activations says ({phased.activations!r})"
+            )
+        return plan_phased(
+            model, par, train, phased, rules=rules, hardware=hardware,
+            microbatch_size="auto" if auto else microbatch_size, overlap=overlap,
+            must_fit=must_fit,
+        )  # fmt: skip
+    if hardware is None:
+        raise ConfigError(
+            "a resident plan is timed on a hardware profile: give hardware "
+            "(shardemu.get_hardware(NAME), --hardware NAME)"
+        )
+    if rules is not None:
+        raise ConfigError(
+            "a resident plan counts with Megatron-LM's rules (megatron_rules()); own "
+            "rules are planned with a PhasedConfig, or trained with Trainer(rules=...)"
+        )
+    settings = {
+        "schedule": train.schedule, "virtual": train.virtual, "recompute": recompute,
+        "sparsity": train.sparsity, "attention": attention,
+        "stage_layers": train.stage_layers, "precision": train.precision,
+        "overlap": overlap, "must_fit": must_fit,
+    }  # fmt: skip
+    if auto:
+        return plan_resident_auto(model, par, train.batch, train.seq, hardware, **settings)
+    size = microbatch_size if microbatch_size is not None else train.batch // par.replica
+    return plan_resident(model, par, train.batch, train.seq, size, hardware, **settings)
