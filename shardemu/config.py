@@ -239,7 +239,7 @@ class TrainConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    schedule: str = "gpipe"  # the pipeline schedule, by name (parallel/schedules.py)
+    schedule: str = "1f1b"  # the pipeline schedule, by name (parallel/schedules.py)
     virtual: int = 1  # model chunks per pipeline stage (interleaved 1F1B)
     stage_layers: tuple[int, ...] | None = None  # layers per stage (None: even)
     sparsity: SparsityConfig | None = None  # block-sparse layer weights (None: dense)

@@ -148,3 +148,44 @@ def test_plan_and_describe_phased_count_without_weights():
     described = shardemu("describe", *common)
     assert described.returncode == 0, described.stderr
     assert json.loads(described.stdout)["phase_plan"]["per_phase"] == report["plan"]["per_phase"]
+
+
+# flags whose default is not their field's, each for a reason: None derives the value
+# from other flags (or means "off"), and the demo picks its own length
+DERIVED_DEFAULTS = {
+    ("run", "activations"), ("plan", "activations"), ("describe", "activations"),  # the
+    # policy's own: weight streaming keeps activations, phased recomputes
+    ("run", "virtual"), ("plan", "virtual"),  # 2 chunks with --schedule interleaved, else 1
+    ("run", "sparsity"), ("plan", "sparsity"),  # None: dense; SparsityConfig's is 0.9
+    ("search", "precision"),  # None: every precision the hardware profile has
+    ("demo", "steps"),  # the demo's own length
+}  # fmt: skip
+
+
+def test_every_flag_defaults_to_its_config_fields_default():
+    """A flag named after a config field starts where the library does, so `shardemu run`
+    and `shardemu.train()` train alike (TrainConfig.schedule once drifted from
+    --schedule); the exceptions are listed with their reasons."""
+    import argparse
+    import dataclasses
+
+    from shardemu.cli.args import build_parser
+    from shardemu.config import PhasedConfig, SparsityConfig, TrainConfig
+    from shardemu.predict.overlap import Overlap
+    from shardemu.report.trackers import TrackingConfig
+
+    fields = {}
+    for cls in (TrainConfig, PhasedConfig, SparsityConfig, Overlap, TrackingConfig):
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                fields.setdefault(f.name, []).append(f.default)
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    differ, compared = set(), 0
+    for command, parser in commands.choices.items():
+        for action in parser._actions:
+            for default in fields.get(action.dest, ()):
+                compared += 1
+                if action.default != default:
+                    differ.add((command, action.dest))
+    assert compared > 40  # the flags of run, plan, sweep and search are compared
+    assert differ == DERIVED_DEFAULTS

@@ -464,7 +464,7 @@ def pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--schedule",
         choices=SCHEDULES,
-        default="1f1b",
+        default=TrainConfig().schedule,
         help="pipeline schedule over the pipe axis (Narayanan et al. 2021)",
     )
     p.add_argument(
