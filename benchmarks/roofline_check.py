@@ -32,7 +32,7 @@ from rich.table import Table  # noqa: E402
 from shardemu.accounting.matmuls import kernels  # noqa: E402
 from shardemu.models import custom_model  # noqa: E402
 from shardemu.models.gpt import GPTBlock  # noqa: E402
-from shardemu.predict.hardware import PROFILES  # noqa: E402
+from shardemu.predict.profiles import PROFILES  # noqa: E402
 from shardemu.predict.roofline import run_seconds  # noqa: E402
 
 

@@ -25,8 +25,9 @@ from pathlib import Path
 from shardemu import use_virtual_devices
 from shardemu.config import Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import get_preset
-from shardemu.predict.hardware import PROFILES
-from shardemu.predict.search import Space, search
+from shardemu.predict.layouts import Space
+from shardemu.predict.profiles import PROFILES
+from shardemu.predict.search import search
 from shardemu.run.verify import search_devices
 
 RESULTS = Path(__file__).resolve().parent / "results" / "search.json"

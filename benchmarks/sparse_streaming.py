@@ -26,8 +26,8 @@ from rich.table import Table  # noqa: E402
 
 from shardemu.config import Parallelism, PhasedConfig, SparsityConfig, TrainConfig  # noqa: E402
 from shardemu.models import get_preset  # noqa: E402
-from shardemu.predict.hardware import get_hardware  # noqa: E402
 from shardemu.predict.plan_phased import plan_phased  # noqa: E402
+from shardemu.predict.profiles import get_hardware  # noqa: E402
 from shardemu.report.rundir import write_measurement  # noqa: E402
 
 SYSTEMS = (("ipu-pod16", "pipe=4,tensor=4"), ("cs2", ""), ("a100-80gb", "tensor=4"))

@@ -5,7 +5,7 @@ layer, a step assembled from the pipeline schedule, placed on the hardware profi
 streams) with the configuration its source reports, bfloat16 (FP16 on the IPU, which has
 no bfloat16) weights and activations with FP32 master weights. Nothing is tuned per case,
 and nothing to these cases: the GPU and TPU profiles' roofline parameters were measured
-on an H100 (`benchmarks/gpu_calibration.py`, hardware.py), the calibration set, apart
+on an H100 (`benchmarks/gpu_calibration.py`, predict/hardware.py), the calibration set, apart
 from this validation set; the IPU's efficiency (0.4) is the profile's unmeasured
 default. Where the model differs from ours the FLOPs (or, for a pipeline, its slowest
 stage) are matched and the difference named.
@@ -30,9 +30,9 @@ from rich.table import Table  # noqa: E402
 
 from shardemu.config import ModelConfig, Parallelism  # noqa: E402
 from shardemu.models import custom_model, get_preset  # noqa: E402
-from shardemu.predict.hardware import PROFILES  # noqa: E402
 from shardemu.predict.overlap import Overlap  # noqa: E402
 from shardemu.predict.plan_resident import plan_resident, plan_resident_auto  # noqa: E402
+from shardemu.predict.profiles import PROFILES  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Case:
     published: float
     note: str
     overlap: Overlap = Overlap()  # how the published system overlapped its communication
-    attention: str = "materialized"  # or "fused": FlashAttention (plan_resident.ATTENTION)
+    attention: str = "materialized"  # or "fused": FlashAttention (resident_count.ATTENTION)
     precision: str = "bf16"  # 16-bit weights and activations, FP32 master weights
     stage_layers: tuple[int, ...] | None = None  # layers per pipeline stage (None: even)
 
@@ -204,7 +204,7 @@ CASES = [
         # exchange alternate (Graphcore, Memory and Performance Optimisation Guide,
         # section 2.1); gradients are all-reduced once a step, after the accumulation
         Overlap(grad_reduce="end", pipe_sends="blocking"),
-        precision="fp16-mixed",  # the IPU computes FP16, not bfloat16 (hardware.py)
+        precision="fp16-mixed",  # the IPU computes FP16, not bfloat16 (predict/profiles.py)
         stage_layers=(3, 4, 4, 1),
     ),
     *(

@@ -22,8 +22,8 @@ use_virtual_devices(8)
 
 from shardemu.config import Parallelism  # noqa: E402
 from shardemu.models import custom_model  # noqa: E402
-from shardemu.predict.hardware import get_hardware  # noqa: E402
 from shardemu.predict.plan_resident import plan_resident  # noqa: E402
+from shardemu.predict.profiles import get_hardware  # noqa: E402
 from shardemu.report.rundir import write_measurement  # noqa: E402
 from shardemu.report.views import merged_bars, plot_timeline, write_trace  # noqa: E402
 

@@ -32,8 +32,8 @@ from rich.table import Table  # noqa: E402
 
 from shardemu.config import Parallelism, TrainConfig  # noqa: E402
 from shardemu.models import get_preset  # noqa: E402
-from shardemu.predict.hardware import PROFILES  # noqa: E402
 from shardemu.predict.plan_resident import plan_resident  # noqa: E402
+from shardemu.predict.profiles import PROFILES  # noqa: E402
 from shardemu.report.rundir import default_run_dir  # noqa: E402
 from shardemu.report.views import save_figure  # noqa: E402
 from shardemu.run.runner import train  # noqa: E402

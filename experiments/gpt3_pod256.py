@@ -31,8 +31,8 @@ from rich.table import Table  # noqa: E402
 
 from shardemu.config import Parallelism, PhasedConfig, TrainConfig  # noqa: E402
 from shardemu.models import get_preset  # noqa: E402
-from shardemu.predict.hardware import PROFILES  # noqa: E402
 from shardemu.predict.plan_phased import padded_for, plan_phased  # noqa: E402
+from shardemu.predict.profiles import PROFILES  # noqa: E402
 from shardemu.report.describe import describe  # noqa: E402
 from shardemu.report.plandir import write_plan_dir  # noqa: E402
 from shardemu.report.rundir import default_run_dir  # noqa: E402

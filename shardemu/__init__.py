@@ -52,11 +52,13 @@ from shardemu.parallel.rules import (
 )
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.trainer import PipelinedTrainer
-from shardemu.predict.hardware import PROFILES, Hardware, get_hardware
+from shardemu.predict.hardware import Hardware
+from shardemu.predict.layouts import Space
 from shardemu.predict.overlap import Overlap
 from shardemu.predict.plan import Plan
 from shardemu.predict.planning import plan
-from shardemu.predict.search import Space, search
+from shardemu.predict.profiles import PROFILES, get_hardware
+from shardemu.predict.search import search
 from shardemu.report.describe import describe
 from shardemu.report.trackers import Tracker, Trackers, TrackingConfig
 from shardemu.resident.trainer import Trainer

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardemu as api
-from shardemu.predict.hardware import Hardware, get_hardware
+from shardemu.predict.hardware import Hardware
+from shardemu.predict.profiles import get_hardware
 
 GPT = ["run", "--model", "gpt-tiny", "--steps", "1", "--batch", "8", "--seq", "16"]
 CUSTOM = ["run", "--model", "gpt", "--layers", "2", "--hidden", "64", "--heads", "4"]

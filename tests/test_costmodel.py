@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import ConfigError, Parallelism, PhasedConfig, TrainConfig
 from shardemu.predict.costmodel import Span, Timeline, build_timeline, predict
-from shardemu.predict.hardware import PROFILES, Hardware, HardwareError, get_hardware, load_profile
+from shardemu.predict.hardware import Hardware, HardwareError
+from shardemu.predict.profiles import PROFILES, get_hardware, load_profile
 from shardemu.report.views import merged_bars
 
 HW = Hardware(

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardemu.accounting.count import Counter
 from shardemu.models import Model, get_preset
 from shardemu.parallel.mesh import make_mesh
-from shardemu.predict.plan_resident import count_microbatch
+from shardemu.predict.resident_count import count_microbatch
 
 
 class SlowCounter(Counter):
@@ -63,7 +63,7 @@ def test_models_alike_in_shape_are_counted_apart():
     the other's (the pieces' context names the model)."""
     from shardemu.config import Parallelism
     from shardemu.models import custom_model
-    from shardemu.predict.plan_resident import count_key, counted_microbatch
+    from shardemu.predict.resident_count import count_key, counted_microbatch
 
     cfg = custom_model("gpt", 2, 32, 4, 64, 32)
     forward = [

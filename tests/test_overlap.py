@@ -11,8 +11,9 @@ from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import ConfigError, Parallelism
 from shardemu.models import get_preset
 from shardemu.predict.costmodel import build_timeline
-from shardemu.predict.hardware import PROFILES, Hardware
+from shardemu.predict.hardware import Hardware
 from shardemu.predict.overlap import MAX_BUCKETS, Overlap
+from shardemu.predict.profiles import PROFILES
 
 HW = Hardware(
     name="toy", peak_tflops=1.0, device_memory_gb=1.0, host_memory_gb=10.0,

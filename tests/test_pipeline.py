@@ -160,8 +160,8 @@ def test_a_plan_of_uneven_stages_counts_what_the_engine_runs(tiny_model):
     The uneven plan moves work and adds none: its total is the even plan's, and its
     step is longer (stage 1's three layers set the pace)."""
     from shardemu.config import Parallelism
-    from shardemu.predict.hardware import PROFILES
     from shardemu.predict.plan_resident import plan_resident
+    from shardemu.predict.profiles import PROFILES
 
     train = TrainConfig(batch=16, seq=16, microbatches=2, stage_layers=(1, 3))
     trainer = PipelinedTrainer(tiny_model, make_mesh(2, 1, 1, devices=jax.devices()[:2]), train)

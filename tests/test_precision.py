@@ -24,7 +24,8 @@ from shardemu.numerics.precision import GROWTH_INTERVAL, MasterState, with_maste
 from shardemu.parallel.mesh import make_mesh
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.trainer import PipelinedTrainer
-from shardemu.predict.hardware import PROFILES, Hardware
+from shardemu.predict.hardware import Hardware
+from shardemu.predict.profiles import PROFILES
 from shardemu.resident.trainer import Trainer
 
 STEPS = 3

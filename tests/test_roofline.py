@@ -117,8 +117,8 @@ def test_a_resident_plan_with_fused_attention() -> None:
     kept activations lose the [s, s] probabilities; the step is faster at seq 2048."""
     from shardemu.accounting import flops
     from shardemu.models import custom_model
-    from shardemu.predict.hardware import PROFILES
     from shardemu.predict.plan_resident import plan_resident
+    from shardemu.predict.profiles import PROFILES
 
     cfg = custom_model("gpt", 2, 64, 4, 128, 2048)
     par, batch, b = Parallelism(pipe=2, tensor=1, replica=2), 8, 2

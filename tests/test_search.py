@@ -14,15 +14,12 @@ from cli_helpers import shardemu
 from shardemu.accounting import flops
 from shardemu.config import ConfigError, Parallelism
 from shardemu.models import custom_model
-from shardemu.predict.hardware import PROFILES
-from shardemu.predict.plan_resident import (
-    count_key,
-    counted_microbatch,
-    memory_bound,
-    plan_resident,
-)
+from shardemu.predict.layouts import Space, pareto
+from shardemu.predict.plan_resident import plan_resident
+from shardemu.predict.profiles import PROFILES
+from shardemu.predict.resident_count import count_key, counted_microbatch, memory_bound
 from shardemu.predict.roofline import least_step_seconds
-from shardemu.predict.search import Searcher, Space, pareto, search
+from shardemu.predict.search import Searcher, search
 
 DEVICES, BATCH, SEQ = 4, 16, 32
 # the model `--model gpt --layers 4 --hidden 32 --heads 4 --vocab 64` builds, so the

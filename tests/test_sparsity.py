@@ -24,7 +24,8 @@ from shardemu.models import custom_model
 from shardemu.parallel.mesh import mesh_from
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.trainer import PipelinedTrainer
-from shardemu.predict.hardware import HardwareError, get_hardware, load_profile
+from shardemu.predict.hardware import HardwareError
+from shardemu.predict.profiles import get_hardware, load_profile
 from shardemu.predict.sparse import sparse_compute, sparse_share
 from shardemu.report.rundir import read_metrics
 from shardemu.resident.trainer import Trainer

@@ -20,8 +20,9 @@ from shardemu.models import param_bytes
 from shardemu.parallel.mesh import make_mesh
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.predict.costmodel import build_timeline
-from shardemu.predict.hardware import PROFILES, Hardware
+from shardemu.predict.hardware import Hardware
 from shardemu.predict.plan_phased import plan_phased
+from shardemu.predict.profiles import PROFILES
 
 TRAIN = TrainConfig(batch=8, seq=16, seed=0)
 STEPS = 3

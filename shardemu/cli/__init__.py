@@ -39,7 +39,7 @@ from shardemu.errors import ShardemuError
 from shardemu.launch import join, launch, process_index
 from shardemu.models import Model
 from shardemu.numerics.precision import arithmetic
-from shardemu.predict.hardware import get_hardware
+from shardemu.predict.profiles import get_hardware
 from shardemu.report.tables import param_table, print_phase_plan, summary_table
 
 console = Console(stderr=True)

@@ -393,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def search_args(p: argparse.ArgumentParser) -> None:
-    from shardemu.predict.search import MODES, Space
+    from shardemu.predict.layouts import MODES, Space
 
     d = Space(precisions=())
     model_args(p)
@@ -425,7 +425,7 @@ def search_args(p: argparse.ArgumentParser) -> None:
 
 def search_space(args: argparse.Namespace, profile_precisions: tuple[str, ...]) -> Any:
     """The `Space` of a `search` command line; precisions checked against the profile."""
-    from shardemu.predict.search import Space
+    from shardemu.predict.layouts import Space
 
     if args.precision is None:
         precisions = profile_precisions
@@ -534,7 +534,7 @@ def overlap_args(p: argparse.ArgumentParser) -> None:
 
 
 def attention_arg(p: argparse.ArgumentParser) -> None:
-    from shardemu.predict.plan_resident import ATTENTION
+    from shardemu.predict.resident_count import ATTENTION
 
     p.add_argument(
         "--attention", choices=ATTENTION, default=ATTENTION[0],

@@ -6,7 +6,7 @@ A search's time is counting (tracing and compiling pieces: JAX and XLA) and plan
 global interpreter lock, so on two cores a compile in the background runs beside the
 planning in the foreground (and, while the planning waits for a count, two compiles
 run side by side). The counts are the same functions' results whichever
-thread makes them (`plan_resident.counted_microbatch`, cached per process).
+thread makes them (`resident_count.counted_microbatch`, cached per process).
 """
 
 from __future__ import annotations

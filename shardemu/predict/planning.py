@@ -14,7 +14,8 @@ from shardemu.predict.hardware import Hardware
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.plan import Plan
 from shardemu.predict.plan_phased import plan_phased
-from shardemu.predict.plan_resident import Recompute, plan_resident, plan_resident_auto
+from shardemu.predict.plan_resident import plan_resident, plan_resident_auto
+from shardemu.predict.resident_count import Recompute
 
 
 def plan(

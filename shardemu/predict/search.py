@@ -26,7 +26,7 @@ Pruning, in order, each exact (it never drops a layout that fits):
 2. a layout that does not fit its tiers (the planner's own memory count, made before
    its step is assembled: `must_fit`) is kept in the JSON with its device bytes and
    the reason, and not timed. A resident layout is first judged by a lower bound of
-   its bytes, found with nothing compiled (`plan_resident.memory_bound`): over the
+   its bytes, found with nothing compiled (`resident_count.memory_bound`): over the
    memory, its row gives `device_bytes_at_least` instead, and a microbatch count no
    layout could use is never made (prune 5 also needs the bound);
 3. a larger microbatch holds more activations: once no layout of a microbatch size
@@ -62,148 +62,36 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any
 
 import jax.numpy as jnp
 
 from shardemu.accounting import flops
-from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.config import ConfigError, ModelConfig, Parallelism, TrainConfig
 from shardemu.errors import CapacityError
 from shardemu.models import Model, count_params
 from shardemu.numerics.precision import arithmetic, compute_model
 from shardemu.predict.ahead import CountsAhead
 from shardemu.predict.hardware import Hardware
+from shardemu.predict.layouts import (
+    MODES,
+    STATE_BYTES_PER_PARAM,
+    Candidate,
+    Mode,
+    Space,
+    candidate_of,
+    memory_ranks,
+    meshes,
+    pareto,
+    phased_settings,
+    resident_settings,
+)  # fmt: skip
 from shardemu.predict.microbatch import microbatch_candidates
-from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
-from shardemu.predict.plan_phased import check_fit, plan_phased
-from shardemu.predict.plan_resident import (
-    CountKey,
-    count_key,
-    counted_microbatch,
-    device_bytes_at_least,
-    plan_resident,
-)
+from shardemu.predict.plan_phased import check_fit
+from shardemu.predict.plan_resident import device_bytes_at_least
+from shardemu.predict.planning import plan
+from shardemu.predict.resident_count import CountKey, count_key, counted_microbatch
 from shardemu.predict.roofline import least_step_seconds
-
-Mode = Literal["resident", "phased"]
-MODES = ("auto", "resident", "phased", "both")
-STATE_BYTES_PER_PARAM = 16  # weights + gradients + two Adam moments (+ FP32 masters in 16-bit)
-INTERLEAVED_CHUNKS = 2
-# phased activation policies by the device memory they need, least first: `offload`
-# sends each phase's input to the host, `recompute` keeps it, `keep` keeps everything
-LEAST_MEMORY = ("offload", "recompute", "keep")
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One layout: a mesh, a microbatch size, a precision and how the step runs."""
-
-    pipe: int
-    tensor: int
-    replica: int
-    microbatch_size: int
-    precision: str
-    mode: Mode = "resident"
-    schedule: str = "1f1b"
-    virtual: int = 1
-    recompute: str = "full"  # resident
-    rts: int = 1  # phased
-    activations: str = "recompute"  # phased
-    optimizer_on: str = "host"  # phased
-    prefetch: bool = True  # phased
-
-    @property
-    def par(self) -> Parallelism:
-        return Parallelism(pipe=self.pipe, tensor=self.tensor, replica=self.replica)
-
-    @property
-    def label(self) -> str:
-        mesh = f"p{self.pipe} t{self.tensor} r{self.replica} b{self.microbatch_size}"
-        if self.mode == "resident":
-            sched = self.schedule if self.virtual == 1 else f"{self.schedule}x{self.virtual}"
-            how = f"{sched} recompute={self.recompute}"
-        else:
-            how = f"phased rts={self.rts} {self.activations} optimizer={self.optimizer_on}"
-            how += "" if self.prefetch else " no-prefetch"
-        return f"{mesh} {self.precision} {how}"
-
-    def settings(self) -> dict[str, Any]:
-        """The fields that apply to this candidate's mode."""
-        out = dataclasses.asdict(self)
-        drop = ("rts", "activations", "optimizer_on", "prefetch") if self.mode == "resident" else (
-            "schedule", "virtual", "recompute")  # fmt: skip
-        return {k: v for k, v in out.items() if k not in drop}
-
-
-@dataclasses.dataclass(frozen=True)
-class Space:
-    """What the search enumerates (see the module docstring)."""
-
-    precisions: tuple[str, ...]
-    modes: str = "auto"
-    max_tensor: int = 8
-    max_microbatch: int = 8
-    overlap: Overlap = DEFAULT_OVERLAP  # not searched: how the training system overlaps
-    attention: str = "materialized"  # resident layouts' attention core (plan_resident)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def meshes(model_cfg: ModelConfig, devices: int, batch: int, max_tensor: int) -> list[Parallelism]:
-    """Every pipe x tensor x replica = `devices` the model and batch can take."""
-    if devices < 1 or max_tensor < 1:
-        raise ConfigError(
-            f"--devices and --max-tensor must be positive integers, got {devices}, {max_tensor}"
-        )
-    out = []
-    for t in _divisors(devices):
-        if t > max_tensor or model_cfg.num_heads % t or model_cfg.mlp_dim % t:
-            continue
-        for p in _divisors(devices // t):
-            r = devices // (p * t)
-            if model_cfg.num_layers % p == 0 and batch % r == 0:
-                out.append(Parallelism(pipe=p, tensor=t, replica=r))
-    if not out:
-        raise ConfigError(
-            f"no mesh of {devices} devices fits {model_cfg.name} ({model_cfg.num_layers} "
-            f"layers, {model_cfg.num_heads} heads) with --batch {batch}: pipe must divide the "
-            f"layers, tensor the heads (at most --max-tensor {max_tensor}), replica the batch"
-        )
-    return out
-
-
-def _resident_settings(par: Parallelism, layers: int) -> Iterator[dict[str, Any]]:
-    schedules = [("1f1b", 1)]
-    if par.pipe > 1 and layers % (par.pipe * INTERLEAVED_CHUNKS) == 0:
-        schedules.append(("interleaved", INTERLEAVED_CHUNKS))
-    for schedule, virtual in schedules:
-        for recompute in ("none", "selective", "full"):
-            yield {"mode": "resident", "schedule": schedule, "virtual": virtual,
-                   "recompute": recompute}  # fmt: skip
-
-
-def _phased_settings(par: Parallelism) -> Iterator[dict[str, Any]]:
-    for rts in sorted({1, par.replica}):
-        for activations in LEAST_MEMORY:
-            for optimizer_on in ("host", "device"):
-                for prefetch in (False, True):
-                    yield {"mode": "phased", "rts": rts, "activations": activations,
-                           "optimizer_on": optimizer_on, "prefetch": prefetch}  # fmt: skip
-
-
-def _memory_ranks(c: Candidate) -> tuple[int, ...]:
-    """Where a phased candidate stands in each setting's order of device memory, least
-    first: offloaded activations leave the device, recomputed ones keep each phase's
-    input, kept ones everything; an optimizer on the device streams its state in; a
-    prefetch holds the next phase's weights beside this one's. (rts has no such order:
-    a sharded phase still gathers its whole weights, beside its shard.)"""
-    return (
-        LEAST_MEMORY.index(c.activations),
-        c.optimizer_on != "host",
-        c.prefetch,
-    )
 
 
 @dataclasses.dataclass
@@ -256,35 +144,19 @@ class Searcher:
 
     def plan(self, c: Candidate, microbatches: int) -> dict[str, Any]:
         """The planner's report for `c` with `microbatches` microbatches (or passes)."""
-        batch = c.microbatch_size * c.replica * microbatches
-        if c.mode == "resident":
-            if self.ahead is not None:
-                self.ahead.ready(self.count_of(c))
-            report = plan_resident(
-                self.model_cfg, c.par, batch, self.seq, c.microbatch_size, self.hardware,
-                schedule=c.schedule, virtual=c.virtual, recompute=c.recompute,  # type: ignore[arg-type]
-                precision=c.precision, overlap=self.space.overlap,
-                attention=self.space.attention, must_fit=True,
-            ).report  # fmt: skip
-            return report
-        train, phased = self.phased_settings(c, microbatches)
-        return plan_phased(
-            self.model_cfg, c.par, train, phased, hardware=self.hardware,
+        if c.mode == "resident" and self.ahead is not None:
+            self.ahead.ready(self.count_of(c))
+        resident = {"recompute": c.recompute, "attention": self.space.attention}
+        return plan(
+            self.model_cfg, c.par, self.train_config(c, microbatches), self.hardware,
+            phased=c.phased_config(self.hardware.device_memory_bytes),
             microbatch_size=c.microbatch_size, overlap=self.space.overlap, must_fit=True,
+            **(resident if c.mode == "resident" else {}),
         ).report  # fmt: skip
 
-    def phased_settings(self, c: Candidate, passes: int) -> tuple[TrainConfig, PhasedConfig]:
-        """Phased candidate `c`'s training settings for `passes` passes, and its phased
-        settings against the device memory (the planner picks the fewest phases)."""
-        train = TrainConfig(
-            batch=c.microbatch_size * c.replica * passes, seq=self.seq, precision=c.precision
-        )
-        phased = PhasedConfig(
-            device_memory=self.hardware.device_memory_bytes, rts=c.rts,
-            activations=c.activations, optimizer_on=c.optimizer_on,  # type: ignore[arg-type]
-            prefetch=c.prefetch,
-        )  # fmt: skip
-        return train, phased
+    def train_config(self, c: Candidate, microbatches: int) -> TrainConfig:
+        """`c`'s training settings with `microbatches` microbatches (or passes)."""
+        return c.train_config(c.microbatch_size * c.replica * microbatches, self.seq)
 
     def count_of(self, c: Candidate) -> CountKey:
         """The microbatch count resident candidate `c`'s plans use."""
@@ -372,8 +244,8 @@ class Searcher:
                 "microbatch_size": size, "precision": precision}  # fmt: skip
         return [
             Candidate(**base, **s) for mode in modes
-            for s in (_resident_settings(par, self.model_cfg.num_layers)
-                      if mode == "resident" else _phased_settings(par))
+            for s in (resident_settings(par, self.model_cfg.num_layers)
+                      if mode == "resident" else phased_settings(par))
         ]  # fmt: skip
 
     def check(self, c: Candidate) -> dict[str, Any] | None:
@@ -382,7 +254,8 @@ class Searcher:
         compiling in the background for `screen`."""
         m = self.microbatches(c)
         # the plan `screen` judges the step's memory by: m passes, or 2p
-        train, phased = self.phased_settings(c, min(m, 2 * c.pipe))
+        train = self.train_config(c, min(m, 2 * c.pipe))
+        phased = c.phased_config(self.hardware.device_memory_bytes)
         try:
             check_fit(self.model_cfg, c.par, train, phased, self.hardware, c.microbatch_size)
         except (CapacityError, ConfigError) as err:
@@ -393,15 +266,15 @@ class Searcher:
         """One mesh, precision and microbatch size's candidates: the resident ones
         screened, the phased ones judged by memory (`check`), each a row, or the
         candidate itself where it fits and is left for `finish` to screen. Prune 4:
-        phased settings are judged least device memory first (`_memory_ranks`); one
+        phased settings are judged least device memory first (`layouts.memory_ranks`); one
         that holds at least what a setting that did not fit holds, in every respect,
         is not planned."""
         out: list[dict[str, Any] | Candidate] = [
             self.behind(c) or self.screen(c) for c in group if c.mode == "resident"
         ]
         failed: list[tuple[int, tuple[int, ...], str]] = []  # (rts, ranks, label)
-        for c in sorted((c for c in group if c.mode == "phased"), key=_memory_ranks):
-            ranks = _memory_ranks(c)
+        for c in sorted((c for c in group if c.mode == "phased"), key=memory_ranks):
+            ranks = memory_ranks(c)
             worse = next(
                 (label for rts, f, label in failed
                  if rts == c.rts and all(a >= b for a, b in zip(ranks, f, strict=True))),
@@ -539,29 +412,10 @@ def _refusal(err: CapacityError | ConfigError) -> dict[str, Any]:
     return {"status": "refused", "reason": str(err)}
 
 
-def _candidate(row: dict[str, Any]) -> Candidate:
-    """The candidate a screened row describes."""
-    return Candidate(
-        **{f.name: row[f.name] for f in dataclasses.fields(Candidate) if f.name in row}
-    )
-
-
 def _pruned(par: Parallelism, precision: str, mode: Mode, reason: str) -> dict[str, Any]:
     return {"label": f"p{par.pipe} t{par.tensor} r{par.replica} {precision} {mode}",
             "mode": mode, "pipe": par.pipe, "tensor": par.tensor, "replica": par.replica,
             "precision": precision, "status": "pruned", "reason": reason}  # fmt: skip
-
-
-def pareto(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The fitting layouts no other beats on both device memory and step time."""
-    fitting = sorted((r for r in rows if r.get("fits")),
-                     key=lambda r: (r["device_bytes"], r["step_time_s"]))  # fmt: skip
-    front, best = [], float("inf")
-    for r in fitting:
-        if r["step_time_s"] < best:
-            front.append(r)
-            best = r["step_time_s"]
-    return front
 
 
 def search(
@@ -596,7 +450,7 @@ def search(
             )
         best = []
         for row in fitting[:top]:  # planned whole: the numbers the table shows
-            c = _candidate(row)
+            c = candidate_of(row)
             full = _measures(s.plan(c, row["microbatches"]), row["microbatches"], "planned")
             full["screened_step_time_s"] = row["step_time_s"]
             best.append(row | full)
@@ -618,7 +472,7 @@ def search(
         },
         "top": best,
         "best": best[0],
-        "best_candidate": _candidate(best[0]),
+        "best_candidate": candidate_of(best[0]),
         "pareto": pareto(rows),
         "candidates": rows,
         "elapsed_s": time.perf_counter() - t0,

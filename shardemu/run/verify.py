@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from shardemu.config import ModelConfig, Parallelism, PhasedConfig, TrainConfig
-from shardemu.predict.search import Candidate, Space, meshes
+from shardemu.predict.layouts import Candidate, Space, meshes
 
 VERIFY_REPLICAS = 2
 STEPS = 3

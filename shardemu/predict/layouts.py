@@ -1,0 +1,172 @@
+"""The layouts a search enumerates (`search.py`): a `Candidate` is one (mesh,
+microbatch size, precision, resident or phased settings), and hands itself to the
+planner as configs (`train_config`, `phased_config`); a `Space` says which are tried;
+`meshes` and the settings generators list them; `pareto` is the memory/time front of
+the ones that fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
+
+Mode = Literal["resident", "phased"]
+MODES = ("auto", "resident", "phased", "both")
+STATE_BYTES_PER_PARAM = 16  # weights + gradients + two Adam moments (+ FP32 masters in 16-bit)
+INTERLEAVED_CHUNKS = 2
+# phased activation policies by the device memory they need, least first: `offload`
+# sends each phase's input to the host, `recompute` keeps it, `keep` keeps everything
+LEAST_MEMORY = ("offload", "recompute", "keep")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One layout: a mesh, a microbatch size, a precision and how the step runs."""
+
+    pipe: int
+    tensor: int
+    replica: int
+    microbatch_size: int
+    precision: str
+    mode: Mode = "resident"
+    schedule: str = "1f1b"
+    virtual: int = 1
+    recompute: str = "full"  # resident
+    rts: int = 1  # phased
+    activations: str = "recompute"  # phased
+    optimizer_on: str = "host"  # phased
+    prefetch: bool = True  # phased
+
+    @property
+    def par(self) -> Parallelism:
+        return Parallelism(pipe=self.pipe, tensor=self.tensor, replica=self.replica)
+
+    @property
+    def label(self) -> str:
+        mesh = f"p{self.pipe} t{self.tensor} r{self.replica} b{self.microbatch_size}"
+        if self.mode == "resident":
+            sched = self.schedule if self.virtual == 1 else f"{self.schedule}x{self.virtual}"
+            how = f"{sched} recompute={self.recompute}"
+        else:
+            how = f"phased rts={self.rts} {self.activations} optimizer={self.optimizer_on}"
+            how += "" if self.prefetch else " no-prefetch"
+        return f"{mesh} {self.precision} {how}"
+
+    def train_config(self, batch: int, seq: int) -> TrainConfig:
+        """The training settings of `batch` sequences of `seq` tokens in this layout."""
+        return TrainConfig(
+            batch=batch, seq=seq, precision=self.precision, schedule=self.schedule,
+            virtual=self.virtual,
+        )  # fmt: skip
+
+    def phased_config(self, device_memory: int | None) -> PhasedConfig | None:
+        """A phased layout's settings against `device_memory` (the planner picks the
+        fewest phases that fit); None for a resident layout."""
+        if self.mode == "resident":
+            return None
+        return PhasedConfig(
+            device_memory=device_memory, rts=self.rts,
+            activations=self.activations, optimizer_on=self.optimizer_on,  # type: ignore[arg-type]
+            prefetch=self.prefetch,
+        )  # fmt: skip
+
+    def settings(self) -> dict[str, Any]:
+        """The fields that apply to this candidate's mode."""
+        out = dataclasses.asdict(self)
+        drop = ("rts", "activations", "optimizer_on", "prefetch") if self.mode == "resident" else (
+            "schedule", "virtual", "recompute")  # fmt: skip
+        return {k: v for k, v in out.items() if k not in drop}
+
+
+@dataclasses.dataclass(frozen=True)
+class Space:
+    """What the search enumerates (see the module docstring)."""
+
+    precisions: tuple[str, ...]
+    modes: str = "auto"
+    max_tensor: int = 8
+    max_microbatch: int = 8
+    overlap: Overlap = DEFAULT_OVERLAP  # not searched: how the training system overlaps
+    attention: str = "materialized"  # resident layouts' attention core (plan_resident)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(model_cfg: ModelConfig, devices: int, batch: int, max_tensor: int) -> list[Parallelism]:
+    """Every pipe x tensor x replica = `devices` the model and batch can take."""
+    if devices < 1 or max_tensor < 1:
+        raise ConfigError(
+            f"--devices and --max-tensor must be positive integers, got {devices}, {max_tensor}"
+        )
+    out = []
+    for t in _divisors(devices):
+        if t > max_tensor or model_cfg.num_heads % t or model_cfg.mlp_dim % t:
+            continue
+        for p in _divisors(devices // t):
+            r = devices // (p * t)
+            if model_cfg.num_layers % p == 0 and batch % r == 0:
+                out.append(Parallelism(pipe=p, tensor=t, replica=r))
+    if not out:
+        raise ConfigError(
+            f"no mesh of {devices} devices fits {model_cfg.name} ({model_cfg.num_layers} "
+            f"layers, {model_cfg.num_heads} heads) with --batch {batch}: pipe must divide the "
+            f"layers, tensor the heads (at most --max-tensor {max_tensor}), replica the batch"
+        )
+    return out
+
+
+def resident_settings(par: Parallelism, layers: int) -> Iterator[dict[str, Any]]:
+    schedules = [("1f1b", 1)]
+    if par.pipe > 1 and layers % (par.pipe * INTERLEAVED_CHUNKS) == 0:
+        schedules.append(("interleaved", INTERLEAVED_CHUNKS))
+    for schedule, virtual in schedules:
+        for recompute in ("none", "selective", "full"):
+            yield {"mode": "resident", "schedule": schedule, "virtual": virtual,
+                   "recompute": recompute}  # fmt: skip
+
+
+def phased_settings(par: Parallelism) -> Iterator[dict[str, Any]]:
+    for rts in sorted({1, par.replica}):
+        for activations in LEAST_MEMORY:
+            for optimizer_on in ("host", "device"):
+                for prefetch in (False, True):
+                    yield {"mode": "phased", "rts": rts, "activations": activations,
+                           "optimizer_on": optimizer_on, "prefetch": prefetch}  # fmt: skip
+
+
+def memory_ranks(c: Candidate) -> tuple[int, ...]:
+    """Where a phased candidate stands in each setting's order of device memory, least
+    first: offloaded activations leave the device, recomputed ones keep each phase's
+    input, kept ones everything; an optimizer on the device streams its state in; a
+    prefetch holds the next phase's weights beside this one's. (rts has no such order:
+    a sharded phase still gathers its whole weights, beside its shard.)"""
+    return (
+        LEAST_MEMORY.index(c.activations),
+        c.optimizer_on != "host",
+        c.prefetch,
+    )
+
+
+def candidate_of(row: dict[str, Any]) -> Candidate:
+    """The candidate a screened row describes."""
+    return Candidate(
+        **{f.name: row[f.name] for f in dataclasses.fields(Candidate) if f.name in row}
+    )
+
+
+def pareto(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fitting layouts no other beats on both device memory and step time."""
+    fitting = sorted((r for r in rows if r.get("fits")),
+                     key=lambda r: (r["device_bytes"], r["step_time_s"]))  # fmt: skip
+    front, best = [], float("inf")
+    for r in fitting:
+        if r["step_time_s"] < best:
+            front.append(r)
+            best = r["step_time_s"]
+    return front

@@ -1,0 +1,271 @@
+"""The built-in hardware profiles (IPU-POD, Cerebras CS-2, A100, H100, TPU), every figure
+with its source beside it, and profiles read from TOML or JSON files (`load_profile`:
+the same keys as `Hardware`, validated with errors that name the key and the fix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from pathlib import Path
+
+from shardemu.config import BLOCK_SIZES
+from shardemu.errors import HardwareError
+from shardemu.predict.hardware import MEASURED_ON_H100, Hardware
+
+
+def _ipu(name: str, ipus: int) -> Hardware:
+    """A GC200 IPU in an IPU-POD of `ipus` IPUs (IPU-M2000s of 4 IPUs each).
+
+    - 250 TFLOP/s FP16.16 per IPU (1 PFLOP/s per IPU-M2000 of 4), 62.5 TFLOP/s FP32:
+      Graphcore IPU-M2000 datasheet, "Overview" (250 TFLOP/s FP32 per machine). The IPU
+      computes in FP16 and FP32 only: no bfloat16 (Graphcore, "Mixed-Precision
+      Arithmetic for AI: A Hardware Perspective").
+    - 900 MB In-Processor-Memory per IPU: same datasheet; MISSION.md.
+    - Streaming Memory: "typically 256 GB" per IPU-M2000 (MISSION.md; Bow-2000 datasheet:
+      "up to 256GB Streaming Memory"), so 64 GB per IPU.
+    - Streaming Memory bandwidth: Graphcore does not publish one figure; 20 GB/s per IPU
+      is our estimate of the IPU-M2000's DDR4 path through the IPU-Gateway (measure and
+      override it with a profile file).
+    - IPU-Links: 320 GB/s per IPU (Colossus Mk2 GC200 figures, Graphcore; 10 links):
+      160 GB/s per direction inside an IPU-M2000.
+    - Block-sparse matmuls: PopSparse (Li et al. 2023, arXiv 2303.16999, abstract:
+      "our static sparse implementation outperforms equivalent dense calculations in
+      FP16 at lower sparsity (around 90%)", with large matrices and block size 16): at
+      least break-even at density 0.1 with 16 x 16 blocks, i.e. speed 0.1 of the dense
+      rate on the non-zero blocks. The paper's per-block-size figures are not in our
+      sources, so smaller blocks run masked dense (no gain), and static and dynamic
+      patterns share the figure although the paper finds dynamic slower.
+    - IPU-Fabric between IPU-M2000s: 2.8 Tbps per IPU-M2000 through the IPU-Gateway
+      (Graphcore launch, July 2020) = 350 GB/s per machine, 87.5 GB/s per IPU, halved per
+      direction: 43.75 GB/s.
+    - In-Processor-Memory bandwidth: 47.5 TB/s per IPU (GC200 datasheet); its per-kernel
+      fixed cost is not published, so none is charged.
+    """
+    return Hardware(
+        name=name,
+        peak_tflops=250.0,
+        device_memory_gb=0.9,
+        host_memory_gb=64.0,
+        host_link_gbps=20.0,
+        intra_node_gbps=160.0,
+        inter_node_gbps=43.75,
+        devices_per_node=4,
+        efficiency=0.4,
+        host_tflops=0.5,
+        description=f"Graphcore IPU-POD{ipus}: {ipus} GC200 IPUs in IPU-M2000s of 4",
+        block_sparse_speed=((16, 0.1),),
+        fp32_tflops=62.5,
+        precisions=("fp32", "fp16-mixed"),
+        memory_gbps=47_500.0,
+    )
+
+
+def _gpu(
+    name: str, tflops: float, tf32: float, hbm_gb: float, hbm_gbps: float, nvlink: float,
+    pcie: float, ib: float, desc: str,
+) -> Hardware:  # fmt: skip
+    """An NVIDIA GPU: `tflops` BF16/FP16 dense; FP32 matmuls run on the tensor cores as
+    TF32 (`tf32`), as XLA's default precision and cuBLAS's TF32 mode do on Ampere and
+    Hopper."""
+    return Hardware(
+        name=name,
+        peak_tflops=tflops,
+        fp32_tflops=tf32,
+        device_memory_gb=hbm_gb,
+        host_memory_gb=128.0,  # DGX A100: 1 TB (2 TB option) / 8 GPUs; DGX H100: 2 TB / 8
+        host_link_gbps=pcie,
+        intra_node_gbps=nvlink,
+        inter_node_gbps=ib,
+        devices_per_node=8,
+        host_tflops=2.0,
+        description=desc,
+        memory_gbps=hbm_gbps,
+        **MEASURED_ON_H100,
+    )
+
+
+def _tpu(
+    name: str, tflops: float, hbm_gb: float, hbm_gbps: float, host_gb: float, ici: float
+) -> Hardware:
+    """A TPU chip, 4 per host; `ici` GB/s per direction inside and across hosts (one 3D
+    torus); the host link (16 GB/s, PCIe) is our estimate. The MXU multiplies bfloat16:
+    FP32 matmuls take three bfloat16 passes (XLA's `HIGH` precision, bf16_3x), so a
+    third of the peak (our estimate), and there is no FP16 arithmetic."""
+    return Hardware(
+        name=name,
+        peak_tflops=tflops,
+        fp32_tflops=tflops / 3,
+        precisions=("fp32", "bf16"),
+        device_memory_gb=hbm_gb,
+        host_memory_gb=host_gb,
+        host_link_gbps=16.0,
+        intra_node_gbps=ici,
+        inter_node_gbps=ici,
+        devices_per_node=4,
+        host_tflops=1.0,
+        description=f"Google TPU {name.split('-')[1]} (3D torus ICI)",
+        memory_gbps=hbm_gbps,
+        **MEASURED_ON_H100,
+    )
+
+
+PROFILES: dict[str, Hardware] = {
+    **{f"ipu-pod{n}": _ipu(f"ipu-pod{n}", n) for n in (16, 64, 128, 256)},
+    "ipu-gc200": dataclasses.replace(
+        _ipu("ipu-gc200", 4), description="one GC200 IPU (in an IPU-M2000)"
+    ),
+    # Cerebras CS-2 with MemoryX and SwarmX (Hot Chips 33, 2021; MISSION.md): 40 GB of
+    # on-wafer SRAM, 850,000 cores; weights stream from MemoryX (up to 2.4 PB) over the
+    # system's 1.2 Tb/s I/O (12 x 100 GbE: Cerebras CS-2 datasheet) = 150 GB/s, and SwarmX
+    # broadcasts weights / reduces gradients between systems over the same links. Cerebras
+    # does not publish a peak FLOP/s; 7,500 TFLOP/s FP16 is a third-party estimate (override
+    # it with a profile file). One device = one CS-2 system; MemoryX runs the optimizer.
+    # Sparsity: the WSE's dataflow cores compute only on non-zero weights, at any
+    # granularity ("a sparse GEMM becomes one AXPY per non-zero weight": MISSION.md; Lie,
+    # "Cerebras Architecture Deep Dive", Hot Chips 34, 2022): the dense rate on the
+    # non-zeros for every block size.
+    # SwarmX (cerebras.net glossary, "SwarmX"; MISSION.md): a tree of broadcast/reduce
+    # nodes with 100 Gb/s interfaces and a 1:4 fan-out, reducing gradients at line rate;
+    # each system takes weights at up to its 1.2 Tb/s I/O (host_link_gbps above).
+    # Not published, so profile keys to override: the latency per tree level (1 us, our
+    # estimate of one switch hop), and MemoryX's own rate into the tree (assumed equal
+    # to one system's I/O, so that a single system is fed at line rate). MemoryX runs the
+    # optimizer; its compute rate is not published either: host_tflops = 10 is our
+    # estimate (a profile key). FP32: the WSE computes FP16/cbfloat16 and FP32; its FP32
+    # rate is not published either: a quarter of the 16-bit rate is our estimate.
+    "cs2": Hardware(
+        name="cs2",
+        peak_tflops=7500.0,
+        device_memory_gb=40.0,
+        host_memory_gb=2.4e6,
+        host_link_gbps=150.0,
+        intra_node_gbps=150.0,
+        inter_node_gbps=150.0,
+        devices_per_node=1,
+        efficiency=0.5,
+        host_tflops=10.0,
+        description="Cerebras CS-2 (WSE-2) with MemoryX and SwarmX",
+        block_sparse_speed=tuple((b, 1.0) for b in BLOCK_SIZES),
+        swarmx_fanout=4,
+        swarmx_hop_us=1.0,
+        memoryx_gbps=150.0,
+        fp32_tflops=7500.0 / 4,
+        memory_gbps=20e6,  # 20 PB/s of on-wafer memory bandwidth (CS-2 datasheet)
+    ),
+    # NVIDIA A100 datasheet (2021): 312 TFLOP/s BF16 dense, 156 TF32; 40 GB HBM2 at
+    # 1555 GB/s / 80 GB HBM2e at 2039 GB/s;
+    # NVLink 3: 600 GB/s per GPU (300 per direction); PCIe Gen4 x16: 32 GB/s per direction.
+    # DGX A100: 8 GPUs per node, 8 x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU.
+    "a100-40gb": _gpu(
+        "a100-40gb",
+        312.0,
+        156.0,
+        40.0,
+        1555.0,
+        300.0,
+        32.0,
+        25.0,
+        "NVIDIA A100 40GB, DGX A100 nodes, HDR IB",
+    ),
+    "a100-80gb": _gpu(
+        "a100-80gb",
+        312.0,
+        156.0,
+        80.0,
+        2039.0,
+        300.0,
+        32.0,
+        25.0,
+        "NVIDIA A100 80GB, DGX A100 nodes, HDR IB",
+    ),
+    # NVIDIA H100 datasheet: SXM5 989 TFLOP/s BF16 dense, 494.5 TF32 dense (989 with
+    # sparsity); 80 GB HBM3 at 3.35 TB/s; NVLink 4: 900 GB/s
+    # per GPU (450 per direction); PCIe Gen5 x16: 64 GB/s per direction. DGX H100: 8 GPUs,
+    # 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
+    "h100-sxm": _gpu(
+        "h100-sxm",
+        989.0,
+        494.5,
+        80.0,
+        3350.0,
+        450.0,
+        64.0,
+        50.0,
+        "NVIDIA H100 SXM5, DGX H100 nodes, NDR IB",
+    ),
+    # Google Cloud TPU docs, "TPU v4": 275 TFLOP/s BF16 per chip, 32 GiB HBM2 at
+    # 1200 GB/s, 4096 chips per pod with 1.1 PB/s of all-reduce bandwidth per pod: 269 GB/s
+    # per chip, our per-direction collective bandwidth. Host link (PCIe) and host memory
+    # per chip are our estimates (4 chips per host); override them with a profile file.
+    "tpu-v4": _tpu(
+        "tpu-v4", tflops=275.0, hbm_gb=32 * 1.073741824, hbm_gbps=1200.0, host_gb=100.0, ici=269.0
+    ),
+    # Google Cloud TPU docs, "TPU v5p": 459 TFLOP/s BF16 per chip, 95 GB HBM2e at
+    # 2765 GB/s, inter-chip interconnect 4800 Gbps per chip (1200 GB/s bidirectional:
+    # 600 GB/s per direction), data-center network 50 Gbps per chip; 4 chips per host
+    # (the 2x2x1 slice is one host) with 448 GB of RAM; the host link is our estimate.
+    "tpu-v5p": _tpu(
+        "tpu-v5p", tflops=459.0, hbm_gb=95.0, hbm_gbps=2765.0, host_gb=112.0, ici=600.0
+    ),
+}
+
+
+def get_hardware(name_or_path: str) -> Hardware:
+    """A built-in profile by name, or one loaded from a .toml / .json file."""
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix in (".toml", ".json"):
+        return load_profile(path)
+    raise HardwareError(
+        f"unknown hardware {name_or_path!r}; use one of {', '.join(sorted(PROFILES))}, or a "
+        f"profile file ending in .toml or .json"
+    )
+
+
+def load_profile(path: str | Path) -> Hardware:
+    """A profile from TOML or JSON with `Hardware`'s keys; `base = "NAME"` starts from a
+    built-in profile and overrides the keys given."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise HardwareError(f"cannot read hardware profile {str(path)!r}: {err.strerror}") from None
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        raise HardwareError(f"hardware profile {str(path)!r} does not parse: {err}") from None
+    if not isinstance(data, dict):
+        raise HardwareError(
+            f"hardware profile {str(path)!r} holds a {type(data).__name__}; it must be a "
+            f"table (TOML) or an object (JSON) of Hardware keys, e.g. peak_tflops = 312"
+        )
+    for key in ("name", "description", "base"):
+        if not isinstance(data.get(key, ""), str):
+            raise HardwareError(
+                f"hardware profile {str(path)!r}: {key} must be a string, got {data[key]!r}"
+            )
+    fields = {f.name for f in dataclasses.fields(Hardware)}
+    base = data.pop("base", None)
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise HardwareError(
+            f"hardware profile {str(path)!r}: unknown key(s) {', '.join(unknown)}; known: "
+            f"{', '.join(sorted(fields))}"
+        )
+    if base is not None:
+        if base not in PROFILES:
+            raise HardwareError(f"hardware profile {str(path)!r}: unknown base {base!r}")
+        return dataclasses.replace(PROFILES[base], **{"name": path.stem, **data})
+    missing = sorted(
+        f.name for f in dataclasses.fields(Hardware)
+        if f.default is dataclasses.MISSING and f.name not in data and f.name != "name"
+    )  # fmt: skip
+    if missing:
+        raise HardwareError(
+            f"hardware profile {str(path)!r} is missing {', '.join(missing)}; give them, or "
+            f'start from a built-in profile with base = "a100-80gb" (for example)'
+        )
+    return Hardware(**{"name": path.stem, **data})

@@ -1,0 +1,287 @@
+"""One resident microbatch counted, not guessed: on one pipeline stage's tensor devices
+(replica = 1), the stage pieces (`stages/stage.py`) are compiled over shapes and counted
+(`accounting/count.py`): the embedding, one layer's forward (keeping its vjp residuals,
+or only its input with `recompute="full"`) and backward, the head and loss, the
+embedding's backward, and the optimizer updates on the device. `memory_bound` finds a
+layout's least bytes by tracing alone; `plan_resident.py` assembles a step from these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from shardemu.accounting import flops
+from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
+from shardemu.accounting.ledger import Event, Ledger, Phase
+from shardemu.accounting.matmuls import squeezed
+from shardemu.accounting.sizes import bytes_per_device
+from shardemu.config import (
+    ModelConfig,
+    Parallelism,
+    PhasedConfig,
+    TrainConfig,
+)
+from shardemu.models import Model
+from shardemu.numerics.precision import compute_model
+from shardemu.parallel.mesh import mesh_from
+from shardemu.parallel.rules import megatron_rules
+from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
+from shardemu.predict.plan_phased import padded_for
+from shardemu.stages.executor import Executor
+from shardemu.stages.pieces import Piece
+from shardemu.stages.stage import AXIS_LABELS, build_stages, stage_meshes, stage_rules
+from shardemu.stages.tiers import Tier
+
+Recompute = Literal["none", "selective", "full"]
+# how the attention core runs: as XLA emits it ([s, s] scores in memory) or fused
+# (FlashAttention: Dao et al. 2022); `accounting/matmuls.py`
+ATTENTION = ("materialized", "fused")
+FORWARD, BACKWARD = Phase("forward", 0, (0, 1)), Phase("backward", 0, (0, 1))
+
+
+@dataclasses.dataclass
+class Microbatch:
+    """One microbatch's work on one stage's tensor group, counted: events per piece
+    (`embed`, `forward` and `backward` of one layer, `head`, `embed-backward`, `update`
+    of one layer and of the shared weights), and the bytes per device of one layer's
+    weights, of the shared weights, of what one layer keeps for its backward, of the
+    optimizer state of one layer and of the shared weights (FP32 master weights
+    included under mixed precision), and of a layer's input (what a pipeline stage
+    sends the next)."""
+
+    pieces: dict[str, list[Event]]
+    layer_bytes: int
+    shared_bytes: int
+    keep_bytes: int
+    opt_bytes: tuple[int, int]
+    act_bytes: int
+
+
+def count_microbatch(
+    model: Model, tensor: int, microbatch_size: int, seq: int, full_recompute: bool,
+    counter: Counter | None = None, precision: str = "fp32", fused_attention: bool = False,
+) -> Microbatch:  # fmt: skip
+    """Count one microbatch's pieces on `tensor` JAX devices (no weights allocated), in
+    `precision` (`model` is then the model that computes in it: `compute_model`). With
+    `fused_attention`, its kernels and kept bytes are FlashAttention's: no [s, s]
+    scores in memory (`accounting/matmuls.py`)."""
+    built, st, shared, layer, batch, context = _one_stage(
+        model, tensor, microbatch_size, seq, precision
+    )
+    ledger = Ledger()
+    counter = PROCESS_COUNTER if counter is None else counter  # an empty Counter is falsy
+    ex = Executor(
+        ledger, [Tier("device", None)], AXIS_LABELS, False, counter, context=context,
+        fused_attention=fused_attention,
+    )  # fmt: skip
+    x, mask = ex.run(EMBED, Piece.EMBED, st, (shared, batch))
+    if full_recompute:
+        y, keep = ex.run(FORWARD, Piece.FWD, st, (layer, x, mask)), bytes_per_device(x)
+    else:
+        y, vjp = ex.run(FORWARD, Piece.FWD_KEEP, st, (layer, x, mask))
+        scores = (microbatch_size, model.cfg.num_heads // tensor, seq, seq)
+        keep = bytes_per_device(vjp) - (_bytes_of_shape(vjp, scores) if fused_attention else 0)
+    _, (g_head, g_x) = ex.run(HEAD, Piece.HEAD, st, (shared, y, batch))
+    if full_recompute:
+        count = (layer, x, mask)
+        g_w, _ = ex.run(
+            BACKWARD, Piece.BWD, st, (*count, g_x),
+            recompute=recompute_flops(ex, st, count, g_x),
+        )  # fmt: skip
+    else:
+        g_w, _ = ex.run(BACKWARD, Piece.BWD_KEEP, st, (vjp, g_x))
+    ex.run(BACKWARD, Piece.SQ_NORM, st, (g_w,))
+    g_embed = ex.run(EMBED_BWD, Piece.EMBED_BWD, st, (shared, batch, g_x))
+    ex.run(EMBED_BWD, Piece.ADD_SHARED, st, (g_embed, g_head))
+    norm = jax.ShapeDtypeStruct((), np.float32, sharding=st.replicated)
+    opt_bytes = []
+    for part, phase, weights, opt_sh, tx in (
+        ("layers", Phase("update", 0), layer, st.layer_opt, built.tx_layers),
+        ("shared", Phase("update"), shared, st.shared_opt, built.tx_shared),
+    ):
+        opt = _optimizer_state(tx, weights, opt_sh)
+        opt_bytes.append(bytes_per_device(opt))
+        name = Piece.update(part, "device")
+        ex.run(phase, name, st, (weights, opt, weights, norm), carries="optimizer_state")
+    pieces: dict[str, list[Event]] = {}
+    for e in ledger.events:
+        key = str(e.phase) if e.phase.kind == "update" else e.phase.kind
+        pieces.setdefault(key, []).append(e)
+    layer_bytes, shared_bytes = bytes_per_device(layer), bytes_per_device(shared)
+    return Microbatch(
+        pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes), bytes_per_device(x)
+    )
+
+
+def _one_stage(model: Model, tensor: int, microbatch_size: int, seq: int, precision: str) -> tuple:
+    """(built stages, the stage, its shared weights, one layer's weights, a microbatch,
+    the counting context), abstract and sharded, on one pipeline stage of `tensor` JAX
+    devices. The context (the model and the rules) keeps apart the counts of pieces
+    whose inputs look alike but compute or place their outputs otherwise."""
+    mesh = mesh_from(Parallelism(tensor=tensor), jax.devices()[:tensor])
+    train = TrainConfig(batch=microbatch_size, seq=seq, precision=precision)
+    rules = stage_rules(megatron_rules())
+    built = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), rules)
+    st = built.stages[0]
+    shared = with_shardings(built.shared_shapes, st.shared_compute)
+    layer = with_shardings(built.layer_shape_one, st.layer_compute)
+    batch = model.abstract_batch(microbatch_size, seq, st.batch)
+    return built, st, shared, layer, batch, (model.cfg, rules)
+
+
+def _optimizer_state(tx: Any, weights: Any, shardings: Any) -> Any:
+    """The abstract optimizer state of `weights`, sharded as `shardings`."""
+    return with_shardings(jax.eval_shape(tx.init, weights), shardings)
+
+
+@functools.lru_cache(maxsize=256)
+def memory_bound(
+    cfg: ModelConfig, tensor: int, microbatch_size: int, seq: int, full: bool, precision: str,
+    fused_attention: bool,
+) -> Microbatch:  # fmt: skip
+    """`counted_microbatch`'s bytes (`count_key`), with nothing compiled and no pieces:
+    a search judges memory first, and most layouts that do not fit would compile only to
+    find that out. Exact, but for what a layer keeps for its backward without full
+    recomputation: those residuals' shardings are XLA's choice, made as it compiles, so
+    each counts at least its bytes over the `tensor` devices (the most it is split
+    over), or exactly where the piece declares its sharding. (The vjp of GPT-3 175B's
+    layer at tensor 8: at least 1.22 GB a device, 2.49 GB counted.)"""
+    model = Model(cfg)
+    built, st, shared, layer, batch, context = _one_stage(
+        model, tensor, microbatch_size, seq, precision
+    )
+    # traced through the process counter, whose count of the microbatch then reuses it
+    embed = (shared, batch)
+    leaves, tree = PROCESS_COUNTER.outputs(
+        Piece.EMBED, st.fn(Piece.EMBED), st.mesh, embed, context, embed
+    )
+    x, mask = tree.unflatten(leaves)  # shardings declared: nothing compiled
+    if full:
+        keep = bytes_per_device(x)
+    else:
+        leaves, tree = PROCESS_COUNTER.traced(Piece.FWD_KEEP, st.fn(Piece.FWD_KEEP), st.mesh,
+                                              (layer, x, mask), context)  # fmt: skip
+        _, vjp = tree.unflatten(leaves)
+        scores = (microbatch_size, cfg.num_heads, seq, seq)
+        keep = sum(
+            _bytes_at_least(leaf, tensor) for leaf in jax.tree.leaves(vjp)
+            if not (fused_attention and squeezed(leaf.shape) == squeezed(scores))
+        )  # fmt: skip
+    opt = (
+        bytes_per_device(_optimizer_state(built.tx_layers, layer, st.layer_opt)),
+        bytes_per_device(_optimizer_state(built.tx_shared, shared, st.shared_opt)),
+    )
+    return Microbatch(
+        {}, bytes_per_device(layer), bytes_per_device(shared), keep, opt, bytes_per_device(x)
+    )
+
+
+def _bytes_at_least(leaf: Any, devices: int) -> int:
+    """Bytes a device holds of a traced output: its shard's where its sharding is
+    declared, else at least its bytes over all `devices`."""
+    if isinstance(leaf.sharding, NamedSharding):
+        return bytes_per_device(leaf)
+    return math.prod(leaf.shape) * leaf.dtype.itemsize // devices
+
+
+def _bytes_of_shape(tree: Any, shape: tuple[int, ...]) -> int:
+    """Per-device bytes of the arrays in `tree` whose shard is `shape` (leading 1s
+    dropped on both sides): a layer's kept [b, A/t, s, s] attention probabilities."""
+
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        for x in jax.tree.leaves(tree)
+        if squeezed(x.sharding.shard_shape(x.shape)) == squeezed(shape)
+    )
+
+
+class CountKey(NamedTuple):
+    """What a layout's microbatch count depends on: `counted_microbatch`'s arguments."""
+
+    cfg: ModelConfig  # padded for the mesh, in the precision's dtypes
+    tensor: int
+    microbatch_size: int
+    seq: int
+    full: bool  # full recomputation
+    precision: str
+    fused_attention: bool
+
+
+def count_key(
+    model_cfg: ModelConfig, par: Parallelism, microbatch_size: int, seq: int,
+    recompute: str, precision: str, attention: str,
+) -> CountKey:  # fmt: skip
+    """The count a layout's plan uses."""
+    cfg = compute_model(Model(padded_for(model_cfg, par)), precision).cfg
+    full, fused = recompute == "full", attention == "fused"
+    return CountKey(cfg, par.tensor, microbatch_size, seq, full, precision, fused)
+
+
+@functools.lru_cache(maxsize=256)
+def counted_microbatch(
+    cfg: ModelConfig, tensor: int, microbatch_size: int, seq: int, full: bool, precision: str,
+    fused_attention: bool,
+) -> Microbatch:  # fmt: skip
+    """`count_microbatch` once per process for each setting (`count_key`): a search plans
+    one count at many pipeline depths, replicas, schedules and batch sizes, and counts
+    ahead of its planning (`search.py`). With fused attention,
+    each layer's backward also recomputes its scores Q K^T: FlashAttention keeps only
+    the softmax statistics (Dao et al. 2022, Algorithm 4)."""
+    mb = count_microbatch(
+        Model(cfg), tensor, microbatch_size, seq, full, precision=precision,
+        fused_attention=fused_attention,
+    )  # fmt: skip
+    if fused_attention:  # Q K^T per device: it reads Q and K, writes nothing to memory
+        scores = flops.layer_forward(cfg, microbatch_size, seq)["attn_scores"]
+        q_k = 2 * microbatch_size * seq * cfg.embed_dim // tensor
+        kernel = (scores / tensor, q_k * jnp.dtype(cfg.param_dtype).itemsize)
+        mb = _add_backward_flops(mb, scores, kernel)
+    return mb
+
+
+def _add_backward_flops(
+    mb: Microbatch, extra: float, kernel: tuple[float, int] | None = None
+) -> Microbatch:
+    """`mb` with each layer's backward computing `extra` FLOPs (over its tensor group)
+    more, all of them recomputation: as one more matmul `kernel` (FLOPs and bytes per
+    device) in each run of the piece, or else as more runs of the whole piece."""
+    backward = mb.pieces["backward"]
+    compute = next(e for e in backward if e.kind == "compute")
+    added = dataclasses.replace(
+        compute, flops=compute.flops + extra, recompute_flops=compute.recompute_flops + extra
+    )
+    if kernel is not None:
+        added = dataclasses.replace(
+            added, run_flops=compute.run_flops + kernel[0], matmuls=(*compute.matmuls, kernel)
+        )
+    pieces = {**mb.pieces, "backward": [added if e is compute else e for e in backward]}
+    return dataclasses.replace(mb, pieces=pieces)
+
+
+def selective(mb: Microbatch, key: CountKey) -> Microbatch:
+    """Selective recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation
+    in Large Transformer Models", Section 4.2): keep everything but the attention core's
+    s x s scores and probabilities (`selective_keep`), and recompute that core (Q K^T
+    and probs V) in the backward pass: its forward FLOPs (flops.py) added to each
+    layer's backward."""
+    core = flops.layer_forward(key.cfg, key.microbatch_size, key.seq)
+    return _add_backward_flops(mb, core["attn_scores"] + core["attn_context"])
+
+
+def selective_keep(mb: Microbatch, key: CountKey) -> Microbatch:
+    """`mb` keeping what selective recomputation keeps per layer and device: not the
+    two [b, A/t, s, s] tensors of the attention core (which fused attention never
+    kept)."""
+    if key.fused_attention:
+        return mb
+    cfg, b, s = key.cfg, key.microbatch_size, key.seq
+    scores = b * (cfg.num_heads // key.tensor) * s * s * jnp.dtype(cfg.param_dtype).itemsize
+    return dataclasses.replace(mb, keep_bytes=max(mb.keep_bytes - 2 * scores, 0))
