@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import jax
 from jax.sharding import Mesh
 
-from shardemu.accounting.count import Counted, Counter, piece_events
+from shardemu.accounting.count import Counted, Counter, piece_events, signature
 from shardemu.accounting.ledger import Carries, Event, Ledger, Phase, Where
 from shardemu.accounting.sizes import bytes_all_devices, bytes_per_device
 from shardemu.stages.pieces import Piece
@@ -198,9 +198,11 @@ class Executor:
         cost analysis counts a scanned body once, whatever its trip count).
         `recompute`: FLOPs per device and repeat that recompute a forward pass. Not
         counting (`counting`), only its outputs' shapes."""
-        # a piece counted over the arrays it runs on compiles once for both
-        run = stage.executable(piece, args) if self.real and count_args is None else None
         count_args = args if count_args is None else count_args
+        # a piece counted over what it runs on (its arrays, or one layer's shapes when it
+        # runs one layer) compiles once for both
+        same = count_args is args or signature(count_args) == signature(args)
+        run = stage.executable(piece, args) if self.real and same else None
         if self.counting:
             if run is not None:
                 counted = self.counter.count_compiled(piece, run, stage.mesh, args, self.context)
