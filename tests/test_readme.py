@@ -29,3 +29,28 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     command = re.search(r"^TEST_COMMAND='(.*)'$", ci, re.M).group(1)
     assert f"```bash\n{command}\n```" in README
+
+
+def test_layout_section_names_every_module():
+    """The README's layout lists each package and, under it, every module it holds."""
+    block = README[README.index("## Layout") :].split("```")[1]
+    entries: dict[str, str] = {}  # "models/" or "config.py" -> its text
+    for line in block.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            name, _, text = line.strip().partition(" ")
+            entries[name] = text
+        elif line.startswith("   ") and entries:
+            entries[list(entries)[-1]] += " " + line.strip()
+    package = ROOT / "shardemu"
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        if rel.name == "__main__.py" or (rel.name == "__init__.py" and len(rel.parts) == 1):
+            continue
+        if len(rel.parts) == 1:
+            assert rel.name in entries, f"{rel} is missing from the README's layout"
+        else:
+            listed = entries.get(f"{rel.parts[0]}/", "")
+            if rel.name != "__init__.py":
+                assert rel.name in listed, f"{rel} is missing from the README's layout"
+    packages = {p.name + "/" for p in package.iterdir() if (p / "__init__.py").exists()}
+    assert packages == {k for k in entries if k.endswith("/")}
