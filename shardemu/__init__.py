@@ -70,7 +70,8 @@ from shardemu.run.engine import (
     StepResult,
 )
 from shardemu.run.loop import StepInfo, TrainLoop
-from shardemu.run.runner import RunResult, RunSettings, resume_settings, train
+from shardemu.run.record import RunSettings, resume_settings
+from shardemu.run.runner import RunResult, train
 from shardemu.sparsity import SparseState, wrap_optax
 
 __all__ = [

@@ -143,7 +143,7 @@ def _run_resumed(args: argparse.Namespace) -> None:
             f"run's settings come from {args.resume}/config.json; only {', '.join(may[:-1])} "
             f"and {may[-1]} may be given with --resume"
         )
-    from shardemu.run.runner import resume_settings
+    from shardemu.run.record import resume_settings
 
     was = resume_settings(args.resume)
     par = parallelism(args) if "mesh" in args.given else was.parallelism

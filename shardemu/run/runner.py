@@ -1,19 +1,19 @@
 """A training run end to end: mesh, engine, the loop and its hooks (run directory,
-progress), summary, and the prediction on named hardware."""
+trackers, checkpoints, the divergence check, progress), summary, and the prediction on
+named hardware. `train` is the entry point; a `Run` holds one run's engine and records
+(`record.py`) and trains it."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import signal
-import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -21,27 +21,31 @@ from jax.sharding import Mesh
 from shardemu.accounting import flops
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.data import make_corpus
-from shardemu.errors import CheckpointError, NonFiniteError, RunInterrupted
-from shardemu.models import Model, param_bytes, param_count
+from shardemu.errors import NonFiniteError, RunInterrupted
+from shardemu.models import Model, param_count
 from shardemu.numerics.optim import learning_rate_at
 from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.mesh import mesh_from, parallelism_of
-from shardemu.parallel.rules import Rules, rules_or_default
+from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import make_schedule
 from shardemu.phased.trainer import PhasedTrainer
-from shardemu.pipelined.layout import pipeline_layout, stage_plan
 from shardemu.pipelined.trainer import PipelinedTrainer
-from shardemu.predict.costmodel import Timeline, predict
+from shardemu.predict.costmodel import Timeline
 from shardemu.predict.hardware import Hardware
-from shardemu.predict.sparse import sparse_compute, sparse_report
 from shardemu.report.rundir import RunDir, config_record, default_run_dir, read_metrics
 from shardemu.report.trackers import Trackers, TrackingConfig, open_trackers
-from shardemu.report.views import write_views
 from shardemu.resident.trainer import Trainer
 from shardemu.run.checkpoint import Checkpoints
 from shardemu.run.engine import Engine, PhasedEngine, PipelinedEngine, ResidentEngine
 from shardemu.run.faults import StopSignals, check_finite
 from shardemu.run.loop import StepInfo, TrainLoop
+from shardemu.run.record import (
+    predict_step,
+    prediction_files,
+    read_ledger,
+    run_config,
+    run_summary,
+)
 
 EVAL_BATCHES = 4  # held-out batches of the run's batch size, the same at every evaluation
 
@@ -54,6 +58,18 @@ class RunResult:
     run_dir: Path
     losses: list[float]
     summary: dict[str, Any]
+
+
+@dataclass
+class Resumed:
+    """Where a run starts: the checkpoints it resumes from (none for a new run), the
+    steps they hold, and the records and ledger events of those steps."""
+
+    source: Checkpoints | None = None
+    start: int = 0
+    records: list[dict[str, Any]] = field(default_factory=list)
+    ledger: list[dict[str, Any]] = field(default_factory=list)
+    run_dir: Path | None = None
 
 
 def train(
@@ -85,120 +101,193 @@ def train(
     unless `out` names another directory; its settings must be the run's own
     (`resume_settings`), the mesh may differ. SIGINT or SIGTERM stop the run after the
     current step (`RunInterrupted`); a non-finite loss or gradient norm stops it with
-    `NonFiniteError`."""
-    if checkpoint_every is not None and checkpoint_every < 1:
-        raise ConfigError(
-            f"--checkpoint-every must be a positive number of steps, got {checkpoint_every}"
+    `NonFiniteError`. `on_step` sees every step's record."""
+    run = Run(
+        model_cfg, par, train_cfg, devices, rules, phased, hardware, checkpoint_every,
+        tracking, eval_every,
+    )  # fmt: skip
+    resumed = run.resume_from(resume) if resume is not None else Resumed()
+    out = Path(out or resume or default_run_dir(model_cfg.name))
+    reopen = resume is not None and out.resolve() == Path(resume).resolve()
+    return run.execute(RunDir(out, reopen=reopen), resumed, on_step)
+
+
+class Run:
+    """One run's engine and what its run directory records; `execute` trains it."""
+
+    def __init__(
+        self, model_cfg: ModelConfig, par: Parallelism, train_cfg: TrainConfig,
+        devices: Sequence[jax.Device] | None, rules: Rules | None, phased: PhasedConfig | None,
+        hardware: Hardware | None, checkpoint_every: int | None,
+        tracking: TrackingConfig | None, eval_every: int | None,
+    ) -> None:  # fmt: skip
+        """Every setting is checked and the engine built before anything is written."""
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise ConfigError(
+                f"--checkpoint-every must be a positive number of steps, got {checkpoint_every}"
+            )
+        if tracking is not None:
+            tracking.check_installed()
+        if eval_every is not None and eval_every < 1:
+            raise ConfigError(f"--eval-every must be a positive number of steps, got {eval_every}")
+        _check_host_memory(model_cfg, train_cfg)
+        if hardware is not None:  # predicted at the run's precision's peak
+            hardware = hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))
+        self.par, self.train_cfg, self.hardware = par, train_cfg, hardware
+        self.checkpoint_every, self.tracking, self.eval_every = (
+            checkpoint_every,
+            tracking,
+            eval_every,
         )
-    if tracking is not None:
-        tracking.check_installed()
-    if eval_every is not None and eval_every < 1:
-        raise ConfigError(f"--eval-every must be a positive number of steps, got {eval_every}")
-    _check_host_memory(model_cfg, train_cfg)
-    if hardware is not None:  # predicted at the run's precision's peak
-        hardware = hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))
-    mesh = mesh_from(par, devices)
-    model = Model(model_cfg)
-    engine = _engine(model, mesh, train_cfg, phased, rules)
-    phase_plan = engine.trainer.plan() if phased else None  # one abstract step
-    sizes = {"param_count": param_count(model.abstract_params()[0]), **engine.sizes()}
-    config = _config(model, engine, mesh, train_cfg, phased, phase_plan, sizes, rules)
-    layout = {"engine": engine.name, "stage_plan": [s["layers"] for s in config["stage_plan"]]}
-    if phased:
-        layout["phases"] = [list(s) for s in engine.trainer.slices]
-    start, previous, ledger_before, source = 0, [], [], None
-    if resume is not None:
+        self.mesh = mesh_from(par, devices)
+        self.model = Model(model_cfg)
+        self.engine = _engine(self.model, self.mesh, train_cfg, phased, rules)
+        self.phase_plan = self.engine.trainer.plan() if phased else None  # one abstract step
+        self.sizes = {
+            "param_count": param_count(self.model.abstract_params()[0]),
+            **self.engine.sizes(),
+        }
+        self.config = run_config(
+            self.model, self.engine, self.mesh, train_cfg, phased, self.phase_plan, self.sizes,
+            rules,
+        )  # fmt: skip
+        # what a checkpoint must match to be restored: the engine and how it splits layers
+        self.layout: dict[str, Any] = {
+            "engine": self.engine.name,
+            "stage_plan": [s["layers"] for s in self.config["stage_plan"]],
+        }
+        if phased:
+            self.layout["phases"] = [list(s) for s in self.engine.trainer.slices]
+        self.saved: Checkpoints | None = None  # the run's own checkpoints, once made
+
+    def resume_from(self, resume: str | Path) -> Resumed:
+        """Where the run directory `resume` stopped: its last checkpoint (step 0 when it
+        has none), checked against this run's layout, and its records before it."""
         source = Checkpoints(resume)
         start = source.latest() or 0
-        if start >= train_cfg.steps:
+        if start >= self.train_cfg.steps:
             raise ConfigError(
                 f"{resume} has a checkpoint after {start} steps; give --steps more than {start}"
             )
         if start > 0:
-            source.check_layout(start, layout)
+            source.check_layout(start, self.layout)
         previous = [r for r in read_metrics(resume) if r["step"] < start]
-        ledger_before = [e for e in _read_ledger(resume) if e["step"] < start]
-        out = out or resume
-    out = Path(out or default_run_dir(model_cfg.name))
-    run = RunDir(out, reopen=resume is not None and out.resolve() == Path(resume).resolve())
-    trackers: Trackers | None = None
-    saved: Checkpoints | None = None
-    try:
-        for record in previous:
-            run.log(record)
-        trackers = open_trackers(tracking, run)
-        resumed = {"resumed_from": {"run_dir": str(resume), "steps_done": start}} if resume else {}
-        trackers.log_config(
-            config_record(
-                {
-                    **config,
-                    "checkpoint_every": checkpoint_every,
-                    "eval_every": eval_every,
-                    "hardware": hardware.name if hardware is not None else None,
-                    "tracking": dataclasses.asdict(tracking or TrackingConfig()),
-                    **resumed,
-                }
-            )
+        ledger = [e for e in read_ledger(resume) if e["step"] < start]
+        return Resumed(source, start, previous, ledger, Path(resume))
+
+    def execute(
+        self, run: RunDir, resumed: Resumed, on_step: Callable[[dict[str, Any]], None] | None
+    ) -> RunResult:
+        """Train into `run` from where `resumed` says; a run that fails before its first
+        step leaves no directory behind, and the trackers and checkpoints always close."""
+        trackers: Trackers | None = None
+        try:
+            for record in resumed.records:
+                run.log(record)
+            trackers = open_trackers(self.tracking, run)
+            trackers.log_config(config_record(self._config_record(resumed)))
+            with StopSignals() as signals:
+                state, records, compile_s = self._train(resumed, run, trackers, on_step, signals)
+            return self._finish(run, trackers, resumed, state, records, compile_s, signals)
+        except NonFiniteError as err:
+            run.write_summary(f"# shardemu run: {self.model.cfg.name}\n\nstopped: {err}\n")
+            raise
+        except BaseException:
+            run.discard_if_empty()
+            raise
+        finally:
+            if trackers is not None:
+                trackers.finish()
+            run.finish()
+            for checkpoints in (resumed.source, self.saved):
+                if checkpoints is not None:
+                    checkpoints.close()
+
+    def _config_record(self, resumed: Resumed) -> dict[str, Any]:
+        """config.json: the run's settings, and where a resumed run came from."""
+        return {
+            **self.config,
+            "checkpoint_every": self.checkpoint_every,
+            "eval_every": self.eval_every,
+            "hardware": self.hardware.name if self.hardware is not None else None,
+            "tracking": dataclasses.asdict(self.tracking or TrackingConfig()),
+            **(
+                {"resumed_from": {"run_dir": str(resumed.run_dir), "steps_done": resumed.start}}
+                if resumed.run_dir is not None
+                else {}
+            ),
+        }
+
+    def _train(
+        self, resumed: Resumed, run: RunDir, trackers: Trackers,
+        on_step: Callable[[dict[str, Any]], None] | None, signals: StopSignals,
+    ) -> tuple[Any, list[dict[str, Any]], float]:  # fmt: skip
+        """The loop with its hooks, from the engine's first state (or the checkpoint):
+        the last state, the records of the steps it ran, and the seconds to compile."""
+        t0 = time.perf_counter()
+        state = self.engine.init(self.train_cfg.seed)  # pipelined and phased compile later
+        compile_s = time.perf_counter() - t0
+        if resumed.source is not None and resumed.start > 0:
+            state = resumed.source.restore(resumed.start, state)
+            self.engine.start_at(resumed.start)
+        # made once the state is, so a run that fails before it leaves nothing behind
+        saved = self.saved = Checkpoints(run.path) if self.checkpoint_every else None
+        loop = _loop(
+            self.model, self.engine, self.par, self.train_cfg, self._predictor(), self.eval_every
         )
-        with StopSignals() as signals:
-            t0 = time.perf_counter()
-            state = engine.init(train_cfg.seed)  # pipelined and phased pieces compile on first use
-            compile_s = time.perf_counter() - t0
-            if source is not None and start > 0:
-                state = source.restore(start, state)
-                engine.start_at(start)
-            saved = Checkpoints(run.path) if checkpoint_every else None
-            predictor = None
-            if hardware is not None:
-                predictor = functools.partial(
-                    _predict, engine, phase_plan, hardware, par, tokens=train_cfg.tokens
-                )
-            loop = _loop(model, engine, par, train_cfg, predictor, eval_every)
-            loop.add_hook(lambda info: trackers.log(info.record, info.step))
-            loop.add_hook(lambda info: check_finite(info.record, train_cfg.learning_rate))
-            if on_step is not None:
-                loop.add_hook(lambda info: on_step(info.record))
-            if saved is not None:
-                loop.add_hook(
-                    lambda info: saved.save(info.step + 1, info.result.state, layout),
-                    every=checkpoint_every,
-                )
-            state, records = loop.run(state, train_cfg.steps, start, signals.requested)
-        done = start + len(records)
-        stopped = signals.received
+        loop.add_hook(lambda info: trackers.log(info.record, info.step))
+        loop.add_hook(lambda info: check_finite(info.record, self.train_cfg.learning_rate))
+        if on_step is not None:
+            loop.add_hook(lambda info: on_step(info.record))
+        if saved is not None:
+            loop.add_hook(
+                lambda info: saved.save(info.step + 1, info.result.state, self.layout),
+                every=self.checkpoint_every,  # type: ignore[arg-type]
+            )
+        state, records = loop.run(state, self.train_cfg.steps, resumed.start, signals.requested)
+        return state, records, compile_s
+
+    def _predictor(self) -> Callable[[int], tuple[Timeline, dict[str, Any]]] | None:
+        """Step -> its prediction on the run's hardware (none without hardware)."""
+        if self.hardware is None:
+            return None
+        return functools.partial(
+            predict_step, self.engine, self.phase_plan, self.hardware, self.par,
+            tokens=self.train_cfg.tokens,
+        )  # fmt: skip
+
+    def _finish(
+        self, run: RunDir, trackers: Trackers, resumed: Resumed, state: Any,
+        records: list[dict[str, Any]], compile_s: float, signals: StopSignals,
+    ) -> RunResult:  # fmt: skip
+        """After the loop: the summary, the ledger, the last step's prediction and
+        views; a stopped run checkpoints where it stopped and says how to go on."""
+        done, stopped, saved = resumed.start + len(records), signals.received, self.saved
         if stopped is not None and run.logged == 0:
             raise RunInterrupted(
                 f"{signal.Signals(stopped).name} before the first step finished: nothing "
                 f"was written", stopped
             )  # fmt: skip
         if stopped is not None and saved is not None and saved.latest() != done:
-            saved.save(done, state, layout)
-        summary = _summary(
-            model_cfg, par, train_cfg, mesh.size, previous + records, compile_s, run.path, sizes
-        )
+            saved.save(done, state, self.layout)
+        every = resumed.records + records
+        summary = run_summary(
+            self.model.cfg, self.par, self.train_cfg, self.mesh.size, every, compile_s,
+            run.path, self.sizes,
+        )  # fmt: skip
         summary["status"] = "completed" if stopped is None else f"interrupted at step {done}"
-        engine.ledger.write(run.path / "ledger.json", ledger_before)
+        self.engine.ledger.write(run.path / "ledger.json", resumed.ledger)
+        predictor = self._predictor()
         if predictor is not None and records:
             timeline, report = predictor(done - 1)
-            summary.update(_prediction_files(timeline, report, run.path, model_cfg.name, par))
+            summary.update(
+                prediction_files(timeline, report, run.path, self.model.cfg.name, self.par)
+            )
         trackers.log_summary(summary)
         trackers.log_artifacts([run.path / name for name in RUN_FILES])
         if stopped is not None:
             raise RunInterrupted(_resume_hint(stopped, run.path, done, saved is not None), stopped)
-    except NonFiniteError as err:
-        run.write_summary(f"# shardemu run: {model_cfg.name}\n\nstopped: {err}\n")
-        raise
-    except BaseException:
-        run.discard_if_empty()
-        raise
-    finally:
-        if trackers is not None:
-            trackers.finish()
-        run.finish()
-        for checkpoints in (source, saved):
-            if checkpoints is not None:
-                checkpoints.close()
-    return RunResult(run.path, [r["loss"] for r in previous + records], summary)
+        return RunResult(run.path, [r["loss"] for r in every], summary)
 
 
 def _check_host_memory(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
@@ -213,12 +302,6 @@ def _check_host_memory(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
             f"least {floor:,} bytes for one layer's activations, more than this machine's "
             f"{memory:,}; run a smaller batch, or count it with `shardemu plan`"
         )
-
-
-def _read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
-    """A run directory's ledger.json events (none if the run never finished one)."""
-    path = Path(run_dir) / "ledger.json"
-    return json.loads(path.read_text()) if path.exists() else []
 
 
 def _loop(
@@ -288,45 +371,6 @@ def _resume_hint(signum: int, run_path: Path, done: int, checkpointed: bool) -> 
     return f"{signal.Signals(signum).name}: stopped after {done} steps; {how}"
 
 
-class RunSettings(NamedTuple):
-    """Everything a run directory's config.json says the run was made with."""
-
-    model: ModelConfig
-    parallelism: Parallelism
-    train: TrainConfig
-    phased: PhasedConfig | None
-    rules: Rules
-    checkpoint_every: int | None
-    tracking: TrackingConfig | None
-    eval_every: int | None
-
-
-def resume_settings(run_dir: str | Path) -> RunSettings:
-    """The settings a run directory was made with (its config.json)."""
-    path = Path(run_dir) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(
-            f"--resume {run_dir}: cannot read {path} ({err}); give a run directory that "
-            f"shardemu run wrote"
-        ) from None
-    rules = tuple(
-        (name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in cfg["rules"]
-    )
-    tracking = cfg.get("tracking")
-    return RunSettings(
-        ModelConfig(**cfg["model"]),
-        Parallelism(**cfg["parallelism"]),
-        TrainConfig(**cfg["train"]),
-        PhasedConfig(**cfg["phased"]) if cfg["phased"] else None,
-        rules,
-        cfg.get("checkpoint_every"),
-        TrackingConfig(**tracking) if tracking and any(tracking.values()) else None,
-        cfg.get("eval_every"),
-    )
-
-
 def _engine(
     model: Model, mesh: Mesh, train_cfg: TrainConfig, phased: PhasedConfig | None,
     rules: Rules | None,
@@ -344,107 +388,3 @@ def _engine(
     if par.pipe > 1 or train_cfg.microbatches > 1:
         return PipelinedEngine(PipelinedTrainer(model, mesh, train_cfg, rules))
     return ResidentEngine(Trainer(model, mesh, train_cfg, rules))
-
-
-def _config(
-    model: Model, engine: Engine, mesh: Mesh, train_cfg: TrainConfig,
-    phased: PhasedConfig | None, phase_plan: dict[str, Any] | None, sizes: dict[str, int],
-    rules: Rules | None,
-) -> dict[str, Any]:  # fmt: skip
-    """config.json: every setting, the rules (over the mesh, as given: the engines
-    derive their stage rules from them), sizes per device, devices, stage plan."""
-    par = parallelism_of(mesh)
-    shapes, _ = model.abstract_params()
-    lay = pipeline_layout(model.cfg.num_layers, par.pipe, train_cfg.virtual, train_cfg.stage_layers)
-    return {
-        "model": dataclasses.asdict(model.cfg),
-        "parallelism": dataclasses.asdict(par),
-        "train": dataclasses.asdict(train_cfg),
-        "engine": engine.name,
-        "rules": [
-            [name, axes] for name, axes in rules_or_default(rules, train_cfg.sequence_parallel)
-        ],
-        "param_count": sizes["param_count"],
-        "param_bytes": param_bytes(shapes),
-        "param_bytes_per_device": sizes["param_bytes_per_device"],
-        "opt_state_bytes_per_device": sizes["opt_state_bytes_per_device"],
-        "device_count": mesh.size,
-        "platform": mesh.devices.flat[0].platform,
-        "devices": [str(d) for d in mesh.devices.flat],
-        "tokens_per_step": train_cfg.tokens,
-        "microbatch_size": train_cfg.microbatch_size(par),
-        "schedule": train_cfg.schedule,
-        "stage_plan": stage_plan(model, lay),
-        "phased": dataclasses.asdict(phased) if phased else None,
-        "phase_plan": phase_plan,
-    }
-
-
-def _summary(
-    model_cfg: ModelConfig, par: Parallelism, train_cfg: TrainConfig, devices: int,
-    records: list[dict[str, Any]], compile_s: float, run_path: Path, sizes: dict[str, int],
-) -> dict[str, Any]:  # fmt: skip
-    """The table printed at the end (and summary.md)."""
-    median_s = statistics.median(r["step_time_s"] for r in records)
-    evaluated = [r["val_loss"] for r in records if "val_loss" in r]
-    return {
-        "model": model_cfg.name,
-        "mesh": str(par),
-        "devices": devices,
-        **sizes,
-        "steps": train_cfg.steps,
-        "global_batch": train_cfg.batch,
-        "seq": train_cfg.seq,
-        "microbatches": train_cfg.microbatches,
-        "schedule": train_cfg.schedule if par.pipe > 1 else None,
-        "grad_accum": train_cfg.grad_accum,
-        "precision": train_cfg.precision,
-        "bubble_fraction": records[0]["bubble_fraction"],
-        "first_loss": records[0]["loss"],
-        "final_loss": records[-1]["loss"],
-        **({"final_val_loss": evaluated[-1]} if evaluated else {}),
-        "compile_s": compile_s,
-        "median_step_s": median_s,
-        "tokens_per_s": train_cfg.tokens / median_s,
-        "run_dir": str(run_path),
-    }
-
-
-def _predict(
-    engine: Engine, plan: dict[str, Any] | None, hw: Hardware, par: Parallelism,
-    step: int, tokens: int,
-) -> tuple[Timeline, dict[str, Any]]:  # fmt: skip
-    """The run's own step `step` (its ledger) on `hw`. Memory per device: a phased run's
-    from its phase plan; a pipelined run's from its fullest stage (weights, optimizer
-    state, kept activations); a resident run's from XLA's memory analysis of its step."""
-    events = engine.ledger.step(step)
-    totals = engine.ledger.step_totals(step)
-    if plan is not None:
-        memory = {
-            "device": plan["device_high_water"],
-            "host": sum(plan["host_bytes_per_device"].values()),
-        }
-    else:
-        memory = {"device": engine.device_bytes()}
-    train = engine.trainer.train
-    if train.sparsity is not None:
-        events = sparse_compute(events, hw, engine.trainer.model.cfg, train.seq, train.sparsity)
-    timeline, report = predict(events, hw, par, totals["model_flops"], tokens, memory)
-    return timeline, report | sparse_report(hw, train.sparsity)
-
-
-def _prediction_files(
-    timeline: Timeline, report: dict[str, Any], out: Path, name: str, par: Parallelism
-) -> dict[str, Any]:
-    """trace.json and timeline.png in the run directory; the summary's prediction rows."""
-    write_views(timeline, out, f"{name} on {par}, {report['hardware']}")
-    return {
-        "hardware": report["hardware"],
-        "predicted_step_s": report["step_time_s"],
-        "predicted_utilisation": report["utilisation"],
-        "predicted_tokens_per_s": report["tokens_per_s"],
-        **{f"predicted_{k}": v for k, v in report["breakdown"].items()},
-        "predicted_device_memory_fits": report["memory_per_device"]["device"]["fits"],
-        **({"predicted_sparse_matmul_time": report["sparse_matmul_time"]}
-           if "sparse_matmul_time" in report else {}),
-    }  # fmt: skip
