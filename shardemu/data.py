@@ -135,9 +135,12 @@ class SyntheticCorpus:
         return a_then_b[:len_a], b
 
     def _mask(
-        self, rng: np.random.Generator, tokens: np.ndarray, predictions: int,
+        self,
+        rng: np.random.Generator,
+        tokens: np.ndarray,
+        predictions: int,
         rate: float = MASKED_LM_PROB,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """BERT's 80/10/10 masking of `rate` of each row's word positions, at most
         `predictions` of them: the masked tokens, and [b, predictions] the chosen
         positions (ascending), their original tokens and weight 1, then weight-0

@@ -48,9 +48,12 @@ def join(devices: int) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_num_cpu_devices", devices // count)
     jax.distributed.initialize(
-        os.environ[ENV_COORDINATOR], num_processes=count, process_id=process_index(),
-        initialization_timeout=120, heartbeat_timeout_seconds=HEARTBEAT_S,
-    )  # fmt: skip
+        os.environ[ENV_COORDINATOR],
+        num_processes=count,
+        process_id=process_index(),
+        initialization_timeout=120,
+        heartbeat_timeout_seconds=HEARTBEAT_S,
+    )
 
 
 def _free_port() -> int:
@@ -87,9 +90,10 @@ def launch(count: int, argv: list[str]) -> int:
                 _stop(procs)
                 how = f"signal {-code}" if code < 0 else f"status {code}"
                 print(
-                    f"error: process {index} of {count} ended with {how}; the others were "
-                    f"stopped", file=sys.stderr, flush=True,
-                )  # fmt: skip
+                    f"error: process {index} of {count} ended with {how}; the others were stopped",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 128 - code if code < 0 else code
             if all(c == 0 for c in codes):
                 return 0

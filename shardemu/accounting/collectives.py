@@ -28,11 +28,24 @@ import numpy as np
 from jax.sharding import Mesh
 
 _DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTR = re.compile(
     r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>" + "|".join(_OPS) + r")(?:-start)?\((?P<rest>.*)$"

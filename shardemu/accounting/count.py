@@ -258,22 +258,37 @@ def piece_events(
     matmuls, memory = counted.fused if fused_attention else (counted.matmuls, counted.memory_bytes)
     events = [
         Event(
-            step, phase, "compute", carries, flops=counted.flops_per_device * n,
-            devices=counted.devices, on=on, recompute_flops=recompute * n, stage=stage,
+            step,
+            phase,
+            "compute",
+            carries,
+            flops=counted.flops_per_device * n,
+            devices=counted.devices,
+            on=on,
+            recompute_flops=recompute * n,
+            stage=stage,
             run_flops=counted.flops_per_device,
             matmuls=tuple((m.flops, m.bytes) for m in matmuls),
             memory_bytes=memory,
         )
-    ]  # fmt: skip
+    ]
     grouped: dict[tuple, float] = defaultdict(float)
     for c in counted.collectives:
         label = "+".join(dict.fromkeys(labels.get(a, a) for a in c.axes))
         grouped[(c.op, label, c.group)] += c.sent_bytes * n
     events += [
         Event(
-            step, phase, "collective", carries, round(sent), axis=label,
-            devices=counted.devices, op=op, group=group, stage=stage,
+            step,
+            phase,
+            "collective",
+            carries,
+            round(sent),
+            axis=label,
+            devices=counted.devices,
+            op=op,
+            group=group,
+            stage=stage,
         )
         for (op, label, group), sent in grouped.items()
-    ]  # fmt: skip
+    ]
     return events

@@ -26,17 +26,35 @@ Kind = Literal["h2d", "d2h", "collective", "compute", "broadcast", "reduce"]
 Carries = Literal["weights", "gradients", "activations", "optimizer_state", ""]
 Where = Literal["device", "host"]
 PhaseKind = Literal[
-    "shared", "embed", "forward", "head", "backward", "embed-backward", "shared-backward",
-    "update", "step",
-]  # fmt: skip
+    "shared",
+    "embed",
+    "forward",
+    "head",
+    "backward",
+    "embed-backward",
+    "shared-backward",
+    "update",
+    "step",
+]
 Part = Literal["once", "F", "B", "update"]
 
 _PART: dict[str, Part] = {
-    "shared": "once", "embed": "F", "forward": "F", "head": "F", "backward": "B",
-    "embed-backward": "B", "shared-backward": "B", "update": "update", "step": "once",
-}  # fmt: skip
-_SHORT = {"forward": "fwd", "backward": "bwd", "embed-backward": "bwd-embed",
-          "shared-backward": "bwd-shared"}  # fmt: skip
+    "shared": "once",
+    "embed": "F",
+    "forward": "F",
+    "head": "F",
+    "backward": "B",
+    "embed-backward": "B",
+    "shared-backward": "B",
+    "update": "update",
+    "step": "once",
+}
+_SHORT = {
+    "forward": "fwd",
+    "backward": "bwd",
+    "embed-backward": "bwd-embed",
+    "shared-backward": "bwd-shared",
+}
 
 
 @dataclass(frozen=True)

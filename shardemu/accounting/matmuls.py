@@ -61,17 +61,46 @@ _RHS_BATCH = re.compile(r"rhs_batch_dims=\{([\d,]*)\}")
 # instructions that move no bytes of their own (or whose bytes are counted elsewhere:
 # loop and call bodies are walked as computations, collectives by collectives.py)
 _FREE = {
-    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call",
-    "conditional", "after-all", "partition-id", "replica-id", "dot", "all-reduce",
-    "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "all-reduce-start",
-    "all-reduce-done", "all-gather-start", "all-gather-done", "collective-permute-start",
-    "collective-permute-done", "copy-start", "copy-done",
-}  # fmt: skip
+    "parameter",
+    "constant",
+    "tuple",
+    "get-tuple-element",
+    "bitcast",
+    "while",
+    "call",
+    "conditional",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "dot",
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "all-reduce-start",
+    "all-reduce-done",
+    "all-gather-start",
+    "all-gather-done",
+    "collective-permute-start",
+    "collective-permute-done",
+    "copy-start",
+    "copy-done",
+}
 # a fusion of only these is data movement an accelerator folds into its kernels
 _MOVES = {
-    "convert", "copy", "transpose", "bitcast", "broadcast", "reshape", "parameter",
-    "constant", "tuple", "get-tuple-element", "iota",
-}  # fmt: skip
+    "convert",
+    "copy",
+    "transpose",
+    "bitcast",
+    "broadcast",
+    "reshape",
+    "parameter",
+    "constant",
+    "tuple",
+    "get-tuple-element",
+    "iota",
+}
 
 Instr = tuple[str, str, str, str]  # name, shape, opcode, the rest of the line
 
@@ -211,9 +240,11 @@ def _scores(rest: str, arrays: tuple[str, str, str]) -> int | None:
 
 
 def _memory_bytes(
-    computations: dict[str, list[Instr]], shapes: dict[str, str], itemsize: int,
+    computations: dict[str, list[Instr]],
+    shapes: dict[str, str],
+    itemsize: int,
     skip: frozenset[tuple[int, ...]],
-) -> int:  # fmt: skip
+) -> int:
     """Bytes the module's kernels other than matmuls read and write (see the module
     docstring), elements at most `itemsize` wide, arrays of the dims in `skip` left out."""
     called = {c for body in computations.values() for i in body for c in _CALLED.findall(i[3])}

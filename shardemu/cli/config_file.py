@@ -50,9 +50,11 @@ def read_settings(path: str | Path) -> dict[str, Any]:
 
 
 def apply_settings(
-    command: argparse.ArgumentParser, args: argparse.Namespace, settings: dict[str, Any],
+    command: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    settings: dict[str, Any],
     source: str,
-) -> None:  # fmt: skip
+) -> None:
     """Set `settings` on `args` for the flags the command line did not give
     (`args.given`), typed and checked as argparse would; an unknown key, a value of the
     wrong type or outside its choices is an error naming the key and `source`."""
@@ -129,12 +131,21 @@ def run_flags(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     if cfg.get("device_count", par.num_devices) != par.num_devices:
         flags["devices"] = cfg["device_count"]
     flags |= {
-        "steps": train.steps, "batch": train.batch, "seq": train.seq, "seed": train.seed,
-        "microbatches": train.microbatches, "grad_accum": train.grad_accum,
-        "optimizer": train.optimizer, "lr": train.learning_rate, "warmup": train.warmup_steps,
-        "schedule": train.schedule, "virtual": train.virtual, "data": train.data,
-        "precision": train.precision, "sequence_parallel": train.sequence_parallel,
-    }  # fmt: skip
+        "steps": train.steps,
+        "batch": train.batch,
+        "seq": train.seq,
+        "seed": train.seed,
+        "microbatches": train.microbatches,
+        "grad_accum": train.grad_accum,
+        "optimizer": train.optimizer,
+        "lr": train.learning_rate,
+        "warmup": train.warmup_steps,
+        "schedule": train.schedule,
+        "virtual": train.virtual,
+        "data": train.data,
+        "precision": train.precision,
+        "sequence_parallel": train.sequence_parallel,
+    }
     if train.stage_layers is not None:
         flags["stage_layers"] = ",".join(map(str, train.stage_layers))
     unexpressed = {
@@ -156,10 +167,14 @@ def run_flags(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     if train.sparsity is not None:
         sparse = train.sparsity
         flags |= {
-            "sparsity": sparse.sparsity, "block": sparse.block, "sparse_mode": sparse.mode,
-            "sparse_updates": sparse.updates, "prune_ratio": sparse.prune_ratio,
-            "regrow": sparse.regrow, "sparse_distribution": sparse.distribution,
-        }  # fmt: skip
+            "sparsity": sparse.sparsity,
+            "block": sparse.block,
+            "sparse_mode": sparse.mode,
+            "sparse_updates": sparse.updates,
+            "prune_ratio": sparse.prune_ratio,
+            "regrow": sparse.regrow,
+            "sparse_distribution": sparse.distribution,
+        }
     if phased is not None:
         flags |= {"phased": True, **dataclasses.asdict(phased)}
     for key in ("checkpoint_every", "eval_every"):
@@ -186,9 +201,12 @@ def _model_flags(model: ModelConfig, seq: int, path: Path) -> dict[str, Any]:
             flags["pad_vocab"] = model.vocab_size
     else:
         flags = {
-            "model": model.family, "layers": model.num_layers, "hidden": model.embed_dim,
-            "heads": model.num_heads, "vocab": model.vocab_size,
-        }  # fmt: skip
+            "model": model.family,
+            "layers": model.num_layers,
+            "hidden": model.embed_dim,
+            "heads": model.num_heads,
+            "vocab": model.vocab_size,
+        }
     if model.max_predictions:
         flags["max_predictions"] = model.max_predictions
     names = ("model", "layers", "hidden", "heads", "vocab", "pad_vocab", "max_predictions")

@@ -25,19 +25,49 @@ def demo_runs(steps: int, out: str | None) -> dict[str, list[str]]:
     common = ["--model", "gpt-tiny", "--batch", "16", "--seq", "64", "--seed", "0"]
     return {
         "sharded": [
-            "run", *common, "--mesh", MESH, "--devices", "8", "--steps", str(steps),
-            "--hardware", HARDWARE, "--out", str(root / "sharded"),
+            "run",
+            *common,
+            "--mesh",
+            MESH,
+            "--devices",
+            "8",
+            "--steps",
+            str(steps),
+            "--hardware",
+            HARDWARE,
+            "--out",
+            str(root / "sharded"),
         ],
         "one-device": [
-            "run", *common, "--devices", "1", "--steps", str(steps),
-            "--out", str(root / "one-device"),
+            "run",
+            *common,
+            "--devices",
+            "1",
+            "--steps",
+            str(steps),
+            "--out",
+            str(root / "one-device"),
         ],
         "phased": [
-            "run", *common, "--mesh", MESH, "--devices", "8", "--phased", "--phases", "2",
-            "--rts", "4", "--steps", str(min(steps, PHASED_STEPS)), "--hardware", HARDWARE,
-            "--out", str(root / "phased"),
+            "run",
+            *common,
+            "--mesh",
+            MESH,
+            "--devices",
+            "8",
+            "--phased",
+            "--phases",
+            "2",
+            "--rts",
+            "4",
+            "--steps",
+            str(min(steps, PHASED_STEPS)),
+            "--hardware",
+            HARDWARE,
+            "--out",
+            str(root / "phased"),
         ],
-    }  # fmt: skip
+    }
 
 
 def story(dirs: dict[str, Path]) -> Panel:

@@ -40,9 +40,17 @@ from shardemu.models.layers import layer_stack
 
 Batch = dict[str, jax.Array]
 __all__ = [
-    "FAMILIES", "PRESETS", "Batch", "Family", "LogicalAxes", "LossTerms", "Model",
-    "custom_model", "get_preset", "normalise",
-]  # fmt: skip
+    "FAMILIES",
+    "PRESETS",
+    "Batch",
+    "Family",
+    "LogicalAxes",
+    "LossTerms",
+    "Model",
+    "custom_model",
+    "get_preset",
+    "normalise",
+]
 
 
 def normalise(sums: LossTerms, counts: LossTerms) -> jax.Array:

@@ -102,9 +102,12 @@ class BERT(nn.Module):
         return constrain(mlm_bpv, ("batch", "predictions", "vocab")), nsp_b2
 
     def __call__(
-        self, tokens_bs: jax.Array, segments_bs: jax.Array, attention_mask_bs: jax.Array,
+        self,
+        tokens_bs: jax.Array,
+        segments_bs: jax.Array,
+        attention_mask_bs: jax.Array,
         positions_bp: jax.Array,
-    ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    ) -> tuple[jax.Array, jax.Array]:
         x_bsd, mask = self.embed(tokens_bs, segments_bs, attention_mask_bs)
         x_bsd, _ = self.layers(x_bsd, mask)
         return self.head(x_bsd, positions_bp)

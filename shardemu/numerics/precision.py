@@ -150,9 +150,12 @@ def unscale(grads: Any, opt_state: Any) -> Any:
 
 
 def apply_update(
-    tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any,
+    tx: optax.GradientTransformation,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
     finite: jax.Array | None = None,
-) -> tuple[Any, Any]:  # fmt: skip
+) -> tuple[Any, Any]:
     """(new weights, new state): `tx`'s update applied; with master weights, the new
     weights are the master rounded to the weights' dtype (exactly, not p + (m' - p)),
     and `finite` is passed on (see `with_master_weights`)."""

@@ -116,9 +116,15 @@ class PhasedTrainer:
         self, ledger: Ledger, tiers: list[Tier], real: bool, step: int = 0, counting: bool = True
     ) -> Executor:
         return Executor(
-            ledger, tiers, AXIS_LABELS, real, self.counter, step, self._context,
+            ledger,
+            tiers,
+            AXIS_LABELS,
+            real,
+            self.counter,
+            step,
+            self._context,
             counting=counting,
-        )  # fmt: skip
+        )
 
     def plan(
         self, phases: int | None = None, ledger: Ledger | None = None, counting: bool = True

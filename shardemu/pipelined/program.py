@@ -83,10 +83,18 @@ class Pass:
     """One pass of m microbatches through the pipeline (one accumulation step)."""
 
     def __init__(
-        self, ex: Executor, lay: PipelineLayout, stages: tuple[Stage, ...],
-        state: PipelinedState, batches: list[dict[int, dict]], counts: dict[int, Any],
-        sums: Sums, offset: int, example_mask: bool, scale: float,
-    ) -> None:  # fmt: skip
+        self,
+        ex: Executor,
+        lay: PipelineLayout,
+        stages: tuple[Stage, ...],
+        state: PipelinedState,
+        batches: list[dict[int, dict]],
+        counts: dict[int, Any],
+        sums: Sums,
+        offset: int,
+        example_mask: bool,
+        scale: float,
+    ) -> None:
         self.ex, self.lay, self.stages, self.state = ex, lay, stages, state
         self.batches, self.counts, self.sums, self.offset = batches, counts, sums, offset
         self.example_mask = example_mask  # BERT's padding mask travels with its examples
@@ -198,10 +206,15 @@ def shared_holders(lay: PipelineLayout) -> list[int]:
 
 
 def run_step(
-    ex: Executor, lay: PipelineLayout, stages: tuple[Stage, ...], schedule: str,
-    state: PipelinedState, passes: list[list[dict[int, dict]]], counts: dict[int, Any],
+    ex: Executor,
+    lay: PipelineLayout,
+    stages: tuple[Stage, ...],
+    schedule: str,
+    state: PipelinedState,
+    passes: list[list[dict[int, dict]]],
+    counts: dict[int, Any],
     example_mask: bool,
-) -> StepOutput:  # fmt: skip
+) -> StepOutput:
     """One training step: every accumulation pass through the schedule, the tied
     embedding's gradient sum, the global gradient norm, and every stage's update.
     `passes[a][mb]`: microbatch mb of pass a, per stage that reads the batch;
@@ -249,9 +262,14 @@ def _sum_shared(
     first, last = (stages[s] for s in holders)
     g_first, g_last = sums.trees[("shared", first.index)], sums.trees[("shared", last.index)]
     from_last, from_first = ex.exchange(
-        first.index, g_first, last.shared_store, g_last, first.shared_store, SHARED_BWD,
+        first.index,
+        g_first,
+        last.shared_store,
+        g_last,
+        first.shared_store,
+        SHARED_BWD,
         "gradients",
-    )  # fmt: skip
+    )
     # the same operands in the same order on both stages: bit-identical sums
     add = Piece.ADD_SHARED
     return {
@@ -261,9 +279,12 @@ def _sum_shared(
 
 
 def _global_norm(
-    ex: Executor, lay: PipelineLayout, stages: tuple[Stage, ...], chunk_grads: list[Any],
+    ex: Executor,
+    lay: PipelineLayout,
+    stages: tuple[Stage, ...],
+    chunk_grads: list[Any],
     shared_grads: dict[int, Any],
-) -> float:  # fmt: skip
+) -> float:
     """The gradient norm over the whole model (clipping needs it on every stage), each
     gradient counted once."""
     parts = [
@@ -276,9 +297,14 @@ def _global_norm(
 
 
 def _update(
-    ex: Executor, lay: PipelineLayout, stages: tuple[Stage, ...], state: PipelinedState,
-    chunk_grads: list[Any], shared_grads: dict[int, Any], norm: float,
-) -> PipelinedState:  # fmt: skip
+    ex: Executor,
+    lay: PipelineLayout,
+    stages: tuple[Stage, ...],
+    state: PipelinedState,
+    chunk_grads: list[Any],
+    shared_grads: dict[int, Any],
+    norm: float,
+) -> PipelinedState:
     """The clipped optimizer update of every chunk on its stage, and of the shared
     weights on each stage that holds them."""
 
@@ -290,8 +316,7 @@ def _update(
         st = stages[lay.stage_of(j)]
         args = (g, state.opt_chunks[j], state.chunks[j], norm_on(st))
         phase = Phase("update", j, lay.slices[j])
-        w, o = ex.run(phase, Piece.UPDATE_LAYERS_DEVICE, st, args,
-                      carries="optimizer_state")  # fmt: skip
+        w, o = ex.run(phase, Piece.UPDATE_LAYERS_DEVICE, st, args, carries="optimizer_state")
         chunks.append(w)
         opt_chunks.append(o)
     shared, opt_shared = {}, {}
@@ -299,7 +324,10 @@ def _update(
         st = stages[s]
         args = (g, state.opt_shared[s], state.shared[s], norm_on(st))
         shared[s], opt_shared[s] = ex.run(
-            Phase("update"), Piece.UPDATE_SHARED_DEVICE, st, args,
+            Phase("update"),
+            Piece.UPDATE_SHARED_DEVICE,
+            st,
+            args,
             carries="optimizer_state",
-        )  # fmt: skip
+        )
     return PipelinedState(chunks, opt_chunks, shared, opt_shared)

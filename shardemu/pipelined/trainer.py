@@ -184,13 +184,24 @@ class PipelinedTrainer:
         counts = tuple(np.float32(c) for c in self.model.loss_counts(batch))
         on = {s: jax.device_put(counts, self.stages[s].replicated) for s in self.holders}
         ex = Executor(
-            self.ledger, self.tiers, AXIS_LABELS, True, self.counter, self.steps_done,
+            self.ledger,
+            self.tiers,
+            AXIS_LABELS,
+            True,
+            self.counter,
+            self.steps_done,
             self._context,
-        )  # fmt: skip
+        )
         out: StepOutput = run_step(
-            ex, self.layout, self.stages, self.train.schedule, state, self._passes(batch), on,
+            ex,
+            self.layout,
+            self.stages,
+            self.train.schedule,
+            state,
+            self._passes(batch),
+            on,
             self.model.family.example_mask,
-        )  # fmt: skip
+        )
         self.steps_done += 1
         grads = self._tree(out.chunk_grads, out.shared_grads) if keep_grads else None
         return PipelinedResult(

@@ -61,12 +61,22 @@ from shardemu.predict.hardware import GB, Hardware
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.roofline import compute_seconds
 
-BREAKDOWN = ("compute_s", "exposed_transfer_s", "exposed_communication_s", "host_update_s",
-             "pipeline_bubble_s")  # fmt: skip
+BREAKDOWN = (
+    "compute_s",
+    "exposed_transfer_s",
+    "exposed_communication_s",
+    "host_update_s",
+    "pipeline_bubble_s",
+)
 # exposed-time categories, by the stream that keeps the stage busy, in priority order
-_EXPOSED = (("h2d", "exposed_transfer_s"), ("d2h", "exposed_transfer_s"),
-            ("broadcast", "exposed_transfer_s"), ("reduce", "exposed_transfer_s"),
-            ("collective", "exposed_communication_s"), ("host", "host_update_s"))  # fmt: skip
+_EXPOSED = (
+    ("h2d", "exposed_transfer_s"),
+    ("d2h", "exposed_transfer_s"),
+    ("broadcast", "exposed_transfer_s"),
+    ("reduce", "exposed_transfer_s"),
+    ("collective", "exposed_communication_s"),
+    ("host", "host_update_s"),
+)
 
 # computations that use the shared weights (embedding, head)
 _READS_SHARED = ("embed", "head", "embed-backward", "shared-backward")
@@ -280,5 +290,6 @@ def require_fit(memory: dict[str, int], hw: Hardware, layout: str, at_least: boo
         told = "; ".join(f"{t} {least}{used:,} bytes > {cap:,}" for t, (used, cap) in over.items())
         raise CapacityError(
             f"{layout} does not fit {hw.name} per device: {told}",
-            needed=memory.get("device"), at_least=at_least,
-        )  # fmt: skip
+            needed=memory.get("device"),
+            at_least=at_least,
+        )

@@ -77,9 +77,14 @@ class Hardware:
 
     def __post_init__(self) -> None:
         for key in (
-            "peak_tflops", "device_memory_gb", "host_memory_gb", "host_link_gbps",
-            "intra_node_gbps", "inter_node_gbps", "host_tflops",
-        ):  # fmt: skip
+            "peak_tflops",
+            "device_memory_gb",
+            "host_memory_gb",
+            "host_link_gbps",
+            "intra_node_gbps",
+            "inter_node_gbps",
+            "host_tflops",
+        ):
             value = getattr(self, key)
             if not _real(value) or value <= 0:
                 raise HardwareError(
@@ -97,9 +102,10 @@ class Hardware:
                     f"hardware {self.name!r}: {key} must be a finite number >= 0, got {value!r}"
                 )
         for key, left_out in (
-            ("memoryx_gbps", "no limit"), ("memory_gbps", "no roofline"),
+            ("memoryx_gbps", "no limit"),
+            ("memory_gbps", "no roofline"),
             ("fp32_tflops", "FP32 at peak_tflops"),
-        ):  # fmt: skip
+        ):
             value = getattr(self, key)
             if value is not None and not (_real(value) and value > 0):
                 raise HardwareError(

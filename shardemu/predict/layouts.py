@@ -59,9 +59,12 @@ class Candidate:
     def train_config(self, batch: int, seq: int) -> TrainConfig:
         """The training settings of `batch` sequences of `seq` tokens in this layout."""
         return TrainConfig(
-            batch=batch, seq=seq, precision=self.precision, schedule=self.schedule,
+            batch=batch,
+            seq=seq,
+            precision=self.precision,
+            schedule=self.schedule,
             virtual=self.virtual,
-        )  # fmt: skip
+        )
 
     def phased_config(self, device_memory: int | None) -> PhasedConfig | None:
         """A phased layout's settings against `device_memory` (the planner picks the
@@ -69,16 +72,21 @@ class Candidate:
         if self.mode == "resident":
             return None
         return PhasedConfig(
-            device_memory=device_memory, rts=self.rts,
-            activations=self.activations, optimizer_on=self.optimizer_on,  # type: ignore[arg-type]
+            device_memory=device_memory,
+            rts=self.rts,
+            activations=self.activations,
+            optimizer_on=self.optimizer_on,  # type: ignore[arg-type]
             prefetch=self.prefetch,
-        )  # fmt: skip
+        )
 
     def settings(self) -> dict[str, Any]:
         """The fields that apply to this candidate's mode."""
         out = dataclasses.asdict(self)
-        drop = ("rts", "activations", "optimizer_on", "prefetch") if self.mode == "resident" else (
-            "schedule", "virtual", "recompute")  # fmt: skip
+        drop = (
+            ("rts", "activations", "optimizer_on", "prefetch")
+            if self.mode == "resident"
+            else ("schedule", "virtual", "recompute")
+        )
         return {k: v for k, v in out.items() if k not in drop}
 
 
@@ -127,8 +135,12 @@ def resident_settings(par: Parallelism, layers: int) -> Iterator[dict[str, Any]]
         schedules.append(("interleaved", INTERLEAVED_CHUNKS))
     for schedule, virtual in schedules:
         for recompute in ("none", "selective", "full"):
-            yield {"mode": "resident", "schedule": schedule, "virtual": virtual,
-                   "recompute": recompute}  # fmt: skip
+            yield {
+                "mode": "resident",
+                "schedule": schedule,
+                "virtual": virtual,
+                "recompute": recompute,
+            }
 
 
 def phased_settings(par: Parallelism) -> Iterator[dict[str, Any]]:
@@ -136,8 +148,13 @@ def phased_settings(par: Parallelism) -> Iterator[dict[str, Any]]:
         for activations in LEAST_MEMORY:
             for optimizer_on in ("host", "device"):
                 for prefetch in (False, True):
-                    yield {"mode": "phased", "rts": rts, "activations": activations,
-                           "optimizer_on": optimizer_on, "prefetch": prefetch}  # fmt: skip
+                    yield {
+                        "mode": "phased",
+                        "rts": rts,
+                        "activations": activations,
+                        "optimizer_on": optimizer_on,
+                        "prefetch": prefetch,
+                    }
 
 
 def memory_ranks(c: Candidate) -> tuple[int, ...]:
@@ -162,8 +179,9 @@ def candidate_of(row: dict[str, Any]) -> Candidate:
 
 def pareto(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The fitting layouts no other beats on both device memory and step time."""
-    fitting = sorted((r for r in rows if r.get("fits")),
-                     key=lambda r: (r["device_bytes"], r["step_time_s"]))  # fmt: skip
+    fitting = sorted(
+        (r for r in rows if r.get("fits")), key=lambda r: (r["device_bytes"], r["step_time_s"])
+    )
     front, best = [], float("inf")
     for r in fitting:
         if r["step_time_s"] < best:

@@ -91,18 +91,31 @@ def plan_phased(
         _, planned = choose_microbatch(train_cfg.batch, par, candidate)
     else:
         planned = _counted(
-            model_cfg, par, train_cfg, phased, rules, hardware, microbatch_size, overlap,
+            model_cfg,
+            par,
+            train_cfg,
+            phased,
+            rules,
+            hardware,
+            microbatch_size,
+            overlap,
             must_fit,
-        )  # fmt: skip
+        )
     planned.report["elapsed_s"] = time.perf_counter() - t0
     return planned
 
 
 def _counted(
-    model_cfg: ModelConfig, par: Parallelism, train_cfg: TrainConfig, phased: PhasedConfig,
-    rules: Rules | None, hardware: Hardware | None, microbatch_size: int | None,
-    overlap: Overlap, must_fit: bool = False,
-) -> Plan:  # fmt: skip
+    model_cfg: ModelConfig,
+    par: Parallelism,
+    train_cfg: TrainConfig,
+    phased: PhasedConfig,
+    rules: Rules | None,
+    hardware: Hardware | None,
+    microbatch_size: int | None,
+    overlap: Overlap,
+    must_fit: bool = False,
+) -> Plan:
     """`plan_phased`'s work at one microbatch size: the report, the step's ledger and
     (with `hardware`) its timeline."""
     given_vocab = model_cfg.vocab_size
@@ -167,9 +180,14 @@ def _counted(
 
 
 def check_fit(
-    model_cfg: ModelConfig, par: Parallelism, train_cfg: TrainConfig, phased: PhasedConfig,
-    hardware: Hardware, microbatch_size: int | None = None, rules: Rules | None = None,
-) -> None:  # fmt: skip
+    model_cfg: ModelConfig,
+    par: Parallelism,
+    train_cfg: TrainConfig,
+    phased: PhasedConfig,
+    hardware: Hardware,
+    microbatch_size: int | None = None,
+    rules: Rules | None = None,
+) -> None:
     """Judge a phased layout's step by its memory alone, as `plan_phased(...,
     must_fit=True)` does first: `CapacityError` when it does not fit `hardware`'s
     tiers. When it fits, the pieces its counted plan will count start compiling in
@@ -184,9 +202,12 @@ def check_fit(
 
 
 def _setting(
-    model_cfg: ModelConfig, par: Parallelism, train_cfg: TrainConfig,
-    hardware: Hardware | None, microbatch_size: int | None,
-) -> tuple[Hardware | None, ModelConfig, int, TrainConfig, Schedule | None]:  # fmt: skip
+    model_cfg: ModelConfig,
+    par: Parallelism,
+    train_cfg: TrainConfig,
+    hardware: Hardware | None,
+    microbatch_size: int | None,
+) -> tuple[Hardware | None, ModelConfig, int, TrainConfig, Schedule | None]:
     """What a plan at one microbatch size runs: the hardware at the training's
     precision, the model with its vocabulary padded for the mesh, the number of passes,
     one pass's training settings and the passes' pipeline schedule (none for one)."""
@@ -198,9 +219,14 @@ def _setting(
 
 
 def _require_fit(
-    model_cfg: ModelConfig, par: Parallelism, pass_cfg: TrainConfig, phased: PhasedConfig,
-    rules: Rules | None, sched: Schedule | None, hardware: Hardware,
-) -> None:  # fmt: skip
+    model_cfg: ModelConfig,
+    par: Parallelism,
+    pass_cfg: TrainConfig,
+    phased: PhasedConfig,
+    rules: Rules | None,
+    sched: Schedule | None,
+    hardware: Hardware,
+) -> None:
     """`CapacityError` unless the step's memory, from a dry run of one pass for memory
     alone (which compiles almost nothing), fits `hardware`'s tiers."""
     plan, _ = _one_pass(model_cfg, par, pass_cfg, phased, rules, counting=False)
@@ -213,9 +239,13 @@ def _require_fit(
 
 @functools.lru_cache(maxsize=128)
 def _one_pass(
-    model_cfg: ModelConfig, par: Parallelism, pass_cfg: TrainConfig, phased: PhasedConfig,
-    rules: Rules | None, counting: bool = True,
-) -> tuple[dict[str, Any], tuple[Event, ...]]:  # fmt: skip
+    model_cfg: ModelConfig,
+    par: Parallelism,
+    pass_cfg: TrainConfig,
+    phased: PhasedConfig,
+    rules: Rules | None,
+    counting: bool = True,
+) -> tuple[dict[str, Any], tuple[Event, ...]]:
     """One pass counted (the phase plan and its events), once per process for each
     setting: a search and the microbatch choice plan the same pass at several numbers of
     passes. Not `counting`, its memory alone (`planner.dry_run`)."""
@@ -227,9 +257,12 @@ def _one_pass(
 
 @functools.lru_cache(maxsize=64)
 def _trainer(
-    model_cfg: ModelConfig, par: Parallelism, pass_cfg: TrainConfig, phased: PhasedConfig,
+    model_cfg: ModelConfig,
+    par: Parallelism,
+    pass_cfg: TrainConfig,
+    phased: PhasedConfig,
     rules: Rules | None,
-) -> PhasedTrainer:  # fmt: skip
+) -> PhasedTrainer:
     """The abstract trainer of one pass: one stage's devices stand for every stage
     (identical stages count the same). Kept for the pass's counted plan after its memory
     alone, and its phase count found once: a search judges two groups of layouts (up

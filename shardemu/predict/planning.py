@@ -54,10 +54,16 @@ def plan(
                 f"PhasedConfig.activations says ({phased.activations!r})"
             )
         return plan_phased(
-            model, par, train, phased, rules=rules, hardware=hardware,
-            microbatch_size="auto" if auto else microbatch_size, overlap=overlap,
+            model,
+            par,
+            train,
+            phased,
+            rules=rules,
+            hardware=hardware,
+            microbatch_size="auto" if auto else microbatch_size,
+            overlap=overlap,
             must_fit=must_fit,
-        )  # fmt: skip
+        )
     if hardware is None:
         raise ConfigError(
             "a resident plan is timed on a hardware profile: give hardware "
@@ -69,11 +75,16 @@ def plan(
             "rules are planned with a PhasedConfig, or trained with Trainer(rules=...)"
         )
     settings = {
-        "schedule": train.schedule, "virtual": train.virtual, "recompute": recompute,
-        "sparsity": train.sparsity, "attention": attention,
-        "stage_layers": train.stage_layers, "precision": train.precision,
-        "overlap": overlap, "must_fit": must_fit,
-    }  # fmt: skip
+        "schedule": train.schedule,
+        "virtual": train.virtual,
+        "recompute": recompute,
+        "sparsity": train.sparsity,
+        "attention": attention,
+        "stage_layers": train.stage_layers,
+        "precision": train.precision,
+        "overlap": overlap,
+        "must_fit": must_fit,
+    }
     if auto:
         return plan_resident_auto(model, par, train.batch, train.seq, hardware, **settings)
     size = microbatch_size if microbatch_size is not None else train.batch // par.replica

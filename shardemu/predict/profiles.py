@@ -63,9 +63,16 @@ def _ipu(name: str, ipus: int) -> Hardware:
 
 
 def _gpu(
-    name: str, tflops: float, tf32: float, hbm_gb: float, hbm_gbps: float, nvlink: float,
-    pcie: float, ib: float, desc: str,
-) -> Hardware:  # fmt: skip
+    name: str,
+    tflops: float,
+    tf32: float,
+    hbm_gb: float,
+    hbm_gbps: float,
+    nvlink: float,
+    pcie: float,
+    ib: float,
+    desc: str,
+) -> Hardware:
     """An NVIDIA GPU: `tflops` BF16/FP16 dense; FP32 matmuls run on the tensor cores as
     TF32 (`tf32`), as XLA's default precision and cuBLAS's TF32 mode do on Ampere and
     Hopper."""
@@ -260,9 +267,10 @@ def load_profile(path: str | Path) -> Hardware:
             raise HardwareError(f"hardware profile {str(path)!r}: unknown base {base!r}")
         return dataclasses.replace(PROFILES[base], **{"name": path.stem, **data})
     missing = sorted(
-        f.name for f in dataclasses.fields(Hardware)
+        f.name
+        for f in dataclasses.fields(Hardware)
         if f.default is dataclasses.MISSING and f.name not in data and f.name != "name"
-    )  # fmt: skip
+    )
     if missing:
         raise HardwareError(
             f"hardware profile {str(path)!r} is missing {', '.join(missing)}; give them, or "

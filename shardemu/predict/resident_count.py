@@ -66,9 +66,15 @@ class Microbatch:
 
 
 def count_microbatch(
-    model: Model, tensor: int, microbatch_size: int, seq: int, full_recompute: bool,
-    counter: Counter | None = None, precision: str = "fp32", fused_attention: bool = False,
-) -> Microbatch:  # fmt: skip
+    model: Model,
+    tensor: int,
+    microbatch_size: int,
+    seq: int,
+    full_recompute: bool,
+    counter: Counter | None = None,
+    precision: str = "fp32",
+    fused_attention: bool = False,
+) -> Microbatch:
     """Count one microbatch's pieces on `tensor` JAX devices (no weights allocated), in
     `precision` (`model` is then the model that computes in it: `compute_model`). With
     `fused_attention`, its kernels and kept bytes are FlashAttention's: no [s, s]
@@ -79,9 +85,14 @@ def count_microbatch(
     ledger = Ledger()
     counter = PROCESS_COUNTER if counter is None else counter  # an empty Counter is falsy
     ex = Executor(
-        ledger, [Tier("device", None)], AXIS_LABELS, False, counter, context=context,
+        ledger,
+        [Tier("device", None)],
+        AXIS_LABELS,
+        False,
+        counter,
+        context=context,
         fused_attention=fused_attention,
-    )  # fmt: skip
+    )
     x, mask = ex.run(EMBED, Piece.EMBED, st, (shared, batch))
     if full_recompute:
         y, keep = ex.run(FORWARD, Piece.FWD, st, (layer, x, mask)), bytes_per_device(x)
@@ -93,9 +104,12 @@ def count_microbatch(
     if full_recompute:
         count = (layer, x, mask)
         g_w, _ = ex.run(
-            BACKWARD, Piece.BWD, st, (*count, g_x),
+            BACKWARD,
+            Piece.BWD,
+            st,
+            (*count, g_x),
             recompute=recompute_flops(ex, st, count, g_x),
-        )  # fmt: skip
+        )
     else:
         g_w, _ = ex.run(BACKWARD, Piece.BWD_KEEP, st, (vjp, g_x))
     ex.run(BACKWARD, Piece.SQ_NORM, st, (g_w,))
@@ -144,9 +158,14 @@ def _optimizer_state(tx: Any, weights: Any, shardings: Any) -> Any:
 
 @functools.lru_cache(maxsize=256)
 def memory_bound(
-    cfg: ModelConfig, tensor: int, microbatch_size: int, seq: int, full: bool, precision: str,
+    cfg: ModelConfig,
+    tensor: int,
+    microbatch_size: int,
+    seq: int,
+    full: bool,
+    precision: str,
     fused_attention: bool,
-) -> Microbatch:  # fmt: skip
+) -> Microbatch:
     """`counted_microbatch`'s bytes (`count_key`), with nothing compiled and no pieces:
     a search judges memory first, and most layouts that do not fit would compile only to
     find that out. Exact, but for what a layer keeps for its backward without full
@@ -167,14 +186,16 @@ def memory_bound(
     if full:
         keep = bytes_per_device(x)
     else:
-        leaves, tree = PROCESS_COUNTER.traced(Piece.FWD_KEEP, st.fn(Piece.FWD_KEEP), st.mesh,
-                                              (layer, x, mask), context)  # fmt: skip
+        leaves, tree = PROCESS_COUNTER.traced(
+            Piece.FWD_KEEP, st.fn(Piece.FWD_KEEP), st.mesh, (layer, x, mask), context
+        )
         _, vjp = tree.unflatten(leaves)
         scores = (microbatch_size, cfg.num_heads, seq, seq)
         keep = sum(
-            _bytes_at_least(leaf, tensor) for leaf in jax.tree.leaves(vjp)
+            _bytes_at_least(leaf, tensor)
+            for leaf in jax.tree.leaves(vjp)
             if not (fused_attention and squeezed(leaf.shape) == squeezed(scores))
-        )  # fmt: skip
+        )
     opt = (
         bytes_per_device(_optimizer_state(built.tx_layers, layer, st.layer_opt)),
         bytes_per_device(_optimizer_state(built.tx_shared, shared, st.shared_opt)),
@@ -216,9 +237,14 @@ class CountKey(NamedTuple):
 
 
 def count_key(
-    model_cfg: ModelConfig, par: Parallelism, microbatch_size: int, seq: int,
-    recompute: str, precision: str, attention: str,
-) -> CountKey:  # fmt: skip
+    model_cfg: ModelConfig,
+    par: Parallelism,
+    microbatch_size: int,
+    seq: int,
+    recompute: str,
+    precision: str,
+    attention: str,
+) -> CountKey:
     """The count a layout's plan uses."""
     cfg = compute_model(Model(padded_for(model_cfg, par)), precision).cfg
     full, fused = recompute == "full", attention == "fused"
@@ -227,18 +253,28 @@ def count_key(
 
 @functools.lru_cache(maxsize=256)
 def counted_microbatch(
-    cfg: ModelConfig, tensor: int, microbatch_size: int, seq: int, full: bool, precision: str,
+    cfg: ModelConfig,
+    tensor: int,
+    microbatch_size: int,
+    seq: int,
+    full: bool,
+    precision: str,
     fused_attention: bool,
-) -> Microbatch:  # fmt: skip
+) -> Microbatch:
     """`count_microbatch` once per process for each setting (`count_key`): a search plans
     one count at many pipeline depths, replicas, schedules and batch sizes, and counts
     ahead of its planning (`search.py`). With fused attention,
     each layer's backward also recomputes its scores Q K^T: FlashAttention keeps only
     the softmax statistics (Dao et al. 2022, Algorithm 4)."""
     mb = count_microbatch(
-        Model(cfg), tensor, microbatch_size, seq, full, precision=precision,
+        Model(cfg),
+        tensor,
+        microbatch_size,
+        seq,
+        full,
+        precision=precision,
         fused_attention=fused_attention,
-    )  # fmt: skip
+    )
     if fused_attention:  # Q K^T per device: it reads Q and K, writes nothing to memory
         scores = flops.layer_forward(cfg, microbatch_size, seq)["attn_scores"]
         q_k = 2 * microbatch_size * seq * cfg.embed_dim // tensor

@@ -21,16 +21,41 @@ from shardemu.report.scalars import scalars
 # config.json fields that are not settings: when and how a run was started, which
 # devices it got, files and results (a plan's config.json is its report)
 _NOT_SETTINGS = (
-    "created", "argv", "devices", "trace", "timeline", "elapsed_s", "plan", "phase_plan",
-    "stage_plan", "stream_busy_s", "breakdown", "memory_per_device", "step_time_s",
-    "utilisation", "tokens_per_s", "critical_stage", "model_flops_rel_err", "executed_flops",
-    "tflops_per_device", "resumed_from",
-)  # fmt: skip
+    "created",
+    "argv",
+    "devices",
+    "trace",
+    "timeline",
+    "elapsed_s",
+    "plan",
+    "phase_plan",
+    "stage_plan",
+    "stream_busy_s",
+    "breakdown",
+    "memory_per_device",
+    "step_time_s",
+    "utilisation",
+    "tokens_per_s",
+    "critical_stage",
+    "model_flops_rel_err",
+    "executed_flops",
+    "tflops_per_device",
+    "resumed_from",
+)
 # the final metrics shown first, in this order (others follow: bytes by axis)
 FINAL = (
-    "loss", "grad_norm", "learning_rate", "step_time_s", "tokens_per_s", "flops",
-    "model_flops", "bytes_h2d", "bytes_d2h", "device_high_water_bytes", "predicted_step_s",
-)  # fmt: skip
+    "loss",
+    "grad_norm",
+    "learning_rate",
+    "step_time_s",
+    "tokens_per_s",
+    "flops",
+    "model_flops",
+    "bytes_h2d",
+    "bytes_d2h",
+    "device_high_water_bytes",
+    "predicted_step_s",
+)
 
 
 @dataclass

@@ -19,9 +19,16 @@ from shardemu.report.views import write_views
 
 # a plan's counts under the names a run's step record gives them
 _COUNTS = (
-    "flops", "model_flops", "model_flops_analytic", "bytes_h2d", "bytes_d2h",
-    "bytes_h2d_weights", "bytes_d2h_gradients", "bytes_collective", "bubble_fraction",
-)  # fmt: skip
+    "flops",
+    "model_flops",
+    "model_flops_analytic",
+    "bytes_h2d",
+    "bytes_d2h",
+    "bytes_h2d_weights",
+    "bytes_d2h_gradients",
+    "bytes_collective",
+    "bubble_fraction",
+)
 PLAN_FILES = ("config.json", "ledger.json", "summary.md", "trace.json", "timeline.png")
 
 

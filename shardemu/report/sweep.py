@@ -29,8 +29,13 @@ from shardemu.report.scalars import scalars
 
 _TOP_KEYS = ("command", "method", "metric", "parameters", "run_cap", "name", "description")
 _DISTRIBUTIONS = (
-    "constant", "categorical", "int_uniform", "uniform", "log_uniform_values", "q_uniform",
-)  # fmt: skip
+    "constant",
+    "categorical",
+    "int_uniform",
+    "uniform",
+    "log_uniform_values",
+    "q_uniform",
+)
 # flags a trial cannot take, and why
 _NOT_PARAMETERS = {
     "out": "the sweep sets each trial's --out",
@@ -180,8 +185,13 @@ def _draw(spec: dict[str, Any], rng: np.random.Generator) -> Any:
 Trial = Callable[[dict[str, Any], Path], None]
 
 
-def run_sweep(sweep: Sweep, out: Path, trial: Trial, count: int | None = None,
-              log: Callable[[str], None] = print) -> list[dict[str, Any]]:  # fmt: skip
+def run_sweep(
+    sweep: Sweep,
+    out: Path,
+    trial: Trial,
+    count: int | None = None,
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
     """Run the trials not yet finished (at most `count` of them) with `trial(params,
     run_dir)`; the sweep's table, best first. A trial that raises a `ShardemuError` is
     recorded as failed and the sweep goes on; it runs again when the sweep resumes."""

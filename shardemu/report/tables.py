@@ -11,9 +11,15 @@ from rich.table import Table
 from shardemu.report.rundir import fmt_value
 
 _PHASE_COLUMNS = (
-    "phase", "stage", "layers", "weight_bytes_per_device", "gathered_bytes_per_device",
-    "activation_bytes_per_device", "fetches", "writes",
-)  # fmt: skip
+    "phase",
+    "stage",
+    "layers",
+    "weight_bytes_per_device",
+    "gathered_bytes_per_device",
+    "activation_bytes_per_device",
+    "fetches",
+    "writes",
+)
 
 
 def summary_table(title: str, fields: dict[str, Any]) -> Table:
@@ -32,8 +38,9 @@ def param_table(report: dict[str, Any]) -> Table:
         table.add_column(col)
     table.add_column("bytes/device", justify="right")
     for row in report["params"]:
-        spec = ("-" if a is None else "+".join(a) if isinstance(a, list) else a
-                for a in row["spec"])  # fmt: skip
+        spec = (
+            "-" if a is None else "+".join(a) if isinstance(a, list) else a for a in row["spec"]
+        )
         table.add_row(
             row["path"],
             "x".join(map(str, row["shape"])),
@@ -101,16 +108,29 @@ def search_table(result: dict[str, Any]) -> Table:
         f"{counts['fit']} fit, {result['elapsed_s']:.0f} s"
     )
     table = Table(title=title)
-    for col in ("#", "layout", "step s", "tokens/s", "MFU", "device GB", "bubble s",
-                "exposed comm s"):  # fmt: skip
+    for col in (
+        "#",
+        "layout",
+        "step s",
+        "tokens/s",
+        "MFU",
+        "device GB",
+        "bubble s",
+        "exposed comm s",
+    ):
         table.add_column(col, justify="left" if col == "layout" else "right")
     for i, r in enumerate(result["top"], 1):
         b = r["breakdown"]
         table.add_row(
-            str(i), r["label"], f"{r['step_time_s']:.4g}", f"{r['tokens_per_s']:,.0f}",
-            f"{r['utilisation']:.1%}", f"{r['device_bytes'] / 1e9:.3g}",
-            f"{b['pipeline_bubble_s']:.3g}", f"{b['exposed_communication_s']:.3g}",
-        )  # fmt: skip
+            str(i),
+            r["label"],
+            f"{r['step_time_s']:.4g}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['utilisation']:.1%}",
+            f"{r['device_bytes'] / 1e9:.3g}",
+            f"{b['pipeline_bubble_s']:.3g}",
+            f"{b['exposed_communication_s']:.3g}",
+        )
     check = result.get("verification")
     if check is not None:
         verdict = "equal" if check["equal"] else "NOT EQUAL"

@@ -18,9 +18,16 @@ from typing import Any
 from shardemu.predict.costmodel import Span, Timeline
 
 _STREAM_ORDER = ("compute", "h2d", "d2h", "host")
-_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "update": "#55a868",
-            "embed": "#8c8c8c", "head": "#8172b3", "shared": "#937860",
-            "embed-backward": "#c44e52", "shared-backward": "#da8bc3"}  # fmt: skip
+_COLOURS = {
+    "forward": "#4c72b0",
+    "backward": "#dd8452",
+    "update": "#55a868",
+    "embed": "#8c8c8c",
+    "head": "#8172b3",
+    "shared": "#937860",
+    "embed-backward": "#c44e52",
+    "shared-backward": "#da8bc3",
+}
 
 
 def lanes(timeline: Timeline) -> list[tuple[int, str]]:
@@ -44,11 +51,29 @@ def trace_events(timeline: Timeline) -> list[dict]:
     order = {lane: i for i, lane in enumerate(lanes(timeline))}
     events: list[dict] = []
     for (stage, stream), tid in order.items():
-        events.append({"name": "thread_name", "ph": "M", "ts": 0, "dur": 0, "pid": stage,
-                       "tid": tid, "args": {"name": stream}})  # fmt: skip
+        events.append(
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "ts": 0,
+                "dur": 0,
+                "pid": stage,
+                "tid": tid,
+                "args": {"name": stream},
+            }
+        )
     for stage in sorted({s for s, _ in order}):
-        events.append({"name": "process_name", "ph": "M", "ts": 0, "dur": 0, "pid": stage,
-                       "tid": 0, "args": {"name": f"stage {stage}"}})  # fmt: skip
+        events.append(
+            {
+                "name": "process_name",
+                "ph": "M",
+                "ts": 0,
+                "dur": 0,
+                "pid": stage,
+                "tid": 0,
+                "args": {"name": f"stage {stage}"},
+            }
+        )
     for span in timeline.spans:
         if span.duration <= 0:
             continue
@@ -69,7 +94,7 @@ def trace_events(timeline: Timeline) -> list[dict]:
                     "carries": e.carries,
                     "axis": e.axis,
                     "op": e.op,
-                },  # fmt: skip
+                },
             }
         )
     return events
@@ -144,8 +169,10 @@ def plot_timeline(timeline: Timeline, path: str | Path, title: str) -> Path:
     ax.set_title(title, fontsize=9)
     ax.legend(
         handles=[Patch(color=c, label=k) for k, c in kinds_seen.items()],
-        fontsize=7, loc="upper right", ncols=min(len(kinds_seen), 8),
-    )  # fmt: skip
+        fontsize=7,
+        loc="upper right",
+        ncols=min(len(kinds_seen), 8),
+    )
     return save_figure(fig, Path(path))
 
 
@@ -189,20 +216,47 @@ def plot_pareto(result: dict[str, Any], path: Path) -> Path:
     for mode, marker in (("resident", "o"), ("phased", "s")):
         rows = [r for r in result["candidates"] if r.get("fits") and r["mode"] == mode]
         if rows:
-            ax.scatter([r["device_bytes"] / 1e9 for r in rows], [r["step_time_s"] for r in rows],
-                       s=12, marker=marker, alpha=0.5, label=f"{mode} ({len(rows)})")  # fmt: skip
+            ax.scatter(
+                [r["device_bytes"] / 1e9 for r in rows],
+                [r["step_time_s"] for r in rows],
+                s=12,
+                marker=marker,
+                alpha=0.5,
+                label=f"{mode} ({len(rows)})",
+            )
     front = result["pareto"]
-    ax.plot([r["device_bytes"] / 1e9 for r in front], [r["step_time_s"] for r in front],
-            "k-", lw=1, drawstyle="steps-post", label="Pareto front")  # fmt: skip
+    ax.plot(
+        [r["device_bytes"] / 1e9 for r in front],
+        [r["step_time_s"] for r in front],
+        "k-",
+        lw=1,
+        drawstyle="steps-post",
+        label="Pareto front",
+    )
     top = result["top"]
-    ax.scatter([r["device_bytes"] / 1e9 for r in top], [r["step_time_s"] for r in top],
-               s=60, facecolors="none", edgecolors="red", label=f"top {len(top)}")  # fmt: skip
+    ax.scatter(
+        [r["device_bytes"] / 1e9 for r in top],
+        [r["step_time_s"] for r in top],
+        s=60,
+        facecolors="none",
+        edgecolors="red",
+        label=f"top {len(top)}",
+    )
     best = result["best"]
-    ax.annotate(best["label"], (best["device_bytes"] / 1e9, best["step_time_s"]), fontsize=7,
-                xytext=(-5, 5), textcoords="offset points", ha="right")  # fmt: skip
-    ax.set(xlabel="device memory per device (GB)", ylabel="predicted step time (s)",
-           title=f"{result['model']} on {result['devices']} x {result['hardware']}, "
-                 f"batch {result['batch']} x {result['seq']}")  # fmt: skip
+    ax.annotate(
+        best["label"],
+        (best["device_bytes"] / 1e9, best["step_time_s"]),
+        fontsize=7,
+        xytext=(-5, 5),
+        textcoords="offset points",
+        ha="right",
+    )
+    ax.set(
+        xlabel="device memory per device (GB)",
+        ylabel="predicted step time (s)",
+        title=f"{result['model']} on {result['devices']} x {result['hardware']}, "
+        f"batch {result['batch']} x {result['seq']}",
+    )
     ax.set_yscale("log")
     ax.legend(fontsize=8)
     return save_figure(fig, path)

@@ -110,14 +110,20 @@ class Trainer:
 
         tx = make_optimizer(train, self.param_shapes, self.param_logical)
         self.tx = sparse_optimizer(
-            with_master_weights(tx, train), train,
-            self.param_shapes, self.param_logical, self.param_specs, axis_sizes,
-        )  # fmt: skip
+            with_master_weights(tx, train),
+            train,
+            self.param_shapes,
+            self.param_logical,
+            self.param_specs,
+            axis_sizes,
+        )
         replicated = NamedSharding(mesh, PartitionSpec())
         self.opt_shardings = opt_state_shardings(
-            self.tx, jax.eval_shape(self.tx.init, self.param_shapes), self.param_shardings,
+            self.tx,
+            jax.eval_shape(self.tx.init, self.param_shapes),
+            self.param_shardings,
             replicated,
-        )  # fmt: skip
+        )
         self.batch_shardings = {}
         shapes = model.batch_shapes(train.batch, train.seq)
         for key, axes in model.batch_axes.items():
@@ -168,8 +174,12 @@ class Trainer:
             counts = self.model.loss_counts(batch)
             loss, grads, _ = accumulate(
                 lambda p, b: (self.model.forward_sums(p, b), None),
-                counts, params, batch, self.train.grad_accum, scale,
-            )  # fmt: skip
+                counts,
+                params,
+                batch,
+                self.train.grad_accum,
+                scale,
+            )
         return loss, grads
 
     def _update(self, grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
@@ -252,13 +262,21 @@ class Trainer:
         context = (self.model.cfg, self._program_settings, self.rules)
         with unrolled_layers():
             grads = self._count(
-                counter, "step-grads", self._grads, (params, batch), (r, self.param_shardings),
+                counter,
+                "step-grads",
+                self._grads,
+                (params, batch),
+                (r, self.param_shardings),
                 context,
-            )  # fmt: skip
+            )
             update = self._count(
-                counter, "step-update", self._update, (params, opt_state, params),
-                (self.param_shardings, self.opt_shardings), context,
-            )  # fmt: skip
+                counter,
+                "step-update",
+                self._update,
+                (params, opt_state, params),
+                (self.param_shardings, self.opt_shardings),
+                context,
+            )
         return [
             *piece_events(grads, step, Phase("step"), 0),
             *piece_events(update, step, Phase("update"), 0, carries="optimizer_state"),

@@ -74,10 +74,15 @@ def resume_settings(run_dir: str | Path) -> RunSettings:
 
 
 def run_config(
-    model: Model, engine: Engine, mesh: Mesh, train_cfg: TrainConfig,
-    phased: PhasedConfig | None, phase_plan: dict[str, Any] | None, sizes: dict[str, int],
+    model: Model,
+    engine: Engine,
+    mesh: Mesh,
+    train_cfg: TrainConfig,
+    phased: PhasedConfig | None,
+    phase_plan: dict[str, Any] | None,
+    sizes: dict[str, int],
     rules: Rules | None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """config.json: every setting, the rules (over the mesh, as given: the engines
     derive their stage rules from them), sizes per device, devices, stage plan."""
     par = parallelism_of(mesh)
@@ -108,9 +113,15 @@ def run_config(
 
 
 def run_summary(
-    model_cfg: ModelConfig, par: Parallelism, train_cfg: TrainConfig, devices: int,
-    records: list[dict[str, Any]], compile_s: float, run_path: Path, sizes: dict[str, int],
-) -> dict[str, Any]:  # fmt: skip
+    model_cfg: ModelConfig,
+    par: Parallelism,
+    train_cfg: TrainConfig,
+    devices: int,
+    records: list[dict[str, Any]],
+    compile_s: float,
+    run_path: Path,
+    sizes: dict[str, int],
+) -> dict[str, Any]:
     """The table printed at the end (and summary.md)."""
     median_s = statistics.median(r["step_time_s"] for r in records)
     evaluated = [r["val_loss"] for r in records if "val_loss" in r]
@@ -138,9 +149,13 @@ def run_summary(
 
 
 def predict_step(
-    engine: Engine, plan: dict[str, Any] | None, hw: Hardware, par: Parallelism,
-    step: int, tokens: int,
-) -> tuple[Timeline, dict[str, Any]]:  # fmt: skip
+    engine: Engine,
+    plan: dict[str, Any] | None,
+    hw: Hardware,
+    par: Parallelism,
+    step: int,
+    tokens: int,
+) -> tuple[Timeline, dict[str, Any]]:
     """The run's own step `step` (its ledger) on `hw`. Memory per device: a phased run's
     from its phase plan; a pipelined run's from its fullest stage (weights, optimizer
     state, kept activations); a resident run's from XLA's memory analysis of its step."""
@@ -172,6 +187,9 @@ def prediction_files(
         "predicted_tokens_per_s": report["tokens_per_s"],
         **{f"predicted_{k}": v for k, v in report["breakdown"].items()},
         "predicted_device_memory_fits": report["memory_per_device"]["device"]["fits"],
-        **({"predicted_sparse_matmul_time": report["sparse_matmul_time"]}
-           if "sparse_matmul_time" in report else {}),
-    }  # fmt: skip
+        **(
+            {"predicted_sparse_matmul_time": report["sparse_matmul_time"]}
+            if "sparse_matmul_time" in report
+            else {}
+        ),
+    }

@@ -58,16 +58,23 @@ def _settings(c: Candidate, par: Parallelism) -> tuple[TrainConfig, PhasedConfig
     size = min(c.microbatch_size, 2)
     if c.mode == "phased":
         phased = PhasedConfig(
-            rts=min(c.rts, par.replica), activations=c.activations,  # type: ignore[arg-type]
-            optimizer_on=c.optimizer_on, prefetch=c.prefetch,  # type: ignore[arg-type]
-        )  # fmt: skip
+            rts=min(c.rts, par.replica),
+            activations=c.activations,  # type: ignore[arg-type]
+            optimizer_on=c.optimizer_on,
+            prefetch=c.prefetch,  # type: ignore[arg-type]
+        )
         train = TrainConfig(steps=STEPS, batch=size * par.replica, seq=SEQ, precision=c.precision)
         return train, phased
     micro = 2 * c.pipe  # interleaved 1F1B needs a multiple of pipe
     train = TrainConfig(
-        steps=STEPS, batch=size * par.replica * micro, seq=SEQ, microbatches=micro,
-        schedule=c.schedule, virtual=c.virtual, precision=c.precision,
-    )  # fmt: skip
+        steps=STEPS,
+        batch=size * par.replica * micro,
+        seq=SEQ,
+        microbatches=micro,
+        schedule=c.schedule,
+        virtual=c.virtual,
+        precision=c.precision,
+    )
     return train, None
 
 
@@ -80,13 +87,20 @@ def verify(model_cfg: ModelConfig, c: Candidate, out: Path) -> dict[str, Any]:
     tiny, par = scaled_down(model_cfg, c)
     train_cfg, phased = _settings(c, par)
     sharded = train(
-        tiny, par, train_cfg, out / "sharded", devices=jax.devices()[: par.num_devices],
+        tiny,
+        par,
+        train_cfg,
+        out / "sharded",
+        devices=jax.devices()[: par.num_devices],
         phased=phased,
-    )  # fmt: skip
+    )
     one = train(
-        tiny, Parallelism(), dataclasses.replace(train_cfg, schedule="gpipe", virtual=1),
-        out / "one-device", devices=jax.devices()[:1],
-    )  # fmt: skip
+        tiny,
+        Parallelism(),
+        dataclasses.replace(train_cfg, schedule="gpipe", virtual=1),
+        out / "one-device",
+        devices=jax.devices()[:1],
+    )
     a, b = np.asarray(sharded.losses), np.asarray(one.losses)
     worst = float(np.max(np.abs(a - b) / np.abs(b)))
     return {

@@ -36,9 +36,13 @@ __all__ = [
 
 
 def sparse_optimizer(
-    tx: optax.GradientTransformation, train: TrainConfig, shapes: Any, logical: Any,
-    specs: Any, axis_sizes: dict[str, int],
-) -> optax.GradientTransformation:  # fmt: skip
+    tx: optax.GradientTransformation,
+    train: TrainConfig,
+    shapes: Any,
+    logical: Any,
+    specs: Any,
+    axis_sizes: dict[str, int],
+) -> optax.GradientTransformation:
     """`tx` wrapped for `train.sparsity` (`tx` itself for a dense run), once the block
     size is checked against the parameters' shards (`specs` over `axis_sizes`)."""
     sparse = train.sparsity
@@ -68,9 +72,12 @@ def opt_state_shardings(
 
     def params_like(inner: optax.GradientTransformation, shapes: Any) -> Any:
         return optax.tree_map_params(
-            inner, lambda _, sh: sh, shapes, param_shardings,
+            inner,
+            lambda _, sh: sh,
+            shapes,
+            param_shardings,
             transform_non_params=lambda _: replicated,
-        )  # fmt: skip
+        )
 
     if not isinstance(state, SparseState):
         return params_like(tx, state)

@@ -23,9 +23,13 @@ from jax.sharding import PartitionSpec
 from shardemu.config import ConfigError, SparsityConfig
 
 SPARSE_KERNELS = (
-    ("attn", "query"), ("attn", "key"), ("attn", "value"), ("attn", "out"),
-    ("mlp", "fc_in"), ("mlp", "fc_out"),
-)  # fmt: skip
+    ("attn", "query"),
+    ("attn", "key"),
+    ("attn", "value"),
+    ("attn", "out"),
+    ("mlp", "fc_in"),
+    ("mlp", "fc_out"),
+)
 
 
 def _names(path: tuple) -> tuple[str, ...]:

@@ -75,14 +75,18 @@ def wrap_optax(
             due = (t > 0) & (t % interval == 0) & (t // interval <= cfg.updates)
             first = state.first_layer
             new = jax.lax.cond(
-                due, lambda: _updated(params, grads, old, t, cfg, logical, steps, key, first),
+                due,
+                lambda: _updated(params, grads, old, t, cfg, logical, steps, key, first),
                 lambda: old,
-            )  # fmt: skip
+            )
             regrown = jax.tree.map(lambda n, o: n & ~o, new, old)
             inner = optax.tree_map_params(
-                tx, lambda v, r: jnp.where(r, jnp.zeros_like(v), v), inner, regrown,
+                tx,
+                lambda v, r: jnp.where(r, jnp.zeros_like(v), v),
+                inner,
+                regrown,
                 transform_non_params=lambda v: v,
-            )  # fmt: skip
+            )
         # a sparse kernel has no gradient for its zero weights
         masked = jax.tree.map(lambda g, m: jnp.where(m, g, jnp.zeros_like(g)), grads, old)
         updates, inner = tx.update(masked, inner, params)
@@ -98,9 +102,13 @@ def wrap_optax(
 
 
 def init_state(
-    tx: optax.GradientTransformation, params: Any, cfg: SparsityConfig, logical: Any,
-    seed: int, first_layer: int = 0,
-) -> SparseState:  # fmt: skip
+    tx: optax.GradientTransformation,
+    params: Any,
+    cfg: SparsityConfig,
+    logical: Any,
+    seed: int,
+    first_layer: int = 0,
+) -> SparseState:
     """`wrap_optax(tx, ...)`'s fresh state; of a stack of layers alone that starts at
     the model's layer `first_layer` (a pipeline stage's or a phase's), the state the
     whole model's has for those layers: the same masks, and the same regrowth draws."""
@@ -112,9 +120,16 @@ def init_state(
 
 
 def _updated(
-    params: Any, grads: Any, masks: Any, t: jax.Array, cfg: SparsityConfig, logical: Any,
-    steps: int, key: jax.Array, first_layer: jax.Array,
-) -> Any:  # fmt: skip
+    params: Any,
+    grads: Any,
+    masks: Any,
+    t: jax.Array,
+    cfg: SparsityConfig,
+    logical: Any,
+    steps: int,
+    key: jax.Array,
+    first_layer: jax.Array,
+) -> Any:
     """The masks after one prune-and-regrow at step `t`."""
     ratio = cfg.prune_ratio * 0.5 * (1 + jnp.cos(math.pi * t / steps))
     axes = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))

@@ -66,9 +66,15 @@ class Executor:
     # ---- transfers -----------------------------------------------------------------------
 
     def to_device(
-        self, stage: int, key: str, tree: Any, shardings: Any, phase: Phase, carries: Carries,
+        self,
+        stage: int,
+        key: str,
+        tree: Any,
+        shardings: Any,
+        phase: Phase,
+        carries: Carries,
         nbytes: int | None = None,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         """Host tier -> device tier of `stage`, which admits `key` (or refuses).
         `nbytes`: what the transfer moves over all devices when the host tier stores
         `tree` in a layout of its own (sparse weights, `sparsity/storage.py`); by
@@ -79,18 +85,29 @@ class Executor:
         return out
 
     def to_host(
-        self, stage: int, tree: Any, shardings: Any, phase: Phase, carries: Carries,
+        self,
+        stage: int,
+        tree: Any,
+        shardings: Any,
+        phase: Phase,
+        carries: Carries,
         nbytes: int | None = None,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         """Device tier of `stage` -> host tier (`nbytes` as in `to_device`)."""
         out = self.place(tree, with_memory_kind(shardings, "pinned_host"))
         self._record_transfer(phase, "d2h", carries, out, stage, nbytes)
         return out
 
     def broadcast(
-        self, stage: int, key: str, tree: Any, shardings: Any, phase: Phase, carries: Carries,
+        self,
+        stage: int,
+        key: str,
+        tree: Any,
+        shardings: Any,
+        phase: Phase,
+        carries: Carries,
         nbytes: int | None = None,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         """Host tier (MemoryX) -> every system over SwarmX (weight streaming): each
         system's device tier admits `key`, whole weights on each (`shardings` replicate
         over the systems). One `broadcast` event over the `swarmx` link whose bytes are
@@ -102,16 +119,28 @@ class Executor:
         copies = bytes_all_devices(out) if nbytes is None else nbytes
         self.ledger.record(
             Event(
-                self.step, phase, "broadcast", carries, copies // systems, axis="swarmx",
-                devices=systems, stage=stage,
+                self.step,
+                phase,
+                "broadcast",
+                carries,
+                copies // systems,
+                axis="swarmx",
+                devices=systems,
+                stage=stage,
             )
-        )  # fmt: skip
+        )
         return out
 
     def reduce(
-        self, stage: StageLike, piece: Piece, stacked: Any, shardings: Any,
-        masks: Any, phase: Phase, carries: Carries,
-    ) -> Any:  # fmt: skip
+        self,
+        stage: StageLike,
+        piece: Piece,
+        stacked: Any,
+        shardings: Any,
+        masks: Any,
+        phase: Phase,
+        carries: Carries,
+    ) -> Any:
         """Every system's gradients -> the host tier, summed on the way (SwarmX's
         reduce): the [systems, ...] stack leaves the devices (each system its own row,
         in `shardings`) and `piece(stack, masks)` sums it where it lands. One `reduce`
@@ -122,10 +151,16 @@ class Executor:
         systems = _devices(rows)
         self.ledger.record(
             Event(
-                self.step, phase, "reduce", carries, bytes_all_devices(rows) // systems,
-                axis="swarmx", devices=systems, stage=stage.index,
+                self.step,
+                phase,
+                "reduce",
+                carries,
+                bytes_all_devices(rows) // systems,
+                axis="swarmx",
+                devices=systems,
+                stage=stage.index,
             )
-        )  # fmt: skip
+        )
         args = (rows, masks)
         return stage.fn(piece)(*args) if self.real else self.shape(piece, stage, args)
 
@@ -134,17 +169,30 @@ class Executor:
         out = self.place(tree, shardings)
         self.ledger.record(
             Event(
-                self.step, phase, "collective", carries, bytes_all_devices(out),
-                axis="pipe", devices=_devices(out), op="collective-permute", group=2,
+                self.step,
+                phase,
+                "collective",
+                carries,
+                bytes_all_devices(out),
+                axis="pipe",
+                devices=_devices(out),
+                op="collective-permute",
+                group=2,
                 stage=stage,
             )
-        )  # fmt: skip
+        )
         return out
 
     def exchange(
-        self, stage: int, tree_a: Any, to_b: Any, tree_b: Any, to_a: Any, phase: Phase,
+        self,
+        stage: int,
+        tree_a: Any,
+        to_b: Any,
+        tree_b: Any,
+        to_a: Any,
+        phase: Phase,
         carries: Carries,
-    ) -> tuple[Any, Any]:  # fmt: skip
+    ) -> tuple[Any, Any]:
         """Two stages swap trees so that each can sum both: an all-reduce over `pipe`
         between two stages (the tied embedding's gradient halves, as Megatron-LM sums
         them), one event recorded on `stage`. `to_b`, `to_a`: the shardings on the
@@ -152,12 +200,18 @@ class Executor:
         at_b, at_a = self.place(tree_a, to_b), self.place(tree_b, to_a)
         self.ledger.record(
             Event(
-                self.step, phase, "collective", carries,
-                bytes_all_devices(at_b) + bytes_all_devices(at_a), axis="pipe",
-                devices=_devices(at_a) + _devices(at_b), op="all-reduce", group=2,
+                self.step,
+                phase,
+                "collective",
+                carries,
+                bytes_all_devices(at_b) + bytes_all_devices(at_a),
+                axis="pipe",
+                devices=_devices(at_a) + _devices(at_b),
+                op="all-reduce",
+                group=2,
                 stage=stage,
             )
-        )  # fmt: skip
+        )
         return at_a, at_b
 
     def place(self, tree: Any, shardings: Any) -> Any:
@@ -170,9 +224,14 @@ class Executor:
         )
 
     def _record_transfer(
-        self, phase: Phase, kind: str, carries: Carries, tree: Any, stage: int,
+        self,
+        phase: Phase,
+        kind: str,
+        carries: Carries,
+        tree: Any,
+        stage: int,
         nbytes: int | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         moved = bytes_all_devices(tree) if nbytes is None else nbytes
         self.ledger.record(
             Event(self.step, phase, kind, carries, moved, devices=_devices(tree), stage=stage)
@@ -209,9 +268,17 @@ class Executor:
             else:
                 counted = self.count(piece, stage, count_args)
             for event in piece_events(
-                counted, self.step, phase, stage.index, carries, on, repeat, recompute,
-                self.axis_labels, self.fused_attention,
-            ):  # fmt: skip
+                counted,
+                self.step,
+                phase,
+                stage.index,
+                carries,
+                on,
+                repeat,
+                recompute,
+                self.axis_labels,
+                self.fused_attention,
+            ):
                 self.ledger.record(event)
         else:
             self.will_count(piece, stage, count_args)
