@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from shardemu.accounting.ledger import Ledger
 from shardemu.accounting.sizes import bytes_per_device
 from shardemu.errors import CapacityError, ConfigError
-from shardemu.phased.program import Layout, StepOutput, run_step
+from shardemu.phased.program import StepOutput, run_step
+from shardemu.phased.state import Layout
 from shardemu.stages.tiers import Tier
 
 if TYPE_CHECKING:

@@ -27,9 +27,11 @@ from shardemu.numerics.precision import as_compute, compute_model
 from shardemu.parallel.mesh import parallelism_of
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.phased import planner
-from shardemu.phased.program import Layout, PhasedState, run_step
+from shardemu.phased.program import run_step
+from shardemu.phased.state import Layout, PhasedState
 from shardemu.stages.executor import Executor
-from shardemu.stages.stage import AXIS_LABELS, Stage, build_stages, stage_meshes, stage_rules
+from shardemu.stages.specs import AXIS_LABELS, stage_meshes, stage_rules
+from shardemu.stages.stage import Stage, build_stages
 from shardemu.stages.tiers import Tier, with_memory_kind
 
 

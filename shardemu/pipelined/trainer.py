@@ -30,14 +30,8 @@ from shardemu.parallel.schedules import Slot, make_schedule
 from shardemu.pipelined.layout import pipeline_layout
 from shardemu.pipelined.program import PipelinedState, StepOutput, run_step, shared_holders
 from shardemu.stages.executor import Executor
-from shardemu.stages.stage import (
-    AXIS_LABELS,
-    Stage,
-    build_stages,
-    init_params,
-    stage_meshes,
-    stage_rules,
-)
+from shardemu.stages.specs import AXIS_LABELS, stage_meshes, stage_rules
+from shardemu.stages.stage import Stage, build_stages, init_params
 from shardemu.stages.tiers import Tier
 
 

@@ -37,7 +37,8 @@ from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
 from shardemu.predict.plan_phased import padded_for
 from shardemu.stages.executor import Executor
 from shardemu.stages.pieces import Piece
-from shardemu.stages.stage import AXIS_LABELS, build_stages, stage_meshes, stage_rules
+from shardemu.stages.specs import AXIS_LABELS, stage_meshes, stage_rules
+from shardemu.stages.stage import build_stages
 from shardemu.stages.tiers import Tier
 
 Recompute = Literal["none", "selective", "full"]

@@ -13,20 +13,18 @@ reduced and scattered to the stored sharding. Optimizer state is stored over rts
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardemu.accounting.count import signature
 from shardemu.accounting.ledger import Phase
 from shardemu.config import ModelConfig, PhasedConfig, TrainConfig
 from shardemu.models import Model, normalise
-from shardemu.models.layers import ACT_BSD
 from shardemu.numerics.optim import clip_by_norm, make_optimizer, squared_norm
 from shardemu.numerics.precision import (
     apply_update,
@@ -35,134 +33,34 @@ from shardemu.numerics.precision import (
     unscale,
     with_master_weights,
 )
-from shardemu.parallel.rules import Rules, activation_rules, logical_to_spec, resolve_specs
+from shardemu.parallel.rules import Rules, activation_rules, resolve_specs
 from shardemu.sparsity import apply_masks, init_state, opt_state_shardings, sparse_optimizer
 from shardemu.sparsity.storage import compressed_bytes
 from shardemu.stages.executor import Executor
 from shardemu.stages.pieces import Piece
+from shardemu.stages.specs import Specs, make_specs
 from shardemu.stages.systems import per_system_builders
 from shardemu.stages.tiers import with_memory_kind
-
-RTS = "rts"
-STAGE_AXES = ("pipe", "replica", RTS, "tensor")
-AXIS_LABELS = {RTS: "replica"}  # the ledger names the rts sub-axis as the user's axis
-
-
-def stage_meshes(mesh: Mesh, rts: int) -> list[Mesh]:
-    """One mesh per pipeline stage, over that stage's devices, with `replica` split
-    into (replica / rts, rts); neighbouring replicas share a weight's rts shards."""
-    _, replica, tensor = (mesh.shape[a] for a in ("pipe", "replica", "tensor"))
-    grid = mesh.devices  # (pipe, replica, tensor): see mesh.py
-    return [
-        Mesh(
-            grid[s].reshape(1, replica // rts, rts, tensor),
-            STAGE_AXES,
-            axis_types=(AxisType.Auto,) * len(STAGE_AXES),
-        )
-        for s in range(grid.shape[0])
-    ]
-
-
-def stage_rules(rules: Rules) -> Rules:
-    """`rules` on a stage mesh: whatever was split over `replica` is split over
-    (replica, rts), i.e. over the same devices."""
-
-    def split(axes: Any) -> Any:
-        if axes is None:
-            return None
-        names = (axes,) if isinstance(axes, str) else tuple(axes)
-        out = tuple(n for a in names for n in ((a, RTS) if a == "replica" else (a,)))
-        return out[0] if len(out) == 1 else out
-
-    return tuple((name, split(axes)) for name, axes in rules)
-
-
-def store_spec(
-    spec: PartitionSpec, shape: tuple[int, ...], axes: tuple[str, ...],
-    sizes: dict[str, int], skip: int,
-) -> PartitionSpec:  # fmt: skip
-    """`spec` with mesh `axes` added to the largest dimension (past the first `skip`)
-    whose shard they divide, preferring dimensions not split yet: how a weight is stored
-    when spread over more devices. A tensor with no such dimension (BERT's 2-way NSP
-    bias) is stored whole, as a real RTS implementation would keep a tiny bias."""
-    n = math.prod(sizes[a] for a in axes)
-    if n == 1:
-        return spec
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-
-    def shard(dim: int) -> int:
-        e = entries[dim]
-        names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
-        return shape[dim] // math.prod(sizes[a] for a in names)
-
-    fits = [d for d in range(skip, len(shape)) if shard(d) % n == 0]
-    if not fits:  # a tensor too small to split (BERT's 2-way NSP bias): stored whole
-        return spec
-    dim = max(fits, key=lambda d: (entries[d] is None, shard(d)))  # unsplit dims first
-    e = entries[dim]
-    entries[dim] = (*(() if e is None else (e,) if isinstance(e, str) else e), *axes)
-    return PartitionSpec(*entries)
-
-
-def tree_store_specs(
-    specs: Any, shapes: Any, axes: tuple[str, ...], sizes: dict[str, int], skip: int
-) -> Any:
-    return jax.tree.map(
-        lambda spec, s: store_spec(spec, s.shape, axes, sizes, skip),
-        specs,
-        shapes,
-        is_leaf=lambda x: isinstance(x, PartitionSpec),
-    )
-
-
-@dataclass
-class Specs:
-    """Partition specs of one phase's layers and of the shared weights, the same on
-    every stage: computed, stored (rts) and optimizer state (rts')."""
-
-    layer_compute: Any
-    layer_store: Any
-    layer_opt: Any
-    shared_compute: Any
-    shared_store: Any
-    shared_opt: Any
-    act: PartitionSpec
-    batch: dict[str, PartitionSpec]
-
-
-def make_specs(
-    layer_specs: Any, layer_shapes: Any, shared_specs: Any, shared_shapes: Any,
-    rules: Rules, sizes: dict[str, int], cfg: PhasedConfig, model: Model,
-) -> Specs:  # fmt: skip
-    rts_axes = (RTS,) if cfg.rts > 1 else ()
-    if cfg.rts_opt in (1, cfg.rts):
-        opt_axes = () if cfg.rts_opt == 1 else rts_axes
-    else:  # all of replica (PhasedConfig.check_mesh allows nothing else)
-        opt_axes = ("replica", RTS)
-    return Specs(
-        layer_compute=layer_specs,
-        layer_store=tree_store_specs(layer_specs, layer_shapes, rts_axes, sizes, skip=1),
-        layer_opt=tree_store_specs(layer_specs, layer_shapes, opt_axes, sizes, skip=1),
-        shared_compute=shared_specs,
-        shared_store=tree_store_specs(shared_specs, shared_shapes, rts_axes, sizes, skip=0),
-        shared_opt=tree_store_specs(shared_specs, shared_shapes, opt_axes, sizes, skip=0),
-        act=logical_to_spec(ACT_BSD, rules, "activations"),
-        batch={
-            k: logical_to_spec(axes, rules, f"batch array {k!r}")
-            for k, axes in model.batch_axes.items()
-        },
-    )
 
 
 class Stage:
     """One stage's mesh, shardings and jitted pieces (built on first use)."""
 
     def __init__(
-        self, index: int, mesh: Mesh, specs: Specs, rules: Rules, model: Model,
-        train: TrainConfig, tx_layers: optax.GradientTransformation,
-        tx_shared: optax.GradientTransformation, opt_layer_shapes: Any, opt_shared_shapes: Any,
-        layer_logical: Any, per_system: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        index: int,
+        mesh: Mesh,
+        specs: Specs,
+        rules: Rules,
+        model: Model,
+        train: TrainConfig,
+        tx_layers: optax.GradientTransformation,
+        tx_shared: optax.GradientTransformation,
+        opt_layer_shapes: Any,
+        opt_shared_shapes: Any,
+        layer_logical: Any,
+        per_system: bool = False,
+    ) -> None:
         self.index, self.mesh, self.rules, self.model, self.train = index, mesh, rules, model, train
         self.layer_logical = layer_logical
         named = lambda tree: jax.tree.map(  # noqa: E731
@@ -365,9 +263,12 @@ def build_stages(
 
 @functools.lru_cache(maxsize=32)
 def _stages(
-    model_cfg: ModelConfig, meshes: tuple[Mesh, ...], train: TrainConfig, cfg: PhasedConfig,
+    model_cfg: ModelConfig,
+    meshes: tuple[Mesh, ...],
+    train: TrainConfig,
+    cfg: PhasedConfig,
     rules: Rules,
-) -> Pieces:  # fmt: skip
+) -> Pieces:
     model = Model(model_cfg)
     sizes = dict(meshes[0].shape)
     key = model.stack_key
@@ -376,13 +277,23 @@ def _stages(
     shared = {k: v for k, v in shapes.items() if k != key}
     shared_logical = {k: v for k, v in logical.items() if k != key}
     specs = make_specs(
-        resolve_specs(one, logical[key], rules, sizes), one,
-        resolve_specs(shared, shared_logical, rules, sizes), shared, rules, sizes, cfg, model,
-    )  # fmt: skip
+        resolve_specs(one, logical[key], rules, sizes),
+        one,
+        resolve_specs(shared, shared_logical, rules, sizes),
+        shared,
+        rules,
+        sizes,
+        cfg,
+        model,
+    )
     tx_layers = sparse_optimizer(
         with_master_weights(make_optimizer(train, one, logical[key], clip=False), train),
-        train, one, logical[key], specs.layer_store, sizes,
-    )  # fmt: skip
+        train,
+        one,
+        logical[key],
+        specs.layer_store,
+        sizes,
+    )
     tx_shared = with_master_weights(
         make_optimizer(train, shared, shared_logical, clip=False), train
     )
@@ -400,7 +311,7 @@ def _stages(
             *opt_shapes,
             logical[key],
             per_system=cfg.weight_streaming,
-        )  # fmt: skip
+        )
         for s, m in enumerate(meshes)
     )
     return Pieces(stages, tx_layers, tx_shared, one, shared, logical[key], train)
