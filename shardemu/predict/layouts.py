@@ -79,6 +79,10 @@ class Candidate:
             prefetch=self.prefetch,
         )
 
+    def row(self) -> dict[str, Any]:
+        """The search's row of this layout before it is judged: its label and settings."""
+        return {"label": self.label, **self.settings()}
+
     def settings(self) -> dict[str, Any]:
         """The fields that apply to this candidate's mode."""
         out = dataclasses.asdict(self)

@@ -64,18 +64,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import jax.numpy as jnp
-
-from shardemu.accounting import flops
 from shardemu.config import ConfigError, ModelConfig, Parallelism, TrainConfig
 from shardemu.errors import CapacityError
-from shardemu.models import Model, count_params
-from shardemu.numerics.precision import arithmetic, compute_model
 from shardemu.predict.ahead import CountsAhead
+from shardemu.predict.bounds import Bounds
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import (
-    MODES,
-    STATE_BYTES_PER_PARAM,
     Candidate,
     Mode,
     Space,
@@ -85,62 +79,20 @@ from shardemu.predict.layouts import (
     pareto,
     phased_settings,
     resident_settings,
-)  # fmt: skip
+)
 from shardemu.predict.microbatch import microbatch_candidates
 from shardemu.predict.plan_phased import check_fit
-from shardemu.predict.plan_resident import device_bytes_at_least
 from shardemu.predict.planning import plan
 from shardemu.predict.resident_count import CountKey, count_key, counted_microbatch
-from shardemu.predict.roofline import least_step_seconds
 
 
 @dataclasses.dataclass
-class Searcher:
-    """One search: its inputs, and a planner call per candidate (`plan`)."""
+class Searcher(Bounds):
+    """One search: its inputs, the bounds that prune it (`Bounds`), and a planner call
+    per candidate (`plan`)."""
 
-    model_cfg: ModelConfig
-    hardware: Hardware
-    devices: int
-    batch: int
-    seq: int
-    space: Space
     log: Callable[[str], None] = lambda _: None
     ahead: CountsAhead | None = None  # the counts being made in the background
-    top: int = 5  # the layouts the search ranks: prune 5 keeps any that could be among them
-
-    def __post_init__(self) -> None:
-        if self.devices < 1 or self.batch < 1 or self.seq < 1:
-            raise ConfigError(
-                f"--devices, --batch and --seq must be positive, got {self.devices}, "
-                f"{self.batch}, {self.seq}"
-            )
-        Model(self.model_cfg).check_fits(TrainConfig(batch=self.batch, seq=self.seq), Parallelism())
-        for precision in self.space.precisions:  # refuses a precision the profile lacks
-            self.hardware.at_precision(arithmetic(self.model_cfg, precision))
-        if self.space.modes not in MODES:
-            raise ConfigError(
-                f"--modes must be one of {', '.join(MODES)}, got {self.space.modes!r}"
-            )
-        self.params = count_params(self.model_cfg)
-        two = self.model_cfg.replace(num_layers=2)
-        self.layer_params = count_params(two) - count_params(two.replace(num_layers=1))
-        self.model_flops = flops.training_step(self.model_cfg, self.batch, self.seq)
-        self.faster: list[dict[str, Any]] = []  # the fitting rows of faster precisions
-        self._least_bytes: dict[Candidate, int | None] = {}
-
-    def least_step(self, precision: str) -> float:
-        """No layout in `precision` is faster (`roofline.least_step_seconds`)."""
-        hw = self.hardware.at_precision(arithmetic(self.model_cfg, precision))
-        return least_step_seconds(self.model_flops, self.devices, hw)
-
-    def rate_classes(self) -> list[tuple[str, ...]]:
-        """The space's precisions grouped by compute rate (the same least step),
-        fastest first (prune 5)."""
-        least = {p: self.least_step(p) for p in self.space.precisions}
-        return [
-            tuple(p for p in self.space.precisions if least[p] == step)
-            for step in sorted(set(least.values()))
-        ]
 
     def plan(self, c: Candidate, microbatches: int) -> dict[str, Any]:
         """The planner's report for `c` with `microbatches` microbatches (or passes)."""
@@ -148,11 +100,16 @@ class Searcher:
             self.ahead.ready(self.count_of(c))
         resident = {"recompute": c.recompute, "attention": self.space.attention}
         return plan(
-            self.model_cfg, c.par, self.train_config(c, microbatches), self.hardware,
+            self.model_cfg,
+            c.par,
+            self.train_config(c, microbatches),
+            self.hardware,
             phased=c.phased_config(self.hardware.device_memory_bytes),
-            microbatch_size=c.microbatch_size, overlap=self.space.overlap, must_fit=True,
+            microbatch_size=c.microbatch_size,
+            overlap=self.space.overlap,
+            must_fit=True,
             **(resident if c.mode == "resident" else {}),
-        ).report  # fmt: skip
+        ).report
 
     def train_config(self, c: Candidate, microbatches: int) -> TrainConfig:
         """`c`'s training settings with `microbatches` microbatches (or passes)."""
@@ -161,66 +118,21 @@ class Searcher:
     def count_of(self, c: Candidate) -> CountKey:
         """The microbatch count resident candidate `c`'s plans use."""
         return count_key(
-            self.model_cfg, c.par, c.microbatch_size, self.seq, c.recompute, c.precision,
+            self.model_cfg,
+            c.par,
+            c.microbatch_size,
+            self.seq,
+            c.recompute,
+            c.precision,
             self.space.attention,
-        )  # fmt: skip
-
-    def microbatches(self, c: Candidate) -> int:
-        return self.batch // (c.replica * c.microbatch_size)
-
-    def least_bytes(self, c: Candidate) -> int | None:
-        """Resident `c`'s least device bytes (`device_bytes_at_least`: nothing
-        compiled), for the step `screen` judges its memory by; None for a setting the
-        planner refuses."""
-        if c not in self._least_bytes:
-            batch = c.microbatch_size * c.replica * min(self.microbatches(c), 2 * c.pipe)
-            try:
-                self._least_bytes[c] = device_bytes_at_least(
-                    self.model_cfg, c.par, batch, self.seq, c.microbatch_size, c.schedule,
-                    c.virtual, c.recompute, c.precision, self.space.attention,  # type: ignore[arg-type]
-                )  # fmt: skip
-            except ConfigError:
-                self._least_bytes[c] = None
-        return self._least_bytes[c]
-
-    def may_fit_memory(self, least_bytes: int | None) -> bool:
-        return least_bytes is not None and least_bytes <= self.hardware.device_memory_bytes
-
-    def may_fit(self, c: Candidate) -> bool:
-        """Whether resident `c` may fit the device (`least_bytes`) and is not ruled out
-        by prune 5 (`behind`): whether its count may be needed."""
-        return self.may_fit_memory(self.least_bytes(c)) and self.behind(c) is None
-
-    def behind(self, c: Candidate) -> dict[str, Any] | None:
-        """Prune 5 (module docstring): resident `c`'s row when layouts of faster
-        precisions (`faster`) rule it out of the top and of the Pareto front, else
-        None."""
-        least = self.least_step(c.precision)
-        faster = [r for r in self.faster if r["step_time_s"] < least]
-        if len(faster) < self.top:
-            return None
-        least_bytes = self.least_bytes(c)
-        if not self.may_fit_memory(least_bytes):
-            return None  # over the memory: `screen` says so, with nothing compiled
-        smaller = [r for r in faster if r["device_bytes"] <= least_bytes]
-        if not smaller:
-            return None
-        d = min(smaller, key=lambda r: r["step_time_s"])
-        why = (
-            f"at least {least:.4g} s (its model FLOPs at {c.precision}'s compute rate) and "
-            f"{least_bytes / 1e9:.4g} GB a device: {len(faster)} layouts are faster, and "
-            f"{d['label']} takes {d['step_time_s']:.4g} s in {d['device_bytes'] / 1e9:.4g} GB"
         )
-        return _row(c) | {"microbatches": self.microbatches(c), "status": "pruned",
-                          "reason": why, "least_step_time_s": least,
-                          "device_bytes_at_least": least_bytes}  # fmt: skip
 
     def screen(self, c: Candidate) -> dict[str, Any]:
         """`c` predicted by extrapolating two short steps (module docstring), or planned
         whole when its step is short anyway: the row the JSON holds."""
         m = self.microbatches(c)
         m1, m2 = c.pipe, 2 * c.pipe
-        row = _row(c) | {"microbatches": m}
+        row = c.row() | {"microbatches": m}
         try:
             if m <= m2:
                 return row | _measures(self.plan(c, m), m, "planned")
@@ -240,13 +152,22 @@ class Searcher:
         self, par: Parallelism, modes: tuple[Mode, ...], precision: str, size: int
     ) -> list[Candidate]:
         """`par`'s candidates at one precision and microbatch size."""
-        base = {"pipe": par.pipe, "tensor": par.tensor, "replica": par.replica,
-                "microbatch_size": size, "precision": precision}  # fmt: skip
+        base = {
+            "pipe": par.pipe,
+            "tensor": par.tensor,
+            "replica": par.replica,
+            "microbatch_size": size,
+            "precision": precision,
+        }
         return [
-            Candidate(**base, **s) for mode in modes
-            for s in (resident_settings(par, self.model_cfg.num_layers)
-                      if mode == "resident" else phased_settings(par))
-        ]  # fmt: skip
+            Candidate(**base, **s)
+            for mode in modes
+            for s in (
+                resident_settings(par, self.model_cfg.num_layers)
+                if mode == "resident"
+                else phased_settings(par)
+            )
+        ]
 
     def check(self, c: Candidate) -> dict[str, Any] | None:
         """Phased `c`'s full step judged by its memory alone (`check_fit`): its row when
@@ -259,7 +180,7 @@ class Searcher:
         try:
             check_fit(self.model_cfg, c.par, train, phased, self.hardware, c.microbatch_size)
         except (CapacityError, ConfigError) as err:
-            return _row(c) | {"microbatches": m} | _refusal(err)
+            return c.row() | {"microbatches": m} | _refusal(err)
         return None
 
     def check_group(self, group: list[Candidate]) -> list[dict[str, Any] | Candidate]:
@@ -276,13 +197,16 @@ class Searcher:
         for c in sorted((c for c in group if c.mode == "phased"), key=memory_ranks):
             ranks = memory_ranks(c)
             worse = next(
-                (label for rts, f, label in failed
-                 if rts == c.rts and all(a >= b for a, b in zip(ranks, f, strict=True))),
+                (
+                    label
+                    for rts, f, label in failed
+                    if rts == c.rts and all(a >= b for a, b in zip(ranks, f, strict=True))
+                ),
                 None,
-            )  # fmt: skip
+            )
             if worse is not None:
                 why = f"holds at least what {worse} holds on the device, which does not fit"
-                out.append(_row(c) | {"status": "pruned", "reason": why})
+                out.append(c.row() | {"status": "pruned", "reason": why})
                 continue
             row = self.check(c)
             out.append(c if row is None else row)
@@ -295,25 +219,6 @@ class Searcher:
         compiling since it judged their memory."""
         checked[:] = [self.screen(x) if isinstance(x, Candidate) else x for x in checked]
 
-    def pruned_modes(self, par: Parallelism, precision: str, modes: tuple[Mode, ...]) -> dict:
-        """Prune 1, by mode: the reason no layout of `par` in `precision` can fit."""
-        capacity, name = self.hardware.device_memory_bytes, self.hardware.name
-        out = {}
-        state = self.params * STATE_BYTES_PER_PARAM / (par.pipe * par.tensor)
-        if "resident" in modes and state > capacity:
-            out["resident"] = (
-                f"weights, gradients and Adam state ({STATE_BYTES_PER_PARAM} bytes x "
-                f"{self.params:,} parameters over pipe x tensor) exceed {name}'s device memory"
-            )
-        dtype = compute_model(Model(self.model_cfg), precision).cfg.param_dtype
-        layer = self.layer_params * jnp.dtype(dtype).itemsize / par.tensor
-        if "phased" in modes and layer > capacity:
-            out["phased"] = (
-                f"one layer's {precision} weights ({self.layer_params:,} parameters over "
-                f"tensor), which a phase holds whole, exceed {name}'s device memory"
-            )
-        return out
-
     def mesh_plans(
         self, modes: tuple[Mode, ...], precisions: tuple[str, ...]
     ) -> Iterator[tuple[Parallelism, str, dict[Mode, str], list[int]]]:
@@ -321,9 +226,10 @@ class Searcher:
         drops (with the reason) and the microbatch sizes to try."""
         for par in meshes(self.model_cfg, self.devices, self.batch, self.space.max_tensor):
             sizes = [
-                b for b in microbatch_candidates(self.batch // par.replica)
+                b
+                for b in microbatch_candidates(self.batch // par.replica)
                 if b <= self.space.max_microbatch
-            ]  # fmt: skip
+            ]
             for precision in precisions:
                 yield par, precision, self.pruned_modes(par, precision, modes), sizes
 
@@ -338,10 +244,13 @@ class Searcher:
         seen: set[CountKey] = set()
         for par, precision, pruned, sizes in self.mesh_plans(modes, precisions):
             for size in sizes if "resident" in modes and "resident" not in pruned else []:
-                group = tuple(dict.fromkeys(
-                    self.count_of(c) for c in self.candidates(par, ("resident",), precision, size)
-                    if self.may_fit(c) and self.count_of(c) not in seen
-                ))  # fmt: skip
+                group = tuple(
+                    dict.fromkeys(
+                        self.count_of(c)
+                        for c in self.candidates(par, ("resident",), precision, size)
+                        if self.may_fit(c) and self.count_of(c) not in seen
+                    )
+                )
                 seen.update(group)
                 if group:
                     yield group
@@ -397,10 +306,6 @@ def _measures(report: dict[str, Any], microbatches: int, how: str) -> dict[str, 
     }
 
 
-def _row(c: Candidate) -> dict[str, Any]:
-    return {"label": c.label, **c.settings()}
-
-
 def _refusal(err: CapacityError | ConfigError) -> dict[str, Any]:
     """A row's status when its planner refused it: a layout over a memory tier is kept
     with its device bytes (or their lower bound) and not timed (prune 2); a setting the
@@ -413,27 +318,42 @@ def _refusal(err: CapacityError | ConfigError) -> dict[str, Any]:
 
 
 def _pruned(par: Parallelism, precision: str, mode: Mode, reason: str) -> dict[str, Any]:
-    return {"label": f"p{par.pipe} t{par.tensor} r{par.replica} {precision} {mode}",
-            "mode": mode, "pipe": par.pipe, "tensor": par.tensor, "replica": par.replica,
-            "precision": precision, "status": "pruned", "reason": reason}  # fmt: skip
+    return {
+        "label": f"p{par.pipe} t{par.tensor} r{par.replica} {precision} {mode}",
+        "mode": mode,
+        "pipe": par.pipe,
+        "tensor": par.tensor,
+        "replica": par.replica,
+        "precision": precision,
+        "status": "pruned",
+        "reason": reason,
+    }
 
 
 def search(
-    model_cfg: ModelConfig, hardware: Hardware, devices: int, batch: int, seq: int,
-    space: Space, top: int = 5, log: Callable[[str], None] = lambda _: None,
-) -> dict[str, Any]:  # fmt: skip
+    model_cfg: ModelConfig,
+    hardware: Hardware,
+    devices: int,
+    batch: int,
+    seq: int,
+    space: Space,
+    top: int = 5,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
     """Search the layouts (module docstring): every candidate's row, the best `top`
     planned at the full batch (`top`, fastest first), and the memory/time Pareto front.
     Needs the most virtual devices any planned mesh does (`run.verify.search_devices`)."""
     t0 = time.perf_counter()
     if top < 1:
         raise ConfigError(f"--top must be a positive number of layouts, got {top}")
-    s = Searcher(model_cfg, hardware, devices, batch, seq, space, log, top=top)
+    s = Searcher(model_cfg, hardware, devices, batch, seq, space, top=top, log=log)
     rows: list[dict[str, Any]] = []
     order: dict[str, tuple[Mode, ...]] = {
-        "auto": ("resident",), "resident": ("resident",), "phased": ("phased",),
+        "auto": ("resident",),
+        "resident": ("resident",),
+        "phased": ("phased",),
         "both": ("resident", "phased"),
-    }  # fmt: skip
+    }
     with CountsAhead(counted_microbatch) as s.ahead:
         for precisions in s.rate_classes():
             s.run_mode(order[space.modes], rows, precisions)

@@ -1,0 +1,149 @@
+"""What no layout can beat, found with nothing compiled, for the search (`search.py`,
+whose docstring numbers the prunes): a precision's least step, its model FLOPs at the
+compute rate (prune 5); a resident layout's least device bytes (prunes 2 and 5); whether a mode
+can fit a mesh at all (prune 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from shardemu.accounting import flops
+from shardemu.config import ConfigError, ModelConfig, Parallelism, TrainConfig
+from shardemu.models import Model, count_params
+from shardemu.numerics.precision import arithmetic, compute_model
+from shardemu.predict.hardware import Hardware
+from shardemu.predict.layouts import MODES, STATE_BYTES_PER_PARAM, Candidate, Mode, Space
+from shardemu.predict.plan_resident import device_bytes_at_least
+from shardemu.predict.roofline import least_step_seconds
+
+
+@dataclasses.dataclass
+class Bounds:
+    """A search's inputs, checked, and the bounds it prunes by."""
+
+    model_cfg: ModelConfig
+    hardware: Hardware
+    devices: int
+    batch: int
+    seq: int
+    space: Space
+    top: int = 5  # the layouts the search ranks: prune 5 keeps any that could be among them
+
+    def __post_init__(self) -> None:
+        if self.devices < 1 or self.batch < 1 or self.seq < 1:
+            raise ConfigError(
+                f"--devices, --batch and --seq must be positive, got {self.devices}, "
+                f"{self.batch}, {self.seq}"
+            )
+        Model(self.model_cfg).check_fits(TrainConfig(batch=self.batch, seq=self.seq), Parallelism())
+        for precision in self.space.precisions:  # refuses a precision the profile lacks
+            self.hardware.at_precision(arithmetic(self.model_cfg, precision))
+        if self.space.modes not in MODES:
+            raise ConfigError(
+                f"--modes must be one of {', '.join(MODES)}, got {self.space.modes!r}"
+            )
+        self.params = count_params(self.model_cfg)
+        two = self.model_cfg.replace(num_layers=2)
+        self.layer_params = count_params(two) - count_params(two.replace(num_layers=1))
+        self.model_flops = flops.training_step(self.model_cfg, self.batch, self.seq)
+        self.faster: list[dict[str, Any]] = []  # the fitting rows of faster precisions
+        self._least_bytes: dict[Candidate, int | None] = {}
+
+    def least_step(self, precision: str) -> float:
+        """No layout in `precision` is faster (`roofline.least_step_seconds`)."""
+        hw = self.hardware.at_precision(arithmetic(self.model_cfg, precision))
+        return least_step_seconds(self.model_flops, self.devices, hw)
+
+    def rate_classes(self) -> list[tuple[str, ...]]:
+        """The space's precisions grouped by compute rate (the same least step),
+        fastest first (prune 5)."""
+        least = {p: self.least_step(p) for p in self.space.precisions}
+        return [
+            tuple(p for p in self.space.precisions if least[p] == step)
+            for step in sorted(set(least.values()))
+        ]
+
+    def microbatches(self, c: Candidate) -> int:
+        return self.batch // (c.replica * c.microbatch_size)
+
+    def least_bytes(self, c: Candidate) -> int | None:
+        """Resident `c`'s least device bytes (`device_bytes_at_least`: nothing
+        compiled), for the step `screen` judges its memory by; None for a setting the
+        planner refuses."""
+        if c not in self._least_bytes:
+            batch = c.microbatch_size * c.replica * min(self.microbatches(c), 2 * c.pipe)
+            try:
+                self._least_bytes[c] = device_bytes_at_least(
+                    self.model_cfg,
+                    c.par,
+                    batch,
+                    self.seq,
+                    c.microbatch_size,
+                    c.schedule,
+                    c.virtual,
+                    c.recompute,
+                    c.precision,
+                    self.space.attention,  # type: ignore[arg-type]
+                )
+            except ConfigError:
+                self._least_bytes[c] = None
+        return self._least_bytes[c]
+
+    def may_fit_memory(self, least_bytes: int | None) -> bool:
+        return least_bytes is not None and least_bytes <= self.hardware.device_memory_bytes
+
+    def may_fit(self, c: Candidate) -> bool:
+        """Whether resident `c` may fit the device (`least_bytes`) and is not ruled out
+        by prune 5 (`behind`): whether its count may be needed."""
+        return self.may_fit_memory(self.least_bytes(c)) and self.behind(c) is None
+
+    def behind(self, c: Candidate) -> dict[str, Any] | None:
+        """Prune 5 (module docstring): resident `c`'s row when layouts of faster
+        precisions (`faster`) rule it out of the top and of the Pareto front, else
+        None."""
+        least = self.least_step(c.precision)
+        faster = [r for r in self.faster if r["step_time_s"] < least]
+        if len(faster) < self.top:
+            return None
+        least_bytes = self.least_bytes(c)
+        if not self.may_fit_memory(least_bytes):
+            return None  # over the memory: `screen` says so, with nothing compiled
+        smaller = [r for r in faster if r["device_bytes"] <= least_bytes]
+        if not smaller:
+            return None
+        d = min(smaller, key=lambda r: r["step_time_s"])
+        why = (
+            f"at least {least:.4g} s (its model FLOPs at {c.precision}'s compute rate) and "
+            f"{least_bytes / 1e9:.4g} GB a device: {len(faster)} layouts are faster, and "
+            f"{d['label']} takes {d['step_time_s']:.4g} s in {d['device_bytes'] / 1e9:.4g} GB"
+        )
+        return c.row() | {
+            "microbatches": self.microbatches(c),
+            "status": "pruned",
+            "reason": why,
+            "least_step_time_s": least,
+            "device_bytes_at_least": least_bytes,
+        }
+
+    def pruned_modes(self, par: Parallelism, precision: str, modes: tuple[Mode, ...]) -> dict:
+        """Prune 1, by mode: the reason no layout of `par` in `precision` can fit."""
+        capacity, name = self.hardware.device_memory_bytes, self.hardware.name
+        out = {}
+        state = self.params * STATE_BYTES_PER_PARAM / (par.pipe * par.tensor)
+        if "resident" in modes and state > capacity:
+            out["resident"] = (
+                f"weights, gradients and Adam state ({STATE_BYTES_PER_PARAM} bytes x "
+                f"{self.params:,} parameters over pipe x tensor) exceed {name}'s device memory"
+            )
+        dtype = compute_model(Model(self.model_cfg), precision).cfg.param_dtype
+        layer = self.layer_params * jnp.dtype(dtype).itemsize / par.tensor
+        if "phased" in modes and layer > capacity:
+            out["phased"] = (
+                f"one layer's {precision} weights ({self.layer_params:,} parameters over "
+                f"tensor), which a phase holds whole, exceed {name}'s device memory"
+            )
+        return out
