@@ -43,6 +43,7 @@ from shardemu.accounting.sizes import bytes_per_device
 from shardemu.config import PhasedConfig
 from shardemu.numerics.precision import host_scale
 from shardemu.phased.state import Forward, Layout, PhasedState
+from shardemu.phased.update import update
 from shardemu.sparsity import SparseState
 from shardemu.stages.executor import Executor, one_layer
 from shardemu.stages.pieces import Piece
@@ -76,18 +77,29 @@ def weights_in(ex: Executor, cfg: PhasedConfig) -> Any:
 
 
 def gather(
-    ex: Executor, cfg: PhasedConfig, st: Stage, key: str, stored: Any, part: str, phase: Phase,
+    ex: Executor,
+    cfg: PhasedConfig,
+    st: Stage,
+    key: str,
+    stored: Any,
+    part: str,
+    phase: Phase,
     repeat: int,
-) -> tuple[Any, str]:  # fmt: skip
+) -> tuple[Any, str]:
     """All-gather stored 1/rts shards over `replica` before a phase runs; returns the
     weights to compute with and the device-tier key that now holds them."""
     if cfg.rts == 1:
         return stored, key
     count = (one_layer(stored),) if part == "layers" else None
     full = ex.run(
-        phase, Piece.gather(part), st, (stored,),
-        count_args=count, repeat=repeat if count else 1, carries="weights",
-    )  # fmt: skip
+        phase,
+        Piece.gather(part),
+        st,
+        (stored,),
+        count_args=count,
+        repeat=repeat if count else 1,
+        carries="weights",
+    )
     ex.tiers[st.index].admit(f"{key}*", bytes_per_device(full), phase)
     ex.tiers[st.index].release(key)
     return full, f"{key}*"
@@ -110,9 +122,14 @@ def fetch_shared(
 
 
 def forward(
-    ex: Executor, lay: Layout, cfg: PhasedConfig, state: PhasedState, batches: dict[int, dict],
-    shared: dict[int, tuple[Any, str]], scale: float,
-) -> Forward:  # fmt: skip
+    ex: Executor,
+    lay: Layout,
+    cfg: PhasedConfig,
+    state: PhasedState,
+    batches: dict[int, dict],
+    shared: dict[int, tuple[Any, str]],
+    scale: float,
+) -> Forward:
     """Embedding, every phase in order (prefetching the next phase's weights), the head
     and its loss (times the loss scale `scale`)."""
     n, k = len(lay.slices), lay.layers_per_phase
@@ -179,9 +196,14 @@ def recompute_flops(ex: Executor, st: Stage, count: tuple, g_x: Any) -> float:
 
 
 def backward_phase(
-    ex: Executor, lay: Layout, cfg: PhasedConfig, fwd: Forward, i: int, g_x: Any,
+    ex: Executor,
+    lay: Layout,
+    cfg: PhasedConfig,
+    fwd: Forward,
+    i: int,
+    g_x: Any,
     restored: dict[int, Any],
-) -> tuple[Any, Any]:  # fmt: skip
+) -> tuple[Any, Any]:
     """Phase i's backward: (its weight gradients, d loss / d x_i)."""
     st, phase, k = lay.stage_of(i), lay.phase("backward", i), lay.layers_per_phase
     tier = ex.tiers[st.index]
@@ -206,9 +228,14 @@ def backward_phase(
     mask = fwd.masks[st.index]
     count = (one_layer(weights), x_i, mask)
     g_w, g_x = ex.run(
-        phase, Piece.BWD, st, (weights, x_i, mask, g_x), (*count, g_x), k,
+        phase,
+        Piece.BWD,
+        st,
+        (weights, x_i, mask, g_x),
+        (*count, g_x),
+        k,
         recompute=recompute_flops(ex, st, count, g_x),
-    )  # fmt: skip
+    )
     tier.admit(f"g{i}", bytes_per_device(g_w), phase)
     tier.release(held)
     tier.release(f"x{i}")
@@ -216,9 +243,14 @@ def backward_phase(
 
 
 def backward(
-    ex: Executor, lay: Layout, cfg: PhasedConfig, state: PhasedState, fwd: Forward,
-    shared: dict[int, tuple[Any, str]], batches: dict[int, dict],
-) -> tuple[list[Any], Any, float]:  # fmt: skip
+    ex: Executor,
+    lay: Layout,
+    cfg: PhasedConfig,
+    state: PhasedState,
+    fwd: Forward,
+    shared: dict[int, tuple[Any, str]],
+    batches: dict[int, dict],
+) -> tuple[list[Any], Any, float]:
     """Every phase in reverse (prefetching the previous phase's weights and restored
     activations), then the embedding and the shared weights; the gradients end in the
     host tier. Returns (per-phase gradients, shared gradients, global gradient norm)."""
@@ -278,9 +310,14 @@ def backward(
 
 
 def gradients_out(
-    ex: Executor, cfg: PhasedConfig, st: Stage, phase: Phase, part: str, grads: Any,
+    ex: Executor,
+    cfg: PhasedConfig,
+    st: Stage,
+    phase: Phase,
+    part: str,
+    grads: Any,
     masks: Any,
-) -> tuple[Any, Any]:  # fmt: skip
+) -> tuple[Any, Any]:
     """Gradients of a stack of layers (or of the shared weights) from the device tier
     to the host tier: (the gradients there, their squared norm). A sparse run's `masks`
     (in the host tier) drop its zero weights' gradients first, so that the norm that
@@ -295,55 +332,6 @@ def gradients_out(
         grads = sparse_grads(ex, st, phase, grads, ex.place(masks, st.on_device(masks)))
     square = ex.run(phase, Piece.SQ_NORM, st, (grads,))
     return ex.to_host(st.index, grads, store, phase, "gradients"), square
-
-
-def update_part(
-    ex: Executor, cfg: PhasedConfig, st: Stage, part: str, phase: Phase, grads: Any,
-    opt: Any, weights: Any, norm: float,
-) -> tuple[Any, Any]:  # fmt: skip
-    """The optimizer update of one phase's layers (or of the shared weights) where
-    `optimizer_on` says; the new weights and state end in the host tier."""
-    store = st.layer_store if part == "layers" else st.shared_store
-    opt_sh = st.layer_opt if part == "layers" else st.shared_opt
-    kind = "device" if cfg.optimizer_on == "device" else "pinned_host"
-    norm_arg = ex.place(np.float32(norm), st.replicated.with_memory_kind(kind))
-    name = Piece.update(part, kind)
-    if kind == "pinned_host":
-        return ex.run(
-            phase, name, st, (grads, opt, weights, norm_arg),
-            carries="optimizer_state", on="host",
-        )  # fmt: skip
-    sized = st.layer_bytes if part == "layers" else lambda w, o: None
-    w = ex.to_device(st.index, "update:w", weights, store, phase, "weights", sized(weights, opt))
-    o = ex.to_device(st.index, "update:opt", opt, opt_sh, phase, "optimizer_state")
-    g = ex.to_device(st.index, "update:g", grads, store, phase, "gradients")
-    new_w, new_o = ex.run(phase, name, st, (g, o, w, norm_arg), carries="optimizer_state")
-    for key in ("update:w", "update:opt", "update:g"):
-        ex.tiers[st.index].release(key)
-    return (
-        ex.to_host(st.index, new_w, store, phase, "weights", sized(new_w, new_o)),
-        ex.to_host(st.index, new_o, opt_sh, phase, "optimizer_state"),
-    )
-
-
-def update(
-    ex: Executor, lay: Layout, cfg: PhasedConfig, state: PhasedState, grads: list[Any],
-    shared_grads: Any, norm: float,
-) -> PhasedState:  # fmt: skip
-    """Every phase's update, then the shared weights': the next step's state."""
-    layers, opt_layers = [], []
-    for i in range(len(lay.slices)):
-        w, o = update_part(
-            ex, cfg, lay.stage_of(i), "layers", lay.phase("update", i), grads[i],
-            state.opt_layers[i], state.layers[i], norm,
-        )  # fmt: skip
-        layers.append(w)
-        opt_layers.append(o)
-    shared_w, opt_shared = update_part(
-        ex, cfg, lay.stages[0], "shared", Phase("update"), shared_grads, state.opt_shared,
-        state.shared, norm,
-    )  # fmt: skip
-    return PhasedState(shared_w, layers, opt_shared, opt_layers)
 
 
 @dataclass

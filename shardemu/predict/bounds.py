@@ -17,7 +17,7 @@ from shardemu.models import Model, count_params
 from shardemu.numerics.precision import arithmetic, compute_model
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import MODES, STATE_BYTES_PER_PARAM, Candidate, Mode, Space
-from shardemu.predict.plan_resident import device_bytes_at_least
+from shardemu.predict.resident_memory import device_bytes_at_least
 from shardemu.predict.roofline import least_step_seconds
 
 

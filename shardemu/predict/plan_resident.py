@@ -27,37 +27,31 @@ import functools
 import time
 from typing import Any
 
-import jax.numpy as jnp
-
 from shardemu.accounting import flops
 from shardemu.accounting.assemble import assemble
 from shardemu.accounting.ledger import Event, Ledger, Phase
 from shardemu.config import (
-    ConfigError,
     ModelConfig,
     Parallelism,
     SparsityConfig,
 )
 from shardemu.models import count_params
 from shardemu.numerics.precision import arithmetic
-from shardemu.parallel.schedules import Schedule, Slot, make_schedule
-from shardemu.pipelined.layout import PipelineLayout, pipeline_layout
+from shardemu.parallel.schedules import Schedule, Slot
+from shardemu.pipelined.layout import PipelineLayout
 from shardemu.predict.costmodel import predict, require_fit
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.plan import Plan
 from shardemu.predict.resident_count import (
-    ATTENTION,
-    CountKey,
     Microbatch,
     Recompute,
-    count_key,
     counted_microbatch,
     memory_bound,
     selective,
-    selective_keep,
 )
+from shardemu.predict.resident_memory import device_bytes, resident_layout
 from shardemu.predict.sparse import (
     layer_factor,
     model_flops_sparse,
@@ -88,7 +82,7 @@ def _phase(kind: str, index: int, layers: tuple[int, int]) -> Phase:
 
 def _step_events(
     mb: Microbatch, sched: Schedule, lay: PipelineLayout, par: Parallelism, overlap: Overlap
-) -> list[Event]:  # fmt: skip
+) -> list[Event]:
     """The step's ledger: the schedule's slots (each virtual stage runs `lay`'s layers),
     then each stage's gradient all-reduce (after its last backward, or only the shared
     weights' there when the layers' reduce in buckets during their last backward:
@@ -104,10 +98,17 @@ def _step_events(
         """The ring all-reduce of `grad_bytes` per device over `replica`: each device
         sends 2 (r-1)/r of them (Thakur et al. 2005)."""
         return Event(
-            0, tag, "collective", "gradients",
-            bytes=round(2 * (r - 1) / r * grad_bytes * r * par.tensor), axis="replica",
-            devices=r * par.tensor, op="all-reduce", group=r, stage=stage,
-        )  # fmt: skip
+            0,
+            tag,
+            "collective",
+            "gradients",
+            bytes=round(2 * (r - 1) / r * grad_bytes * r * par.tensor),
+            axis="replica",
+            devices=r * par.tensor,
+            op="all-reduce",
+            group=r,
+            stage=stage,
+        )
 
     def layers(kind: str, tag: Phase, reduce: bool) -> list[Event]:
         """A chunk's layers' forward or backward; with `reduce`, the backward in
@@ -145,11 +146,17 @@ def _step_events(
             carries = "activations" if kind == "F" else "gradients"
             events.append(
                 Event(
-                    0, phase(tag.kind, to), "collective", carries,
-                    bytes=mb.act_bytes * r * par.tensor, axis="pipe",
-                    devices=r * par.tensor, op="collective-permute", group=2,
+                    0,
+                    phase(tag.kind, to),
+                    "collective",
+                    carries,
+                    bytes=mb.act_bytes * r * par.tensor,
+                    axis="pipe",
+                    devices=r * par.tensor,
+                    op="collective-permute",
+                    group=2,
                 )
-            )  # fmt: skip
+            )
         return events
 
     last_backward: dict[int, int] = {}  # virtual stage -> time of its last backward
@@ -176,82 +183,6 @@ def _step_events(
         if shared:
             after += [_scaled(e, 1, r, phase=update, stage=s) for e in mb.pieces["update-shared"]]
     return assemble(sched, slot_events, after=after)
-
-
-def _stage_bytes(
-    mb: Microbatch,
-    layers: int,
-    shared: bool,
-    microbatches: int,
-    held: float,
-    model_cfg: ModelConfig,
-) -> int:
-    """Device bytes per device of a stage of `layers` layers (and the shared weights
-    where it holds them): weights, gradients and optimizer state, and what its layers
-    keep for the `held` microbatches in flight at its peak (`Schedule.peak_activations`).
-    Gradients are the weights' dtype, summed over microbatches in FP32
-    (`numerics/precision.py`)."""
-    weights = mb.layer_bytes * layers + (mb.shared_bytes if shared else 0)
-    optimizer = mb.opt_bytes[0] * layers + (mb.opt_bytes[1] if shared else 0)
-    itemsize = jnp.dtype(model_cfg.param_dtype).itemsize
-    grads = weights if microbatches == 1 else weights * 4 // itemsize
-    return weights + grads + optimizer + round(held * layers * mb.keep_bytes)
-
-
-def _layout(
-    model_cfg: ModelConfig, par: Parallelism, batch: int, seq: int, microbatch_size: int,
-    schedule: str, virtual: int, recompute: str, precision: str, attention: str,
-    stage_layers: tuple[int, ...] | None,
-) -> tuple[PipelineLayout, Schedule, CountKey]:  # fmt: skip
-    """A resident layout's layers per stage, its schedule and the count it uses; a
-    `ConfigError` for a setting it cannot take."""
-    if recompute not in ("none", "selective", "full"):
-        raise ConfigError(f"--recompute must be none, selective or full, got {recompute!r}")
-    if attention not in ATTENTION:
-        raise ConfigError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
-    key = count_key(model_cfg, par, microbatch_size, seq, recompute, precision, attention)
-    per_step = par.replica * microbatch_size
-    if batch % per_step:
-        raise ConfigError(
-            f"--batch {batch} is not divisible by replica * --microbatch-size = {per_step}"
-        )
-    p, v, L = par.pipe, virtual, key.cfg.num_layers
-    if stage_layers is None and L % (p * v):
-        raise ConfigError(f"{L} layers do not split into pipe * virtual = {p * v} equal chunks")
-    lay = pipeline_layout(L, p, v, stage_layers)
-    return lay, make_schedule(schedule, p, batch // per_step, v), key
-
-
-def _device_bytes(
-    mb: Microbatch, key: CountKey, recompute: str, par: Parallelism, lay: PipelineLayout,
-    sched: Schedule,
-) -> int:  # fmt: skip
-    """Device bytes per device of the layout's fullest stage (`_stage_bytes`), its
-    layers keeping what `mb` keeps (less the attention core under selective
-    recomputation)."""
-    if recompute == "selective":
-        mb = selective_keep(mb, key)
-    return max(
-        _stage_bytes(
-            mb, n, s in (0, par.pipe - 1), sched.microbatches, sched.peak_activations(s), key.cfg
-        )  # fmt: skip
-        for s, n in enumerate(lay.stage_layers())
-    )
-
-
-def device_bytes_at_least(
-    model_cfg: ModelConfig, par: Parallelism, batch: int, seq: int, microbatch_size: int,
-    schedule: str = "1f1b", virtual: int = 1, recompute: Recompute = "full",
-    precision: str = "fp32", attention: str = "materialized",
-) -> int:  # fmt: skip
-    """At most the device bytes per device `plan_resident` finds for this layout, with
-    nothing compiled (`memory_bound`): a search counts no microbatch that none of its
-    layouts could fit."""
-    lay, sched, key = _layout(
-        model_cfg, par, batch, seq, microbatch_size, schedule, virtual, recompute, precision,
-        attention, None,
-    )  # fmt: skip
-    return _device_bytes(memory_bound(*key), key, recompute, par, lay, sched)
 
 
 def plan_resident(
@@ -282,19 +213,28 @@ def plan_resident(
     Needs `par.tensor` JAX devices (one stage's tensor group)."""
     t0 = time.perf_counter()
     hardware = hardware.at_precision(arithmetic(model_cfg, precision))
-    lay, sched, key = _layout(
-        model_cfg, par, batch, seq, microbatch_size, schedule, virtual, recompute, precision,
-        attention, stage_layers,
-    )  # fmt: skip
+    lay, sched, key = resident_layout(
+        model_cfg,
+        par,
+        batch,
+        seq,
+        microbatch_size,
+        schedule,
+        virtual,
+        recompute,
+        precision,
+        attention,
+        stage_layers,
+    )
     model_cfg, m = key.cfg, sched.microbatches
     layout = f"{par} microbatch {microbatch_size} {schedule} recompute={recompute}"
     if must_fit:  # nothing compiled for a layout whose least bytes are over the memory
-        least = _device_bytes(memory_bound(*key), key, recompute, par, lay, sched)
+        least = device_bytes(memory_bound(*key), key, recompute, par, lay, sched)
         require_fit({"device": least}, hardware, layout, at_least=True)
     mb = counted_microbatch(*key)
-    device_bytes = _device_bytes(mb, key, recompute, par, lay, sched)
+    held = device_bytes(mb, key, recompute, par, lay, sched)
     if must_fit:
-        require_fit({"device": device_bytes}, hardware, layout)
+        require_fit({"device": held}, hardware, layout)
     if recompute == "selective":
         mb = selective(mb, key)
     ledger = Ledger(_step_events(mb, sched, lay, par, overlap))
@@ -311,7 +251,7 @@ def plan_resident(
         par,
         totals["model_flops"],
         batch * seq,
-        {"device": device_bytes},
+        {"device": held},
         overlap,
     )
     hardware_flops = sum(
@@ -353,9 +293,13 @@ def plan_resident(
 
 
 def plan_resident_auto(
-    model_cfg: ModelConfig, par: Parallelism, batch: int, seq: int, hardware: Hardware,
+    model_cfg: ModelConfig,
+    par: Parallelism,
+    batch: int,
+    seq: int,
+    hardware: Hardware,
     **settings: Any,
-) -> Plan:  # fmt: skip
+) -> Plan:
     """`plan_resident` at the microbatch size `choose_microbatch` picks for this layout;
     the report says so under `microbatch_choice`."""
 

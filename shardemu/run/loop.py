@@ -3,6 +3,7 @@
 The loop steps an `Engine` (`engine.py`), times each step, and hands every step's
 record to its hooks (levanter's `Trainer.add_hook(fn, every=)` is the model). The run
 directory, progress bars and trackers are hooks: adding one does not touch the loop.
+`training_loop` is a run's loop: its corpus, and the fields each step's record derives.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ from typing import Any
 
 import numpy as np
 
+from shardemu.accounting import flops
+from shardemu.config import Parallelism, TrainConfig
+from shardemu.data import make_corpus
+from shardemu.models import Model
+from shardemu.numerics.optim import learning_rate_at
+from shardemu.parallel.schedules import make_schedule
+from shardemu.predict.costmodel import Timeline
 from shardemu.run.engine import Engine, StepResult
+
+EVAL_BATCHES = 4  # held-out batches of the run's batch size, the same at every evaluation
 
 
 @dataclass(frozen=True)
@@ -89,3 +99,65 @@ class TrainLoop:
                 if (step + 1) % every == 0 or step == steps - 1:
                     fn(info)
         return state, records
+
+
+def training_loop(
+    model: Model,
+    engine: Engine,
+    par: Parallelism,
+    train_cfg: TrainConfig,
+    predictor: Callable[[int], tuple[Timeline, dict[str, Any]]] | None,
+    eval_every: int | None = None,
+) -> TrainLoop:
+    """The training loop over the run's corpus (`--data`; step k trains on batch k). A
+    step's record carries, besides the engine's counts: the learning rate it applied,
+    tokens and sequences per second, the device tier's high-water mark, with a
+    `predictor` the step's predicted time on the hardware, and every `eval_every` steps
+    and after the last, the loss of `EVAL_BATCHES` held-out batches (`val_loss`)."""
+    corpus = make_corpus(train_cfg.data, model.cfg.vocab_size, train_cfg.seed)
+    schedule = make_schedule(
+        train_cfg.schedule, par.pipe, train_cfg.microbatches, train_cfg.virtual
+    )
+    static = {
+        "tokens": train_cfg.tokens,
+        "sequences": train_cfg.batch,
+        "bubble_fraction": schedule.bubble_fraction if engine.name == "pipelined" else 0.0,
+        "model_flops_analytic": flops.training_step(model.cfg, train_cfg.batch, train_cfg.seq),
+    }
+
+    def rates(info: StepInfo) -> dict[str, Any]:
+        record = info.record
+        seconds = record["step_time_s"]
+        return {
+            "learning_rate": learning_rate_at(train_cfg, record["step"]),
+            "tokens_per_s": record["tokens"] / seconds,
+            "sequences_per_s": record["sequences"] / seconds,
+            "device_high_water_bytes": engine.device_bytes(),
+        }
+
+    def predicted(info: StepInfo) -> dict[str, Any]:
+        return {"predicted_step_s": predictor(info.step)[1]["step_time_s"]}
+
+    held_out: list[dict[str, Any]] = []
+
+    def validation(info: StepInfo) -> dict[str, Any]:
+        if (info.step + 1) % eval_every and info.step != train_cfg.steps - 1:
+            return {}
+        if not held_out:
+            val = make_corpus(train_cfg.data, model.cfg.vocab_size, train_cfg.seed, "validation")
+            held_out.extend(
+                model.batch(val, i, train_cfg.batch, train_cfg.seq) for i in range(EVAL_BATCHES)
+            )
+        return engine.evaluate(info.result.state, held_out)
+
+    derive = [rates]
+    if predictor is not None:
+        derive.append(predicted)
+    if eval_every is not None:
+        derive.append(validation)
+    return TrainLoop(
+        engine,
+        lambda step: model.batch(corpus, step, train_cfg.batch, train_cfg.seq),
+        static,
+        derive,
+    )

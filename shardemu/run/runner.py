@@ -18,16 +18,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from shardemu.accounting import flops
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
-from shardemu.data import make_corpus
 from shardemu.errors import NonFiniteError, RunInterrupted
 from shardemu.models import Model, param_count
-from shardemu.numerics.optim import learning_rate_at
 from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.mesh import mesh_from, parallelism_of
 from shardemu.parallel.rules import Rules
-from shardemu.parallel.schedules import make_schedule
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.predict.costmodel import Timeline
@@ -38,7 +34,7 @@ from shardemu.resident.trainer import Trainer
 from shardemu.run.checkpoint import Checkpoints
 from shardemu.run.engine import Engine, PhasedEngine, PipelinedEngine, ResidentEngine
 from shardemu.run.faults import StopSignals, check_finite
-from shardemu.run.loop import StepInfo, TrainLoop
+from shardemu.run.loop import training_loop
 from shardemu.run.record import (
     predict_step,
     prediction_files,
@@ -46,8 +42,6 @@ from shardemu.run.record import (
     run_config,
     run_summary,
 )
-
-EVAL_BATCHES = 4  # held-out batches of the run's batch size, the same at every evaluation
 
 # the files a run hands its trackers as artifacts, when it wrote them
 RUN_FILES = ("config.json", "ledger.json", "summary.md", "trace.json", "timeline.png")
@@ -103,9 +97,17 @@ def train(
     current step (`RunInterrupted`); a non-finite loss or gradient norm stops it with
     `NonFiniteError`. `on_step` sees every step's record."""
     run = Run(
-        model_cfg, par, train_cfg, devices, rules, phased, hardware, checkpoint_every,
-        tracking, eval_every,
-    )  # fmt: skip
+        model_cfg,
+        par,
+        train_cfg,
+        devices,
+        rules,
+        phased,
+        hardware,
+        checkpoint_every,
+        tracking,
+        eval_every,
+    )
     resumed = run.resume_from(resume) if resume is not None else Resumed()
     out = Path(out or resume or default_run_dir(model_cfg.name))
     reopen = resume is not None and out.resolve() == Path(resume).resolve()
@@ -116,11 +118,18 @@ class Run:
     """One run's engine and what its run directory records; `execute` trains it."""
 
     def __init__(
-        self, model_cfg: ModelConfig, par: Parallelism, train_cfg: TrainConfig,
-        devices: Sequence[jax.Device] | None, rules: Rules | None, phased: PhasedConfig | None,
-        hardware: Hardware | None, checkpoint_every: int | None,
-        tracking: TrackingConfig | None, eval_every: int | None,
-    ) -> None:  # fmt: skip
+        self,
+        model_cfg: ModelConfig,
+        par: Parallelism,
+        train_cfg: TrainConfig,
+        devices: Sequence[jax.Device] | None,
+        rules: Rules | None,
+        phased: PhasedConfig | None,
+        hardware: Hardware | None,
+        checkpoint_every: int | None,
+        tracking: TrackingConfig | None,
+        eval_every: int | None,
+    ) -> None:
         """Every setting is checked and the engine built before anything is written."""
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ConfigError(
@@ -148,9 +157,15 @@ class Run:
             **self.engine.sizes(),
         }
         self.config = run_config(
-            self.model, self.engine, self.mesh, train_cfg, phased, self.phase_plan, self.sizes,
+            self.model,
+            self.engine,
+            self.mesh,
+            train_cfg,
+            phased,
+            self.phase_plan,
+            self.sizes,
             rules,
-        )  # fmt: skip
+        )
         # what a checkpoint must match to be restored: the engine and how it splits layers
         self.layout: dict[str, Any] = {
             "engine": self.engine.name,
@@ -219,9 +234,13 @@ class Run:
         }
 
     def _train(
-        self, resumed: Resumed, run: RunDir, trackers: Trackers,
-        on_step: Callable[[dict[str, Any]], None] | None, signals: StopSignals,
-    ) -> tuple[Any, list[dict[str, Any]], float]:  # fmt: skip
+        self,
+        resumed: Resumed,
+        run: RunDir,
+        trackers: Trackers,
+        on_step: Callable[[dict[str, Any]], None] | None,
+        signals: StopSignals,
+    ) -> tuple[Any, list[dict[str, Any]], float]:
         """The loop with its hooks, from the engine's first state (or the checkpoint):
         the last state, the records of the steps it ran, and the seconds to compile."""
         t0 = time.perf_counter()
@@ -232,7 +251,7 @@ class Run:
             self.engine.start_at(resumed.start)
         # made once the state is, so a run that fails before it leaves nothing behind
         saved = self.saved = Checkpoints(run.path) if self.checkpoint_every else None
-        loop = _loop(
+        loop = training_loop(
             self.model, self.engine, self.par, self.train_cfg, self._predictor(), self.eval_every
         )
         loop.add_hook(lambda info: trackers.log(info.record, info.step))
@@ -252,29 +271,46 @@ class Run:
         if self.hardware is None:
             return None
         return functools.partial(
-            predict_step, self.engine, self.phase_plan, self.hardware, self.par,
+            predict_step,
+            self.engine,
+            self.phase_plan,
+            self.hardware,
+            self.par,
             tokens=self.train_cfg.tokens,
-        )  # fmt: skip
+        )
 
     def _finish(
-        self, run: RunDir, trackers: Trackers, resumed: Resumed, state: Any,
-        records: list[dict[str, Any]], compile_s: float, signals: StopSignals,
-    ) -> RunResult:  # fmt: skip
+        self,
+        run: RunDir,
+        trackers: Trackers,
+        resumed: Resumed,
+        state: Any,
+        records: list[dict[str, Any]],
+        compile_s: float,
+        signals: StopSignals,
+    ) -> RunResult:
         """After the loop: the summary, the ledger, the last step's prediction and
         views; a stopped run checkpoints where it stopped and says how to go on."""
         done, stopped, saved = resumed.start + len(records), signals.received, self.saved
         if stopped is not None and run.logged == 0:
             raise RunInterrupted(
                 f"{signal.Signals(stopped).name} before the first step finished: nothing "
-                f"was written", stopped
-            )  # fmt: skip
+                f"was written",
+                stopped,
+            )
         if stopped is not None and saved is not None and saved.latest() != done:
             saved.save(done, state, self.layout)
         every = resumed.records + records
         summary = run_summary(
-            self.model.cfg, self.par, self.train_cfg, self.mesh.size, every, compile_s,
-            run.path, self.sizes,
-        )  # fmt: skip
+            self.model.cfg,
+            self.par,
+            self.train_cfg,
+            self.mesh.size,
+            every,
+            compile_s,
+            run.path,
+            self.sizes,
+        )
         summary["status"] = "completed" if stopped is None else f"interrupted at step {done}"
         self.engine.ledger.write(run.path / "ledger.json", resumed.ledger)
         predictor = self._predictor()
@@ -304,63 +340,6 @@ def _check_host_memory(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
         )
 
 
-def _loop(
-    model: Model, engine: Engine, par: Parallelism, train_cfg: TrainConfig,
-    predictor: Callable[[int], tuple[Timeline, dict[str, Any]]] | None,
-    eval_every: int | None = None,
-) -> TrainLoop:  # fmt: skip
-    """The training loop over the run's corpus (`--data`; step k trains on batch k). A
-    step's record carries, besides the engine's counts: the learning rate it applied,
-    tokens and sequences per second, the device tier's high-water mark, with a
-    `predictor` the step's predicted time on the hardware, and every `eval_every` steps
-    and after the last, the loss of `EVAL_BATCHES` held-out batches (`val_loss`)."""
-    corpus = make_corpus(train_cfg.data, model.cfg.vocab_size, train_cfg.seed)
-    schedule = make_schedule(
-        train_cfg.schedule, par.pipe, train_cfg.microbatches, train_cfg.virtual
-    )
-    static = {
-        "tokens": train_cfg.tokens,
-        "sequences": train_cfg.batch,
-        "bubble_fraction": schedule.bubble_fraction if engine.name == "pipelined" else 0.0,
-        "model_flops_analytic": flops.training_step(model.cfg, train_cfg.batch, train_cfg.seq),
-    }
-
-    def rates(info: StepInfo) -> dict[str, Any]:
-        record = info.record
-        seconds = record["step_time_s"]
-        return {
-            "learning_rate": learning_rate_at(train_cfg, record["step"]),
-            "tokens_per_s": record["tokens"] / seconds,
-            "sequences_per_s": record["sequences"] / seconds,
-            "device_high_water_bytes": engine.device_bytes(),
-        }
-
-    def predicted(info: StepInfo) -> dict[str, Any]:
-        return {"predicted_step_s": predictor(info.step)[1]["step_time_s"]}
-
-    held_out: list[dict[str, Any]] = []
-
-    def validation(info: StepInfo) -> dict[str, Any]:
-        if (info.step + 1) % eval_every and info.step != train_cfg.steps - 1:
-            return {}
-        if not held_out:
-            val = make_corpus(train_cfg.data, model.cfg.vocab_size, train_cfg.seed, "validation")
-            held_out.extend(
-                model.batch(val, i, train_cfg.batch, train_cfg.seq) for i in range(EVAL_BATCHES)
-            )
-        return engine.evaluate(info.result.state, held_out)
-
-    derive = [rates]
-    if predictor is not None:
-        derive.append(predicted)
-    if eval_every is not None:
-        derive.append(validation)
-    return TrainLoop(
-        engine, lambda step: model.batch(corpus, step, train_cfg.batch, train_cfg.seq), static,
-        derive,
-    )  # fmt: skip
-
-
 def _resume_hint(signum: int, run_path: Path, done: int, checkpointed: bool) -> str:
     """The one line an interrupted run ends with: where it stopped, how to go on."""
     how = (
@@ -372,9 +351,12 @@ def _resume_hint(signum: int, run_path: Path, done: int, checkpointed: bool) -> 
 
 
 def _engine(
-    model: Model, mesh: Mesh, train_cfg: TrainConfig, phased: PhasedConfig | None,
+    model: Model,
+    mesh: Mesh,
+    train_cfg: TrainConfig,
+    phased: PhasedConfig | None,
     rules: Rules | None,
-) -> Engine:  # fmt: skip
+) -> Engine:
     """The engine for these settings: phased when asked, pipelined when the mesh has
     stages or the step has microbatches, else resident."""
     if phased:

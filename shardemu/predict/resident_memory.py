@@ -1,0 +1,130 @@
+"""A resident layout before anything is counted: its stages and schedule
+(`resident_layout`), and the device bytes of its fullest stage (`device_bytes`:
+weights, gradients, optimizer state and the activations its schedule keeps in flight),
+also as a lower bound with nothing compiled (`device_bytes_at_least`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from shardemu.config import (
+    ConfigError,
+    ModelConfig,
+    Parallelism,
+)
+from shardemu.parallel.schedules import Schedule, make_schedule
+from shardemu.pipelined.layout import PipelineLayout, pipeline_layout
+from shardemu.predict.resident_count import (
+    ATTENTION,
+    CountKey,
+    Microbatch,
+    Recompute,
+    count_key,
+    memory_bound,
+    selective_keep,
+)
+
+
+def _stage_bytes(
+    mb: Microbatch,
+    layers: int,
+    shared: bool,
+    microbatches: int,
+    held: float,
+    model_cfg: ModelConfig,
+) -> int:
+    """Device bytes per device of a stage of `layers` layers (and the shared weights
+    where it holds them): weights, gradients and optimizer state, and what its layers
+    keep for the `held` microbatches in flight at its peak (`Schedule.peak_activations`).
+    Gradients are the weights' dtype, summed over microbatches in FP32
+    (`numerics/precision.py`)."""
+    weights = mb.layer_bytes * layers + (mb.shared_bytes if shared else 0)
+    optimizer = mb.opt_bytes[0] * layers + (mb.opt_bytes[1] if shared else 0)
+    itemsize = jnp.dtype(model_cfg.param_dtype).itemsize
+    grads = weights if microbatches == 1 else weights * 4 // itemsize
+    return weights + grads + optimizer + round(held * layers * mb.keep_bytes)
+
+
+def resident_layout(
+    model_cfg: ModelConfig,
+    par: Parallelism,
+    batch: int,
+    seq: int,
+    microbatch_size: int,
+    schedule: str,
+    virtual: int,
+    recompute: str,
+    precision: str,
+    attention: str,
+    stage_layers: tuple[int, ...] | None,
+) -> tuple[PipelineLayout, Schedule, CountKey]:
+    """A resident layout's layers per stage, its schedule and the count it uses; a
+    `ConfigError` for a setting it cannot take."""
+    if recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"--recompute must be none, selective or full, got {recompute!r}")
+    if attention not in ATTENTION:
+        raise ConfigError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+    key = count_key(model_cfg, par, microbatch_size, seq, recompute, precision, attention)
+    per_step = par.replica * microbatch_size
+    if batch % per_step:
+        raise ConfigError(
+            f"--batch {batch} is not divisible by replica * --microbatch-size = {per_step}"
+        )
+    p, v, L = par.pipe, virtual, key.cfg.num_layers
+    if stage_layers is None and L % (p * v):
+        raise ConfigError(f"{L} layers do not split into pipe * virtual = {p * v} equal chunks")
+    lay = pipeline_layout(L, p, v, stage_layers)
+    return lay, make_schedule(schedule, p, batch // per_step, v), key
+
+
+def device_bytes(
+    mb: Microbatch,
+    key: CountKey,
+    recompute: str,
+    par: Parallelism,
+    lay: PipelineLayout,
+    sched: Schedule,
+) -> int:
+    """Device bytes per device of the layout's fullest stage (`_stage_bytes`), its
+    layers keeping what `mb` keeps (less the attention core under selective
+    recomputation)."""
+    if recompute == "selective":
+        mb = selective_keep(mb, key)
+    return max(
+        _stage_bytes(
+            mb, n, s in (0, par.pipe - 1), sched.microbatches, sched.peak_activations(s), key.cfg
+        )
+        for s, n in enumerate(lay.stage_layers())
+    )
+
+
+def device_bytes_at_least(
+    model_cfg: ModelConfig,
+    par: Parallelism,
+    batch: int,
+    seq: int,
+    microbatch_size: int,
+    schedule: str = "1f1b",
+    virtual: int = 1,
+    recompute: Recompute = "full",
+    precision: str = "fp32",
+    attention: str = "materialized",
+) -> int:
+    """At most the device bytes per device `plan_resident` finds for this layout, with
+    nothing compiled (`memory_bound`): a search counts no microbatch that none of its
+    layouts could fit."""
+    lay, sched, key = resident_layout(
+        model_cfg,
+        par,
+        batch,
+        seq,
+        microbatch_size,
+        schedule,
+        virtual,
+        recompute,
+        precision,
+        attention,
+        None,
+    )
+    return device_bytes(memory_bound(*key), key, recompute, par, lay, sched)
