@@ -55,9 +55,8 @@ def published(case: dict) -> dict:
     else:
         from shardemu.predict.plan_resident import plan_resident
 
-        report = plan_resident(
-            cfg, par, BATCH, SEQ, 1, hw, recompute="full", precision=case["precision"]
-        ).report
+        train = TrainConfig(batch=BATCH, seq=SEQ, precision=case["precision"])
+        report = plan_resident(cfg, par, train, 1, hw, recompute="full").report
     memory = report["memory_per_device"]
     return {
         "layout": str(par),

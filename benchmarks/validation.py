@@ -28,7 +28,7 @@ use_virtual_devices(12)  # the widest tensor group: PaLM's 12
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from shardemu.config import ModelConfig, Parallelism  # noqa: E402
+from shardemu.config import ModelConfig, Parallelism, TrainConfig  # noqa: E402
 from shardemu.models import custom_model, get_preset  # noqa: E402
 from shardemu.predict.overlap import Overlap  # noqa: E402
 from shardemu.predict.plan_resident import plan_resident, plan_resident_auto  # noqa: E402
@@ -235,18 +235,16 @@ CASES = [
 
 
 def run(case: Case) -> dict:
-    settings = {
-        "schedule": case.schedule, "virtual": case.virtual, "recompute": case.recompute,
-        "precision": case.precision, "overlap": case.overlap, "attention": case.attention,
-        "stage_layers": case.stage_layers,
-    }  # fmt: skip
+    train = TrainConfig(
+        batch=case.batch, seq=case.seq, schedule=case.schedule, virtual=case.virtual,
+        precision=case.precision, stage_layers=case.stage_layers,
+    )  # fmt: skip
+    settings = {"recompute": case.recompute, "overlap": case.overlap, "attention": case.attention}
     hw = PROFILES[case.hardware]
     if case.microbatch_size:
-        r = plan_resident(
-            case.model, case.par, case.batch, case.seq, case.microbatch_size, hw, **settings
-        ).report
+        r = plan_resident(case.model, case.par, train, case.microbatch_size, hw, **settings).report
     else:  # not published: the size `shardemu plan` picks
-        r = plan_resident_auto(case.model, case.par, case.batch, case.seq, hw, **settings).report
+        r = plan_resident_auto(case.model, case.par, train, hw, **settings).report
     predicted = {
         "tflops_per_device": r["tflops_per_device"], "mfu": r["utilisation"],
         "sequences_per_s": case.batch / r["step_time_s"],

@@ -20,7 +20,7 @@ from shardemu.devices import use_virtual_devices
 
 use_virtual_devices(8)
 
-from shardemu.config import Parallelism  # noqa: E402
+from shardemu.config import Parallelism, TrainConfig  # noqa: E402
 from shardemu.models import custom_model  # noqa: E402
 from shardemu.predict.plan_resident import plan_resident  # noqa: E402
 from shardemu.predict.profiles import get_hardware  # noqa: E402
@@ -36,7 +36,8 @@ def main() -> None:
     model = custom_model("gpt", 105, 20480, 128, 51200, 2048)
     par = Parallelism(pipe=35, tensor=8)
     t0 = time.perf_counter()
-    timeline = plan_resident(model, par, args.batch, 2048, 1, get_hardware("a100-80gb")).timeline
+    train = TrainConfig(batch=args.batch, seq=2048)
+    timeline = plan_resident(model, par, train, 1, get_hardware("a100-80gb")).timeline
     plan_s = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()

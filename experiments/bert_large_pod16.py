@@ -47,7 +47,8 @@ DEPTHS = {4: Parallelism(pipe=4, replica=4), 8: Parallelism(pipe=8, replica=2)}
 
 def predict(depth: int, par: Parallelism) -> dict:
     model = get_preset("bert-large").replace(param_dtype="float16")
-    r = plan_resident(model, par, GLOBAL_BATCH, SEQ, MICROBATCH, HW, schedule="1f1b").report
+    train = TrainConfig(batch=GLOBAL_BATCH, seq=SEQ, schedule="1f1b")
+    r = plan_resident(model, par, train, MICROBATCH, HW).report
     mem = r["memory_per_device"]["device"]
     return {
         "depth": depth,

@@ -191,7 +191,8 @@ def test_resident_plan_recomputation_and_schedules():
     par, hw = Parallelism(pipe=2, tensor=2, replica=2), PROFILES["a100-80gb"]
 
     def plan(recompute="full", schedule="1f1b"):
-        r = plan_resident(get_preset("gpt-tiny"), par, 16, 16, 2, hw, schedule, 1, recompute).report
+        train = TrainConfig(batch=16, seq=16, schedule=schedule)
+        r = plan_resident(get_preset("gpt-tiny"), par, train, 2, hw, recompute).report
         return r | {"memory": r["memory_per_device"]["device"]["bytes"]}
 
     full, selective, none = plan("full"), plan("selective"), plan("none")
@@ -227,14 +228,17 @@ def test_a_pipelined_plan_without_a_microbatch_size_picks_the_fastest(tmp_path, 
     fastest = min(choice["step_time_s"], key=choice["step_time_s"].get)
     assert choice["chosen"] == report["microbatch_size"] == int(fastest)
     assert f"--microbatch-size {fastest} (not given: of 1, 2, 4 " in out.err
+    train = TrainConfig(batch=4, seq=16)
     explicit = plan_resident(
-        get_preset("gpt-tiny"), Parallelism(pipe=2), 4, 16, int(fastest), PROFILES["a100-80gb"]
+        get_preset("gpt-tiny"), Parallelism(pipe=2), train, int(fastest), PROFILES["a100-80gb"]
     ).report
     assert explicit["step_time_s"] == report["step_time_s"]
     # a refusal every size shares is the user's to fix: it comes back, not "no size"
     with pytest.raises(ConfigError, match="4 layers do not split into pipe \\* virtual = 6"):
-        plan_resident_auto(get_preset("gpt-tiny"), Parallelism(pipe=2), 4, 16,
-                           PROFILES["a100-80gb"], schedule="interleaved", virtual=3)  # fmt: skip
+        plan_resident_auto(
+            get_preset("gpt-tiny"), Parallelism(pipe=2),
+            TrainConfig(batch=4, seq=16, schedule="interleaved", virtual=3), PROFILES["a100-80gb"],
+        )  # fmt: skip
     with pytest.raises(ConfigError, match="give --hardware"):
         plan_phased(get_preset("gpt-tiny"), Parallelism(pipe=2), TrainConfig(batch=4, seq=16),
                     PhasedConfig(), microbatch_size="auto")  # fmt: skip

@@ -8,7 +8,7 @@ across nodes; every event is on one device."""
 import pytest
 
 from shardemu.accounting.ledger import Event, Phase
-from shardemu.config import ConfigError, Parallelism
+from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.models import get_preset
 from shardemu.predict.costmodel import build_timeline
 from shardemu.predict.hardware import Hardware
@@ -79,7 +79,14 @@ def plans():
     par, hw = Parallelism(pipe=2, replica=2), PROFILES["a100-80gb"]
 
     def plan(**overlap):
-        return plan_resident(get_preset("gpt-tiny"), par, 16, 16, 2, hw, overlap=Overlap(**overlap))
+        return plan_resident(
+            get_preset("gpt-tiny"),
+            par,
+            TrainConfig(batch=16, seq=16),
+            2,
+            hw,
+            overlap=Overlap(**overlap),
+        )
 
     return {
         "end": plan(grad_reduce="end"),

@@ -176,15 +176,9 @@ def test_a_plan_of_uneven_stages_counts_what_the_engine_runs(tiny_model):
         return out
 
     def plan(stage_layers):
+        train = TrainConfig(batch=16, seq=16, stage_layers=stage_layers)
         planned = plan_resident(
-            tiny_model.cfg,
-            Parallelism(pipe=2),
-            16,
-            16,
-            8,
-            PROFILES["a100-80gb"],
-            recompute="none",
-            stage_layers=stage_layers,
+            tiny_model.cfg, Parallelism(pipe=2), train, 8, PROFILES["a100-80gb"], "none"
         )
         report, ledger = planned.report, planned.ledger  # fmt: skip
         return report, per_stage(ledger.events)

@@ -16,7 +16,7 @@ import pytest
 from shardemu.accounting.count import Counter, piece_events
 from shardemu.accounting.ledger import Phase
 from shardemu.accounting.matmuls import kernels
-from shardemu.config import Parallelism
+from shardemu.config import Parallelism, TrainConfig
 from shardemu.predict.costmodel import duration
 from shardemu.predict.hardware import Hardware
 
@@ -124,10 +124,10 @@ def test_a_resident_plan_with_fused_attention() -> None:
     par, batch, b = Parallelism(pipe=2, tensor=1, replica=2), 8, 2
 
     def plan(attention: str) -> dict:
+        train = TrainConfig(batch=batch, seq=2048, precision="bf16")
         report = plan_resident(
-            cfg, par, batch, 2048, b, PROFILES["h100-sxm"], recompute="none",
-            precision="bf16", attention=attention,
-        ).report  # fmt: skip
+            cfg, par, train, b, PROFILES["h100-sxm"], "none", attention=attention
+        ).report
         return report
 
     plain, fused = plan("materialized"), plan("fused")

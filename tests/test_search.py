@@ -12,7 +12,7 @@ import pytest
 from cli_helpers import shardemu
 
 from shardemu.accounting import flops
-from shardemu.config import ConfigError, Parallelism
+from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.models import custom_model
 from shardemu.predict.layouts import Space, pareto
 from shardemu.predict.plan_resident import plan_resident
@@ -56,10 +56,10 @@ def brute_force(precision: str = "bf16", hw=HW) -> dict[str, dict]:
             (1,), schedules, ("none", "selective", "full")
         ):
             try:
-                report = plan_resident(
-                    TINY, Parallelism(p, t, r), BATCH, SEQ, b, hw, schedule, v, rec,
-                    precision=precision,
-                ).report  # fmt: skip
+                train = TrainConfig(
+                    batch=BATCH, seq=SEQ, schedule=schedule, virtual=v, precision=precision
+                )
+                report = plan_resident(TINY, Parallelism(p, t, r), train, b, hw, rec).report
             except ConfigError:  # interleaved with microbatches pipe does not divide
                 continue
             name = f"{schedule}x{v}" if v > 1 else schedule

@@ -30,11 +30,7 @@ from typing import Any
 from shardemu.accounting import flops
 from shardemu.accounting.assemble import assemble
 from shardemu.accounting.ledger import Event, Ledger, Phase
-from shardemu.config import (
-    ModelConfig,
-    Parallelism,
-    SparsityConfig,
-)
+from shardemu.config import ModelConfig, Parallelism, SparsityConfig, TrainConfig
 from shardemu.models import count_params
 from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.schedules import Schedule, Slot
@@ -87,145 +83,161 @@ def _step_events(
     then each stage's gradient all-reduce (after its last backward, or only the shared
     weights' there when the layers' reduce in buckets during their last backward:
     `overlap.py`) and optimizer updates."""
-    p, r, last_vs = par.pipe, par.replica, lay.last
-    bucketed = overlap.grad_reduce == "bucketed" and r > 1
+    step = _StepEvents(mb, sched, lay, par, overlap)
+    return assemble(sched, step.slot_events, after=step.after())
 
-    def phase(kind: str, vs: int, micro: int | None = None) -> Phase:
-        tag = _phase(kind, vs, lay.slices[vs])
+
+class _StepEvents:
+    """A resident step's events, slot by slot (`slot_events`) and after the slots."""
+
+    def __init__(
+        self,
+        mb: Microbatch,
+        sched: Schedule,
+        lay: PipelineLayout,
+        par: Parallelism,
+        overlap: Overlap,
+    ) -> None:
+        self.mb, self.sched, self.lay, self.par, self.overlap = mb, sched, lay, par, overlap
+        self.bucketed = overlap.grad_reduce == "bucketed" and par.replica > 1
+        self.last_backward: dict[int, int] = {}  # virtual stage -> time of its last backward
+        self.last_b: dict[int, Slot] = {}  # stage -> its last backward
+        for sl in sched.in_order:
+            if sl.kind == "B":
+                self.last_backward[sched.virtual_stage(sl)] = sl.time
+                self.last_b[sl.stage] = sl
+        # one list per (F or B, virtual stage, reduce); `assemble` sets the microbatch
+        self.chunk_events = functools.cache(self._chunk_events)
+
+    def phase(self, kind: str, vs: int, micro: int | None = None) -> Phase:
+        tag = _phase(kind, vs, self.lay.slices[vs])
         return tag if micro is None else tag.at(micro)
 
-    def all_reduce(grad_bytes: int, tag: Phase, stage: int = 0) -> Event:
+    def all_reduce(self, grad_bytes: int, tag: Phase, stage: int = 0) -> Event:
         """The ring all-reduce of `grad_bytes` per device over `replica`: each device
         sends 2 (r-1)/r of them (Thakur et al. 2005)."""
+        r, t = self.par.replica, self.par.tensor
         return Event(
             0,
             tag,
             "collective",
             "gradients",
-            bytes=round(2 * (r - 1) / r * grad_bytes * r * par.tensor),
+            bytes=round(2 * (r - 1) / r * grad_bytes * r * t),
             axis="replica",
-            devices=r * par.tensor,
+            devices=r * t,
             op="all-reduce",
             group=r,
             stage=stage,
         )
 
-    def layers(kind: str, tag: Phase, reduce: bool) -> list[Event]:
+    def layers(self, kind: str, tag: Phase, reduce: bool) -> list[Event]:
         """A chunk's layers' forward or backward; with `reduce`, the backward in
         `buckets` equal parts, each followed by the all-reduce of its gradients."""
+        mb, r = self.mb, self.par.replica
         piece = mb.pieces["forward" if kind == "F" else "backward"]
-        n = lay.layers_of(tag.index)
+        n = self.lay.layers_of(tag.index)
         if not reduce:
             return [_scaled(e, n, r, phase=tag) for e in piece]
         grads, out = mb.layer_bytes * n, []
-        buckets = overlap.buckets(grads)
+        buckets = self.overlap.buckets(grads)
         part = [_scaled(e, n / buckets, r, phase=tag) for e in piece]
         for i in range(buckets):
-            out += [*part, all_reduce(grads * (i + 1) // buckets - grads * i // buckets, tag)]
+            out += [*part, self.all_reduce(grads * (i + 1) // buckets - grads * i // buckets, tag)]
         return out
 
-    @functools.cache  # one list per (F or B, virtual stage); `assemble` sets the microbatch
-    def chunk_events(kind: str, vs: int, reduce: bool = False) -> list[Event]:
-        first, last = ["embed"], ["head"]
+    def _chunk_events(self, kind: str, vs: int, reduce: bool = False) -> list[Event]:
+        """Virtual stage `vs`'s F or B slot: its pieces, and its output sent on to the
+        next virtual stage over `pipe`."""
+        last_vs, r, t = self.lay.last, self.par.replica, self.par.tensor
         if kind == "F":
-            names = (first if vs == 0 else []) + ["forward"] + (last if vs == last_vs else [])
-            tag, to = phase("forward", vs), vs + 1
+            names = (
+                (["embed"] if vs == 0 else []) + ["forward"] + (["head"] if vs == last_vs else [])
+            )
+            tag, to = self.phase("forward", vs), vs + 1
         else:
             names = ["backward"] + (["embed-backward"] if vs == 0 else [])
-            tag, to = phase("backward", vs), vs - 1
+            tag, to = self.phase("backward", vs), vs - 1
         events = [
             e
             for name in names
             for e in (
-                layers(kind, tag, reduce)
+                self.layers(kind, tag, reduce)
                 if name in ("forward", "backward")
-                else [_scaled(e, 1, r, phase=tag) for e in mb.pieces[name]]
+                else [_scaled(e, 1, r, phase=tag) for e in self.mb.pieces[name]]
             )
         ]
-        if 0 <= to <= last_vs and p > 1:  # to the next virtual stage, as its input
+        if 0 <= to <= last_vs and self.par.pipe > 1:  # to the next virtual stage, as its input
             carries = "activations" if kind == "F" else "gradients"
             events.append(
                 Event(
                     0,
-                    phase(tag.kind, to),
+                    self.phase(tag.kind, to),
                     "collective",
                     carries,
-                    bytes=mb.act_bytes * r * par.tensor,
+                    bytes=self.mb.act_bytes * r * t,
                     axis="pipe",
-                    devices=r * par.tensor,
+                    devices=r * t,
                     op="collective-permute",
                     group=2,
                 )
             )
         return events
 
-    last_backward: dict[int, int] = {}  # virtual stage -> time of its last backward
-    last_b: dict[int, Slot] = {}  # stage -> its last backward
-    for sl in sched.in_order:
-        if sl.kind == "B":
-            last_backward[sched.virtual_stage(sl)] = sl.time
-            last_b[sl.stage] = sl
+    def slot_events(self, slot: Slot) -> list[Event]:
+        vs = self.sched.virtual_stage(slot)
+        reduce = self.bucketed and slot.kind == "B" and slot.time == self.last_backward[vs]
+        return self.chunk_events(slot.kind, vs, reduce)
 
-    def slot_events(slot: Slot) -> list[Event]:
-        vs = sched.virtual_stage(slot)
-        reduce = bucketed and slot.kind == "B" and slot.time == last_backward[vs]
-        return chunk_events(slot.kind, vs, reduce)
-
-    after = []
-    for s, n in enumerate(lay.stage_layers()):
-        shared = s in (0, p - 1)
-        grads = (0 if bucketed else mb.layer_bytes * n) + (mb.shared_bytes if shared else 0)
-        if r > 1 and grads:
-            tag = phase("backward", sched.virtual_stage(last_b[s]), last_b[s].microbatch)
-            after.append(all_reduce(grads, tag, s))
-        update = Phase("update", s)
-        after += [_scaled(e, n, r, phase=update, stage=s) for e in mb.pieces["update0"]]
-        if shared:
-            after += [_scaled(e, 1, r, phase=update, stage=s) for e in mb.pieces["update-shared"]]
-    return assemble(sched, slot_events, after=after)
+    def after(self) -> list[Event]:
+        """After the slots, each stage: its gradients' all-reduce (the shared weights'
+        alone when the layers' went in buckets) and its optimizer updates."""
+        mb, sched, r, out = self.mb, self.sched, self.par.replica, []
+        for s, n in enumerate(self.lay.stage_layers()):
+            shared = s in (0, self.par.pipe - 1)
+            grads = (0 if self.bucketed else mb.layer_bytes * n) + (
+                mb.shared_bytes if shared else 0
+            )
+            if r > 1 and grads:
+                last = self.last_b[s]
+                out.append(
+                    self.all_reduce(
+                        grads, self.phase("backward", sched.virtual_stage(last), last.microbatch), s
+                    )
+                )
+            update = Phase("update", s)
+            out += [_scaled(e, n, r, phase=update, stage=s) for e in mb.pieces["update0"]]
+            if shared:
+                out += [_scaled(e, 1, r, phase=update, stage=s) for e in mb.pieces["update-shared"]]
+        return out
 
 
 def plan_resident(
     model_cfg: ModelConfig,
     par: Parallelism,
-    batch: int,
-    seq: int,
+    train: TrainConfig,
     microbatch_size: int,
     hardware: Hardware,
-    schedule: str = "1f1b",
-    virtual: int = 1,
     recompute: Recompute = "full",
-    sparsity: SparsityConfig | None = None,
-    precision: str = "fp32",
     overlap: Overlap = DEFAULT_OVERLAP,
     attention: str = "materialized",
     must_fit: bool = False,
-    stage_layers: tuple[int, ...] | None = None,
 ) -> Plan:
-    """Predict a resident (pipelined) step of `batch` sequences on `hardware` in
-    `precision`, its communication overlapped as `overlap` says and its attention core
-    `materialized` or `fused` (`ATTENTION`): the report, the step's ledger and its
-    timeline. `stage_layers`: the layers of each pipeline stage (`--stage-layers`;
-    even without it), as `pipeline_layout` splits them. With `must_fit`, a layout over
-    the device memory raises `CapacityError` before its step is assembled and timed,
-    and before its microbatch is counted where its least bytes (`memory_bound`) are
-    over already.
-    Needs `par.tensor` JAX devices (one stage's tensor group)."""
+    """Predict a resident (pipelined) step of `train`'s batch, schedule, precision,
+    sparsity and stage layers (each stage's layers, as `pipeline_layout` splits them) on
+    `hardware`, `microbatch_size` sequences a microbatch, its communication overlapped as
+    `overlap` says and its attention core `materialized` or `fused` (`ATTENTION`): the
+    report, the step's ledger and its timeline. With `must_fit`, a layout over the
+    device memory raises `CapacityError` before its step is assembled and timed, and
+    before its microbatch is counted where its least bytes (`memory_bound`) are over
+    already. Needs `par.tensor` JAX devices (one stage's tensor group)."""
+    batch, seq, schedule, virtual = train.batch, train.seq, train.schedule, train.virtual
+    precision, sparsity = train.precision, train.sparsity
     t0 = time.perf_counter()
     hardware = hardware.at_precision(arithmetic(model_cfg, precision))
     lay, sched, key = resident_layout(
-        model_cfg,
-        par,
-        batch,
-        seq,
-        microbatch_size,
-        schedule,
-        virtual,
-        recompute,
-        precision,
-        attention,
-        stage_layers,
-    )
+        model_cfg, par, batch, seq, microbatch_size, schedule, virtual, recompute, precision,
+        attention, train.stage_layers,
+    )  # fmt: skip
     model_cfg, m = key.cfg, sched.microbatches
     layout = f"{par} microbatch {microbatch_size} {schedule} recompute={recompute}"
     if must_fit:  # nothing compiled for a layout whose least bytes are over the memory
@@ -238,65 +250,72 @@ def plan_resident(
     if recompute == "selective":
         mb = selective(mb, key)
     ledger = Ledger(_step_events(mb, sched, lay, par, overlap))
-    totals = ledger.step_totals(0)
     timed = ledger.events
     if sparsity is not None:  # the layers' matmuls at the hardware's block-sparse speed
         factor = layer_factor(hardware, model_cfg, seq, sparsity)
         layers = {k: scale_compute(mb.pieces[k], factor) for k in ("forward", "backward")}
-        sparse_mb = dataclasses.replace(mb, pieces={**mb.pieces, **layers})
-        timed = _step_events(sparse_mb, sched, lay, par, overlap)
+        timed = _step_events(
+            dataclasses.replace(mb, pieces={**mb.pieces, **layers}), sched, lay, par, overlap
+        )
+    model_flops = ledger.step_totals(0)["model_flops"]
     timeline, prediction = predict(
-        timed,
-        hardware,
-        par,
-        totals["model_flops"],
-        batch * seq,
-        {"device": held},
-        overlap,
+        timed, hardware, par, model_flops, batch * seq, {"device": held}, overlap
     )
-    hardware_flops = sum(
+    report = {
+        "model": model_cfg.name,
+        "mesh": str(par),
+        "devices": par.num_devices,
+        "param_count": count_params(model_cfg),
+        "batch": batch,
+        "seq": seq,
+        "microbatch_size": microbatch_size,
+        "microbatches": m,
+        "schedule": schedule,
+        "virtual": virtual,
+        "stage_layers": lay.stage_layers(),
+        "recompute": recompute,
+        "precision": precision,
+        "overlap": overlap.to_json(),
+        "attention": attention,
+        "bubble_fraction": sched.bubble_fraction,
+        **_counts(ledger, model_cfg, par, batch, seq, prediction["step_time_s"], sparsity),
+        **prediction,
+        **sparse_report(hardware, sparsity),
+        "elapsed_s": time.perf_counter() - t0,
+    }
+    return Plan(report, ledger, timeline)
+
+
+def _counts(
+    ledger: Ledger,
+    model_cfg: ModelConfig,
+    par: Parallelism,
+    batch: int,
+    seq: int,
+    step: float,
+    sparsity: SparsityConfig | None,
+) -> dict[str, Any]:
+    """A step's counts in the report: the ledger's totals, the analytic model FLOPs
+    beside them, and what the hardware executes (less the optimizer update)."""
+    totals = ledger.step_totals(0)
+    analytic = flops.training_step(model_cfg, batch, seq)
+    executed = sum(
         e.flops for e in ledger.events if e.kind == "compute" and e.carries != "optimizer_state"
     )
-    step = prediction["step_time_s"]
-    analytic = flops.training_step(model_cfg, batch, seq)
-    return Plan(
-        {
-            "model": model_cfg.name,
-            "mesh": str(par),
-            "devices": par.num_devices,
-            "param_count": count_params(model_cfg),
-            "batch": batch,
-            "seq": seq,
-            "microbatch_size": microbatch_size,
-            "microbatches": m,
-            "schedule": schedule,
-            "virtual": virtual,
-            "stage_layers": lay.stage_layers(),
-            "recompute": recompute,
-            "precision": precision,
-            "overlap": overlap.to_json(),
-            "attention": attention,
-            "bubble_fraction": sched.bubble_fraction,
-            **totals,
-            "model_flops_analytic": analytic,
-            "model_flops_rel_err": totals["model_flops"] / analytic - 1,
-            "executed_flops": hardware_flops,
-            "tflops_per_device": hardware_flops / par.num_devices / step / 1e12 if step else 0.0,
-            **model_flops_sparse(model_cfg, batch * seq, totals["model_flops"], sparsity),
-            **prediction,
-            **sparse_report(hardware, sparsity),
-            "elapsed_s": time.perf_counter() - t0,
-        },
-        ledger,
-        timeline,
-    )
+    return {
+        **totals,
+        "model_flops_analytic": analytic,
+        "model_flops_rel_err": totals["model_flops"] / analytic - 1,
+        "executed_flops": executed,
+        "tflops_per_device": executed / par.num_devices / step / 1e12 if step else 0.0,
+        **model_flops_sparse(model_cfg, batch * seq, totals["model_flops"], sparsity),
+    }
 
 
 def plan_resident_auto(
     model_cfg: ModelConfig,
     par: Parallelism,
-    batch: int,
-    seq: int,
+    train: TrainConfig,
     hardware: Hardware,
     **settings: Any,
 ) -> Plan:
@@ -304,8 +323,8 @@ def plan_resident_auto(
     the report says so under `microbatch_choice`."""
 
     def plan(size: int) -> tuple[dict[str, Any], Any]:
-        planned = plan_resident(model_cfg, par, batch, seq, size, hardware, **settings)
+        planned = plan_resident(model_cfg, par, train, size, hardware, **settings)
         return planned.report, planned
 
-    _, planned = choose_microbatch(batch, par, plan)
+    _, planned = choose_microbatch(train.batch, par, plan)
     return planned

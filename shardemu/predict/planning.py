@@ -75,17 +75,12 @@ def plan(
             "rules are planned with a PhasedConfig, or trained with Trainer(rules=...)"
         )
     settings = {
-        "schedule": train.schedule,
-        "virtual": train.virtual,
         "recompute": recompute,
-        "sparsity": train.sparsity,
         "attention": attention,
-        "stage_layers": train.stage_layers,
-        "precision": train.precision,
         "overlap": overlap,
         "must_fit": must_fit,
     }
     if auto:
-        return plan_resident_auto(model, par, train.batch, train.seq, hardware, **settings)
+        return plan_resident_auto(model, par, train, hardware, **settings)
     size = microbatch_size if microbatch_size is not None else train.batch // par.replica
-    return plan_resident(model, par, train.batch, train.seq, size, hardware, **settings)
+    return plan_resident(model, par, train, size, hardware, **settings)
