@@ -107,23 +107,6 @@ def per_system_builders(st: Stage) -> dict[Piece, Callable[[], Any]]:
 
         return per_system(local, (shared_spec, batch_spec, act), systems)(shared, batch, g)
 
-    def reduce(part: str) -> Any:
-        """Sum a stacked gradient tree over the systems in the host tier (with a sparse
-        run's masks, drop the zero weights' gradients), and its squared norm. JAX will
-        not compile selects over host-memory operands, so the sum works on device views
-        (the same RAM on the CPU backend) and its results are left on the host."""
-        store = st.layer_store if part == "layers" else st.shared_store
-        host = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
-
-        def run(stacked: Any, masks: Any) -> Any:
-            stacked, masks = jax.device_put((stacked, masks), jax.memory.Space.Device)
-            g = jax.tree.map(lambda a: jnp.sum(a, axis=0), stacked)
-            if masks is not None:
-                g = apply_masks(g, masks)
-            return g, squared_norm(g)
-
-        return jax.jit(run, out_shardings=(with_memory_kind(store, "pinned_host"), host))
-
     return {
         Piece.FWD_ACTS: lambda: jax.jit(per_system(fwd_acts, (w_spec, act, mask), (act, systems))),
         Piece.BWD_ACTS: lambda: jax.jit(
@@ -132,6 +115,24 @@ def per_system_builders(st: Stage) -> dict[Piece, Callable[[], Any]]:
         Piece.BWD: lambda: jax.jit(per_system(bwd, (w_spec, act, mask, act), (systems, act))),
         Piece.HEAD: lambda: jax.jit(head),
         Piece.EMBED_BWD: lambda: jax.jit(embed_bwd),
-        Piece.SWARMX_REDUCE_LAYERS: lambda: reduce("layers"),
-        Piece.SWARMX_REDUCE_SHARED: lambda: reduce("shared"),
+        Piece.SWARMX_REDUCE_LAYERS: lambda: _swarmx_reduce(st, "layers"),
+        Piece.SWARMX_REDUCE_SHARED: lambda: _swarmx_reduce(st, "shared"),
     }
+
+
+def _swarmx_reduce(st: Stage, part: str) -> Any:
+    """Sum a stacked gradient tree over the systems in the host tier (with a sparse
+    run's masks, drop the zero weights' gradients), and its squared norm. JAX will
+    not compile selects over host-memory operands, so the sum works on device views
+    (the same RAM on the CPU backend) and its results are left on the host."""
+    store = st.layer_store if part == "layers" else st.shared_store
+    host = NamedSharding(st.mesh, PartitionSpec(), memory_kind="pinned_host")
+
+    def run(stacked: Any, masks: Any) -> Any:
+        stacked, masks = jax.device_put((stacked, masks), jax.memory.Space.Device)
+        g = jax.tree.map(lambda a: jnp.sum(a, axis=0), stacked)
+        if masks is not None:
+            g = apply_masks(g, masks)
+        return g, squared_norm(g)
+
+    return jax.jit(run, out_shardings=(with_memory_kind(store, "pinned_host"), host))
