@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardemu.accounting.ledger import Ledger
+from shardemu.errors import ConfigError
 from shardemu.predict.costmodel import Timeline
 
 
@@ -28,7 +29,10 @@ class Plan:
     def step_time_s(self) -> float:
         """The predicted step; a plan without hardware has none."""
         if "step_time_s" not in self.report:
-            raise KeyError("this plan has no prediction: plan it with a Hardware profile")
+            raise ConfigError(
+                "this plan has no prediction: plan it with a hardware profile "
+                "(shardemu.get_hardware(NAME))"
+            )
         return self.report["step_time_s"]
 
     def to_json(self) -> dict[str, Any]:
