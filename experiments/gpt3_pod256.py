@@ -34,7 +34,6 @@ from shardemu.models import get_preset  # noqa: E402
 from shardemu.predict.plan_phased import padded_for, plan_phased  # noqa: E402
 from shardemu.predict.profiles import PROFILES  # noqa: E402
 from shardemu.report.describe import describe  # noqa: E402
-from shardemu.report.plandir import write_plan_dir  # noqa: E402
 from shardemu.report.rundir import default_run_dir  # noqa: E402
 from shardemu.report.views import save_figure  # noqa: E402
 
@@ -69,13 +68,10 @@ def resident() -> dict:
     }
 
 
-def phased(name: str, cfg: PhasedConfig, out: Path | None) -> dict:
+def phased(name: str, cfg: PhasedConfig) -> dict:
     model = padded_for(get_preset("gpt3-175b"), PAR).replace(param_dtype="float16")
     train = TrainConfig(batch=GLOBAL_BATCH, seq=SEQ)
-    planned = plan_phased(model, PAR, train, cfg, hardware=HW, microbatch_size=MICROBATCH)
-    if out is not None:
-        write_plan_dir(out, planned)
-    r = planned.report
+    r = plan_phased(model, PAR, train, cfg, hardware=HW, microbatch_size=MICROBATCH).report
     return {
         "setting": name,
         "passes": r["passes"],
@@ -137,7 +133,7 @@ def main() -> None:
     table.add_row("fits", "no" if res["weights_bf16_per_ipu"] > res["ipu_memory"] else "yes")
     console.print(table)
 
-    rows = [phased(name, cfg, None) for name, cfg in SETTINGS.items()]
+    rows = [phased(name, cfg) for name, cfg in SETTINGS.items()]
     table = Table(title=f"phased: batch {GLOBAL_BATCH} x {SEQ} as {rows[0]['passes']} passes")
     for col in ("setting", "device peak MB", "fits 900 MB", "h2d TB/step", "step s",
                 "compute s", "exposed streaming s", "exposed comm s", "bubble s",
