@@ -126,6 +126,9 @@ class PhasedTrainer:
             step,
             self._context,
             counting=counting,
+            # a trainer built to run (not a planner's emulated stages): its dry runs
+            # compile what its steps will run
+            compiles_to_run=not self.emulated,
         )
 
     def plan(

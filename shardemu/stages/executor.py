@@ -50,6 +50,7 @@ class Executor:
         context: tuple = (),
         fused_attention: bool = False,
         counting: bool = True,
+        compiles_to_run: bool = False,
     ) -> None:
         self.ledger, self.tiers, self.real, self.step = ledger, tiers, real, step
         # False: an abstract step for its memory alone (whether a layout fits), which
@@ -57,6 +58,9 @@ class Executor:
         # their outputs' shardings; it lists the pieces a counted step would count
         # (name, fn, mesh, count args, context) for `Counter.count_all`
         self.counting = counting or real
+        # a dry run of a trainer that will run: its counted pieces compile as the real
+        # steps will (`Stage.executable`), so that those steps reuse them
+        self.compiles_to_run = compiles_to_run
         self.pieces: list[tuple] = []
         self.fused_attention = fused_attention  # record kernels as FlashAttention's
         self.axis_labels = axis_labels  # mesh axis -> the name users know it by
@@ -261,7 +265,8 @@ class Executor:
         # a piece counted over what it runs on (its arrays, or one layer's shapes when it
         # runs one layer) compiles once for both
         same = count_args is args or signature(count_args) == signature(args)
-        run = stage.executable(piece, args) if self.real and same else None
+        compile_to_run = self.real or (self.compiles_to_run and self.counting)
+        run = stage.executable(piece, args) if same and compile_to_run else None
         if self.counting:
             if run is not None:
                 counted = self.counter.count_compiled(piece, run, stage.mesh, args, self.context)

@@ -115,14 +115,15 @@ class Stage:
         return self._fns[name]
 
     def executable(self, name: Piece, args: tuple) -> Any | None:
-        """The piece `name` compiled for this stage's devices over the signature of the
-        arrays `args`, once: the executor runs it and counts it from this one compile
-        (jit's own call would compile it a second time). None where `args` holds
-        something other than arrays (a Python number is traced by value)."""
+        """The piece `name` compiled for this stage's devices over the signature of
+        `args` (arrays, or their shapes in a dry run before real steps), once: the
+        executor runs it and counts it from this one compile (jit's own call would
+        compile it a second time). None where `args` holds something else (a Python
+        number is traced by value)."""
         leaves = jax.tree.leaves(args)
-        if not all(isinstance(x, jax.Array) for x in leaves):
+        if not all(isinstance(x, jax.Array | jax.ShapeDtypeStruct) for x in leaves):
             return None
-        key = (name, signature(args))
+        key = (name, signature(args), tuple(x.weak_type for x in leaves))
         if key not in self._executables:
             self._executables[key] = self.fn(name).lower(*args).compile()
         return self._executables[key]
