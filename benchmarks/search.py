@@ -109,6 +109,7 @@ def main() -> None:
             f"{row['published']['layout']} {row['published']['step_time_s']:.2f} s: "
             f"ratio {row['best_vs_published']:.3f}"
         )
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2))
     print(f"wrote {RESULTS}")
 
