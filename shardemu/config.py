@@ -19,7 +19,7 @@ from shardemu.errors import ConfigError
 OptimizerName = Literal["adamw", "lamb"]
 
 
-def _require_positive(owner: str, **values: int) -> None:
+def require_positive(owner: str, **values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{owner}.{name} must be a positive integer, got {value!r}")
@@ -64,7 +64,7 @@ class ModelConfig:
     max_predictions: int = 0
 
     def __post_init__(self) -> None:
-        _require_positive(
+        require_positive(
             "ModelConfig",
             vocab_size=self.vocab_size,
             num_layers=self.num_layers,
@@ -111,7 +111,7 @@ class ModelConfig:
     def pad_vocab(self, multiple: int) -> ModelConfig:
         """Round the vocabulary up to a multiple, as Megatron-LM's
         `--make-vocab-size-divisible-by` does, so a vocab-parallel embedding divides."""
-        _require_positive("pad_vocab", multiple=multiple)
+        require_positive("pad_vocab", multiple=multiple)
         if multiple > self.vocab_size:
             raise ConfigError(
                 f"--pad-vocab {multiple} is larger than {self.name}'s vocabulary of "
@@ -131,7 +131,7 @@ class Parallelism:
     replica: int = 1
 
     def __post_init__(self) -> None:
-        _require_positive("Parallelism", pipe=self.pipe, tensor=self.tensor, replica=self.replica)
+        require_positive("Parallelism", pipe=self.pipe, tensor=self.tensor, replica=self.replica)
 
     @property
     def num_devices(self) -> int:
@@ -213,7 +213,7 @@ class SparsityConfig:
                 raise ConfigError(
                     f"sparse {name} must be one of {', '.join(allowed)}, got {value!r}"
                 )
-        _require_positive("SparsityConfig", updates=self.updates)
+        require_positive("SparsityConfig", updates=self.updates)
         if not isinstance(self.prune_ratio, int | float) or not 0 < self.prune_ratio <= 1:
             raise ConfigError(f"--prune-ratio {self.prune_ratio} must be in (0, 1]")
 
@@ -253,7 +253,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.sparsity, dict):  # from config.json
             object.__setattr__(self, "sparsity", SparsityConfig(**self.sparsity))
-        _require_positive(
+        require_positive(
             "TrainConfig",
             steps=self.steps,
             batch=self.batch,
@@ -382,10 +382,10 @@ class PhasedConfig:
 
     def __post_init__(self) -> None:
         if self.phases is not None:
-            _require_positive("PhasedConfig", phases=self.phases)
-        _require_positive("PhasedConfig", rts=self.rts)
+            require_positive("PhasedConfig", phases=self.phases)
+        require_positive("PhasedConfig", rts=self.rts)
         if self.rts_optimizer is not None:
-            _require_positive("PhasedConfig", rts_optimizer=self.rts_optimizer)
+            require_positive("PhasedConfig", rts_optimizer=self.rts_optimizer)
         if self.device_memory is not None and self.device_memory < 1:
             raise ConfigError(f"--device-memory must be positive, got {self.device_memory}")
         if self.activations not in ("keep", "offload", "recompute", "keep-activations"):

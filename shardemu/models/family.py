@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from shardemu.config import ModelConfig
+from shardemu.config import ModelConfig, require_positive
 from shardemu.data import SyntheticCorpus
 from shardemu.errors import ConfigError
 
@@ -112,9 +112,7 @@ def custom_model(
             f"custom dimensions need --model set to a family ({', '.join(FAMILIES)}), "
             f"got {family!r}"
         )
-    for flag, value in {"--layers": layers, "--hidden": hidden, "--heads": heads}.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
+    require_positive("custom model", layers=layers, hidden=hidden, heads=heads)
     if hidden % heads:
         raise ConfigError(f"--hidden {hidden} is not divisible by --heads {heads}")
     cfg = FAMILIES[family].shaped(f"{family}-L{layers}-H{hidden}-A{heads}", layers, hidden, heads)

@@ -263,10 +263,10 @@ class Executor:
         counting (`counting`), only its outputs' shapes."""
         count_args = args if count_args is None else count_args
         # a piece counted over what it runs on (its arrays, or one layer's shapes when it
-        # runs one layer) compiles once for both
-        same = count_args is args or signature(count_args) == signature(args)
+        # runs one layer) compiles once for both; a planner's dry run compares nothing
         compile_to_run = self.real or (self.compiles_to_run and self.counting)
-        run = stage.executable(piece, args) if same and compile_to_run else None
+        same = compile_to_run and (count_args is args or signature(count_args) == signature(args))
+        run = stage.executable(piece, args) if same else None
         if self.counting:
             if run is not None:
                 counted = self.counter.count_compiled(piece, run, stage.mesh, args, self.context)
