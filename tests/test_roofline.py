@@ -3,6 +3,10 @@
 The piece is tanh(x @ w) * 2: one matmul, and one elementwise kernel that reads and
 writes the [m, n] product. Its counts go through the real path (Counter.count ->
 piece_events -> costmodel.duration), the expected times are written out by hand.
+
+Kernel bytes depend on which ops XLA's CPU backend fuses: everything here compiles with
+its default fusion emitters, as a user's process does (the suite's XLA_FLAGS turn them
+off to compile faster: conftest.py).
 """
 
 from __future__ import annotations
@@ -28,6 +32,15 @@ TOY = Hardware(
     memory_gbps=1.0, memory_efficiency=0.5, matmul_latency_us=2.0,
 )  # fmt: skip
 PAR = Parallelism(pipe=1, tensor=1, replica=1)
+DEFAULT_FUSION = {"xla_cpu_use_fusion_emitters": True}  # XLA's default, which tests turn off
+
+
+@pytest.fixture(autouse=True)
+def xla_default_fusion(monkeypatch):
+    """Pieces counted (`Counter`, planners) with XLA's default CPU kernel fusion."""
+    from shardemu.accounting import count
+
+    monkeypatch.setattr(count, "COUNT_OPTIONS", {**count.COUNT_OPTIONS, **DEFAULT_FUSION})
 
 
 def _counted(dtype: jnp.dtype):  # noqa: ANN202
@@ -70,12 +83,14 @@ def test_batched_matmul_flops_and_layout_copies_are_not_memory_traffic() -> None
     nothing an accelerator would not fold into its matmul."""
     b, s, d = 4, 32, 16
     q = jax.ShapeDtypeStruct((b, s, d), jnp.float32)
-    compiled = jax.jit(lambda q, k: jnp.einsum("bqd,bkd->bqk", q, k)).lower(q, q).compile()
+    compiled = (
+        jax.jit(lambda q, k: jnp.einsum("bqd,bkd->bqk", q, k)).lower(q, q).compile(DEFAULT_FUSION)
+    )
     matmuls, _ = kernels(compiled.as_text())
     assert sum(m.flops for m in matmuls) == 2 * b * s * s * d
     assert sum(m.flops for m in matmuls) == compiled.cost_analysis()["flops"]
     transpose = jax.jit(lambda x: x.T).lower(jax.ShapeDtypeStruct((64, 32), jnp.float32))
-    assert kernels(transpose.compile().as_text())[1] == 0
+    assert kernels(transpose.compile(DEFAULT_FUSION).as_text())[1] == 0
 
 
 def _attention(b: int, h: int, s: int, d: int) -> str:
@@ -88,7 +103,7 @@ def _attention(b: int, h: int, s: int, d: int) -> str:
 
     x = jax.ShapeDtypeStruct((b, h, s, d), jnp.float32)
     w = jax.ShapeDtypeStruct((h * d, 32), jnp.float32)
-    return jax.jit(core).lower(x, x, x, w).compile().as_text()
+    return jax.jit(core).lower(x, x, x, w).compile(DEFAULT_FUSION).as_text()
 
 
 def test_fused_attention_drops_exactly_the_scores() -> None:
