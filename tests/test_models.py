@@ -44,15 +44,16 @@ def test_every_parameter_has_logical_axes_of_its_rank(tiny_model):
 @pytest.fixture(scope="module")
 def gpt():
     model = Model(get_preset("gpt-tiny"))
-    return model, model.init_params(jax.random.key(0))
+    return model, jax.jit(model.init_params)(jax.random.key(0))
 
 
 def test_gpt_is_causal(gpt):
     model, params = gpt
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 4, 512)
     changed = tokens.at[:, 10:].set(7)
-    a = model.module.apply({"params": params}, tokens)
-    b = model.module.apply({"params": params}, changed)
+    apply = jax.jit(model.module.apply)  # one compile, not one per operation
+    a = apply({"params": params}, tokens)
+    b = apply({"params": params}, changed)
     np.testing.assert_array_equal(a[:, :10], b[:, :10])  # the past never sees the future
     assert not np.allclose(a[:, 10:], b[:, 10:])
 
@@ -67,14 +68,16 @@ def test_gpt_output_is_tied_to_the_input_embedding(gpt):
 
 def test_bert_ignores_padding():
     model = Model(get_preset("bert-tiny"))
-    params = model.init_params(jax.random.key(0))
+    params = jax.jit(model.init_params)(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 4, 512)
     segments = jnp.zeros_like(tokens)
     mask = jnp.ones_like(tokens).at[:, 12:].set(0)
     every = jnp.broadcast_to(jnp.arange(16), (2, 16))  # the masked-LM head at every position
 
+    jitted = jax.jit(model.module.apply)  # one compile, not one per operation
+
     def apply(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return model.module.apply({"params": params}, tokens, segments, mask, every)
+        return jitted({"params": params}, tokens, segments, mask, every)
 
     mlm_a, nsp_a = apply(tokens)
     mlm_b, nsp_b = apply(tokens.at[:, 12:].set(9))
@@ -90,13 +93,14 @@ def test_bert_predicts_at_the_masked_positions_what_it_would_at_every_one():
     """The masked-LM head gathers the masked positions first: its logits there are the
     all-position head's logits at those positions, and the loss reads only them."""
     model = Model(get_preset("bert-tiny"))
-    params = model.init_params(jax.random.key(0))
+    params = jax.jit(model.init_params)(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 4, 512)
     segments, mask = jnp.zeros_like(tokens), jnp.ones_like(tokens)
     every = jnp.broadcast_to(jnp.arange(16), (2, 16))
     positions = jnp.array([[1, 5, 9], [0, 2, 15]])
-    mlm_all, nsp_all = model.module.apply({"params": params}, tokens, segments, mask, every)
-    mlm, nsp = model.module.apply({"params": params}, tokens, segments, mask, positions)
+    apply = jax.jit(model.module.apply)
+    mlm_all, nsp_all = apply({"params": params}, tokens, segments, mask, every)
+    mlm, nsp = apply({"params": params}, tokens, segments, mask, positions)
     assert mlm.shape == (2, 3, 512)
     gathered = jnp.take_along_axis(mlm_all, positions[..., None], axis=1)
     np.testing.assert_allclose(mlm, gathered, rtol=1e-5, atol=1e-5)

@@ -59,7 +59,7 @@ def test_initial_pattern_has_the_density_in_every_layer_and_is_constant_on_block
     cfg = SparsityConfig(0.75, block=block)
     tx = wrap_optax(optax.sgd(0.1), cfg, LOGICAL, steps=10, seed=3)
     masks = jax.eval_shape(tx.init, SHAPES).masks  # shapes first: dense leaves are scalars
-    state = tx.init(GPT.init_params(jax.random.key(0)))
+    state = tx.init(jax.jit(GPT.init_params)(jax.random.key(0)))
     for (_, m, axes), (_, shape, _) in zip(
         sparse_items(state.masks), sparse_items(masks), strict=True
     ):
@@ -85,7 +85,7 @@ def test_erk_keeps_the_same_weights_and_favours_thin_kernels():
 
 def test_a_dynamic_update_prunes_the_smallest_blocks_and_keeps_the_count():
     cfg = SparsityConfig(0.5, block=4, mode="dynamic", updates=5, prune_ratio=0.5)
-    params = GPT.init_params(jax.random.key(1))
+    params = jax.jit(GPT.init_params)(jax.random.key(1))
     tx = wrap_optax(optax.adam(1e-3), cfg, LOGICAL, steps=10, seed=0)
     masks = tx.init(params).masks
     params = apply_masks(params, masks)
@@ -109,7 +109,7 @@ def test_a_dynamic_update_prunes_the_smallest_blocks_and_keeps_the_count():
 
 def test_wrapped_updates_keep_zeros_and_zero_the_regrown_moments():
     cfg = SparsityConfig(0.5, block=4, mode="dynamic", updates=2, prune_ratio=1.0)
-    params = GPT.init_params(jax.random.key(1))
+    params = jax.jit(GPT.init_params)(jax.random.key(1))
     tx = wrap_optax(optax.adam(1e-2), cfg, LOGICAL, steps=2, seed=0)
     state = tx.init(params)
     params = apply_masks(params, state.masks)
