@@ -169,7 +169,7 @@ def test_every_flag_defaults_to_its_config_fields_default():
     import argparse
     import dataclasses
 
-    from shardemu.cli.args import build_parser
+    from shardemu.cli.parser import build_parser
     from shardemu.config import PhasedConfig, SparsityConfig, TrainConfig
     from shardemu.predict.overlap import Overlap
     from shardemu.report.trackers import TrackingConfig

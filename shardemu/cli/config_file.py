@@ -17,7 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from shardemu.cli.args import model_config
+from shardemu.cli.settings import model_config
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import PRESETS
 from shardemu.parallel.rules import megatron_rules

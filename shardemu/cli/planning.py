@@ -1,0 +1,180 @@
+"""`shardemu plan` and `shardemu search`: every setting checked before anything is
+counted or written; the plan's or the search's files written from what they return."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from shardemu.cli.settings import (
+    model_config,
+    overlap_config,
+    parallelism,
+    phased_config,
+    pipeline_config,
+    search_space,
+    sparsity_config,
+    tracking_config,
+)
+from shardemu.config import ConfigError, PhasedConfig, TrainConfig
+from shardemu.devices import MAX_VIRTUAL_DEVICES, use_virtual_devices
+from shardemu.models import Model
+from shardemu.numerics.precision import arithmetic
+from shardemu.predict.hardware import Hardware
+from shardemu.predict.profiles import get_hardware
+from shardemu.report.tables import print_phase_plan, summary_table
+from shardemu.report.trackers import TrackingConfig
+
+console = Console(stderr=True)
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    """Every setting is checked before anything is counted or written."""
+    from shardemu.pipelined.layout import pipeline_layout
+    from shardemu.predict.plan_phased import plan_devices
+    from shardemu.report.plandir import flatten
+    from shardemu.report.rundir import default_run_dir, require_new
+
+    par = parallelism(args)
+    phased = phased_config(args)
+    overlap = overlap_config(args)  # refused now, not after counting
+    _refuse_resident_only(args, phased)
+    hardware = get_hardware(args.hardware) if args.hardware else None
+    tracking = _plan_tracking(args, hardware)
+    if phased is None and hardware is None:
+        raise ConfigError("a resident plan predicts a step: give --hardware NAME (or add --phased)")
+    model_cfg = model_config(args)
+    sparse = sparsity_config(args)
+    train_cfg = TrainConfig(
+        batch=args.batch, seq=args.seq, sparsity=sparse, precision=args.precision,
+        **pipeline_config(args),
+        # a plan counts one step; a dynamic pattern's update schedule is not timed
+        **({"steps": sparse.updates} if sparse else {}),
+    )  # fmt: skip
+    Model(model_cfg).check_fits(train_cfg, par)
+    if train_cfg.stage_layers is not None:  # refused now, not after counting
+        pipeline_layout(model_cfg.num_layers, par.pipe, train_cfg.virtual, train_cfg.stage_layers)
+    if hardware is not None:
+        hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))  # refused now
+    micro = args.microbatch_size
+    if micro is not None and (micro < 1 or args.batch % (par.replica * micro)):
+        raise ConfigError(
+            f"--microbatch-size {micro} must be positive and divide the batch per replica "
+            f"(--batch {args.batch} / replica={par.replica})"
+        )
+    if phased is not None and plan_devices(par) > MAX_VIRTUAL_DEVICES:
+        raise ConfigError(
+            f"a phased plan counts one stage on tensor x replica = {plan_devices(par)} "
+            f"virtual devices, more than the {MAX_VIRTUAL_DEVICES} XLA's CPU backend compiles "
+            f"for in one process; plan a smaller replica, or plan without --phased (it "
+            f"counts one tensor group)"
+        )
+    out = args.out or (default_run_dir(f"plan-{model_cfg.name}") if hardware else None)
+    if out is not None:
+        require_new(Path(out))
+    use_virtual_devices(plan_devices(par) if phased else par.tensor)  # one stage's devices
+    from shardemu.predict.planning import plan
+
+    planned = plan(
+        model_cfg, par, train_cfg, hardware, phased=phased, microbatch_size=micro,
+        recompute=args.recompute, attention=args.attention, overlap=overlap,
+    )  # fmt: skip
+    report = planned.report
+    if "microbatch_choice" in report:
+        _say_microbatch(report["microbatch_choice"])
+    if out is not None:
+        from shardemu.report.plandir import write_plan_dir
+
+        write_plan_dir(Path(out), planned, tracking)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    table = Console()
+    table.print(
+        summary_table(f"shardemu plan: {report['model']} on {report['mesh']}", flatten(report))
+    )
+    if phased is not None:
+        print_phase_plan(table, report["plan"])
+
+
+def _refuse_resident_only(args: argparse.Namespace, phased: PhasedConfig | None) -> None:
+    """The flags only a resident plan reads, refused with --phased."""
+    if phased is None:
+        return
+    if args.attention != "materialized":
+        raise ConfigError(
+            f"--attention {args.attention} is for resident plans: the phased planner times "
+            f"the attention XLA emits; leave out --attention or --phased"
+        )
+    if args.recompute != "full":
+        raise ConfigError(
+            f"--recompute {args.recompute} is for resident plans: a phased plan keeps, "
+            f"offloads or recomputes activations as --activations says"
+        )
+    if args.stage_layers is not None:
+        raise ConfigError(
+            f"--stage-layers {args.stage_layers} is for resident plans: phased stages run "
+            f"equal phases of layers; leave out --stage-layers or --phased"
+        )
+
+
+def _plan_tracking(args: argparse.Namespace, hardware: Hardware | None) -> TrackingConfig | None:
+    """The trackers a plan logs its run directory to, which it must have."""
+    tracking = tracking_config(args)
+    if tracking is not None:
+        tracking.check_installed()
+        if args.out is None and hardware is None:
+            raise ConfigError(
+                "--wandb and --tensorboard log a plan's run directory: give --out DIR "
+                "(or --hardware, which writes one)"
+            )
+    return tracking
+
+
+def _say_microbatch(choice: dict[str, Any]) -> None:
+    """On stderr: the microbatch size a pipelined plan chose, since none was given."""
+    tried = ", ".join(choice["step_time_s"])
+    console.print(
+        f"--microbatch-size {choice['chosen']} (not given: of {tried} sequences per "
+        f"microbatch, {choice['rule']}; pass --microbatch-size to choose)",
+        highlight=False, markup=False,
+    )  # fmt: skip
+
+
+def cmd_search(args: argparse.Namespace) -> None:
+    """Search, write search.json and pareto.png, verify the winner, print the top."""
+    from shardemu.predict.search import search
+    from shardemu.report.rundir import default_run_dir, require_new
+    from shardemu.report.tables import search_table
+    from shardemu.report.views import plot_pareto
+    from shardemu.run.verify import search_devices, verify
+
+    hardware = get_hardware(args.hardware)
+    model_cfg = model_config(args)
+    space = search_space(args, hardware.precisions)
+    out = Path(args.out or default_run_dir(f"search-{model_cfg.name}"))
+    require_new(out)
+    use_virtual_devices(search_devices(model_cfg, args.devices, args.batch, space))
+    result = search(
+        model_cfg, hardware, args.devices, args.batch, args.seq, space, args.top,
+        log=lambda line: console.print(line, highlight=False, markup=False),
+    )  # fmt: skip
+    out.mkdir(parents=True)
+    if not args.no_verify:
+        console.print(f"verifying {result['best']['label']} scaled down against one device")
+        result["verification"] = verify(model_cfg, result["best_candidate"], out / "verify")
+    result["best_candidate"] = dataclasses.asdict(result["best_candidate"])
+    (out / "search.json").write_text(json.dumps(result, indent=2))
+    plot_pareto(result, out / "pareto.png")
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    wide = Console()
+    wide.width = max(wide.width, 140)  # a layout's label is one readable line
+    wide.print(search_table(result))
+    console.print(f"wrote {out}/search.json and {out}/pareto.png", highlight=False)
