@@ -61,43 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     shape_args(describe)
     phased_args(describe)
 
-    plan = sub.add_parser(
+    plan_args(sub.add_parser(
         "plan", help="count a phased step in abstract mode: any preset, any mesh, no weights"
-    )
-    model_args(plan, required=False)  # required, but it may come from --config
-    plan.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R")
-    plan.add_argument("--json", action="store_true", help="emit JSON instead of a table")
-    plan.add_argument(
-        "--hardware",
-        default=None,
-        help="predict the step on a profile (ipu-pod256, a100-80gb, ...) or a .toml/.json file",
-    )
-    plan.add_argument(
-        "--out",
-        default=None,
-        help="run directory (default with --hardware: runs/plan-<model>-<time>)",
-    )
-    shape_args(plan)
-    precision_arg(plan)
-    overlap_args(plan)
-    phased_args(plan)
-    sparsity_args(plan)
-    plan.add_argument(
-        "--microbatch-size",
-        type=int,
-        default=None,
-        help="sequences per microbatch per replica (default: the whole batch at once); "
-        "phased plans run the batch as pipelined passes of this size",
-    )
-    pipeline_args(plan)
-    plan.add_argument(
-        "--recompute",
-        choices=("none", "selective", "full"),
-        default="full",
-        help="resident plans: activation recomputation",
-    )
-    attention_arg(plan)
-    tracking_args(plan)
+    ))  # fmt: skip
+
     compare = sub.add_parser(
         "compare", help="runs side by side: the settings that differ, final metrics, a plot"
     )
@@ -168,3 +135,41 @@ def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
         return set()
     words = {word.split("=", 1)[0] for word in argv[1:] if word.startswith("-")}
     return {a.dest for a in command._actions if words.intersection(a.option_strings)}
+
+
+def plan_args(plan: argparse.ArgumentParser) -> None:
+    """`shardemu plan`: a model, a layout and its settings, counted without weights."""
+    model_args(plan, required=False)  # required, but it may come from --config
+    plan.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R")
+    plan.add_argument("--json", action="store_true", help="emit JSON instead of a table")
+    plan.add_argument(
+        "--hardware",
+        default=None,
+        help="predict the step on a profile (ipu-pod256, a100-80gb, ...) or a .toml/.json file",
+    )
+    plan.add_argument(
+        "--out",
+        default=None,
+        help="run directory (default with --hardware: runs/plan-<model>-<time>)",
+    )
+    shape_args(plan)
+    precision_arg(plan)
+    overlap_args(plan)
+    phased_args(plan)
+    sparsity_args(plan)
+    plan.add_argument(
+        "--microbatch-size",
+        type=int,
+        default=None,
+        help="sequences per microbatch per replica (default: the whole batch at once); "
+        "phased plans run the batch as pipelined passes of this size",
+    )
+    pipeline_args(plan)
+    plan.add_argument(
+        "--recompute",
+        choices=("none", "selective", "full"),
+        default="full",
+        help="resident plans: activation recomputation",
+    )
+    attention_arg(plan)
+    tracking_args(plan)
