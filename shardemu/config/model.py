@@ -1,0 +1,91 @@
+"""`ModelConfig`: a model's sizes; presets live with their families (`models/`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from shardemu.config.checks import require_finite, require_positive
+from shardemu.errors import ConfigError
+
+# BERT masks 15% of a sequence's tokens for prediction (Devlin et al. 2019, Section 3.1)
+MASKED_LM_PROB = 0.15
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Transformer dimensions. Symbols: L layers, d embed, A heads, d_ff mlp, V vocab."""
+
+    name: str
+    family: str  # a registered family (models/family.py), checked when a Model is built
+    vocab_size: int
+    num_layers: int
+    embed_dim: int
+    num_heads: int
+    mlp_dim: int
+    max_positions: int
+    type_vocab_size: int = 2  # BERT segment types; unused by GPT
+    layer_norm_eps: float = 1e-5
+    gelu_approximate: bool = True  # GPT-2 uses the tanh form; BERT the exact erf form
+    init_std: float = 0.02
+    param_dtype: str = "float32"
+    # BERT: positions per sequence its masked-LM head predicts (`predictions`); 0: 15%
+    max_predictions: int = 0
+
+    def __post_init__(self) -> None:
+        require_positive(
+            "ModelConfig",
+            vocab_size=self.vocab_size,
+            num_layers=self.num_layers,
+            embed_dim=self.embed_dim,
+            num_heads=self.num_heads,
+            mlp_dim=self.mlp_dim,
+            max_positions=self.max_positions,
+            type_vocab_size=self.type_vocab_size,
+        )
+        require_finite(
+            "ModelConfig", True, layer_norm_eps=self.layer_norm_eps, init_std=self.init_std
+        )
+        if not isinstance(self.max_predictions, int) or self.max_predictions < 0:
+            raise ConfigError(
+                f"ModelConfig.max_predictions must be a whole number of positions (0 for "
+                f"15% of the sequence), got {self.max_predictions!r}"
+            )
+        if self.embed_dim % self.num_heads:
+            raise ConfigError(
+                f"ModelConfig.embed_dim={self.embed_dim} is not divisible by "
+                f"num_heads={self.num_heads}; pick heads that divide the embedding width"
+            )
+        if self.param_dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(
+                f"ModelConfig.param_dtype must be float32, bfloat16 or float16, "
+                f"got {self.param_dtype!r}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    def replace(self, **changes: object) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def predictions(self, seq: int) -> int:
+        """How many positions of a sequence of `seq` tokens BERT's masked-LM head
+        predicts: `max_predictions`, or the ceiling of 15% of them, at most `seq`. The
+        reference pre-training data gathers `max_predictions_per_seq` positions a
+        sequence (Google's create_pretraining_data.py: 20 at s = 128 and 80 at 512, as
+        NVIDIA's BERT also uses; Graphcore's MLPerf BERT 76 at 512)."""
+        return min(seq, self.max_predictions or math.ceil(MASKED_LM_PROB * seq))
+
+    def pad_vocab(self, multiple: int) -> ModelConfig:
+        """Round the vocabulary up to a multiple, as Megatron-LM's
+        `--make-vocab-size-divisible-by` does, so a vocab-parallel embedding divides."""
+        require_positive("pad_vocab", multiple=multiple)
+        if multiple > self.vocab_size:
+            raise ConfigError(
+                f"--pad-vocab {multiple} is larger than {self.name}'s vocabulary of "
+                f"{self.vocab_size}; pad to a multiple such as 128 (times --mesh tensor)"
+            )
+        padded = -(-self.vocab_size // multiple) * multiple
+        return self.replace(vocab_size=padded)
