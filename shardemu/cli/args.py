@@ -69,21 +69,27 @@ def run_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     p.add_argument("--lr", type=float, default=defaults.learning_rate, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=defaults.warmup_steps, help="warm-up steps")
     p.add_argument(
-        "--data", choices=DATASETS, default=defaults.data,
+        "--data",
+        choices=DATASETS,
+        default=defaults.data,
         help="training text: the synthetic Markov corpus, or the Python standard library's "
         "source as bytes (with a held-out validation split)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--eval-every", type=int, default=None, metavar="K",
+        "--eval-every",
+        type=int,
+        default=None,
+        metavar="K",
         help="the loss of held-out batches every K steps and after the last (val_loss)",
-    )  # fmt: skip
+    )
     p.add_argument("--out", default=None, help="run directory (default runs/<model>-<timestamp>)")
     precision_arg(p)
     p.add_argument(
-        "--sequence-parallel", action="store_true",
+        "--sequence-parallel",
+        action="store_true",
         help="split layer norms and residual adds over tensor by sequence (Korthikanti et "
         "al. 2022): reduce-scatter + all-gather instead of all-reduce, nothing repeated",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--checkpoint-every",
         type=int,
@@ -126,25 +132,36 @@ def sparsity_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block", type=int, default=d.block, help="square blocks: 1, 4, 8 or 16")
     p.add_argument(
-        "--sparse-mode", choices=("static", "dynamic"), default=d.mode,
+        "--sparse-mode",
+        choices=("static", "dynamic"),
+        default=d.mode,
         help="static pattern, or dynamic prune-and-regrow",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--sparse-updates", type=int, default=d.updates, metavar="N",
+        "--sparse-updates",
+        type=int,
+        default=d.updates,
+        metavar="N",
         help="dynamic: pattern updates over the run",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--prune-ratio", type=float, default=d.prune_ratio,
+        "--prune-ratio",
+        type=float,
+        default=d.prune_ratio,
         help="dynamic: fraction of non-zero blocks pruned at first, cosine-decayed",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--regrow", choices=("random", "gradient"), default=d.regrow,
+        "--regrow",
+        choices=("random", "gradient"),
+        default=d.regrow,
         help="dynamic: which zero blocks regrow",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--sparse-distribution", choices=("uniform", "erk"), default=d.distribution,
+        "--sparse-distribution",
+        choices=("uniform", "erk"),
+        default=d.distribution,
         help="the same density in every kernel, or Erdos-Renyi-Kernel",
-    )  # fmt: skip
+    )
 
 
 def phased_args(p: argparse.ArgumentParser) -> None:
@@ -251,10 +268,12 @@ def pipeline_args(p: argparse.ArgumentParser) -> None:
 
 def precision_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--precision", choices=PRECISIONS, default=TrainConfig().precision,
+        "--precision",
+        choices=PRECISIONS,
+        default=TrainConfig().precision,
         help="fp32; or 16-bit weights, activations and gradients with FP32 master weights "
         "and optimizer state: bf16, fp16-mixed (with dynamic loss scaling)",
-    )  # fmt: skip
+    )
 
 
 def overlap_args(p: argparse.ArgumentParser) -> None:
@@ -263,28 +282,36 @@ def overlap_args(p: argparse.ArgumentParser) -> None:
 
     d = Overlap()
     p.add_argument(
-        "--grad-reduce", choices=GRAD_REDUCE, default=d.grad_reduce,
+        "--grad-reduce",
+        choices=GRAD_REDUCE,
+        default=d.grad_reduce,
         help="resident plans: all-reduce gradients in buckets during the last backward "
         "(PyTorch DDP, Megatron --overlap-grad-reduce) or all at the end (Megatron-LM 2021)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--bucket-mb", type=float, default=d.bucket_mb,
+        "--bucket-mb",
+        type=float,
+        default=d.bucket_mb,
         help="gradient bucket size in MiB for --grad-reduce bucketed (DDP's bucket_cap_mb)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--pipe-sends", choices=PIPE_SENDS, default=d.pipe_sends,
+        "--pipe-sends",
+        choices=PIPE_SENDS,
+        default=d.pipe_sends,
         help="pipeline sends overlap the sender's next computation, or block it",
-    )  # fmt: skip
+    )
 
 
 def attention_arg(p: argparse.ArgumentParser) -> None:
     from shardemu.predict.resident_count import ATTENTION
 
     p.add_argument(
-        "--attention", choices=ATTENTION, default=ATTENTION[0],
+        "--attention",
+        choices=ATTENTION,
+        default=ATTENTION[0],
         help="resident plans: the attention core as XLA emits it, its [s, s] scores in "
         "memory, or fused (FlashAttention) without them",
-    )  # fmt: skip
+    )
 
 
 def shape_args(p: argparse.ArgumentParser) -> None:

@@ -61,9 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     shape_args(describe)
     phased_args(describe)
 
-    plan_args(sub.add_parser(
-        "plan", help="count a phased step in abstract mode: any preset, any mesh, no weights"
-    ))  # fmt: skip
+    plan_args(
+        sub.add_parser(
+            "plan", help="count a phased step in abstract mode: any preset, any mesh, no weights"
+        )
+    )
 
     compare = sub.add_parser(
         "compare", help="runs side by side: the settings that differ, final metrics, a plot"
@@ -86,9 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--count", type=int, default=None, metavar="N", help="run at most N unfinished trials"
     )
-    search_args(sub.add_parser(
-        "search", help="the auto-planner: every layout of a model on N devices, ranked"
-    ))  # fmt: skip
+    search_args(
+        sub.add_parser(
+            "search", help="the auto-planner: every layout of a model on N devices, ranked"
+        )
+    )
     for command in sub.choices.values():
         command.allow_abbrev = False  # a flag is written in full: `given_options` relies on it
     parser.commands = sub.choices
@@ -104,13 +108,17 @@ def search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, required=True, help="devices to lay the model out on")
     shape_args(p)
     p.add_argument(
-        "--precision", default=None, metavar="P[,P...]",
+        "--precision",
+        default=None,
+        metavar="P[,P...]",
         help="precisions to search (default: every one the profile computes in)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--modes", choices=MODES, default=d.modes,
+        "--modes",
+        choices=MODES,
+        default=d.modes,
         help="resident, phased, both, or auto: phased only when no resident layout fits",
-    )  # fmt: skip
+    )
     overlap_args(p)
     attention_arg(p)
     p.add_argument("--max-tensor", type=int, default=d.max_tensor, help="largest tensor axis")
@@ -121,9 +129,10 @@ def search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output folder (default runs/search-<model>-<time>)")
     p.add_argument("--json", action="store_true", help="print search.json instead of a table")
     p.add_argument(
-        "--no-verify", action="store_true",
+        "--no-verify",
+        action="store_true",
         help="skip training the winner's scaled-down layout against one device",
-    )  # fmt: skip
+    )
 
 
 def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
