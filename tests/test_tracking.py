@@ -225,8 +225,32 @@ def test_compare_names_exactly_the_settings_that_differ(sweep, tmp_path):
     assert report["final"]["loss"] == losses
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = shardemu("compare", str(out), "--plot", str(plot))  # a directory of runs
+    assert table.returncode == 0, table.stderr  # its own earlier plot is replaced
     assert "train.learning_rate" in table.stdout and "train.seed" in table.stdout
     assert "final metrics" in table.stdout
+    # any other file is left alone: a plan's timeline (another PNG), a text file
+    for name, kept in (("timeline.png", plot_timeline_png(tmp_path)), ("notes.png", b"mine")):
+        other = tmp_path / name
+        other.write_bytes(kept)
+        refused = shardemu("compare", str(out), "--plot", str(other))
+        assert refused.returncode == 2 and "is not a plot `shardemu compare` wrote" in (
+            refused.stderr
+        ), refused.stderr
+        assert other.read_bytes() == kept
+
+
+def plot_timeline_png(folder) -> bytes:
+    """The bytes of a PNG that matplotlib wrote without compare's mark, as a plan's
+    timeline.png is."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(1, 1))
+    fig.savefig(folder / "other.png")
+    plt.close(fig)
+    return (folder / "other.png").read_bytes()
 
 
 def test_config_json_reruns_the_same_run_and_flags_win(sweep, tmp_path):

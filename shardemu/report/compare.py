@@ -145,9 +145,15 @@ def compare(runs: list[RunView]) -> dict[str, Any]:
     }
 
 
+# the PNG text `Software` of a compare plot: the one kind of file a compare replaces
+COMPARE_PLOT = "shardemu compare"
+
+
 def plot_compare(runs: list[RunView], out: Path) -> Path:
     """`out` (a PNG): loss against step per run; bytes per step by tier and mesh axis;
-    predicted step time per run."""
+    predicted step time per run. An existing `out` is replaced only if an earlier
+    compare wrote it (re-running a comparison), never a plan's timeline or any other file."""
+    _require_replaceable(out)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,6 +197,25 @@ def plot_compare(runs: list[RunView], out: Path) -> Path:
         time_ax.text(0, j, " no --hardware" if p is None else f" {p:.3g}", va="center")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    fig.savefig(out, dpi=100, format="png", metadata={"Software": COMPARE_PLOT})
     plt.close(fig)
     return out
+
+
+def _require_replaceable(out: Path) -> None:
+    """`out` is new, or a plot that `plot_compare` wrote (its PNG says so)."""
+    if not out.exists():
+        return
+    if out.is_file():
+        from PIL import Image
+
+        try:
+            with Image.open(out) as image:
+                if image.info.get("Software") == COMPARE_PLOT:
+                    return
+        except OSError:  # not an image at all (PIL's UnidentifiedImageError is one)
+            pass
+    raise RunDirError(
+        f"--plot {out} exists and is not a plot `shardemu compare` wrote; give another "
+        f"--plot path, or remove it"
+    )
