@@ -5,6 +5,7 @@ differ, `--config` re-runs a run, and an interrupted sweep resumes with only the
 trials it had not finished."""
 
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -213,6 +214,35 @@ def test_an_interrupted_sweep_resumes_with_the_unfinished_trials(sweep):
         assert config["train"]["seed"] == t["parameters"]["seed"]
         assert config["train"]["learning_rate"] == t["parameters"]["lr"]
     assert (out / "summary.md").read_text().count("| finished |") == 4
+
+
+def test_a_sweep_replaces_nothing_that_is_not_its_own(sweep, tmp_path):
+    """--out that holds a run (files, no sweep.json), a sweep folder whose sweep.json was
+    removed, or a finished trial of other parameters: refused in one line, nothing
+    written or removed."""
+    path = tmp_path / "sweep.toml"
+    path.write_text(SWEEP)
+    run = tmp_path / "a-run"
+    run.mkdir()
+    (run / "summary.md").write_text("a finished run's summary\n")
+    unindexed = tmp_path / "unindexed"
+    shutil.copytree(sweep[0], unindexed)
+    (unindexed / "sweep.json").unlink()
+    other = tmp_path / "other-parameters"
+    shutil.copytree(sweep[0], other)
+    row = json.loads((other / "trial-000" / "trial.json").read_text())
+    row["parameters"]["lr"] = 0.1
+    (other / "trial-000" / "trial.json").write_text(json.dumps(row))
+    for out, message in (
+        (run, "holds files but no sweep.json"),
+        (unindexed, "holds files but no sweep.json"),
+        (other, "finished with parameters"),
+    ):
+        before = sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*"))
+        refused = shardemu("sweep", str(path), "--out", str(out))
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode == 2 and len(lines) == 1 and message in lines[0], refused.stderr
+        assert sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*")) == before
 
 
 def test_compare_names_exactly_the_settings_that_differ(sweep, tmp_path):

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from shardemu.errors import ConfigError, ShardemuError
+from shardemu.errors import ConfigError, RunDirError, ShardemuError
 from shardemu.report.rundir import fmt_value, read_metrics
 from shardemu.report.scalars import scalars
 
@@ -194,25 +194,34 @@ def run_sweep(
 ) -> list[dict[str, Any]]:
     """Run the trials not yet finished (at most `count` of them) with `trial(params,
     run_dir)`; the sweep's table, best first. A trial that raises a `ShardemuError` is
-    recorded as failed and the sweep goes on; it runs again when the sweep resumes."""
-    out.mkdir(parents=True, exist_ok=True)
+    recorded as failed and the sweep goes on; it runs again when the sweep resumes.
+    `out` is new, empty, or this sweep's own directory (its `sweep.json`, written before
+    the first trial, says so): a run's or another sweep's directory is refused whole."""
     spec = {k: v for k, v in sweep.__dict__.items() if k != "source"}
     index = out / "sweep.json"
+    if out.is_dir() and any(out.iterdir()) and not index.exists():
+        raise RunDirError(
+            f"--out {out} holds files but no sweep.json: it is not a sweep's directory (a "
+            f"run's?) and nothing in it is replaced; give a new --out"
+        )
     if index.exists() and json.loads(index.read_text()).get("sweep") != spec:
         raise ConfigError(
             f"{out} holds a different sweep ({index}); give another --out, or the same sweep file"
         )
+    out.mkdir(parents=True, exist_ok=True)
     trials = sweep.trials()
     rows = [
         {"trial": f"trial-{i:03d}", "parameters": params, "status": "not run"}
         for i, params in enumerate(trials)
     ]
+    if not index.exists():  # the directory is this sweep's from now on
+        _write_index(out, spec, sweep, rows)
     ran = 0
     for i, params in enumerate(trials):
         run_dir = out / rows[i]["trial"]
         done = run_dir / TRIAL_FILE
         if done.exists():
-            rows[i] = json.loads(done.read_text())
+            rows[i] = _finished(done, params)
             continue
         if count is not None and ran >= count:
             continue
@@ -233,6 +242,17 @@ def run_sweep(
         rows[i] = row
         _write_index(out, spec, sweep, rows)
     return _write_index(out, spec, sweep, rows)
+
+
+def _finished(done: Path, params: dict[str, Any]) -> dict[str, Any]:
+    """A finished trial's row, which must be of these parameters (as JSON holds them)."""
+    row = json.loads(done.read_text())
+    if row.get("parameters") != json.loads(json.dumps(params)):
+        raise ConfigError(
+            f"{done} finished with parameters {row.get('parameters')}, but this sweep gives "
+            f"{done.parent.name} {params}; give another --out, or the sweep file it ran"
+        )
+    return row
 
 
 def _metric(run_dir: Path, name: str) -> float:
