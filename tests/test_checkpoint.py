@@ -16,6 +16,7 @@ from cli_helpers import shardemu
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shardemu.errors import RunDirError
 from shardemu.report.rundir import read_metrics
 
 TINY = ["--model", "gpt-tiny", "--batch", "8", "--seq", "16"]
@@ -58,11 +59,24 @@ def cut_after_two_steps(full, path):
     return path
 
 
+def tear_the_last_line(run_dir):
+    """metrics.jsonl as if the process died halfway through writing its last line."""
+    metrics = run_dir / "metrics.jsonl"
+    text = metrics.read_text()
+    last = text.rstrip("\n").rsplit("\n", 1)[-1]
+    metrics.write_text(text[: len(text) - len(last) - 1] + last[: len(last) // 2])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 def test_resume_is_bit_identical(engine, runs, tmp_path):
+    """(The resident run is also cut halfway through step 2's metrics line, which a
+    kill can leave: the resumed run writes that step whole.)"""
     full = runs(engine)
     resumed = cut_after_two_steps(full, tmp_path / "resumed")
+    if engine == "resident":
+        tear_the_last_line(resumed)
+        assert [r["step"] for r in read_metrics(resumed)] == [0, 1]
     out = shardemu("run", "--resume", str(resumed), "--steps", "3")
     assert out.returncode == 0, out.stderr
     assert losses(resumed) == losses(full)  # exactly: the same state and batches
@@ -92,6 +106,13 @@ def test_restore_onto_another_mesh_reshards(runs, tmp_path):
     assert math.isclose(losses(new)[2], losses(full)[2], rel_tol=1e-5)
     assert json.loads((new / "config.json").read_text())["device_count"] == 1
     assert losses(cut) == losses(full)  # the source directory is untouched
+
+
+def test_a_metrics_line_that_is_not_json_is_one_clear_error(tmp_path):
+    """Only a torn last line is left out; a bad line before it is named, not skipped."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "lo\n{"step": 2}\n')
+    with pytest.raises(RunDirError, match=r"metrics.jsonl line 2 is not a JSON record"):
+        read_metrics(tmp_path)
 
 
 @pytest.mark.slow

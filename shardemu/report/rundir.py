@@ -9,6 +9,7 @@ record: the step it counted. `RunDir` is the tracker that is always on
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import math
@@ -137,9 +138,25 @@ def json_safe(value: Any) -> Any:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The per-step records of a run directory."""
-    lines = (Path(path) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    """The per-step records of a run directory. Every record ends with a newline, so a
+    last line without one that is not JSON was cut short (the process died writing it):
+    it is no record and is left out (a resumed run runs that step again). Any other line
+    that is not a JSON record is an error naming the file and the line."""
+    file = Path(path) / "metrics.jsonl"
+    *lines, last = file.read_text().split("\n")  # `last` is "" after a whole last line
+    records = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise RunDirError(
+                    f"{file} line {number} is not a JSON record ({err.msg}); the run's "
+                    f"other files are intact, but its metrics cannot be read"
+                ) from None
+    with contextlib.suppress(json.JSONDecodeError):
+        records += [json.loads(last)] if last.strip() else []
+    return records
 
 
 def summary_markdown(command: str, summary: dict[str, Any]) -> str:
