@@ -16,8 +16,9 @@ from cli_helpers import shardemu
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardemu.errors import RunDirError
+from shardemu.errors import CheckpointError, RunDirError
 from shardemu.report.rundir import read_metrics
+from shardemu.run.checkpoint import Checkpoints
 
 TINY = ["--model", "gpt-tiny", "--batch", "8", "--seq", "16"]
 ENGINES = {
@@ -113,6 +114,22 @@ def test_a_metrics_line_that_is_not_json_is_one_clear_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "lo\n{"step": 2}\n')
     with pytest.raises(RunDirError, match=r"metrics.jsonl line 2 is not a JSON record"):
         read_metrics(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_resume_that_cannot_restore_its_state_changes_no_file(runs, tmp_path, monkeypatch):
+    """The checkpoint's restore fails (made to raise here, as it does for a state that
+    is not this model's): metrics.jsonl, config.json and summary.md are as they were."""
+    cut = cut_after_two_steps(runs("resident"), tmp_path / "cut")
+    before = {p.name: p.read_bytes() for p in cut.iterdir() if p.is_file()}
+
+    def fails(self, steps_done, template):
+        raise CheckpointError(f"the state after {steps_done} steps cannot be restored (test)")
+
+    monkeypatch.setattr(Checkpoints, "restore", fails)
+    out = shardemu("run", "--resume", str(cut), "--steps", "3")
+    assert out.returncode == 2 and "cannot be restored (test)" in out.stderr, out.stderr
+    assert {p.name: p.read_bytes() for p in cut.iterdir() if p.is_file()} == before
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import shutil
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from shardemu.errors import RunDirError
 
@@ -79,13 +79,19 @@ class RunDir:
     name = "run_dir"
 
     def __init__(self, path: str | Path, reopen: bool = False, command: str = "run") -> None:
-        """A new run directory, which must not exist or be empty; or, with `reopen`, an
-        existing one whose metrics.jsonl starts again empty (a resumed run writes the
-        steps it keeps back first). `command` titles summary.md."""
+        """A new run directory, which must not exist or be empty (created, and checked
+        writable, now); or, with `reopen`, an existing one whose metrics.jsonl starts
+        again empty at the first record logged (a resumed run writes the steps it keeps
+        back first, once its state is restored), not before. `command` titles summary.md."""
         self.path, self.command = Path(path), command
         self.created = not self.path.exists()
+        self._metrics: TextIO | None = None
+        self.logged = 0
         if not reopen:
             require_new(self.path)
+            self._open_metrics()
+
+    def _open_metrics(self) -> None:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self._metrics = (self.path / "metrics.jsonl").open("w", encoding="utf-8")
@@ -93,7 +99,6 @@ class RunDir:
             raise RunDirError(
                 f"cannot write the run directory {self.path}: {err.strerror}"
             ) from None
-        self.logged = 0
 
     def log_config(self, config: dict[str, Any]) -> None:
         """config.json: the settings (`config_record`)."""
@@ -102,6 +107,8 @@ class RunDir:
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
         """One step's line (the record carries its step); NaN and infinities become
         null (JSON has neither)."""
+        if self._metrics is None:
+            self._open_metrics()
         self._metrics.write(json.dumps(json_safe(metrics), allow_nan=False) + "\n")
         self._metrics.flush()
         self.logged += 1
@@ -116,7 +123,8 @@ class RunDir:
         """The run's files are written into the run directory already."""
 
     def finish(self) -> None:
-        self._metrics.close()
+        if self._metrics is not None:
+            self._metrics.close()
 
     def discard_if_empty(self) -> None:
         """Remove the directory this run created when no step got into it, so a run

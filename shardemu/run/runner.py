@@ -197,12 +197,14 @@ class Run:
         step leaves no directory behind, and the trackers and checkpoints always close."""
         trackers: Trackers | None = None
         try:
+            # the state first: a resume that cannot restore it changes no file
+            state, compile_s = self._start(resumed)
             for record in resumed.records:
                 run.log(record)
             trackers = open_trackers(self.tracking, run)
             trackers.log_config(config_record(self._config_record(resumed)))
             with StopSignals() as signals:
-                state, records, compile_s = self._train(resumed, run, trackers, on_step, signals)
+                state, records = self._train(state, resumed, run, trackers, on_step, signals)
             return self._finish(run, trackers, resumed, state, records, compile_s, signals)
         except NonFiniteError as err:
             run.write_summary(f"# shardemu run: {self.model.cfg.name}\n\nstopped: {err}\n")
@@ -233,22 +235,27 @@ class Run:
             ),
         }
 
-    def _train(
-        self,
-        resumed: Resumed,
-        run: RunDir,
-        trackers: Trackers,
-        on_step: Callable[[dict[str, Any]], None] | None,
-        signals: StopSignals,
-    ) -> tuple[Any, list[dict[str, Any]], float]:
-        """The loop with its hooks, from the engine's first state (or the checkpoint):
-        the last state, the records of the steps it ran, and the seconds to compile."""
+    def _start(self, resumed: Resumed) -> tuple[Any, float]:
+        """The engine's first state, or the checkpoint's; the seconds to compile."""
         t0 = time.perf_counter()
         state = self.engine.init(self.train_cfg.seed)  # pipelined and phased compile later
         compile_s = time.perf_counter() - t0
         if resumed.source is not None and resumed.start > 0:
             state = resumed.source.restore(resumed.start, state)
             self.engine.start_at(resumed.start)
+        return state, compile_s
+
+    def _train(
+        self,
+        state: Any,
+        resumed: Resumed,
+        run: RunDir,
+        trackers: Trackers,
+        on_step: Callable[[dict[str, Any]], None] | None,
+        signals: StopSignals,
+    ) -> tuple[Any, list[dict[str, Any]]]:
+        """The loop with its hooks, from `state`: the last state and the records of the
+        steps it ran."""
         # made once the state is, so a run that fails before it leaves nothing behind
         saved = self.saved = Checkpoints(run.path) if self.checkpoint_every else None
         loop = training_loop(
@@ -264,7 +271,7 @@ class Run:
                 every=self.checkpoint_every,  # type: ignore[arg-type]
             )
         state, records = loop.run(state, self.train_cfg.steps, resumed.start, signals.requested)
-        return state, records, compile_s
+        return state, records
 
     def _predictor(self) -> Callable[[int], tuple[Timeline, dict[str, Any]]] | None:
         """Step -> its prediction on the run's hardware (none without hardware)."""
