@@ -6,6 +6,7 @@ trials it had not finished."""
 
 import json
 import shutil
+import signal
 import struct
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from wandb.proto import wandb_internal_pb2
 from shardemu import __version__
 from shardemu.cli.config_file import run_flags
 from shardemu.config import ConfigError
+from shardemu.errors import RunInterrupted
 from shardemu.report.rundir import read_metrics
 from shardemu.report.scalars import step_scalars
 from shardemu.report.sweep import load_sweep
@@ -243,6 +245,30 @@ def test_a_sweep_replaces_nothing_that_is_not_its_own(sweep, tmp_path):
         lines = refused.stderr.strip().splitlines()
         assert refused.returncode == 2 and len(lines) == 1 and message in lines[0], refused.stderr
         assert sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+
+
+def test_ctrl_c_in_a_trial_stops_the_sweep(tmp_path, monkeypatch):
+    """A trial stopped by SIGINT (the runner raises RunInterrupted) stops the sweep with
+    exit status 130, the trial listed as interrupted; no later trial starts."""
+    import shardemu.cli as cli
+
+    path, out, started = tmp_path / "sweep.toml", tmp_path / "sweep", []
+    path.write_text(SWEEP)
+
+    def interrupted(args):
+        started.append(Path(args.out).name)
+        raise RunInterrupted("stopped by SIGINT after step 1", signal.SIGINT)
+
+    monkeypatch.setitem(cli.COMMANDS, "run", interrupted)
+    stopped = shardemu("sweep", str(path), "--out", str(out))
+    assert stopped.returncode == 130 and started == ["trial-000"], stopped.stderr
+    statuses = {
+        t["trial"]: t["status"] for t in json.loads((out / "sweep.json").read_text())["trials"]
+    }
+    assert statuses == {
+        "trial-000": "interrupted",
+        **{f"trial-00{i}": "not run" for i in (1, 2, 3)},
+    }
 
 
 def test_compare_names_exactly_the_settings_that_differ(sweep, tmp_path):

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from shardemu.errors import ConfigError, RunDirError, ShardemuError
+from shardemu.errors import ConfigError, RunDirError, RunInterrupted, ShardemuError
 from shardemu.report.rundir import fmt_value, read_metrics
 from shardemu.report.scalars import scalars
 
@@ -194,7 +194,9 @@ def run_sweep(
 ) -> list[dict[str, Any]]:
     """Run the trials not yet finished (at most `count` of them) with `trial(params,
     run_dir)`; the sweep's table, best first. A trial that raises a `ShardemuError` is
-    recorded as failed and the sweep goes on; it runs again when the sweep resumes.
+    recorded as failed and the sweep goes on; it runs again when the sweep resumes. A
+    trial stopped by a signal (`RunInterrupted`) stops the sweep: recorded as
+    interrupted, it is raised on, with its exit status.
     `out` is new, empty, or this sweep's own directory (its `sweep.json`, written before
     the first trial, says so): a run's or another sweep's directory is refused whole."""
     spec = {k: v for k, v in sweep.__dict__.items() if k != "source"}
@@ -232,6 +234,11 @@ def run_sweep(
         what = f"{run_dir.name} {_params_text(params, sweep.varied())}"
         try:
             trial(params, run_dir)
+        except RunInterrupted as err:  # Ctrl-C or SIGTERM stops the sweep, not one trial
+            rows[i] = row | {"status": "interrupted", "error": str(err)}
+            _write_index(out, spec, sweep, rows)
+            log(f"{what}: interrupted; the same command resumes the sweep")
+            raise
         except ShardemuError as err:
             row |= {"status": "failed", "error": str(err)}
             log(f"{what}: failed: {err}")
