@@ -12,10 +12,12 @@ sharded runs alike (subprocesses started by the tests inherit both):
   partitioning, and so the bytes its kernels move: not the FLOPs (within 0.02%), the
   collectives, the transfers or the numbers a step computes. The tests that hold kernel
   bytes to a hand count (test_roofline.py) compile with XLA's default fusion, as a
-  user's process does. A persistent compilation cache in a fresh
-temporary folder, shared by the pytest-xdist workers, lets identical programs compile
-once per session: a phased piece is compiled to be counted (over shapes) and again to
-run (over arrays), to the same HLO, and test files share the steps they both run.
+  user's process does.
+
+A persistent compilation cache in a fresh temporary folder, shared by the pytest-xdist
+workers, lets identical programs compile once per session: a phased piece is compiled to
+be counted (over shapes) and again to run (over arrays), to the same HLO, and test files
+share the steps they both run.
 """
 
 import os

@@ -162,8 +162,9 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
                     f"{file} line {number} is not a JSON record ({err.msg}); the run's "
                     f"other files are intact, but its metrics cannot be read"
                 ) from None
-    with contextlib.suppress(json.JSONDecodeError):
-        records += [json.loads(last)] if last.strip() else []
+    if last.strip():  # a whole record whose newline was not written yet, or a torn one
+        with contextlib.suppress(json.JSONDecodeError):
+            records.append(json.loads(last))
     return records
 
 
