@@ -53,7 +53,7 @@ class Case:
     published: float
     note: str
     overlap: Overlap = Overlap()  # how the published system overlapped its communication
-    attention: str = "materialized"  # or "fused": FlashAttention (resident_count.ATTENTION)
+    attention: str = "materialized"  # or "fused": FlashAttention (layouts.ATTENTION)
     precision: str = "bf16"  # 16-bit weights and activations, FP32 master weights
     stage_layers: tuple[int, ...] | None = None  # layers per pipeline stage (None: even)
 

@@ -204,8 +204,9 @@ class StdlibCorpus(SyntheticCorpus):
     def __init__(self, vocab_size: int, seed: int = 0, split: str = "train") -> None:
         if vocab_size < FIRST_WORD + BYTES:
             raise ConfigError(
-                f"--data stdlib has {FIRST_WORD + BYTES} tokens (256 bytes and 4 special); "
-                f"the model's vocabulary of {vocab_size} is too small (use --vocab 260 or more)"
+                f"TrainConfig.data stdlib has {FIRST_WORD + BYTES} tokens (256 bytes and 4 "
+                f"special); the model's vocabulary of {vocab_size} is too small (use a "
+                f"vocabulary of 260 or more)"
             )
         self.vocab_size, self.seed, self.split = vocab_size, seed, _split_id(split)
         self.text = stdlib_text(split).astype(np.int32) + FIRST_WORD
@@ -236,5 +237,5 @@ CORPORA = {"synthetic": SyntheticCorpus, "stdlib": StdlibCorpus}
 def make_corpus(name: str, vocab_size: int, seed: int, split: str = "train") -> SyntheticCorpus:
     """The corpus called `name` (`--data`)."""
     if name not in CORPORA:
-        raise ConfigError(f"--data {name!r} is not one of {', '.join(CORPORA)}")
+        raise ConfigError(f"TrainConfig.data {name!r} is not one of {', '.join(CORPORA)}")
     return CORPORA[name](vocab_size, seed=seed, split=split)

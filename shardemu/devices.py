@@ -69,7 +69,7 @@ def use_virtual_devices(n: int, reuse_memory: bool = False) -> list[jax.Device]:
         raise DeviceError(
             f"{n} virtual devices are more than the {MAX_VIRTUAL_DEVICES} that XLA's CPU "
             f"backend compiles for in one process; use a smaller mesh (plans count a "
-            f"representative stage: `shardemu plan` without --phased needs only --mesh tensor)"
+            f"representative stage: a resident plan needs only the mesh's tensor devices)"
         )
     try:
         jax.config.update("jax_num_cpu_devices", n)

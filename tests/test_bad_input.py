@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import shardemu as api
 from shardemu.predict.hardware import Hardware
+from shardemu.predict.overlap import Overlap
 from shardemu.predict.profiles import get_hardware
 
 GPT = ["run", "--model", "gpt-tiny", "--steps", "1", "--batch", "8", "--seq", "16"]
@@ -28,7 +29,7 @@ def row(name, args, message):
 
 CLI_ROWS = [
     # numbers: zero, negative, not finite, not a number; a zero is never "not given"
-    row("steps-0", [*GPT, "--steps", "0"], "TrainConfig.steps must be a positive integer, got 0"),
+    row("steps-0", [*GPT, "--steps", "0"], "--steps must be a positive integer, got 0"),
     row("steps-negative", [*GPT, "--steps", "-1"], "steps must be a positive integer, got -1"),
     row("steps-text", [*GPT, "--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
     row("batch-0", [*GPT, "--batch", "0"], "batch must be a positive integer, got 0"),
@@ -36,13 +37,13 @@ CLI_ROWS = [
     row("seed-negative", [*GPT, "--seed", "-1"], "seed must be an integer >= 0, got -1"),
     row("seed-huge", [*GPT, "--seed", str(2**70)], "use 0 <= seed < 2**32"),
     row("microbatches-0", [*GPT, "--microbatches", "0"], "microbatches must be a positive"),
-    row("grad-accum-0", [*GPT, "--grad-accum", "0"], "grad_accum must be a positive integer"),
-    row("lr-0", [*GPT, "--lr", "0"], "learning_rate must be a finite number > 0, got 0.0"),
-    row("lr-negative", [*GPT, "--lr", "-1"], "learning_rate must be a finite number > 0"),
-    row("lr-nan", [*GPT, "--lr", "nan"], "learning_rate must be a finite number > 0, got nan"),
-    row("lr-inf", [*GPT, "--lr", "inf"], "learning_rate must be a finite number > 0, got inf"),
-    row("lr-overflow", [*GPT, "--lr", "1e400"], "learning_rate must be a finite number > 0"),
-    row("warmup-negative", [*GPT, "--warmup", "-1"], "warmup_steps must be an integer >= 0"),
+    row("grad-accum-0", [*GPT, "--grad-accum", "0"], "--grad-accum must be a positive integer"),
+    row("lr-0", [*GPT, "--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+    row("lr-negative", [*GPT, "--lr", "-1"], "--lr must be a finite number > 0"),
+    row("lr-nan", [*GPT, "--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    row("lr-inf", [*GPT, "--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    row("lr-overflow", [*GPT, "--lr", "1e400"], "--lr must be a finite number > 0"),
+    row("warmup-negative", [*GPT, "--warmup", "-1"], "--warmup must be an integer >= 0"),
     row("devices-0", [*GPT, "--devices", "0"], "needs a positive device count, got 0"),
     row("devices-negative", [*GPT, "--devices", "-2"], "needs a positive device count, got -2"),
     row("devices-mismatch", [*GPT, "--mesh", "tensor=2,replica=2", "--devices", "3"],
@@ -96,13 +97,13 @@ CLI_ROWS = [
     # pipelines
     row("schedule-unknown", [*GPT, "--schedule", "foo"], "argument --schedule: invalid choice"),
     row("virtual-0", [*GPT, *PIPE2, "--schedule", "interleaved", "--virtual", "0"],
-        "TrainConfig.virtual must be a positive integer, got 0"),  # fmt: skip
+        "--virtual must be a positive integer, got 0"),  # fmt: skip
     row("virtual-negative", [*GPT, *PIPE2, "--schedule", "interleaved", "--virtual", "-1"],
         "virtual must be a positive integer, got -1"),  # fmt: skip
     row("virtual-1-interleaved", [*GPT, *PIPE2, "--schedule", "interleaved", "--virtual", "1"],
         "interleaved 1F1B needs --virtual >= 2"),  # fmt: skip
     row("virtual-without-interleaved", [*GPT, "--mesh", "pipe=2", "--virtual", "2"],
-        "only the interleaved schedule runs; add --schedule interleaved"),  # fmt: skip
+        "only the interleaved schedule runs; set --schedule interleaved"),  # fmt: skip
     row("virtual-not-dividing", [*GPT, *PIPE2, "--stage-layers", "1,3", "--schedule",
         "interleaved"], "--virtual 2 does not divide the 1 layers of a stage"),  # fmt: skip
     row("sequence-parallel-seq", [*GPT, "--mesh", "tensor=4", "--seq", "18",
@@ -114,10 +115,10 @@ CLI_ROWS = [
     row("stage-layers-empty-stage", [*GPT, "--mesh", "pipe=2", "--stage-layers", "0,4"],
         "--stage-layers 0,4 has a stage without layers"),  # fmt: skip
     row("stage-layers-text", [*GPT, "--mesh", "pipe=2", "--stage-layers", "1;3"],
-        "--stage-layers needs comma-separated layer counts"),  # fmt: skip
+        "argument --stage-layers: needs comma-separated whole numbers"),  # fmt: skip
     row("stage-layers-no-pipe", [*GPT, "--stage-layers", "2,2"], "gives 2 stages but the mesh"),
     row("stage-layers-phased", [*GPT, "--mesh", "pipe=2", "--stage-layers", "1,3", "--phased"],
-        "drop --stage-layers or --phased"),  # fmt: skip
+        "(leave out --stage-layers, or the phased settings)"),  # fmt: skip
     # phased settings
     row("phases-0", [*GPT, "--phased", "--phases", "0"], "phases must be a positive integer"),
     row("phases-3", [*GPT, "--phased", "--phases", "3"], "--phases 3 must divide the model's 4"),
@@ -126,9 +127,9 @@ CLI_ROWS = [
     row("rts-optimizer-3", [*GPT, "--phased", "--mesh", "replica=4", "--rts-optimizer", "3"],
         "--rts-optimizer 3 must be 1, --rts (1) or the replica size (4)"),  # fmt: skip
     row("device-memory-0", [*GPT, "--phased", "--device-memory", "0"],
-        "--device-memory must be positive, got 0"),  # fmt: skip
+        "--device-memory must be a positive integer, got 0"),  # fmt: skip
     row("device-memory-negative", [*GPT, "--phased", "--device-memory", "-5"],
-        "--device-memory must be positive, got -5"),  # fmt: skip
+        "--device-memory must be a positive integer, got -5"),  # fmt: skip
     # run directories and checkpoints
     row("checkpoint-every-0", [*GPT, "--checkpoint-every", "0"],
         "--checkpoint-every must be a positive number of steps, got 0"),  # fmt: skip
@@ -161,8 +162,10 @@ CLI_ROWS = [
     row("demo-steps-0", ["demo", "--steps", "0"], "steps must be a positive integer, got 0"),
     # search
     row("search-precision", [*SEARCH, "--precision", "fp8"], "--precision takes a comma-separated"),
-    row("bucket-mb-0", [*A100, "--bucket-mb", "0"], "--bucket-mb must be positive, got 0.0"),
-    row("bucket-mb-nan", [*SEARCH, "--bucket-mb", "nan"], "--bucket-mb must be positive, got nan"),
+    row("bucket-mb-0", [*A100, "--bucket-mb", "0"], "--bucket-mb must be a finite number > 0, got"
+        " 0"),
+    row("bucket-mb-nan", [*SEARCH, "--bucket-mb", "nan"], "--bucket-mb must be a finite number > 0,"
+        " got nan"),
     row("grad-reduce", [*A100, "--grad-reduce", "never"], "argument --grad-reduce: invalid choice"),
     row("attention-phased", [*PHASED, "--attention", "fused"], "--attention fused is for resident"),
     row("attention", [*SEARCH, "--attention", "flash"], "argument --attention: invalid choice"),
@@ -237,7 +240,12 @@ API_ROWS = [
     (lambda: api.TrainConfig(steps=True), "steps must be a positive integer, got True"),
     (lambda: api.TrainConfig(grad_clip=math.inf), "grad_clip must be a finite number > 0"),
     (lambda: api.TrainConfig(weight_decay=-0.1), "weight_decay must be a finite number >= 0"),
-    (lambda: api.TrainConfig(optimizer="sgd"), "optimizer must be 'adamw' or 'lamb'"),
+    (lambda: api.TrainConfig(optimizer="sgd"), "optimizer must be one of adamw, lamb"),
+    # a Python caller is told the field; the command line names its flag instead
+    (lambda: api.TrainConfig(seed=2**33), "TrainConfig.seed 8589934592 is too large"),
+    (lambda: api.TrainConfig(virtual=2), "TrainConfig.virtual 2 splits stages into chunks"),
+    (lambda: api.PhasedConfig(rts=0), "PhasedConfig.rts must be a positive integer, got 0"),
+    (lambda: Overlap(bucket_mb=0), "Overlap.bucket_mb must be a finite number > 0, got 0"),
     (lambda: api.Parallelism(tensor=0), "tensor must be a positive integer"),
     (lambda: api.Parallelism(pipe=1.5), "pipe must be a positive integer, got 1.5"),
     (lambda: api.get_preset("gpt-tiny").replace(init_std=NAN), "init_std must be a finite"),
@@ -321,3 +329,29 @@ def test_a_run_that_fails_before_its_first_step_removes_its_directory(tmp_path, 
     out = tmp_path / "run"
     one_clear_error(shardemu(*GPT, "--out", str(out)), "the compile failed")
     assert not out.exists()
+
+
+def test_library_errors_name_fields_and_the_command_line_prints_flags():
+    """No error raised outside `cli/` spells a flag: a Python caller is told the field
+    (`TrainConfig.seed`) or keyword (`` `devices` ``) to fix, and the command line
+    prints the flag its user typed in its place."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from shardemu.cli.fields import flag_message
+
+    package = Path(api.__file__).parent
+    flag = re.compile(r"(?<![\w`-])--[a-z]")
+    found = []
+    for path in package.rglob("*.py"):
+        if path.relative_to(package).parts[0] == "cli":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                texts = [n.value for n in ast.walk(node.exc) if isinstance(n, ast.Constant)]
+                if any(isinstance(t, str) and flag.search(t) for t in texts):
+                    found.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert found == []
+    said = "TrainConfig.seed 9; `microbatch_size` 3; PhasedConfig.prefetch; Parallelism.tensor"
+    assert flag_message(said) == "--seed 9; --microbatch-size 3; --no-prefetch; Parallelism.tensor"

@@ -239,7 +239,7 @@ def test_a_pipelined_plan_without_a_microbatch_size_picks_the_fastest(tmp_path, 
             get_preset("gpt-tiny"), Parallelism(pipe=2),
             TrainConfig(batch=4, seq=16, schedule="interleaved", virtual=3), PROFILES["a100-80gb"],
         )  # fmt: skip
-    with pytest.raises(ConfigError, match="give --hardware"):
+    with pytest.raises(ConfigError, match="give `hardware`"):
         plan_phased(get_preset("gpt-tiny"), Parallelism(pipe=2), TrainConfig(batch=4, seq=16),
                     PhasedConfig(), microbatch_size="auto")  # fmt: skip
 

@@ -132,9 +132,9 @@ def test_blocking_sends_cost_time(plans):
 @pytest.mark.parametrize(
     ("settings", "names"),
     [
-        ({"grad_reduce": "later"}, "--grad-reduce"),
-        ({"pipe_sends": "never"}, "--pipe-sends"),
-        ({"bucket_mb": 0}, "--bucket-mb"),
+        ({"grad_reduce": "later"}, "Overlap.grad_reduce"),
+        ({"pipe_sends": "never"}, "Overlap.pipe_sends"),
+        ({"bucket_mb": 0}, "Overlap.bucket_mb"),
     ],
 )
 def test_bad_overlap_settings(settings, names):

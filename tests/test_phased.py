@@ -284,7 +284,7 @@ def test_device_memory_picks_the_fewest_phases_that_fit(tiny_model, runs):
 def test_a_plan_that_does_not_fit_is_refused(tiny_model, reference):
     with pytest.raises(CapacityError, match=r"phase 'shared'.*capacity is 1,000"):
         run_phased(tiny_model, reference["init"], PhasedConfig(phases=4, device_memory=1000))
-    with pytest.raises(CapacityError, match="no phase count fits --device-memory 1,000"):
+    with pytest.raises(CapacityError, match="no phase count fits PhasedConfig.device_memory 1,000"):
         PhasedTrainer(
             tiny_model,
             make_mesh(tensor=2, replica=REPLICA),
@@ -295,11 +295,15 @@ def test_a_plan_that_does_not_fit_is_refused(tiny_model, reference):
 
 def test_bad_phased_settings_are_refused(tiny_model):
     mesh = make_mesh(tensor=2, replica=REPLICA)
-    with pytest.raises(ConfigError, match=r"--phases 3 must divide the model's 4 layers"):
+    with pytest.raises(
+        ConfigError, match=r"PhasedConfig.phases 3 must divide the model's 4 layers"
+    ):
         PhasedTrainer(tiny_model, mesh, TRAIN, PhasedConfig(phases=3))
-    with pytest.raises(ConfigError, match="--rts 3 does not divide replica=4"):
+    with pytest.raises(ConfigError, match="PhasedConfig.rts 3 does not divide replica=4"):
         PhasedTrainer(tiny_model, mesh, TRAIN, PhasedConfig(rts=3))
-    with pytest.raises(ConfigError, match="--rts-optimizer 2 must be 1, --rts"):
+    with pytest.raises(
+        ConfigError, match="PhasedConfig.rts_optimizer 2 must be 1, PhasedConfig.rts"
+    ):
         PhasedTrainer(tiny_model, mesh, TRAIN, PhasedConfig(rts=4, rts_optimizer=2))
-    with pytest.raises(ConfigError, match="--activations must be keep"):
+    with pytest.raises(ConfigError, match="PhasedConfig.activations must be one of keep"):
         PhasedConfig(activations="stash")

@@ -261,7 +261,8 @@ def test_hardware_peaks_per_precision():
     assert a100.at_precision("fp32").peak_tflops == 156.0
     assert a100.at_precision("bf16").peak_tflops == 312.0
     with pytest.raises(
-        HardwareError, match="does not compute in --precision bf16; it supports fp32, fp16-mixed"
+        HardwareError,
+        match="does not compute in TrainConfig.precision bf16; it supports fp32, fp16-mixed",
     ):
         PROFILES["ipu-pod16"].at_precision("bf16")
     with pytest.raises(HardwareError, match="fp16-mixed"):
@@ -276,10 +277,13 @@ def test_hardware_peaks_per_precision():
 
 def test_precision_errors(capsys):
     with pytest.raises(
-        ConfigError, match="--precision 'fp64' is not one of fp32, bf16, fp16-mixed"
+        ConfigError, match="TrainConfig.precision must be one of fp32, bf16, fp16-mixed, got 'fp64'"
     ):
         TrainConfig(precision="fp64")
-    with pytest.raises(ConfigError, match="--sparsity with --precision bf16 is not supported"):
+    with pytest.raises(
+        ConfigError,
+        match="SparsityConfig.sparsity with TrainConfig.precision bf16 is not supported",
+    ):
         TrainConfig(precision="bf16", sparsity=SparsityConfig())
     argv = ["plan", "--model", "gpt-tiny", "--hardware", "ipu-pod16", "--precision", "bf16"]
     assert main(argv) == 2

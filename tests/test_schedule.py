@@ -68,5 +68,5 @@ def test_bad_schedules_are_refused():
         make_schedule("interleaved", 4, 6, 2)
     with pytest.raises(ConfigError, match="need 'interleaved'"):
         make_schedule("1f1b", 4, 8, 2)
-    with pytest.raises(ConfigError, match="interleaved 1F1B needs --virtual >= 2"):
+    with pytest.raises(ConfigError, match="interleaved 1F1B needs TrainConfig.virtual >= 2"):
         make_schedule("interleaved", 4, 8, 1)

@@ -112,12 +112,12 @@ def test_every_failing_parameter_is_reported_at_once():
         describe(get_preset("gpt2-small"), Parallelism(tensor=8))
     msg = str(err.value)
     assert msg.startswith("8 parameters cannot be sharded")  # q,k,v kernels+biases, out, wte
-    assert "'wte/embedding'" in msg and "--pad-vocab" in msg
+    assert "'wte/embedding'" in msg and "ModelConfig.pad_vocab" in msg
     assert "'blocks/attn/out/kernel'" in msg
 
 
 def test_unpadded_vocab_suggests_padding():
-    with pytest.raises(ShardingError, match=r"'vocab', size 50257.*--pad-vocab"):
+    with pytest.raises(ShardingError, match=r"'vocab', size 50257.*ModelConfig.pad_vocab"):
         describe(get_preset("gpt2-small"), Parallelism(tensor=2))
     assert describe(get_preset("gpt2-small").pad_vocab(128), Parallelism(tensor=2))
 

@@ -332,7 +332,7 @@ def test_config_json_from_before_sequence_parallelism_still_reruns(sweep):
     cfg["rules"] = [rule for rule in cfg["rules"] if rule[0] != "residual_sequence"]
     assert run_flags(cfg, path)["sequence_parallel"] is False
     cfg["rules"] = [[name, None if name == "vocab" else axes] for name, axes in cfg["rules"]]
-    with pytest.raises(ConfigError, match="rules=not the default"):
+    with pytest.raises(ConfigError, match="sharding rules are not the default"):
         run_flags(cfg, path)
 
 

@@ -189,11 +189,11 @@ def test_swarmx_levels_and_profile_keys():
 
 
 def test_bad_weight_streaming_settings_are_refused(capsys):
-    with pytest.raises(ConfigError, match="--rts 2"):
+    with pytest.raises(ConfigError, match="PhasedConfig.rts 2"):
         PhasedConfig(weight_streaming=True, rts=2, activations="keep-activations")
-    with pytest.raises(ConfigError, match="--activations keep"):
+    with pytest.raises(ConfigError, match="PhasedConfig.activations keep"):
         PhasedConfig(weight_streaming=True, activations="keep")
-    with pytest.raises(ConfigError, match="add --weight-streaming"):
+    with pytest.raises(ConfigError, match="set PhasedConfig.weight_streaming"):
         PhasedConfig(activations="keep-activations")
     with pytest.raises(ConfigError, match="tensor and pipe must be 1"):
         PhasedConfig(weight_streaming=True).check_mesh(Parallelism(tensor=2, replica=2))

@@ -21,15 +21,15 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from shardemu.cli.config_file import apply_settings, read_settings
+from shardemu.cli.fields import flag_message
 from shardemu.cli.parser import build_parser, given_options
 from shardemu.cli.planning import cmd_plan, cmd_search
 from shardemu.cli.settings import (
     model_config,
     parallelism,
     phased_config,
-    pipeline_config,
-    sparsity_config,
     tracking_config,
+    train_config,
 )
 from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.devices import use_virtual_devices
@@ -53,22 +53,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         return
     par = parallelism(args)
     devices = _devices(args, par)
-    train_cfg = TrainConfig(
-        steps=args.steps,
-        batch=args.batch,
-        seq=args.seq,
-        seed=args.seed,
-        microbatches=args.microbatches,
-        grad_accum=args.grad_accum,
-        optimizer=args.optimizer,
-        learning_rate=args.lr,
-        warmup_steps=args.warmup,
-        sparsity=sparsity_config(args),
-        data=args.data,
-        precision=args.precision,
-        sequence_parallel=args.sequence_parallel,
-        **pipeline_config(args),
-    )
+    train_cfg = train_config(args)
     model_cfg = model_config(args)
     _train_with_progress(
         model_cfg, par, train_cfg, devices, out=args.out, phased=phased_config(args),
@@ -76,10 +61,6 @@ def cmd_run(args: argparse.Namespace) -> None:
         checkpoint_every=args.checkpoint_every, tracking=tracking_config(args),
         eval_every=args.eval_every,
     )  # fmt: skip
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
 
 
 def _device_count(args: argparse.Namespace, par: Parallelism) -> int:
@@ -133,9 +114,11 @@ def _run_resumed(args: argparse.Namespace) -> None:
     """`run --resume RUN_DIR`: the run's own settings, with the few that may change."""
     fixed = sorted(args.given - {"resume", *RESUME_MAY_CHANGE})
     if fixed:
-        may = [_flag(dest) for dest in RESUME_MAY_CHANGE]
+        run = build_parser().commands["run"]
+        flag = {a.dest: a.option_strings[0] for a in run._actions if a.option_strings}
+        may = [flag[dest] for dest in RESUME_MAY_CHANGE]
         raise ConfigError(
-            f"{', '.join(_flag(dest) for dest in fixed)} cannot change when resuming: the "
+            f"{', '.join(flag[dest] for dest in fixed)} cannot change when resuming: the "
             f"run's settings come from {args.resume}/config.json; only {', '.join(may[:-1])} "
             f"and {may[-1]} may be given with --resume"
         )
@@ -222,7 +205,7 @@ def cmd_describe(args: argparse.Namespace) -> None:
     if phased:
         from shardemu.predict.plan_phased import plan_phased
 
-        train_cfg = TrainConfig(batch=args.batch, seq=args.seq)
+        train_cfg = train_config(args)
         report["phase_plan"] = plan_phased(model_cfg, par, train_cfg, phased).report["plan"]
     if args.json:
         print(json.dumps(report, indent=2))
@@ -325,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as done:  # --help, --version, or a usage error argparse has printed
         return int(done.code or 0)
     except ShardemuError as err:
-        console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
+        message = escape(flag_message(str(err)))  # TrainConfig.seed -> --seed
+        console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
         return err.exit_code
     return 0
 

@@ -17,6 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from shardemu.cli.fields import int_list, to_flags
 from shardemu.cli.settings import model_config
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import PRESETS
@@ -79,7 +80,8 @@ def apply_settings(
 
 
 def _keys(command: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """Every name a setting may have: the flag without dashes, and its destination."""
+    """Every name a setting may have: the flag without dashes (`grad-accum`, or
+    `grad_accum`), and its destination, the config field (`learning_rate` for `lr`)."""
     keys: dict[str, argparse.Action] = {}
     for action in command._actions:
         if action.dest in _NOT_SETTINGS or not action.option_strings:
@@ -87,13 +89,14 @@ def _keys(command: argparse.ArgumentParser) -> dict[str, argparse.Action]:
         for option in action.option_strings:
             if option.startswith("--"):
                 keys[option[2:]] = action
+                keys.setdefault(option[2:].replace("-", "_"), action)
         keys.setdefault(action.dest, action)
     return keys
 
 
 def _typed(action: argparse.Action, key: str, value: Any, source: str) -> Any:
     """`value` as the flag's destination holds it."""
-    flag = "--" + key.replace("_", "-")
+    flag = action.option_strings[0]
     if isinstance(action, argparse._StoreConstAction):  # store_true / store_false
         if not isinstance(value, bool):
             raise ConfigError(f"{key} in {source} is a switch: give true or false, not {value!r}")
@@ -101,6 +104,15 @@ def _typed(action: argparse.Action, key: str, value: Any, source: str) -> Any:
         return (action.const if value else action.default) if named else value
     if action.nargs == "?" and isinstance(value, bool):  # `wandb = true`: the default project
         return action.const if value else None
+    if action.type is int_list:  # a tuple field: `3,7,7,7` or [3, 7, 7, 7]
+        if isinstance(value, list) and all(type(n) is int for n in value):
+            return tuple(value)
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} = {value!r} in {source}: {flag} takes a list of integers")
+        try:
+            return int_list(value)
+        except argparse.ArgumentTypeError as err:
+            raise ConfigError(f"{key} = {value!r} in {source}: {flag} {err}") from None
     kind = action.type or str
     ok = (
         (kind is int and isinstance(value, int) and not isinstance(value, bool))
@@ -130,53 +142,19 @@ def run_flags(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     flags: dict[str, Any] = {**_model_flags(model, train.seq, path), "mesh": _mesh(par)}
     if cfg.get("device_count", par.num_devices) != par.num_devices:
         flags["devices"] = cfg["device_count"]
-    flags |= {
-        "steps": train.steps,
-        "batch": train.batch,
-        "seq": train.seq,
-        "seed": train.seed,
-        "microbatches": train.microbatches,
-        "grad_accum": train.grad_accum,
-        "optimizer": train.optimizer,
-        "lr": train.learning_rate,
-        "warmup": train.warmup_steps,
-        "schedule": train.schedule,
-        "virtual": train.virtual,
-        "data": train.data,
-        "precision": train.precision,
-        "sequence_parallel": train.sequence_parallel,
-    }
-    if train.stage_layers is not None:
-        flags["stage_layers"] = ",".join(map(str, train.stage_layers))
-    unexpressed = {
-        f"train.{f.name}": getattr(train, f.name)
-        for f in dataclasses.fields(TrainConfig)
-        if f.name in ("weight_decay", "grad_clip")
-        and getattr(train, f.name) != getattr(TrainConfig(), f.name)
-    }
+    flags |= to_flags(train)
     default = [[n, a] for n, a in megatron_rules(train.sequence_parallel)]
     # runs recorded before sequence parallelism have no residual_sequence rule
     before = [rule for rule in default if rule != ["residual_sequence", None]]
     if cfg.get("rules") not in (None, default, before):
-        unexpressed["rules"] = "not the default"
-    if unexpressed:
         raise ConfigError(
-            f"--config {path}: {', '.join(f'{k}={v}' for k, v in unexpressed.items())} "
-            f"have no flag; re-run it from Python with shardemu.train"
+            f"--config {path}: its sharding rules are not the default, and no flag sets "
+            f"them; re-run it from Python with shardemu.train"
         )
     if train.sparsity is not None:
-        sparse = train.sparsity
-        flags |= {
-            "sparsity": sparse.sparsity,
-            "block": sparse.block,
-            "sparse_mode": sparse.mode,
-            "sparse_updates": sparse.updates,
-            "prune_ratio": sparse.prune_ratio,
-            "regrow": sparse.regrow,
-            "sparse_distribution": sparse.distribution,
-        }
+        flags |= {"sparsity": train.sparsity.sparsity, **to_flags(train.sparsity)}
     if phased is not None:
-        flags |= {"phased": True, **dataclasses.asdict(phased)}
+        flags |= {"phased": True, **to_flags(phased)}
     for key in ("checkpoint_every", "eval_every"):
         if cfg.get(key) is not None:
             flags[key] = cfg[key]

@@ -15,11 +15,11 @@ from shardemu.cli.args import (
     pipeline_args,
     precision_arg,
     run_args,
+    search_space_args,
     shape_args,
     sparsity_args,
     tracking_args,
 )
-from shardemu.config import TrainConfig
 
 DESCRIPTION = "Run a large-model training recipe on virtual devices and see what it would cost."
 
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model_args(run, required=False)
     run.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R (missing axes are 1)")
-    run_args(run, TrainConfig())
+    run_args(run)
     pipeline_args(run)
     tracking_args(run)
 
@@ -100,9 +100,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def search_args(p: argparse.ArgumentParser) -> None:
-    from shardemu.predict.layouts import MODES, Space
-
-    d = Space(precisions=())
     model_args(p)
     p.add_argument("--hardware", required=True, help="profile name or a .toml/.json file")
     p.add_argument("--devices", type=int, required=True, help="devices to lay the model out on")
@@ -113,18 +110,7 @@ def search_args(p: argparse.ArgumentParser) -> None:
         metavar="P[,P...]",
         help="precisions to search (default: every one the profile computes in)",
     )
-    p.add_argument(
-        "--modes",
-        choices=MODES,
-        default=d.modes,
-        help="resident, phased, both, or auto: phased only when no resident layout fits",
-    )
-    overlap_args(p)
-    attention_arg(p)
-    p.add_argument("--max-tensor", type=int, default=d.max_tensor, help="largest tensor axis")
-    p.add_argument(
-        "--max-microbatch", type=int, default=d.max_microbatch, help="largest microbatch size"
-    )
+    search_space_args(p)
     p.add_argument("--top", type=int, default=5, help="layouts to plan whole and print")
     p.add_argument("--out", default=None, help="output folder (default runs/search-<model>-<time>)")
     p.add_argument("--json", action="store_true", help="print search.json instead of a table")

@@ -11,12 +11,12 @@ from typing import Any
 
 from rich.console import Console
 
+from shardemu.cli.fields import from_args
 from shardemu.cli.settings import (
     model_config,
     overlap_config,
     parallelism,
     phased_config,
-    pipeline_config,
     search_space,
     sparsity_config,
     tracking_config,
@@ -50,12 +50,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
         raise ConfigError("a resident plan predicts a step: give --hardware NAME (or add --phased)")
     model_cfg = model_config(args)
     sparse = sparsity_config(args)
-    train_cfg = TrainConfig(
-        batch=args.batch, seq=args.seq, sparsity=sparse, precision=args.precision,
-        **pipeline_config(args),
-        # a plan counts one step; a dynamic pattern's update schedule is not timed
-        **({"steps": sparse.updates} if sparse else {}),
-    )  # fmt: skip
+    # a plan counts one step; a dynamic pattern's update schedule is not timed
+    steps = {"steps": sparse.updates} if sparse else {}
+    train_cfg = from_args(TrainConfig, args, sparsity=sparse, **steps)
     Model(model_cfg).check_fits(train_cfg, par)
     if train_cfg.stage_layers is not None:  # refused now, not after counting
         pipeline_layout(model_cfg.num_layers, par.pipe, train_cfg.virtual, train_cfg.stage_layers)
@@ -118,7 +115,8 @@ def _refuse_resident_only(args: argparse.Namespace, phased: PhasedConfig | None)
         )
     if args.stage_layers is not None:
         raise ConfigError(
-            f"--stage-layers {args.stage_layers} is for resident plans: phased stages run "
+            f"--stage-layers {','.join(map(str, args.stage_layers))} is for resident plans: "
+            f"phased stages run "
             f"equal phases of layers; leave out --stage-layers or --phased"
         )
 

@@ -1,13 +1,14 @@
 """The settings the command line's flags stand for: the config objects the library takes
-(`ModelConfig`, `Parallelism`, `PhasedConfig`, `SparsityConfig`, a search's `Space`),
-built from a parsed command line (`args.py` declares the flags) and checked together,
-with errors that name the flags."""
+(`ModelConfig`, `Parallelism`, `TrainConfig`, `PhasedConfig`, `SparsityConfig`, a
+search's `Space`), built from a parsed command line by `fields.from_args` where the flags
+are fields, and by hand for the model and the mesh, with errors that name the flags."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from shardemu.cli.fields import changed, from_args
 from shardemu.config import (
     PRECISIONS,
     ConfigError,
@@ -15,8 +16,11 @@ from shardemu.config import (
     Parallelism,
     PhasedConfig,
     SparsityConfig,
+    TrainConfig,
 )
 from shardemu.models import FAMILIES, custom_model, get_preset
+from shardemu.predict.layouts import Space
+from shardemu.predict.overlap import Overlap
 from shardemu.report.trackers import TrackingConfig
 
 
@@ -49,36 +53,30 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     return cfg if args.pad_vocab is None else cfg.pad_vocab(args.pad_vocab)
 
 
+def train_config(args: argparse.Namespace, **given: Any) -> TrainConfig:
+    """The run's `TrainConfig` from the flags the command has, its sparsity from
+    --sparsity, and `given` for fields the command fixes itself."""
+    return from_args(TrainConfig, args, sparsity=sparsity_config(args), **given)
+
+
 def sparsity_config(args: argparse.Namespace) -> SparsityConfig | None:
     """The sparsity settings, or None; sparse flags without --sparsity are an error."""
-    d = SparsityConfig()
-    fields = {
-        "block": ("--block", args.block, d.block),
-        "mode": ("--sparse-mode", args.sparse_mode, d.mode),
-        "updates": ("--sparse-updates", args.sparse_updates, d.updates),
-        "prune_ratio": ("--prune-ratio", args.prune_ratio, d.prune_ratio),
-        "regrow": ("--regrow", args.regrow, d.regrow),
-        "distribution": ("--sparse-distribution", args.sparse_distribution, d.distribution),
-    }
-    if args.sparsity is None:
-        given = [flag for flag, value, default in fields.values() if value != default]
+    if getattr(args, "sparsity", None) is None:
+        given = changed(SparsityConfig, args)
         if given:
             raise ConfigError(f"{', '.join(given)} need --sparsity")
         return None
-    return SparsityConfig(args.sparsity, **{name: v[1] for name, v in fields.items()})
+    return from_args(SparsityConfig, args, sparsity=args.sparsity)
 
 
 def tracking_config(args: argparse.Namespace) -> TrackingConfig | None:
     """The trackers the flags ask for beside the run directory (None: none)."""
-    if args.wandb is None and not args.tensorboard:
-        return None
-    return TrackingConfig(wandb=args.wandb, tensorboard=args.tensorboard)
+    tracking: TrackingConfig = from_args(TrackingConfig, args)
+    return tracking if tracking.wanted() else None
 
 
-def search_space(args: argparse.Namespace, profile_precisions: tuple[str, ...]) -> Any:
+def search_space(args: argparse.Namespace, profile_precisions: tuple[str, ...]) -> Space:
     """The `Space` of a `search` command line; precisions checked against the profile."""
-    from shardemu.predict.layouts import Space
-
     if args.precision is None:
         precisions = profile_precisions
     else:
@@ -89,79 +87,22 @@ def search_space(args: argparse.Namespace, profile_precisions: tuple[str, ...]) 
                 f"--precision takes a comma-separated list of {', '.join(PRECISIONS)}, got "
                 f"{args.precision!r}"
             )
-    for flag, value in (
-        ("--max-tensor", args.max_tensor),
-        ("--max-microbatch", args.max_microbatch),
-    ):
-        if value < 1:
-            raise ConfigError(f"{flag} must be a positive integer, got {value}")
-    return Space(
-        precisions, args.modes, args.max_tensor, args.max_microbatch, overlap_config(args),
-        args.attention,
-    )  # fmt: skip
+    return from_args(Space, args, precisions=precisions, overlap=overlap_config(args))
 
 
-def pipeline_config(args: argparse.Namespace) -> dict[str, Any]:
-    """`TrainConfig`'s schedule, virtual and stage_layers from the flags."""
-    virtual = args.virtual
-    if virtual is None:
-        virtual = 2 if args.schedule == "interleaved" else 1
-    elif args.schedule != "interleaved" and virtual != 1:
-        raise ConfigError(
-            f"--virtual {virtual} splits stages into chunks, which only the interleaved "
-            f"schedule runs; add --schedule interleaved (or drop --virtual)"
-        )
-    text = getattr(args, "stage_layers", None)
-    stage_layers = None
-    if text is not None:
-        try:
-            stage_layers = tuple(int(n) for n in text.split(","))
-        except ValueError:
-            raise ConfigError(
-                f"--stage-layers needs comma-separated layer counts, one per stage "
-                f"(e.g. 3,7,7,7), got {text!r}"
-            ) from None
-    return {"schedule": args.schedule, "virtual": virtual, "stage_layers": stage_layers}
-
-
-def overlap_config(args: argparse.Namespace) -> Any:
-    from shardemu.predict.overlap import Overlap
-
-    return Overlap(args.grad_reduce, args.bucket_mb, args.pipe_sends)
+def overlap_config(args: argparse.Namespace) -> Overlap:
+    return from_args(Overlap, args)
 
 
 def phased_config(args: argparse.Namespace) -> PhasedConfig | None:
-    """The phased settings, or None; phased flags without --phased are an error."""
-    d = PhasedConfig()
-    given = [
-        flag
-        for flag, value, default in (
-            ("--phases", args.phases, None),
-            ("--device-memory", args.device_memory, None),
-            ("--rts", args.rts, d.rts),
-            ("--rts-optimizer", args.rts_optimizer, None),
-            ("--activations", args.activations, None),
-            ("--optimizer-on", args.optimizer_on, d.optimizer_on),
-            ("--no-prefetch", args.prefetch, d.prefetch),
-        )
-        if value != default
-    ]
-    streaming = args.weight_streaming  # a configuration of phased execution
-    if not (args.phased or streaming):
+    """The phased settings, or None; phased flags without --phased are an error
+    (--weight-streaming is a configuration of phased execution)."""
+    if not (args.phased or args.weight_streaming):
+        given = changed(PhasedConfig, args)
         if given:
             raise ConfigError(f"{', '.join(given)} need --phased")
         return None
-    default_activations = "keep-activations" if streaming else d.activations
-    return PhasedConfig(
-        phases=args.phases,
-        device_memory=args.device_memory,
-        rts=args.rts,
-        rts_optimizer=args.rts_optimizer,
-        activations=args.activations or default_activations,
-        optimizer_on=args.optimizer_on,
-        prefetch=args.prefetch,
-        weight_streaming=streaming,
-    )
+    return from_args(PhasedConfig, args)
 
 
 def parallelism(args: argparse.Namespace) -> Parallelism:

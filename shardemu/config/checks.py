@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import typing
+from typing import Any
 
 from shardemu.errors import ConfigError
 
@@ -27,3 +29,13 @@ SEED_LIMIT = 2**32  # numpy.random.default_rng and jax.random.key take seeds bel
 # Tokens per step beyond which shapes stop being countable: activations are tokens x width
 # elements, and XLA's dimension arithmetic is int64 (2**40 tokens x 2**17 width < 2**63).
 MAX_TOKENS_PER_STEP = 2**40
+
+
+def require_choice(config: object, name: str, choices: Any) -> None:
+    """`config.name` one of the values of the `Literal` type `choices`."""
+    value, allowed = getattr(config, name), typing.get_args(choices)
+    if value not in allowed:
+        raise ConfigError(
+            f"{type(config).__name__}.{name} must be one of {', '.join(map(str, allowed))}, "
+            f"got {value!r}"
+        )

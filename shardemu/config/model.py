@@ -84,8 +84,8 @@ class ModelConfig:
         require_positive("pad_vocab", multiple=multiple)
         if multiple > self.vocab_size:
             raise ConfigError(
-                f"--pad-vocab {multiple} is larger than {self.name}'s vocabulary of "
-                f"{self.vocab_size}; pad to a multiple such as 128 (times --mesh tensor)"
+                f"ModelConfig.pad_vocab {multiple} is larger than {self.name}'s vocabulary "
+                f"of {self.vocab_size}; pad to a multiple such as 128 (times the mesh's tensor)"
             )
         padded = -(-self.vocab_size // multiple) * multiple
         return self.replace(vocab_size=padded)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shardemu.config.checks import require_positive
+from shardemu.config.checks import require_choice, require_positive
+from shardemu.config.flags import setting
 from shardemu.config.parallelism import Parallelism
 from shardemu.errors import ConfigError
 
@@ -24,9 +25,11 @@ class PhasedConfig:
                    and a phase all-gathers the rest over `replica` before it runs
     rts_optimizer  rts' for the optimizer state: 1, rts, or the replica size
                    (None: the same as rts)
-    activations    what a phase's backward gets from its forward: `recompute` keeps the
-                   phase's input on device and recomputes the rest; `offload` sends that
-                   input to the host tier and back; `keep` keeps everything the backward
+    activations    what a phase's backward gets from its forward (None: the mode's own,
+                   `keep-activations` with weight streaming, else `recompute`):
+                   `recompute` keeps the phase's input on device and recomputes the
+                   rest; `offload` sends that input to the host tier and back; `keep`
+                   keeps everything the backward
                    needs (the weights it used included) on device, so nothing is
                    recomputed and weights come in once
     optimizer_on   `host`: the update runs in the host tier where the state lives (the
@@ -45,54 +48,87 @@ class PhasedConfig:
                    backward, as on a CS-2) or `recompute`
     """
 
-    phases: int | None = None
-    device_memory: int | None = None
-    rts: int = 1
-    rts_optimizer: int | None = None
-    activations: ActivationPolicy = "recompute"
-    optimizer_on: OptimizerPlace = "host"
-    prefetch: bool = True
-    weight_streaming: bool = False
+    phases: int | None = setting(
+        None,
+        "--phases",
+        "phases (default: the fewest that fit --device-memory, else one per layer)",
+    )
+    device_memory: int | None = setting(
+        None, "--device-memory", "device tier capacity", metavar="BYTES"
+    )
+    rts: int = setting(1, "--rts", "replicated tensor sharding over replica")
+    rts_optimizer: int | None = setting(
+        None,
+        "--rts-optimizer",
+        "rts' for optimizer state: 1, --rts, or the replica size (default: --rts)",
+        metavar="R2",
+    )
+    activations: ActivationPolicy | None = setting(
+        None,
+        "--activations",
+        "what a phase's backward gets from its forward (default: recompute; with "
+        "--weight-streaming, keep-activations)",
+    )
+    optimizer_on: OptimizerPlace = setting(
+        "host", "--optimizer-on", "where the update runs (host: the MemoryX arrangement)"
+    )
+    prefetch: bool = setting(
+        True,
+        "--no-prefetch",
+        "fetch a phase's weights only when it runs (default: one phase ahead)",
+        negated=True,
+    )
+    weight_streaming: bool = setting(
+        False,
+        "--weight-streaming",
+        "train as a Cerebras weight-streaming cluster: phased, one layer a phase, "
+        "weights broadcast to --systems over SwarmX, gradients reduced into MemoryX",
+    )
 
     def __post_init__(self) -> None:
+        if self.activations is None:  # the mode's own policy
+            policy = "keep-activations" if self.weight_streaming else "recompute"
+            object.__setattr__(self, "activations", policy)
         if self.phases is not None:
             require_positive("PhasedConfig", phases=self.phases)
         require_positive("PhasedConfig", rts=self.rts)
         if self.rts_optimizer is not None:
             require_positive("PhasedConfig", rts_optimizer=self.rts_optimizer)
-        if self.device_memory is not None and self.device_memory < 1:
-            raise ConfigError(f"--device-memory must be positive, got {self.device_memory}")
-        if self.activations not in ("keep", "offload", "recompute", "keep-activations"):
-            raise ConfigError(
-                f"--activations must be keep, offload, recompute or keep-activations, got "
-                f"{self.activations!r}"
-            )
-        if self.optimizer_on not in ("host", "device"):
-            raise ConfigError(f"--optimizer-on must be host or device, got {self.optimizer_on!r}")
+        if self.device_memory is not None:
+            require_positive("PhasedConfig", device_memory=self.device_memory)
+        require_choice(self, "activations", ActivationPolicy)
+        require_choice(self, "optimizer_on", OptimizerPlace)
         if self.weight_streaming:
             self._check_weight_streaming()
         elif self.activations == "keep-activations":
             raise ConfigError(
-                "--activations keep-activations is weight streaming's policy (activations "
-                "kept per system, weights streamed again); add --weight-streaming, or use keep"
+                "PhasedConfig.activations keep-activations is weight streaming's policy "
+                "(activations kept per system, weights streamed again); set "
+                "PhasedConfig.weight_streaming, or use keep"
             )
 
     def _check_weight_streaming(self) -> None:
         """What a weight-streaming cluster fixes: one layer a phase, whole weights on
         every system, the update in MemoryX, activations kept or recomputed per system."""
         fixed = [
-            (self.phases is not None, f"--phases {self.phases} (one layer a phase)"),
-            (self.rts != 1, f"--rts {self.rts} (every system receives whole weights)"),
-            (self.rts_opt != 1, f"--rts-optimizer {self.rts_opt} (the state lives in MemoryX)"),
-            (self.optimizer_on != "host", "--optimizer-on device (the update runs in MemoryX)"),
+            (self.phases is not None, f"PhasedConfig.phases {self.phases} (one layer a phase)"),
+            (self.rts != 1, f"PhasedConfig.rts {self.rts} (every system receives whole weights)"),
+            (
+                self.rts_opt != 1,
+                f"PhasedConfig.rts_optimizer {self.rts_opt} (the state lives in MemoryX)",
+            ),
+            (
+                self.optimizer_on != "host",
+                "PhasedConfig.optimizer_on device (the update runs in MemoryX)",
+            ),
             (
                 self.activations not in ("keep-activations", "recompute"),
-                f"--activations {self.activations} (use keep-activations or recompute)",
+                f"PhasedConfig.activations {self.activations} (use keep-activations or recompute)",
             ),
         ]
         bad = [text for wrong, text in fixed if wrong]
         if bad:
-            raise ConfigError(f"--weight-streaming does not take {'; '.join(bad)}")
+            raise ConfigError(f"PhasedConfig.weight_streaming does not take {'; '.join(bad)}")
 
     @property
     def rts_opt(self) -> int:
@@ -102,13 +138,15 @@ class PhasedConfig:
         r = parallelism.replica
         if self.weight_streaming and (parallelism.tensor, parallelism.pipe) != (1, 1):
             raise ConfigError(
-                f"--weight-streaming trains on --systems N (the replica axis); tensor and "
-                f"pipe must be 1, got mesh {parallelism}"
+                f"PhasedConfig.weight_streaming trains on N systems (the replica axis); tensor "
+                f"and pipe must be 1, got mesh {parallelism}"
             )
         if r % self.rts:
-            raise ConfigError(f"--rts {self.rts} does not divide replica={r}; use a divisor of {r}")
+            raise ConfigError(
+                f"PhasedConfig.rts {self.rts} does not divide replica={r}; use a divisor of {r}"
+            )
         if self.rts_opt not in (1, self.rts, r):
             raise ConfigError(
-                f"--rts-optimizer {self.rts_opt} must be 1, --rts ({self.rts}) or the replica "
-                f"size ({r})"
+                f"PhasedConfig.rts_optimizer {self.rts_opt} must be 1, PhasedConfig.rts "
+                f"({self.rts}) or the replica size ({r})"
             )

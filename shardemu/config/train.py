@@ -6,16 +6,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shardemu.config.checks import MAX_TOKENS_PER_STEP, SEED_LIMIT, require_finite, require_positive
+from shardemu.config.checks import (
+    MAX_TOKENS_PER_STEP,
+    SEED_LIMIT,
+    require_choice,
+    require_finite,
+    require_positive,
+)
+from shardemu.config.flags import choices_of, setting
 from shardemu.config.model import ModelConfig
 from shardemu.config.parallelism import Parallelism
 from shardemu.errors import ConfigError
 
 OptimizerName = Literal["adamw", "lamb"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved"]  # parallel/schedules.py
+Dataset = Literal["synthetic", "stdlib"]  # data.CORPORA
+Precision = Literal["fp32", "bf16", "fp16-mixed"]  # numerics/precision.py
+SparseMode = Literal["static", "dynamic"]
+Regrow = Literal["random", "gradient"]
+Distribution = Literal["uniform", "erk"]
 
 BLOCK_SIZES = (1, 4, 8, 16)
-DATASETS = ("synthetic", "stdlib")  # data.CORPORA
-PRECISIONS = ("fp32", "bf16", "fp16-mixed")  # numerics/precision.py
+DATASETS = choices_of(Dataset)
+PRECISIONS = choices_of(Precision)
+SCHEDULES = choices_of(ScheduleName)
+INTERLEAVED_CHUNKS = 2  # model chunks per stage an interleaved schedule takes by default
 
 
 @dataclass(frozen=True)
@@ -33,37 +48,45 @@ class SparsityConfig:
     regrow         which zero blocks come back: `random`, or the largest `gradient` norm
     distribution   `uniform`: every weight at `sparsity`; `erk`: Erdos-Renyi-Kernel
                    densities (Evci et al. 2020, section 3), the same total
+
+    The command line's `--sparsity S` makes one (none without it: dense weights).
     """
 
     sparsity: float = 0.9
-    block: int = 16
-    mode: Literal["static", "dynamic"] = "static"
-    updates: int = 160
-    prune_ratio: float = 0.5
-    regrow: Literal["random", "gradient"] = "random"
-    distribution: Literal["uniform", "erk"] = "uniform"
+    block: int = setting(16, "--block", "square blocks: 1, 4, 8 or 16")
+    mode: SparseMode = setting(
+        "static", "--sparse-mode", "static pattern, or dynamic prune-and-regrow"
+    )
+    updates: int = setting(
+        160, "--sparse-updates", "dynamic: pattern updates over the run", metavar="N"
+    )
+    prune_ratio: float = setting(
+        0.5, "--prune-ratio", "dynamic: fraction of non-zero blocks pruned at first, cosine-decayed"
+    )
+    regrow: Regrow = setting("random", "--regrow", "dynamic: which zero blocks regrow")
+    distribution: Distribution = setting(
+        "uniform",
+        "--sparse-distribution",
+        "the same density in every kernel, or Erdos-Renyi-Kernel",
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.sparsity, int | float) or not 0 <= self.sparsity < 1:
             raise ConfigError(
-                f"--sparsity {self.sparsity} must be in [0, 1): the fraction of zero blocks "
-                f"(0.9 keeps 10% of the weights)"
+                f"SparsityConfig.sparsity {self.sparsity} must be in [0, 1): the fraction of "
+                f"zero blocks (0.9 keeps 10% of the weights)"
             )
         if self.block not in BLOCK_SIZES:
             raise ConfigError(
-                f"--block {self.block} must be one of {', '.join(map(str, BLOCK_SIZES))}"
+                f"SparsityConfig.block {self.block} must be one of "
+                f"{', '.join(map(str, BLOCK_SIZES))}"
             )
-        choices = {"mode": ("static", "dynamic"), "regrow": ("random", "gradient"),
-                   "distribution": ("uniform", "erk")}  # fmt: skip
-        for name, allowed in choices.items():
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ConfigError(
-                    f"sparse {name} must be one of {', '.join(allowed)}, got {value!r}"
-                )
+        require_choice(self, "mode", SparseMode)
+        require_choice(self, "regrow", Regrow)
+        require_choice(self, "distribution", Distribution)
         require_positive("SparsityConfig", updates=self.updates)
         if not isinstance(self.prune_ratio, int | float) or not 0 < self.prune_ratio <= 1:
-            raise ConfigError(f"--prune-ratio {self.prune_ratio} must be in (0, 1]")
+            raise ConfigError(f"SparsityConfig.prune_ratio {self.prune_ratio} must be in (0, 1]")
 
     @property
     def density(self) -> float:
@@ -74,33 +97,68 @@ class SparsityConfig:
 class TrainConfig:
     """One training run. `batch` is the global batch (sequences per step, all replicas):
     batch = microbatch size * microbatches * replica * grad_accum (the source material's
-    b * r, times accumulation steps)."""
+    b * r, times accumulation steps). `virtual` left None is 2 model chunks per stage
+    with the interleaved schedule and 1 otherwise."""
 
-    steps: int = 20
-    batch: int = 8
-    seq: int = 64
-    seed: int = 0
-    microbatches: int = 1
-    grad_accum: int = 1
-    optimizer: OptimizerName = "adamw"
-    learning_rate: float = 3e-3
-    warmup_steps: int = 0
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    schedule: str = "1f1b"  # the pipeline schedule, by name (parallel/schedules.py)
-    virtual: int = 1  # model chunks per pipeline stage (interleaved 1F1B)
-    stage_layers: tuple[int, ...] | None = None  # layers per stage (None: even)
+    steps: int = setting(20, "--steps", "training steps")
+    batch: int = setting(8, "--batch", "global batch (all replicas)")
+    seq: int = setting(64, "--seq", "sequence length")
+    seed: int = setting(0, "--seed", "seed of the initial weights, the data and the masks")
+    microbatches: int = setting(
+        1,
+        "--microbatches",
+        "microbatches per step, run through the pipeline --schedule over the pipe axis",
+    )
+    grad_accum: int = setting(
+        1, "--grad-accum", "gradient accumulation steps (global batch = b * M * replica * K)"
+    )
+    optimizer: OptimizerName = setting("adamw", "--optimizer", "AdamW, or LAMB (You et al. 2020)")
+    learning_rate: float = setting(3e-3, "--lr", "peak learning rate")
+    warmup_steps: int = setting(0, "--warmup", "warm-up steps")
+    weight_decay: float = setting(0.01, "--weight-decay", "decoupled weight decay")
+    grad_clip: float = setting(1.0, "--grad-clip", "clip the global gradient norm to this")
+    schedule: ScheduleName = setting(
+        "1f1b", "--schedule", "pipeline schedule over the pipe axis (Narayanan et al. 2021)"
+    )
+    virtual: int | None = setting(
+        None,
+        "--virtual",
+        "model chunks per stage, interleaved schedule only (default 2)",
+        metavar="V",
+    )
+    stage_layers: tuple[int, ...] | None = setting(
+        None,
+        "--stage-layers",
+        "layers of each pipeline stage, e.g. 3,7,7,7 (default: even); plans: resident only",
+        metavar="N,N,...",
+    )
     sparsity: SparsityConfig | None = None  # block-sparse layer weights (None: dense)
-    data: str = "synthetic"  # the training text: `synthetic` or `stdlib` (data.py)
-    # `fp32`, or 16-bit weights, activations and gradients with FP32 master weights and
-    # optimizer state: `bf16`, `fp16-mixed` (loss-scaled) (numerics/precision.py)
-    precision: str = "fp32"
-    # split the residual stream over `tensor` by sequence (Korthikanti et al. 2022)
-    sequence_parallel: bool = False
+    data: Dataset = setting(
+        "synthetic",
+        "--data",
+        "training text: the synthetic Markov corpus, or the Python standard library's "
+        "source as bytes (with a held-out validation split)",
+    )
+    precision: Precision = setting(
+        "fp32",
+        "--precision",
+        "fp32; or 16-bit weights, activations and gradients with FP32 master weights "
+        "and optimizer state: bf16, fp16-mixed (with dynamic loss scaling)",
+    )  # numerics/precision.py
+    sequence_parallel: bool = setting(
+        False,
+        "--sequence-parallel",
+        "split layer norms and residual adds over tensor by sequence (Korthikanti et "
+        "al. 2022): reduce-scatter + all-gather instead of all-reduce, nothing repeated",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.sparsity, dict):  # from config.json
             object.__setattr__(self, "sparsity", SparsityConfig(**self.sparsity))
+        if self.stage_layers is not None:
+            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
+        require_choice(self, "schedule", ScheduleName)
+        self._resolve_virtual()
         require_positive(
             "TrainConfig",
             steps=self.steps,
@@ -110,10 +168,7 @@ class TrainConfig:
             grad_accum=self.grad_accum,
             virtual=self.virtual,
         )
-        if self.stage_layers is not None:
-            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
-        if self.optimizer not in ("adamw", "lamb"):
-            raise ConfigError(f"optimizer must be 'adamw' or 'lamb', got {self.optimizer!r}")
+        require_choice(self, "optimizer", OptimizerName)
         require_finite(
             "TrainConfig", True, learning_rate=self.learning_rate, grad_clip=self.grad_clip
         )
@@ -124,53 +179,69 @@ class TrainConfig:
                 raise ConfigError(f"TrainConfig.{name} must be an integer >= 0, got {value!r}")
         if self.batch * self.seq > MAX_TOKENS_PER_STEP:
             raise ConfigError(
-                f"--batch {self.batch} x --seq {self.seq} = {self.batch * self.seq:.3g} tokens "
-                f"per step is more than shardemu counts (2**40); use a smaller --batch"
+                f"TrainConfig.batch {self.batch} x TrainConfig.seq {self.seq} = "
+                f"{self.batch * self.seq:.3g} tokens per step is more than shardemu counts "
+                f"(2**40); use a smaller TrainConfig.batch"
             )
         if self.seed >= SEED_LIMIT:
-            raise ConfigError(f"--seed {self.seed} is too large; use 0 <= seed < 2**32")
-        if self.data not in DATASETS:
-            raise ConfigError(f"--data {self.data!r} is not one of {', '.join(DATASETS)}")
-        if self.precision not in PRECISIONS:
+            raise ConfigError(f"TrainConfig.seed {self.seed} is too large; use 0 <= seed < 2**32")
+        require_choice(self, "data", Dataset)
+        require_choice(self, "precision", Precision)
+        self._check_sparsity()
+
+    def _resolve_virtual(self) -> None:
+        """None: the schedule's own chunk count. Chunks other than 1 need interleaving."""
+        interleaved = self.schedule == "interleaved"
+        if self.virtual is None:
+            object.__setattr__(self, "virtual", INTERLEAVED_CHUNKS if interleaved else 1)
+        elif not interleaved and self.virtual != 1:
             raise ConfigError(
-                f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}"
+                f"TrainConfig.virtual {self.virtual} splits stages into chunks, which only "
+                f"the interleaved schedule runs; set TrainConfig.schedule interleaved (or "
+                f"leave TrainConfig.virtual out)"
             )
+
+    def _check_sparsity(self) -> None:
         sparse = self.sparsity
         if sparse is not None and self.precision != "fp32":
             raise ConfigError(
-                f"--sparsity with --precision {self.precision} is not supported yet (the "
-                f"masks would have to follow the FP32 master weights); use --precision fp32"
+                f"SparsityConfig.sparsity with TrainConfig.precision {self.precision} is not "
+                f"supported yet (the masks would have to follow the FP32 master weights); "
+                f"use TrainConfig.precision fp32"
             )
         if sparse is not None and sparse.mode == "dynamic" and sparse.updates > self.steps:
             raise ConfigError(
-                f"--sparse-updates {sparse.updates} is more than the {self.steps} steps; "
-                f"update the pattern at most once a step (--sparse-updates <= --steps)"
+                f"SparsityConfig.updates {sparse.updates} is more than the {self.steps} steps; "
+                f"update the pattern at most once a step (SparsityConfig.updates <= "
+                f"TrainConfig.steps)"
             )
 
     def check_fits(self, model: ModelConfig, parallelism: Parallelism) -> None:
         """Refuse settings the model or mesh cannot take, before anything compiles."""
         if self.seq > model.max_positions:
             raise ConfigError(
-                f"--seq {self.seq} exceeds {model.name}'s {model.max_positions} positions; "
-                f"use --seq <= {model.max_positions}"
+                f"TrainConfig.seq {self.seq} exceeds {model.name}'s {model.max_positions} "
+                f"positions; use TrainConfig.seq <= {model.max_positions}"
             )
         if self.sequence_parallel and self.seq % parallelism.tensor:
             raise ConfigError(
-                f"--sequence-parallel splits the sequence over tensor={parallelism.tensor}, "
-                f"which does not divide --seq {self.seq}; use a --seq that is a multiple of "
+                f"TrainConfig.sequence_parallel splits the sequence over "
+                f"tensor={parallelism.tensor}, which does not divide TrainConfig.seq "
+                f"{self.seq}; use a TrainConfig.seq that is a multiple of "
                 f"{parallelism.tensor}, or leave sequence parallelism off"
             )
         if self.batch % parallelism.replica:
             raise ConfigError(
-                f"global --batch {self.batch} is not divisible by replica={parallelism.replica}; "
+                f"global TrainConfig.batch {self.batch} is not divisible by "
+                f"replica={parallelism.replica}; "
                 f"use a multiple of {parallelism.replica}"
             )
         split = parallelism.replica * self.microbatches * self.grad_accum
         if self.batch % split:
             raise ConfigError(
-                f"global --batch {self.batch} is not divisible by replica * microbatches * "
-                f"grad_accum = {parallelism.replica} * {self.microbatches} * {self.grad_accum}"
-                f" = {split}; use a multiple of {split}"
+                f"global TrainConfig.batch {self.batch} is not divisible by replica * "
+                f"microbatches * grad_accum = {parallelism.replica} * {self.microbatches} * "
+                f"{self.grad_accum} = {split}; use a multiple of {split}"
             )
 
     @property

@@ -85,7 +85,8 @@ class Model:
         train.check_fits(self.cfg, par)
         if train.seq < self.family.min_seq:
             raise ConfigError(
-                f"{self.family.name} batches need --seq >= {self.family.min_seq}, got {train.seq}"
+                f"{self.family.name} batches need TrainConfig.seq >= {self.family.min_seq}, got "
+                f"{train.seq}"
             )
 
     def _inputs(self, batch: Batch) -> tuple[jax.Array, ...]:

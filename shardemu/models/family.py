@@ -109,12 +109,12 @@ def custom_model(
     `--model gpt --layers L --hidden H --heads A`."""
     if family not in FAMILIES:
         raise ConfigError(
-            f"custom dimensions need --model set to a family ({', '.join(FAMILIES)}), "
+            f"custom dimensions need `family` set to a family ({', '.join(FAMILIES)}), "
             f"got {family!r}"
         )
     require_positive("custom model", layers=layers, hidden=hidden, heads=heads)
     if hidden % heads:
-        raise ConfigError(f"--hidden {hidden} is not divisible by --heads {heads}")
+        raise ConfigError(f"`hidden` {hidden} is not divisible by `heads` {heads}")
     cfg = FAMILIES[family].shaped(f"{family}-L{layers}-H{hidden}-A{heads}", layers, hidden, heads)
     return cfg.replace(
         vocab_size=cfg.vocab_size if vocab is None else vocab,

@@ -42,8 +42,8 @@ def make_mesh(
         raise DeviceError(
             f"mesh {par} needs {par.num_devices} device(s) but {len(devs)} were given; "
             f"change the mesh so pipe*tensor*replica = {len(devs)}, or start with "
-            f"{par.num_devices} devices (shardemu.use_virtual_devices({par.num_devices}) "
-            f"or --devices {par.num_devices})"
+            f"{par.num_devices} devices (`devices` {par.num_devices}, or "
+            f"shardemu.use_virtual_devices({par.num_devices}))"
         )
     return jax.make_mesh(
         (pipe, replica, tensor), AXIS_NAMES, (AxisType.Auto,) * len(AXIS_NAMES), devices=devs

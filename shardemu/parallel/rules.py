@@ -77,11 +77,11 @@ def rules_or_default(rules: Rules | None, sequence_parallel: bool) -> Rules:
 
 # What to suggest when a dimension does not divide, by logical name.
 _FIX_HINTS = {
-    "vocab": "pad the vocabulary (--pad-vocab 128, or ModelConfig.pad_vocab(128))",
+    "vocab": "pad the vocabulary to a multiple of 128 (ModelConfig.pad_vocab)",
     "heads": "use a model whose head count the axis divides",
     "mlp": "use a model whose MLP width the axis divides",
-    "batch": "use a global --batch that is a multiple of the axis size",
-    "layers": "use a pipe size that divides the layer count (or --stage-layers)",
+    "batch": "use a global TrainConfig.batch that is a multiple of the axis size",
+    "layers": "use a pipe size that divides the layer count (or TrainConfig.stage_layers)",
 }
 
 

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Literal
 
-from shardemu.config import ConfigError
+from shardemu.config import SCHEDULES, ConfigError
 
 Kind = Literal["F", "B"]
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -188,14 +187,14 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -
         raise ConfigError(f"{name} has one chunk per device; virtual stages need 'interleaved'")
     if name == "interleaved" and virtual == 1:
         raise ConfigError(
-            "interleaved 1F1B needs --virtual >= 2 model chunks per stage (with one chunk it "
-            "is plain 1f1b); use --virtual 2, or --schedule 1f1b"
+            "interleaved 1F1B needs TrainConfig.virtual >= 2 model chunks per stage (with one "
+            "chunk it is plain 1f1b); use TrainConfig.virtual 2, or TrainConfig.schedule 1f1b"
         )
     if name == "interleaved" and microbatches % stages:
         fix = stages * -(-microbatches // stages)
         raise ConfigError(
             f"interleaved 1F1B needs microbatches divisible by stages (Megatron-LM's rule), "
-            f"got m={microbatches}, p={stages}; use --microbatches {fix}"
+            f"got m={microbatches}, p={stages}; use TrainConfig.microbatches {fix}"
         )
     slots = simulate(programs(name, stages, microbatches, virtual), stages, virtual)
     return Schedule(name, stages, microbatches, virtual, tuple(slots))

@@ -26,8 +26,8 @@ def phase_slices(num_layers: int, phases: int, stages: int = 1) -> tuple[tuple[i
     """[start, end) layers of each phase: equal phases, a whole number per stage."""
     if phases < 1 or num_layers % phases or phases % stages:
         raise ConfigError(
-            f"--phases {phases} must divide the model's {num_layers} layers and be a multiple "
-            f"of pipe={stages}; use one of {valid_phase_counts(num_layers, stages)}"
+            f"PhasedConfig.phases {phases} must divide the model's {num_layers} layers and be "
+            f"a multiple of pipe={stages}; use one of {valid_phase_counts(num_layers, stages)}"
         )
     n = num_layers // phases
     return tuple((i * n, (i + 1) * n) for i in range(phases))
@@ -103,9 +103,10 @@ def fewest_phases_that_fit(trainer: PhasedTrainer, capacity: int) -> int:
         if peak <= capacity:
             return n
     raise CapacityError(
-        f"no phase count fits --device-memory {capacity:,}: even {counts[-1]} "
+        f"no phase count fits PhasedConfig.device_memory {capacity:,}: even {counts[-1]} "
         f"phases of one layer {what} {peak:,} bytes per device; raise "
-        f"--device-memory, add tensor sharding, use --rts, or --activations recompute",
+        f"PhasedConfig.device_memory, add tensor sharding, use PhasedConfig.rts, or "
+        f"PhasedConfig.activations recompute",
         needed=peak,
     )
 

@@ -77,7 +77,8 @@ class PhasedTrainer:
         if train.microbatches > 1 or train.grad_accum > 1:
             raise ConfigError(
                 "phased execution runs the whole batch through each phase, so its weights "
-                "stream in once per step; --microbatches and --grad-accum must stay 1"
+                "stream in once per step; TrainConfig.microbatches and TrainConfig.grad_accum must "
+                "stay 1"
             )
         self.model, self.train, self.cfg, self.par = model, train, cfg, par
         self.rules = stage_rules(rules_or_default(rules, train.sequence_parallel))

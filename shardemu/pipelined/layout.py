@@ -61,31 +61,31 @@ def pipeline_layout(
             raise ConfigError(
                 f"{num_layers} layers do not split evenly over pipe={stages}; use a pipe size "
                 f"that divides {num_layers}, or give the layers of each stage with "
-                f"--stage-layers (e.g. {_suggest(num_layers, stages)})"
+                f"TrainConfig.stage_layers (e.g. {_suggest(num_layers, stages)})"
             )
         stage_layers = (num_layers // stages,) * stages
     stage_layers = tuple(stage_layers)
     if len(stage_layers) != stages:
         raise ConfigError(
-            f"--stage-layers {_fmt(stage_layers)} gives {len(stage_layers)} stages but the "
-            f"mesh has pipe={stages}; give one layer count per stage"
+            f"TrainConfig.stage_layers {_fmt(stage_layers)} gives {len(stage_layers)} stages "
+            f"but the mesh has pipe={stages}; give one layer count per stage"
         )
     if any(n < 1 for n in stage_layers):
         raise ConfigError(
-            f"--stage-layers {_fmt(stage_layers)} has a stage without layers; every stage "
-            f"needs at least one (use a smaller pipe)"
+            f"TrainConfig.stage_layers {_fmt(stage_layers)} has a stage without layers; every "
+            f"stage needs at least one (use a smaller pipe)"
         )
     if sum(stage_layers) != num_layers:
         raise ConfigError(
-            f"--stage-layers {_fmt(stage_layers)} sums to {sum(stage_layers)} but the model "
-            f"has {num_layers} layers; the counts must add up to {num_layers}"
+            f"TrainConfig.stage_layers {_fmt(stage_layers)} sums to {sum(stage_layers)} but "
+            f"the model has {num_layers} layers; the counts must add up to {num_layers}"
         )
     bad = [n for n in stage_layers if n % virtual]
     if bad:
         raise ConfigError(
-            f"--virtual {virtual} does not divide the {bad[0]} layers of a stage "
+            f"TrainConfig.virtual {virtual} does not divide the {bad[0]} layers of a stage "
             f"(layers per stage: {_fmt(stage_layers)}); each stage's layers split into "
-            f"--virtual equal chunks, so use a divisor of every stage's layer count"
+            f"TrainConfig.virtual equal chunks, so use a divisor of every stage's layer count"
         )
     slices, start = [], 0
     for j in range(stages * virtual):

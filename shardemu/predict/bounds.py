@@ -16,7 +16,7 @@ from shardemu.config import ConfigError, ModelConfig, Parallelism, TrainConfig
 from shardemu.models import Model, count_params
 from shardemu.numerics.precision import arithmetic, compute_model
 from shardemu.predict.hardware import Hardware
-from shardemu.predict.layouts import MODES, STATE_BYTES_PER_PARAM, Candidate, Mode, Space
+from shardemu.predict.layouts import STATE_BYTES_PER_PARAM, Candidate, Mode, Space
 from shardemu.predict.resident_memory import device_bytes_at_least
 from shardemu.predict.roofline import least_step_seconds
 
@@ -36,16 +36,12 @@ class Bounds:
     def __post_init__(self) -> None:
         if self.devices < 1 or self.batch < 1 or self.seq < 1:
             raise ConfigError(
-                f"--devices, --batch and --seq must be positive, got {self.devices}, "
+                f"`devices`, `batch` and `seq` must be positive, got {self.devices}, "
                 f"{self.batch}, {self.seq}"
             )
         Model(self.model_cfg).check_fits(TrainConfig(batch=self.batch, seq=self.seq), Parallelism())
         for precision in self.space.precisions:  # refuses a precision the profile lacks
             self.hardware.at_precision(arithmetic(self.model_cfg, precision))
-        if self.space.modes not in MODES:
-            raise ConfigError(
-                f"--modes must be one of {', '.join(MODES)}, got {self.space.modes!r}"
-            )
         self.params = count_params(self.model_cfg)
         two = self.model_cfg.replace(num_layers=2)
         self.layer_params = count_params(two) - count_params(two.replace(num_layers=1))

@@ -166,7 +166,7 @@ class Hardware:
         peak (FP32's for `fp32`), so step times and utilisation follow from it."""
         if precision not in self.precisions:
             raise HardwareError(
-                f"hardware {self.name!r} does not compute in --precision {precision}; it "
+                f"hardware {self.name!r} does not compute in TrainConfig.precision {precision}; it "
                 f"supports {', '.join(self.precisions)}"
             )
         if precision != "fp32" or self.fp32_tflops is None:

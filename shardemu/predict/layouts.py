@@ -12,10 +12,17 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.config.checks import require_choice, require_positive
+from shardemu.config.flags import choices_of, setting
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 
 Mode = Literal["resident", "phased"]
-MODES = ("auto", "resident", "phased", "both")
+Modes = Literal["auto", "resident", "phased", "both"]
+MODES = choices_of(Modes)
+# how the attention core runs: as XLA emits it ([s, s] scores in memory) or fused
+# (FlashAttention: Dao et al. 2022); `accounting/matmuls.py`, `resident_count.py`
+Attention = Literal["materialized", "fused"]
+ATTENTION = choices_of(Attention)
 STATE_BYTES_PER_PARAM = 16  # weights + gradients + two Adam moments (+ FP32 masters in 16-bit)
 INTERLEAVED_CHUNKS = 2
 # phased activation policies by the device memory they need, least first: `offload`
@@ -99,11 +106,26 @@ class Space:
     """What the search enumerates (see the module docstring)."""
 
     precisions: tuple[str, ...]
-    modes: str = "auto"
-    max_tensor: int = 8
-    max_microbatch: int = 8
+    modes: Modes = setting(
+        "auto",
+        "--modes",
+        "resident, phased, both, or auto: phased only when no resident layout fits",
+    )
+    max_tensor: int = setting(8, "--max-tensor", "largest tensor axis")
+    max_microbatch: int = setting(8, "--max-microbatch", "largest microbatch size")
     overlap: Overlap = DEFAULT_OVERLAP  # not searched: how the training system overlaps
-    attention: str = "materialized"  # resident layouts' attention core (plan_resident)
+    # resident layouts' attention core (plan_resident); `shardemu plan` takes it too
+    attention: Attention = setting(
+        "materialized",
+        "--attention",
+        "resident plans: the attention core as XLA emits it, its [s, s] scores in "
+        "memory, or fused (FlashAttention) without them",
+    )
+
+    def __post_init__(self) -> None:
+        require_choice(self, "modes", Modes)
+        require_choice(self, "attention", Attention)
+        require_positive("Space", max_tensor=self.max_tensor, max_microbatch=self.max_microbatch)
 
 
 def _divisors(n: int) -> list[int]:
@@ -114,7 +136,7 @@ def meshes(model_cfg: ModelConfig, devices: int, batch: int, max_tensor: int) ->
     """Every pipe x tensor x replica = `devices` the model and batch can take."""
     if devices < 1 or max_tensor < 1:
         raise ConfigError(
-            f"--devices and --max-tensor must be positive integers, got {devices}, {max_tensor}"
+            f"`devices` and Space.max_tensor must be positive integers, got {devices}, {max_tensor}"
         )
     out = []
     for t in _divisors(devices):
@@ -127,8 +149,9 @@ def meshes(model_cfg: ModelConfig, devices: int, batch: int, max_tensor: int) ->
     if not out:
         raise ConfigError(
             f"no mesh of {devices} devices fits {model_cfg.name} ({model_cfg.num_layers} "
-            f"layers, {model_cfg.num_heads} heads) with --batch {batch}: pipe must divide the "
-            f"layers, tensor the heads (at most --max-tensor {max_tensor}), replica the batch"
+            f"layers, {model_cfg.num_heads} heads) with TrainConfig.batch {batch}: pipe must "
+            f"divide the layers, tensor the heads (at most Space.max_tensor {max_tensor}), "
+            f"replica the batch"
         )
     return out
 

@@ -26,7 +26,7 @@ def choose_microbatch(batch: int, par: Parallelism, plan: Plan) -> tuple[dict[st
     needs microbatches in multiples of pipe) are skipped. The chosen report gets
     `microbatch_choice`: the size, the rule, and every candidate's step and memory."""
     if batch % par.replica:
-        raise ConfigError(f"--batch {batch} is not divisible by replica={par.replica}")
+        raise ConfigError(f"TrainConfig.batch {batch} is not divisible by replica={par.replica}")
     best, tried, refused = None, {}, None
 
     def key(report: dict) -> tuple:  # fitting first, then the faster; else the smaller

@@ -33,10 +33,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shardemu.config import ConfigError
+from shardemu.config.checks import require_choice, require_finite
+from shardemu.config.flags import choices_of, setting
 
-GRAD_REDUCE = ("bucketed", "end")
-PIPE_SENDS = ("async", "blocking")
+GradReduce = Literal["bucketed", "end"]
+PipeSends = Literal["async", "blocking"]
+GRAD_REDUCE = choices_of(GradReduce)
+PIPE_SENDS = choices_of(PipeSends)
 # At most this many buckets per pipeline chunk: the exposed tail of a bucketed reduction
 # is one bucket, so beyond this the prediction changes by under 1/64 of the chunk's
 # reduction while the step's events keep growing.
@@ -45,21 +48,25 @@ MAX_BUCKETS = 64
 
 @dataclass(frozen=True)
 class Overlap:
-    grad_reduce: Literal["bucketed", "end"] = "bucketed"
-    bucket_mb: float = 25.0
-    pipe_sends: Literal["async", "blocking"] = "async"
+    grad_reduce: GradReduce = setting(
+        "bucketed",
+        "--grad-reduce",
+        "resident plans: all-reduce gradients in buckets during the last backward "
+        "(PyTorch DDP, Megatron --overlap-grad-reduce) or all at the end (Megatron-LM 2021)",
+    )
+    bucket_mb: float = setting(
+        25.0,
+        "--bucket-mb",
+        "gradient bucket size in MiB for --grad-reduce bucketed (DDP's bucket_cap_mb)",
+    )
+    pipe_sends: PipeSends = setting(
+        "async", "--pipe-sends", "pipeline sends overlap the sender's next computation, or block it"
+    )
 
     def __post_init__(self) -> None:
-        if self.grad_reduce not in GRAD_REDUCE:
-            raise ConfigError(
-                f"--grad-reduce must be one of {', '.join(GRAD_REDUCE)}, got {self.grad_reduce!r}"
-            )
-        if self.pipe_sends not in PIPE_SENDS:
-            raise ConfigError(
-                f"--pipe-sends must be one of {', '.join(PIPE_SENDS)}, got {self.pipe_sends!r}"
-            )
-        if not self.bucket_mb > 0:
-            raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+        require_choice(self, "grad_reduce", GradReduce)
+        require_choice(self, "pipe_sends", PipeSends)
+        require_finite("Overlap", True, bucket_mb=self.bucket_mb)
 
     def buckets(self, grad_bytes_per_device: float) -> int:
         """How many buckets a chunk's gradients of `grad_bytes_per_device` fill."""

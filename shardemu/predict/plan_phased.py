@@ -80,7 +80,7 @@ def plan_phased(
     t0 = time.perf_counter()
     if microbatch_size == "auto":
         if hardware is None:
-            raise ConfigError("choosing the microbatch size times each one: give --hardware")
+            raise ConfigError("choosing the microbatch size times each one: give `hardware`")
 
         def candidate(size: int) -> tuple[dict[str, Any], Plan]:
             planned = _counted(
@@ -295,8 +295,8 @@ def _check_activations_fit(
             f"weight streaming keeps each system's activations on its device: "
             f"{device_peak:,} bytes per system for {pass_cfg.batch // par.replica} "
             f"sequences of {pass_cfg.seq} at a time, more than {hardware.name}'s "
-            f"{capacity:,}; stream fewer sequences at a time (--microbatch-size), use more "
-            f"--systems, or --activations recompute"
+            f"{capacity:,}; stream fewer sequences at a time (`microbatch_size`), use more "
+            f"systems, or PhasedConfig.activations recompute"
         )
 
 
@@ -310,7 +310,7 @@ def _passes(
     per_pass = microbatch_size * par.replica
     if train_cfg.batch % per_pass:
         raise ConfigError(
-            f"--batch {train_cfg.batch} is not divisible by --microbatch-size * replica "
+            f"TrainConfig.batch {train_cfg.batch} is not divisible by `microbatch_size` * replica "
             f"= {per_pass}"
         )
     return train_cfg.batch // per_pass, dataclasses.replace(train_cfg, batch=per_pass)

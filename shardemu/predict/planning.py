@@ -66,8 +66,8 @@ def plan(
         )
     if hardware is None:
         raise ConfigError(
-            "a resident plan is timed on a hardware profile: give hardware "
-            "(shardemu.get_hardware(NAME), --hardware NAME)"
+            "a resident plan is timed on a hardware profile: give `hardware` "
+            "(shardemu.get_hardware(NAME))"
         )
     if rules is not None:
         raise ConfigError(

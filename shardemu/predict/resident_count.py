@@ -42,9 +42,6 @@ from shardemu.stages.stage import build_stages
 from shardemu.stages.tiers import Tier
 
 Recompute = Literal["none", "selective", "full"]
-# how the attention core runs: as XLA emits it ([s, s] scores in memory) or fused
-# (FlashAttention: Dao et al. 2022); `accounting/matmuls.py`
-ATTENTION = ("materialized", "fused")
 FORWARD, BACKWARD = Phase("forward", 0, (0, 1)), Phase("backward", 0, (0, 1))
 
 

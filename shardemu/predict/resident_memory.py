@@ -15,8 +15,8 @@ from shardemu.config import (
 )
 from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.pipelined.layout import PipelineLayout, pipeline_layout
+from shardemu.predict.layouts import ATTENTION
 from shardemu.predict.resident_count import (
-    ATTENTION,
     CountKey,
     Microbatch,
     Recompute,
@@ -62,14 +62,17 @@ def resident_layout(
     """A resident layout's layers per stage, its schedule and the count it uses; a
     `ConfigError` for a setting it cannot take."""
     if recompute not in ("none", "selective", "full"):
-        raise ConfigError(f"--recompute must be none, selective or full, got {recompute!r}")
+        raise ConfigError(f"`recompute` must be none, selective or full, got {recompute!r}")
     if attention not in ATTENTION:
-        raise ConfigError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+        raise ConfigError(
+            f"Space.attention must be one of {', '.join(ATTENTION)}, got {attention!r}"
+        )
     key = count_key(model_cfg, par, microbatch_size, seq, recompute, precision, attention)
     per_step = par.replica * microbatch_size
     if batch % per_step:
         raise ConfigError(
-            f"--batch {batch} is not divisible by replica * --microbatch-size = {per_step}"
+            f"TrainConfig.batch {batch} is not divisible by replica * `microbatch_size` = "
+            f"{per_step}"
         )
     p, v, L = par.pipe, virtual, key.cfg.num_layers
     if stage_layers is None and L % (p * v):

@@ -345,7 +345,7 @@ def search(
     Needs the most virtual devices any planned mesh does (`run.verify.search_devices`)."""
     t0 = time.perf_counter()
     if top < 1:
-        raise ConfigError(f"--top must be a positive number of layouts, got {top}")
+        raise ConfigError(f"`top` must be a positive number of layouts, got {top}")
     s = Searcher(model_cfg, hardware, devices, batch, seq, space, top=top, log=log)
     rows: list[dict[str, Any]] = []
     order: dict[str, tuple[Mode, ...]] = {
@@ -365,8 +365,8 @@ def search(
         if not fitting:
             raise CapacityError(
                 f"no layout of {model_cfg.name} on {devices} x {hardware.name} fits its "
-                f"memory ({len(rows)} tried, --modes {space.modes}); use more devices, a "
-                f"smaller --batch or --seq, or --modes both"
+                f"memory ({len(rows)} tried, Space.modes {space.modes}); use more devices, "
+                f"a smaller `batch` or `seq`, or Space.modes both"
             )
         best = []
         for row in fitting[:top]:  # planned whole: the numbers the table shows

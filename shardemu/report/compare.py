@@ -95,7 +95,7 @@ def find_runs(paths: list[str]) -> list[RunView]:
             else:
                 raise RunDirError(
                     f"{match} is not a run directory (no config.json in it or in its "
-                    f"subdirectories); give directories that shardemu run or plan --out wrote"
+                    f"subdirectories); give directories that shardemu run or plan wrote"
                 )
     if not found:
         raise RunDirError(f"no run directory among {' '.join(paths)}")
@@ -216,6 +216,6 @@ def _require_replaceable(out: Path) -> None:
         except OSError:  # not an image at all (PIL's UnidentifiedImageError is one)
             pass
     raise RunDirError(
-        f"--plot {out} exists and is not a plot `shardemu compare` wrote; give another "
-        f"--plot path, or remove it"
+        f"`plot` {out} exists and is not a plot `shardemu compare` wrote; give another "
+        f"`plot` path, or remove it"
     )

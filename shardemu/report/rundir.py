@@ -67,11 +67,11 @@ def require_new(path: Path) -> None:
     """Refuse a run directory that would overwrite anything: a file, or a directory
     that is not empty."""
     if path.exists() and not path.is_dir():
-        raise RunDirError(f"--out {path} is a file, not a directory; choose another --out")
+        raise RunDirError(f"`out` {path} is a file, not a directory; choose another `out`")
     if path.exists() and any(path.iterdir()):
         raise RunDirError(
             f"run directory {path} already exists and is not empty; "
-            f"choose another --out or remove it"
+            f"choose another `out` or remove it"
         )
 
 

@@ -203,12 +203,12 @@ def run_sweep(
     index = out / "sweep.json"
     if out.is_dir() and any(out.iterdir()) and not index.exists():
         raise RunDirError(
-            f"--out {out} holds files but no sweep.json: it is not a sweep's directory (a "
-            f"run's?) and nothing in it is replaced; give a new --out"
+            f"`out` {out} holds files but no sweep.json: it is not a sweep's directory (a "
+            f"run's?) and nothing in it is replaced; give a new `out`"
         )
     if index.exists() and json.loads(index.read_text()).get("sweep") != spec:
         raise ConfigError(
-            f"{out} holds a different sweep ({index}); give another --out, or the same sweep file"
+            f"{out} holds a different sweep ({index}); give another `out`, or the same sweep file"
         )
     out.mkdir(parents=True, exist_ok=True)
     trials = sweep.trials()
@@ -257,7 +257,7 @@ def _finished(done: Path, params: dict[str, Any]) -> dict[str, Any]:
     if row.get("parameters") != json.loads(json.dumps(params)):
         raise ConfigError(
             f"{done} finished with parameters {row.get('parameters')}, but this sweep gives "
-            f"{done.parent.name} {params}; give another --out, or the sweep file it ran"
+            f"{done.parent.name} {params}; give another `out`, or the sweep file it ran"
         )
     return row
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from shardemu.config.flags import setting
 from shardemu.errors import ConfigError
 from shardemu.report.rundir import RunDir
 
@@ -88,8 +89,19 @@ class TrackingConfig:
     (None: off), `tensorboard` turns on TensorBoard event files. Each field is named
     for its entry in `TRACKERS`."""
 
-    wandb: str | None = None
-    tensorboard: bool = False
+    wandb: str | None = setting(
+        None,
+        "--wandb",
+        f"log to Weights & Biases, offline unless WANDB_MODE says otherwise (project "
+        f"default {DEFAULT_WANDB_PROJECT!r}; needs shardemu[wandb])",
+        metavar="PROJECT",
+        const=DEFAULT_WANDB_PROJECT,
+    )
+    tensorboard: bool = setting(
+        False,
+        "--tensorboard",
+        "write TensorBoard event files to RUN_DIR/tensorboard (needs shardemu[tensorboard])",
+    )
 
     def wanted(self) -> list[str]:
         return [name for name in TRACKERS if getattr(self, name) not in (None, False)]
@@ -100,8 +112,9 @@ class TrackingConfig:
             kind = TRACKERS[name]
             if importlib.util.find_spec(kind.package) is None:
                 raise ConfigError(
-                    f"--{name} needs the {kind.package} package, which is not installed; "
-                    f"pip install 'shardemu[{kind.extra}]' (or drop --{name})"
+                    f"TrackingConfig.{name} needs the {kind.package} package, which is not "
+                    f"installed; pip install 'shardemu[{kind.extra}]' (or leave "
+                    f"TrackingConfig.{name} off)"
                 )
 
 

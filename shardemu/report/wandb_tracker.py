@@ -36,7 +36,7 @@ class WandbTracker:
             )
         except wandb.errors.Error as err:  # no login for online mode, a bad project name
             raise ConfigError(
-                f"--wandb could not start a W&B run (WANDB_MODE={mode}): {err} "
+                f"TrackingConfig.wandb could not start a W&B run (WANDB_MODE={mode}): {err} "
                 f"(unset WANDB_MODE to log offline)"
             ) from None
         self._files: list[Path] = []

@@ -60,7 +60,7 @@ def check_finite(record: dict[str, Any], learning_rate: float) -> None:
         values = ", ".join(f"{k} = {v}" for k, v in bad.items())
         raise NonFiniteError(
             f"training diverged at step {record['step']}: {values}. The usual cause is a "
-            f"learning rate too high for this model (--lr {learning_rate:g}): lower it or "
-            f"add --warmup steps; the metrics and checkpoints before step {record['step']} "
-            f"are kept"
+            f"learning rate too high for this model (TrainConfig.learning_rate "
+            f"{learning_rate:g}): lower it or add TrainConfig.warmup_steps; the metrics and "
+            f"checkpoints before step {record['step']} are kept"
         )

@@ -54,7 +54,7 @@ def resume_settings(run_dir: str | Path) -> RunSettings:
         cfg = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointError(
-            f"--resume {run_dir}: cannot read {path} ({err}); give a run directory that "
+            f"`resume` {run_dir}: cannot read {path} ({err}); give a run directory that "
             f"shardemu run wrote"
         ) from None
     rules = tuple(

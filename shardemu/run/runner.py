@@ -133,12 +133,12 @@ class Run:
         """Every setting is checked and the engine built before anything is written."""
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ConfigError(
-                f"--checkpoint-every must be a positive number of steps, got {checkpoint_every}"
+                f"`checkpoint_every` must be a positive number of steps, got {checkpoint_every}"
             )
         if tracking is not None:
             tracking.check_installed()
         if eval_every is not None and eval_every < 1:
-            raise ConfigError(f"--eval-every must be a positive number of steps, got {eval_every}")
+            raise ConfigError(f"`eval_every` must be a positive number of steps, got {eval_every}")
         _check_host_memory(model_cfg, train_cfg)
         if hardware is not None:  # predicted at the run's precision's peak
             hardware = hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))
@@ -182,7 +182,8 @@ class Run:
         start = source.latest() or 0
         if start >= self.train_cfg.steps:
             raise ConfigError(
-                f"{resume} has a checkpoint after {start} steps; give --steps more than {start}"
+                f"{resume} has a checkpoint after {start} steps; give TrainConfig.steps more "
+                f"than {start}"
             )
         if start > 0:
             source.check_layout(start, self.layout)
@@ -341,7 +342,8 @@ def _check_host_memory(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if floor > memory:
         raise ConfigError(
-            f"--batch {train_cfg.batch} x --seq {train_cfg.seq} of {model_cfg.name} needs at "
+            f"TrainConfig.batch {train_cfg.batch} x TrainConfig.seq {train_cfg.seq} of "
+            f"{model_cfg.name} needs at "
             f"least {floor:,} bytes for one layer's activations, more than this machine's "
             f"{memory:,}; run a smaller batch, or count it with `shardemu plan`"
         )
@@ -369,8 +371,9 @@ def _engine(
     if phased:
         if train_cfg.stage_layers is not None:
             raise ConfigError(
-                "--stage-layers sets the layers of pipelined stages; a phased run spreads "
-                "its phases evenly over the stages (drop --stage-layers or --phased)"
+                "TrainConfig.stage_layers sets the layers of pipelined stages; a phased run "
+                "spreads its phases evenly over the stages (leave out TrainConfig.stage_layers, "
+                "or the phased settings)"
             )
         return PhasedEngine(PhasedTrainer(model, mesh, train_cfg, phased, rules))
     par = parallelism_of(mesh)

@@ -97,9 +97,9 @@ def check_blocks(
             if extent % block:
                 label = " x ".join(f"{names[d]} {shape.shape[d]}" for d in dims)
                 raise ConfigError(
-                    f"--block {block} does not divide the {side} of "
+                    f"SparsityConfig.block {block} does not divide the {side} of "
                     f"'{'/'.join(_names(path))}' {tuple(shape.shape)}: {label} is {extent} "
-                    f"per shard; use a --block that divides {extent}"
+                    f"per shard; use a SparsityConfig.block that divides {extent}"
                 )
 
 

@@ -46,8 +46,8 @@ class Tier:
             raise CapacityError(
                 f"phase '{phase}': the {self.name} tier needs {self.used + nbytes:,} bytes per "
                 f"device ({nbytes:,} for {key!r} on top of {self.used:,} held) but its "
-                f"capacity is {self.capacity:,}; use more phases (--phases), more tensor "
-                f"sharding, or a larger --device-memory"
+                f"capacity is {self.capacity:,}; use more phases (PhasedConfig.phases), more "
+                f"tensor sharding, or a larger PhasedConfig.device_memory"
             )
         self.held[key] = nbytes
         self.high_water = max(self.high_water, self.used)
