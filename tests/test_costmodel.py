@@ -115,11 +115,14 @@ def test_host_update_waits_for_all_gradients_and_utilisation():
         [compute(Phase("backward", 0), 1), grads, update], HW, PAR, model_flops=4e12, tokens=100,
         memory={"device": GB // 2, "host": 20 * GB},
     )  # fmt: skip
-    assert report["step_time_s"] == pytest.approx(2.5)
-    assert report["utilisation"] == pytest.approx(4e12 / (4 * 1e12 * 2.5))
-    assert report["tokens_per_s"] == pytest.approx(40)
-    assert report["memory_per_device"]["device"]["fits"]
-    assert not report["memory_per_device"]["host"]["fits"]
+    assert report.step_time_s == pytest.approx(2.5)
+    assert report.utilisation == pytest.approx(4e12 / (4 * 1e12 * 2.5))
+    assert report.tokens_per_s == pytest.approx(40)
+    assert report.memory_per_device["device"].fits
+    assert not report.memory_per_device["host"].fits
+    assert report.to_json()["memory_per_device"]["host"] == {
+        "bytes": 20 * GB, "capacity": HW.host_memory_bytes, "fits": False,
+    }  # fmt: skip
 
 
 def test_profiles_and_profile_files(tmp_path):

@@ -180,12 +180,12 @@ def test_phased_bytes_follow_the_dtypes(precision):
     )  # fmt: skip
     report = trainer.plan()
     itemsize = 4 if precision == "fp32" else 2
-    totals, host = report["step_totals"], report["host_bytes_per_device"]
+    totals = report.step_totals
     assert totals["bytes_h2d_weights"] == n * itemsize
     assert totals["bytes_d2h_gradients"] == n * itemsize
-    assert host["weights"] == n * itemsize
+    assert report.host_weight_bytes == n * itemsize
     masters = 0 if precision == "fp32" else 4 * n
-    scalars = host["optimizer_state"] - masters - 8 * n  # Adam's counts, the loss scale
+    scalars = report.host_optimizer_bytes - masters - 8 * n  # Adam's counts, the loss scale
     assert 0 <= scalars < 100
 
 

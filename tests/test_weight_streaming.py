@@ -83,7 +83,7 @@ def test_swarmx_moves_each_layer_twice_and_each_gradient_once(tiny_model, runs):
     trainer, state, _ = runs("keep-activations")
     layers = param_bytes(state.layers)  # the host tier's arrays, one copy each
     shared = param_bytes(state.shared)
-    assert trainer.plan()["per_phase"][0]["fetches"] == 2
+    assert trainer.plan().per_phase[0].fetches == 2
     for step in range(STEPS):
         events = trainer.ledger.step(step)
         totals = trainer.ledger.step_totals(step)
@@ -97,9 +97,9 @@ def test_swarmx_moves_each_layer_twice_and_each_gradient_once(tiny_model, runs):
         assert sum(e.bytes for e in events if e.kind == "collective") < 100
     # one layer a phase, and what stays on the device between forward and backward
     # is the activations: less than the recompute policy keeps plus the weights
-    rows = trainer.plan()["per_phase"]
+    rows = trainer.plan().per_phase
     assert len(rows) == tiny_model.cfg.num_layers
-    assert all(r["activation_bytes_per_device"] > 0 for r in rows)
+    assert all(r.activation_bytes_per_device > 0 for r in rows)
 
 
 @pytest.mark.slow

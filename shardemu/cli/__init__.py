@@ -202,11 +202,12 @@ def cmd_describe(args: argparse.Namespace) -> None:
         use_virtual_devices(par.tensor * par.replica)
     model_cfg = model_config(args)
     report = describe(model_cfg, par)
+    phase_plan = None
     if phased:
         from shardemu.predict.plan_phased import plan_phased
 
-        train_cfg = train_config(args)
-        report["phase_plan"] = plan_phased(model_cfg, par, train_cfg, phased).report["plan"]
+        phase_plan = plan_phased(model_cfg, par, train_config(args), phased).phase_plan
+        report["phase_plan"] = phase_plan.to_json()
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -214,8 +215,8 @@ def cmd_describe(args: argparse.Namespace) -> None:
     out.print(param_table(report))
     for key in ("param_count", "param_bytes", "bytes_per_device"):
         out.print(f"{key}: {report[key]:,}")
-    if phased:
-        print_phase_plan(out, report["phase_plan"])
+    if phase_plan is not None:
+        print_phase_plan(out, phase_plan)
 
 
 def cmd_compare(args: argparse.Namespace) -> None:

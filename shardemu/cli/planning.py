@@ -95,8 +95,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     table.print(
         summary_table(f"shardemu plan: {report['model']} on {report['mesh']}", flatten(report))
     )
-    if phased is not None:
-        print_phase_plan(table, report["plan"])
+    if planned.phase_plan is not None:
+        print_phase_plan(table, planned.phase_plan)
 
 
 def _refuse_resident_only(args: argparse.Namespace, phased: PhasedConfig | None) -> None:

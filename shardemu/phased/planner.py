@@ -8,6 +8,7 @@ fits; the plan's rows say per phase what it stores, gathers, keeps and moves.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -111,53 +112,102 @@ def fewest_phases_that_fit(trainer: PhasedTrainer, capacity: int) -> int:
     )
 
 
-def phase_rows(trainer: PhasedTrainer, layout: Layout, output: StepOutput) -> list[dict]:
-    """Per phase: its stage and layers, weight bytes per device as stored and as
-    gathered, activation bytes kept for its backward, how often its weights come in
-    per step and what it writes back to the host tier."""
+@dataclass(frozen=True)
+class PhaseRow:
+    """One phase of a plan: its stage and [start, end) layers, its weights' bytes per
+    device as stored and as gathered, the activation bytes it keeps for its backward,
+    how often its weights come in per step and what it writes back to the host tier."""
+
+    phase: int
+    stage: int
+    layers: tuple[int, int]
+    fetches: int
+    writes: tuple[str, ...]
+    weight_bytes_per_device: int
+    gathered_bytes_per_device: int
+    activation_bytes_per_device: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"layers": list(self.layers), "writes": list(self.writes)}
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    """A phased step as data: the settings it ran with, the device tier's peak, the
+    host tier's bytes, a row per phase and the step's ledger totals (`Ledger.
+    step_totals`). `to_json` is what `shardemu plan --json` prints under `plan`."""
+
+    phases: int
+    layers_per_phase: int
+    rts: int
+    rts_optimizer: int
+    activations: str
+    optimizer_on: str
+    weight_streaming: bool
+    device_memory: int | None
+    device_high_water: int
+    host_weight_bytes: int
+    host_optimizer_bytes: int
+    per_phase: tuple[PhaseRow, ...]
+    step_totals: dict[str, Any] | None  # None in a plan's report: its totals are the step's
+
+    @property
+    def host_bytes(self) -> int:
+        """The host tier per device: weights and optimizer state."""
+        return self.host_weight_bytes + self.host_optimizer_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del out["host_weight_bytes"], out["host_optimizer_bytes"]
+        if self.step_totals is None:
+            del out["step_totals"]
+        host = {"weights": self.host_weight_bytes, "optimizer_state": self.host_optimizer_bytes}
+        return out | {
+            "host_bytes_per_device": host,
+            "per_phase": [row.to_json() for row in self.per_phase],
+        }
+
+
+def phase_rows(trainer: PhasedTrainer, layout: Layout, output: StepOutput) -> tuple[PhaseRow, ...]:
+    """A row per phase of `layout`, from its dry run's `output`."""
     cfg, state = trainer.cfg, trainer.abstract_state(layout)
     fetches = (1 if cfg.activations == "keep" else 2) + (cfg.optimizer_on == "device")
-    writes = ["gradients"] + (
-        ["weights", "optimizer_state"] if cfg.optimizer_on == "device" else []
+    writes = ("gradients",) + (
+        ("weights", "optimizer_state") if cfg.optimizer_on == "device" else ()
     )
-    return [
-        {
-            "phase": i,
-            "stage": layout.stage_of(i).index,
-            "layers": list(layout.slices[i]),
-            "fetches": fetches,
-            "writes": writes,
-            "weight_bytes_per_device": bytes_per_device(state.layers[i]),
-            "gathered_bytes_per_device": output.forward.gathered_bytes[i],
-            "activation_bytes_per_device": output.forward.activation_bytes[i],
-        }
+    return tuple(
+        PhaseRow(
+            phase=i,
+            stage=layout.stage_of(i).index,
+            layers=layout.slices[i],
+            fetches=fetches,
+            writes=writes,
+            weight_bytes_per_device=bytes_per_device(state.layers[i]),
+            gathered_bytes_per_device=output.forward.gathered_bytes[i],
+            activation_bytes_per_device=output.forward.activation_bytes[i],
+        )
         for i in range(len(layout.slices))
-    ]
+    )
 
 
-def plan(
-    trainer: PhasedTrainer, layout: Layout, counting: bool = True
-) -> tuple[dict[str, Any], Ledger]:
-    """The phase plan of `layout` as data, with the device tiers' peak and the step's
-    ledger totals, from one dry run; and that step's ledger. Not `counting`, its
-    memory alone (`dry_run`): the ledger has no computation."""
+def plan(trainer: PhasedTrainer, layout: Layout, counting: bool = True) -> tuple[PhasePlan, Ledger]:
+    """The phase plan of `layout`, from one dry run, and that step's ledger. Not
+    `counting`, its memory alone (`dry_run`): the ledger has no computation."""
     run = dry_run(trainer, layout, counting)
     state, cfg = trainer.abstract_state(layout), trainer.cfg
-    report = {
-        "phases": len(layout.slices),
-        "layers_per_phase": layout.layers_per_phase,
-        "rts": cfg.rts,
-        "rts_optimizer": cfg.rts_opt,
-        "activations": cfg.activations,
-        "optimizer_on": cfg.optimizer_on,
-        "weight_streaming": cfg.weight_streaming,
-        "device_memory": cfg.device_memory,
-        "device_high_water": run.device_peak,
-        "host_bytes_per_device": {
-            "weights": bytes_per_device([state.shared, state.layers]),
-            "optimizer_state": bytes_per_device([state.opt_shared, state.opt_layers]),
-        },
-        "per_phase": phase_rows(trainer, layout, run.output),
-        "step_totals": run.ledger.step_totals(0),
-    }
+    report = PhasePlan(
+        phases=len(layout.slices),
+        layers_per_phase=layout.layers_per_phase,
+        rts=cfg.rts,
+        rts_optimizer=cfg.rts_opt,
+        activations=cfg.activations,
+        optimizer_on=cfg.optimizer_on,
+        weight_streaming=cfg.weight_streaming,
+        device_memory=cfg.device_memory,
+        device_high_water=run.device_peak,
+        host_weight_bytes=bytes_per_device([state.shared, state.layers]),
+        host_optimizer_bytes=bytes_per_device([state.opt_shared, state.opt_layers]),
+        per_phase=phase_rows(trainer, layout, run.output),
+        step_totals=run.ledger.step_totals(0),
+    )
     return report, run.ledger

@@ -134,7 +134,7 @@ class PhasedTrainer:
 
     def plan(
         self, phases: int | None = None, ledger: Ledger | None = None, counting: bool = True
-    ) -> dict[str, Any]:
+    ) -> planner.PhasePlan:
         """The phase plan (`planner.plan`) of this trainer's phases, or of `phases` (to
         compare plans). Pass a `ledger` to receive that step's events. Not `counting`,
         the plan's memory alone, nothing compiled that need not be (`planner.dry_run`)."""

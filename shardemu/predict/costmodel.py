@@ -240,6 +240,50 @@ def _breakdown(spans: list[Span], step: float) -> tuple[int, dict[str, float]]:
     return stage, out
 
 
+@dataclass(frozen=True)
+class TierUse:
+    """Bytes per device a memory tier holds, against the profile's capacity."""
+
+    bytes: int
+    capacity: int
+
+    @property
+    def fits(self) -> bool:
+        return self.bytes <= self.capacity
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The numbers a user asks of a step first: its time, the time's breakdown, the
+    stage on the critical path, utilisation (model FLOPs / (devices * peak * step time),
+    as model FLOPs utilisation: Chowdhery et al. 2022, Appendix B), tokens per second,
+    and memory per device per tier (None when the caller gave none)."""
+
+    hardware: str
+    step_time_s: float
+    breakdown: dict[str, float]
+    critical_stage: int
+    utilisation: float
+    tokens_per_s: float
+    memory_per_device: dict[str, TierUse] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "hardware": self.hardware,
+            "step_time_s": self.step_time_s,
+            "breakdown": self.breakdown,
+            "critical_stage": self.critical_stage,
+            "utilisation": self.utilisation,
+            "tokens_per_s": self.tokens_per_s,
+        }
+        if self.memory_per_device is not None:
+            out["memory_per_device"] = {
+                tier: {"bytes": use.bytes, "capacity": use.capacity, "fits": use.fits}
+                for tier, use in self.memory_per_device.items()
+            }
+        return out
+
+
 def predict(
     events: list[Event],
     hw: Hardware,
@@ -248,30 +292,24 @@ def predict(
     tokens: int,
     memory: dict[str, int] | None = None,
     overlap: Overlap = DEFAULT_OVERLAP,
-) -> tuple[Timeline, dict[str, Any]]:
-    """The timeline of one step and the numbers a user asks first: step time, its
-    breakdown, utilisation (model FLOPs / (devices * peak * step time), as model FLOPs
-    utilisation: Chowdhery et al. 2022, Appendix B), tokens per second, and memory per
-    device per tier against the profile's capacities."""
+) -> tuple[Timeline, Prediction]:
+    """The timeline of one step on `hw`, and its `Prediction` (`memory`: bytes per
+    device by tier, checked against the profile's capacities)."""
     timeline = build_timeline(events, hw, par, overlap)
     step = timeline.step_time_s
-    report: dict[str, Any] = {
-        "hardware": hw.name,
-        "step_time_s": step,
-        "breakdown": timeline.breakdown,
-        "critical_stage": timeline.critical_stage,
-        "utilisation": model_flops / (par.num_devices * hw.peak_tflops * 1e12 * step)
-        if step
-        else 0.0,
-        "tokens_per_s": tokens / step if step else 0.0,
-    }
-    if memory is not None:
-        capacity = capacities(hw)
-        report["memory_per_device"] = {
-            tier: {"bytes": used, "capacity": capacity[tier], "fits": used <= capacity[tier]}
-            for tier, used in memory.items()
-        }
-    return timeline, report
+    capacity = capacities(hw)
+    prediction = Prediction(
+        hardware=hw.name,
+        step_time_s=step,
+        breakdown=timeline.breakdown,
+        critical_stage=timeline.critical_stage,
+        utilisation=model_flops / (par.num_devices * hw.peak_tflops * 1e12 * step) if step else 0.0,
+        tokens_per_s=tokens / step if step else 0.0,
+        memory_per_device=None
+        if memory is None
+        else {tier: TierUse(used, capacity[tier]) for tier, used in memory.items()},
+    )
+    return timeline, prediction
 
 
 def capacities(hw: Hardware) -> dict[str, int]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from shardemu.accounting.ledger import Ledger
 from shardemu.errors import ConfigError
+from shardemu.phased.planner import PhasePlan
 from shardemu.predict.costmodel import Timeline
 
 
@@ -19,11 +20,13 @@ from shardemu.predict.costmodel import Timeline
 class Plan:
     """A planned step: `report` (what `shardemu plan --json` prints: settings, counts,
     memory and, with hardware, the predicted step), the `ledger` of counted events it
-    was assembled from, and its `timeline` on the hardware (None without one)."""
+    was assembled from, its `timeline` on the hardware (None without one) and, for a
+    phased step, its `phase_plan`."""
 
     report: dict[str, Any]
     ledger: Ledger
     timeline: Timeline | None
+    phase_plan: PhasePlan | None = None  # a phased plan's phases (in `report` as `plan`)
 
     @property
     def step_time_s(self) -> float:

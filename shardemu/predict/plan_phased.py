@@ -9,7 +9,6 @@ identical pipeline stage). So GPT-3 175B on 256 virtual devices is planned on a 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import time
@@ -28,6 +27,7 @@ from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.phased import planner
+from shardemu.phased.planner import PhasePlan
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.predict.costmodel import predict, require_fit
 from shardemu.predict.hardware import Hardware
@@ -126,7 +126,6 @@ def _counted(
     if must_fit and hardware is not None:  # its memory first: nothing compiled if it does not fit
         _require_fit(model_cfg, par, pass_cfg, phased, rules, sched, hardware)
     plan, events = _one_pass(model_cfg, par, pass_cfg, phased, rules)
-    plan = copy.deepcopy(plan)
     memory = _memory(plan, sched, phased)
     if phased.weight_streaming and hardware is not None:
         _check_activations_fit(memory["device"], hardware, pass_cfg, par)
@@ -150,7 +149,7 @@ def _counted(
         "model_flops_rel_err": totals["model_flops"] / analytic - 1,
         "passes": passes,
         "memory_per_device": memory,
-        "plan": plan,
+        "plan": plan.to_json(),
     }
     if model_cfg.vocab_size != given_vocab:
         report["vocab_padded_from"] = given_vocab
@@ -170,13 +169,13 @@ def _counted(
             overlap,
         )
         report["overlap"] = {"pipe_sends": overlap.pipe_sends}  # phases are the buckets
-        report.update(prediction | sparse_report(hardware, sparse))
+        report.update(prediction.to_json() | sparse_report(hardware, sparse))
         report |= model_flops_sparse(model_cfg, tokens, totals["model_flops"], sparse)
         report["stream_busy_s"] = {
             f"stage{stage}/{stream}": busy
             for (stage, stream), busy in sorted(timeline.stream_totals().items())
         }
-    return Plan(report, ledger, timeline)
+    return Plan(report, ledger, timeline, plan)
 
 
 def check_fit(
@@ -231,7 +230,7 @@ def _require_fit(
     alone (which compiles almost nothing), fits `hardware`'s tiers."""
     plan, _ = _one_pass(model_cfg, par, pass_cfg, phased, rules, counting=False)
     layout = (
-        f"{par} phased in {plan['phases']} phases (rts {phased.rts}, activations "
+        f"{par} phased in {plan.phases} phases (rts {phased.rts}, activations "
         f"{phased.activations}, optimizer on the {phased.optimizer_on})"
     )
     require_fit(_memory(plan, sched, phased), hardware, layout)
@@ -245,14 +244,13 @@ def _one_pass(
     phased: PhasedConfig,
     rules: Rules | None,
     counting: bool = True,
-) -> tuple[dict[str, Any], tuple[Event, ...]]:
+) -> tuple[PhasePlan, tuple[Event, ...]]:
     """One pass counted (the phase plan and its events), once per process for each
     setting: a search and the microbatch choice plan the same pass at several numbers of
     passes. Not `counting`, its memory alone (`planner.dry_run`)."""
     ledger = Ledger()
     plan = _trainer(model_cfg, par, pass_cfg, phased, rules).plan(ledger=ledger, counting=counting)
-    plan.pop("step_totals")
-    return plan, tuple(ledger.events)
+    return dataclasses.replace(plan, step_totals=None), tuple(ledger.events)
 
 
 @functools.lru_cache(maxsize=64)
@@ -272,15 +270,14 @@ def _trainer(
     return PhasedTrainer(Model(model_cfg), mesh, pass_cfg, phased, rules, par.pipe)
 
 
-def _memory(plan: dict[str, Any], sched: Schedule | None, phased: PhasedConfig) -> dict[str, int]:
+def _memory(plan: PhasePlan, sched: Schedule | None, phased: PhasedConfig) -> dict[str, int]:
     """Bytes per device a step of `plan`'s passes in `sched` (one pass without it) holds
     in each tier: the device's peak with the passes in flight, the host's weights and
     optimizer state."""
-    device = plan["device_high_water"]
+    device = plan.device_high_water
     if sched is not None:
         device += _in_flight_activations(plan, sched, phased)
-    host = plan["host_bytes_per_device"]
-    return {"device": device, "host": host["weights"] + host["optimizer_state"]}
+    return {"device": device, "host": plan.host_bytes}
 
 
 def _check_activations_fit(
@@ -316,14 +313,12 @@ def _passes(
     return train_cfg.batch // per_pass, dataclasses.replace(train_cfg, batch=per_pass)
 
 
-def _in_flight_activations(plan: dict[str, Any], sched: Schedule, phased: PhasedConfig) -> int:
+def _in_flight_activations(plan: PhasePlan, sched: Schedule, phased: PhasedConfig) -> int:
     """Device bytes of the extra passes a stage holds at its peak in the pipeline
     schedule: their kept activations (none when they are offloaded to the host)."""
     if phased.activations == "offload":
         return 0
     per_stage: dict[int, int] = {}
-    for row in plan["per_phase"]:
-        per_stage[row["stage"]] = (
-            per_stage.get(row["stage"], 0) + row["activation_bytes_per_device"]
-        )
+    for row in plan.per_phase:
+        per_stage[row.stage] = per_stage.get(row.stage, 0) + row.activation_bytes_per_device
     return max(round((sched.peak_activations(s) - 1) * kept) for s, kept in per_stage.items())

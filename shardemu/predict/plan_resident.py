@@ -278,8 +278,8 @@ def plan_resident(
         "overlap": overlap.to_json(),
         "attention": attention,
         "bubble_fraction": sched.bubble_fraction,
-        **_counts(ledger, model_cfg, par, batch, seq, prediction["step_time_s"], sparsity),
-        **prediction,
+        **_counts(ledger, model_cfg, par, batch, seq, prediction.step_time_s, sparsity),
+        **prediction.to_json(),
         **sparse_report(hardware, sparsity),
         "elapsed_s": time.perf_counter() - t0,
     }

@@ -3,12 +3,15 @@ parameter table of `describe`, and the phase plan."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from shardemu.report.rundir import fmt_value
+
+if TYPE_CHECKING:
+    from shardemu.phased.planner import PhasePlan
 
 _PHASE_COLUMNS = (
     "phase",
@@ -59,20 +62,21 @@ def _cell(column: str, value: Any) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
-def print_phase_plan(out: Console, plan: dict[str, Any]) -> None:
+def print_phase_plan(out: Console, plan: PhasePlan) -> None:
     """The phase plan's rows and the device tier's peak."""
     settings = ", ".join(
-        f"{k}={plan[k]}" for k in ("rts", "rts_optimizer", "activations", "optimizer_on")
+        f"{k}={getattr(plan, k)}" for k in ("rts", "rts_optimizer", "activations", "optimizer_on")
     )
-    table = Table(title=f"phase plan: {plan['phases']} phases ({settings})")
+    table = Table(title=f"phase plan: {plan.phases} phases ({settings})")
     for col in _PHASE_COLUMNS:
         table.add_column(col.replace("_per_device", "/device").replace("_", " "), justify="right")
-    for row in plan["per_phase"]:
-        table.add_row(*(_cell(c, row[c]) for c in _PHASE_COLUMNS))
+    for row in plan.per_phase:
+        cells = row.to_json()
+        table.add_row(*(_cell(c, cells[c]) for c in _PHASE_COLUMNS))
     out.print(table)
     out.print(
-        f"device tier peak: {plan['device_high_water']:,} bytes/device"
-        + (f" of {plan['device_memory']:,}" if plan["device_memory"] else "")
+        f"device tier peak: {plan.device_high_water:,} bytes/device"
+        + (f" of {plan.device_memory:,}" if plan.device_memory else "")
     )
 
 

@@ -19,6 +19,7 @@ from shardemu.errors import CheckpointError
 from shardemu.models import Model, param_bytes
 from shardemu.parallel.mesh import parallelism_of
 from shardemu.parallel.rules import Rules, rules_or_default
+from shardemu.phased.planner import PhasePlan
 from shardemu.pipelined.layout import pipeline_layout, stage_plan
 from shardemu.predict.costmodel import Timeline, predict
 from shardemu.predict.hardware import Hardware
@@ -79,7 +80,7 @@ def run_config(
     mesh: Mesh,
     train_cfg: TrainConfig,
     phased: PhasedConfig | None,
-    phase_plan: dict[str, Any] | None,
+    phase_plan: PhasePlan | None,
     sizes: dict[str, int],
     rules: Rules | None,
 ) -> dict[str, Any]:
@@ -108,7 +109,7 @@ def run_config(
         "schedule": train_cfg.schedule,
         "stage_plan": stage_plan(model, lay),
         "phased": dataclasses.asdict(phased) if phased else None,
-        "phase_plan": phase_plan,
+        "phase_plan": phase_plan.to_json() if phase_plan else None,
     }
 
 
@@ -150,7 +151,7 @@ def run_summary(
 
 def predict_step(
     engine: Engine,
-    plan: dict[str, Any] | None,
+    plan: PhasePlan | None,
     hw: Hardware,
     par: Parallelism,
     step: int,
@@ -162,17 +163,14 @@ def predict_step(
     events = engine.ledger.step(step)
     totals = engine.ledger.step_totals(step)
     if plan is not None:
-        memory = {
-            "device": plan["device_high_water"],
-            "host": sum(plan["host_bytes_per_device"].values()),
-        }
+        memory = {"device": plan.device_high_water, "host": plan.host_bytes}
     else:
         memory = {"device": engine.device_bytes()}
     train = engine.trainer.train
     if train.sparsity is not None:
         events = sparse_compute(events, hw, engine.trainer.model.cfg, train.seq, train.sparsity)
-    timeline, report = predict(events, hw, par, totals["model_flops"], tokens, memory)
-    return timeline, report | sparse_report(hw, train.sparsity)
+    timeline, prediction = predict(events, hw, par, totals["model_flops"], tokens, memory)
+    return timeline, prediction.to_json() | sparse_report(hw, train.sparsity)
 
 
 def prediction_files(
