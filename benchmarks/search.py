@@ -91,20 +91,20 @@ def main() -> None:
             cfg, PROFILES[case["hardware"]], case["devices"], BATCH, SEQ, spaces[name],
             log=lambda line, t0=t0: print(f"[{time.perf_counter() - t0:5.0f} s] {line}"),
         )  # fmt: skip
-        best = result["best"]
+        best = result.best.to_json()
         row = {
-            "search_s": result["elapsed_s"],
-            "space": result["space"],
-            "counts": result["counts"],
+            "search_s": result.elapsed_s,
+            "space": result.to_json()["space"],
+            "counts": result.counts,
             "best": {k: best[k] for k in ("label", "step_time_s", "utilisation", "device_bytes")},
-            "top": [r["label"] for r in result["top"]],
+            "top": [r.label for r in result.top],
             "published": published(case),
         }
         row["best_vs_published"] = best["step_time_s"] / row["published"]["step_time_s"]
         out[name] = row
         print(
-            f"{name}: searched in {row['search_s']:.0f} s ({result['counts']['candidates']} "
-            f"layouts, {result['counts']['fit']} fit); best {best['label']} "
+            f"{name}: searched in {row['search_s']:.0f} s ({result.counts['candidates']} "
+            f"layouts, {result.counts['fit']} fit); best {best['label']} "
             f"{best['step_time_s']:.2f} s ({best['utilisation']:.1%} MFU); published "
             f"{row['published']['layout']} {row['published']['step_time_s']:.2f} s: "
             f"ratio {row['best_vs_published']:.3f}"

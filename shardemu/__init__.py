@@ -58,6 +58,7 @@ from shardemu.predict.overlap import Overlap
 from shardemu.predict.plan import Plan
 from shardemu.predict.planning import plan
 from shardemu.predict.profiles import PROFILES, get_hardware
+from shardemu.predict.rows import SearchResult, SearchRow
 from shardemu.predict.search import search
 from shardemu.report.describe import describe
 from shardemu.report.trackers import Tracker, Trackers, TrackingConfig
@@ -81,6 +82,8 @@ __all__ = [
     "PhasedConfig",
     "PhasedTrainer",
     "Plan",
+    "SearchResult",
+    "SearchRow",
     "Space",
     "get_hardware",
     "plan",

@@ -14,7 +14,7 @@ from cli_helpers import shardemu
 from shardemu.accounting import flops
 from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.models import custom_model
-from shardemu.predict.layouts import Space, pareto
+from shardemu.predict.layouts import Space
 from shardemu.predict.plan_resident import plan_resident
 from shardemu.predict.profiles import PROFILES
 from shardemu.predict.resident_count import count_key, counted_microbatch, memory_bound
@@ -71,27 +71,24 @@ def test_search_finds_what_brute_force_finds(searched):
     brute = brute_force()
     fits = {k: r for k, r in brute.items() if r["memory_per_device"]["device"]["fits"]}
     assert 0 < len(fits) < len(brute)  # the memory limit bites
-    rows = {r["label"]: r for r in searched["candidates"] if r.get("fits")}
+    rows = {r.label: r for r in searched.candidates if r.fits}
     assert set(rows) == set(fits)
     for label, report in fits.items():  # extrapolated or planned whole: the same step
-        assert rows[label]["step_time_s"] == pytest.approx(report["step_time_s"], rel=1e-9)
-        assert rows[label]["device_bytes"] == report["memory_per_device"]["device"]["bytes"]
-    assert any(r["status"] == "extrapolated" for r in rows.values())
-    unfit = {r["label"]: r for r in searched["candidates"] if r["status"] == "does not fit"}
+        assert rows[label].step_time_s == pytest.approx(report["step_time_s"], rel=1e-9)
+        assert rows[label].device_bytes == report["memory_per_device"]["device"]["bytes"]
+    assert any(r.status == "extrapolated" for r in rows.values())
+    unfit = {r.label: r for r in searched.candidates if r.status == "does not fit"}
     # not timed, but their memory is the planner's, or found over the memory already by
     # its lower bound (nothing compiled)
-    bounded = {k: r for k, r in unfit.items() if "device_bytes_at_least" in r}
-    assert bounded
+    assert any(r.device_bytes_at_least is not None for r in unfit.values())
     for label, row in unfit.items():
         needed = brute[label]["memory_per_device"]["device"]["bytes"]
-        assert row.get("device_bytes", needed) == needed
-        assert HW.device_memory_bytes < row.get("device_bytes_at_least", needed) <= needed
-        assert "step_time_s" not in row
+        assert (row.device_bytes or needed) == needed
+        assert HW.device_memory_bytes < (row.device_bytes_at_least or needed) <= needed
+        assert row.measures is None and "step_time_s" not in row.to_json()
     winner = min(fits, key=lambda k: fits[k]["step_time_s"])
-    assert searched["best"]["label"] == winner
-    assert [r["label"] for r in searched["top"]] == sorted(
-        fits, key=lambda k: fits[k]["step_time_s"]
-    )[:3]
+    assert searched.best.label == winner
+    assert [r.label for r in searched.top] == sorted(fits, key=lambda k: fits[k]["step_time_s"])[:3]
 
 
 def test_memory_bound_is_the_count_or_less():
@@ -131,28 +128,35 @@ def test_slower_precision_pruned_by_its_bound_changes_no_result():
         for k, r in brute.items()
     ]  # fmt: skip
     fits = sorted((r for r in rows if r["fits"]), key=lambda r: r["step_time_s"])
-    assert [r["label"] for r in got["top"]] == [r["label"] for r in fits[:3]]
-    assert [r["label"] for r in got["pareto"]] == [r["label"] for r in pareto(rows)]
-    behind = [r for r in got["candidates"] if "least_step_time_s" in r]
-    assert behind and all(r["precision"] == "fp32" for r in behind)
+    assert [r.label for r in got.top] == [r["label"] for r in fits[:3]]
+    assert {r.label for r in got.pareto} == undominated(fits)
+    behind = [r for r in got.candidates if r.least_step_time_s is not None]
+    assert behind and all(r.precision == "fp32" for r in behind)
     for row in behind:
-        report = brute[row["label"]]
-        assert report["step_time_s"] >= row["least_step_time_s"]
-        assert report["memory_per_device"]["device"]["bytes"] >= row["device_bytes_at_least"]
+        report = brute[row.label]
+        assert report["step_time_s"] >= row.least_step_time_s
+        assert report["memory_per_device"]["device"]["bytes"] >= row.device_bytes_at_least
 
 
-def test_pareto_front_is_the_undominated_layouts(searched):
-    fitting = [r for r in searched["candidates"] if r.get("fits")]
-    front = {r["label"] for r in pareto(fitting)}
-    for r in fitting:
-        dominated = any(
+def undominated(rows: list[dict]) -> set[str]:
+    """The labels of `rows` (label, device_bytes, step_time_s) no other row beats on
+    memory and time, one at least strictly: the Pareto front by its definition."""
+    return {
+        r["label"]
+        for r in rows
+        if not any(
             o["device_bytes"] <= r["device_bytes"]
             and o["step_time_s"] < r["step_time_s"]
             or o["device_bytes"] < r["device_bytes"]
             and o["step_time_s"] <= r["step_time_s"]
-            for o in fitting
+            for o in rows
         )
-        assert (r["label"] in front) == (not dominated), r["label"]
+    }
+
+
+def test_pareto_front_is_the_undominated_layouts(searched):
+    fitting = [r.to_json() for r in searched.candidates if r.fits]
+    assert {r.label for r in searched.pareto} == undominated(fitting)
 
 
 @pytest.mark.slow  # plans or trains for real
@@ -170,8 +174,11 @@ def test_search_command_writes_its_files_and_verifies_the_winner(searched, tmp_p
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads((out / "search.json").read_text())
-    assert result["best"]["label"] == searched["best"]["label"]
-    assert len(result["candidates"]) == len(searched["candidates"])
+    assert result["best"]["label"] == searched.best.label
+    assert len(result["candidates"]) == len(searched.candidates)
+    assert {k: v for k, v in result.items() if k not in ("elapsed_s", "verification")} == {
+        k: v for k, v in json.loads(json.dumps(searched.to_json())).items() if k != "elapsed_s"
+    }  # search.json is the search's own to_json(), whole
     check = result["verification"]
     assert check["equal"], check
     assert check["mesh"] == str(Parallelism(
@@ -179,7 +186,7 @@ def test_search_command_writes_its_files_and_verifies_the_winner(searched, tmp_p
     ))  # fmt: skip
     assert len(check["losses"]) == len(check["losses_one_device"]) == check["steps"]
     assert (out / "pareto.png").stat().st_size > 10_000
-    assert searched["best"]["label"] in done.stdout
+    assert searched.best.label in done.stdout
 
 
 @pytest.mark.slow  # plans or trains for real
@@ -196,9 +203,9 @@ def test_phased_pruning_drops_only_layouts_that_do_not_fit():
     ]  # fmt: skip
     checked = s.check_group(group)
     s.finish(checked)
-    rows = {r["label"]: r for r in checked}
-    pruned = [c for c in group if rows[c.label]["status"] == "pruned"]
+    rows = {r.label: r for r in checked}
+    pruned = [c for c in group if rows[c.label].status == "pruned"]
     assert len(pruned) == 3  # behind the keep setting that does not fit: the other three
-    assert sum(1 for r in rows.values() if r.get("fits")) == 4
+    assert sum(1 for r in rows.values() if r.fits) == 4
     for c in pruned:
-        assert not s.screen(c).get("fits"), c.label
+        assert not s.screen(c).fits, c.label

@@ -4,7 +4,6 @@ counted or written; the plan's or the search's files written from what they retu
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -163,16 +162,17 @@ def cmd_search(args: argparse.Namespace) -> None:
         log=lambda line: console.print(line, highlight=False, markup=False),
     )  # fmt: skip
     out.mkdir(parents=True)
+    check = None
     if not args.no_verify:
-        console.print(f"verifying {result['best']['label']} scaled down against one device")
-        result["verification"] = verify(model_cfg, result["best_candidate"], out / "verify")
-    result["best_candidate"] = dataclasses.asdict(result["best_candidate"])
-    (out / "search.json").write_text(json.dumps(result, indent=2))
+        console.print(f"verifying {result.best.label} scaled down against one device")
+        check = verify(model_cfg, result.best_candidate, out / "verify")
+    data = result.to_json() | ({"verification": check} if check is not None else {})
+    (out / "search.json").write_text(json.dumps(data, indent=2))
     plot_pareto(result, out / "pareto.png")
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(data, indent=2))
         return
     wide = Console()
     wide.width = max(wide.width, 140)  # a layout's label is one readable line
-    wide.print(search_table(result))
+    wide.print(search_table(result, check))
     console.print(f"wrote {out}/search.json and {out}/pareto.png", highlight=False)

@@ -7,7 +7,6 @@ can fit a mesh at all (prune 1).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax.numpy as jnp
 
@@ -19,6 +18,7 @@ from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import STATE_BYTES_PER_PARAM, Candidate, Mode, Space
 from shardemu.predict.resident_memory import device_bytes_at_least
 from shardemu.predict.roofline import least_step_seconds
+from shardemu.predict.rows import SearchRow
 
 
 @dataclasses.dataclass
@@ -46,7 +46,7 @@ class Bounds:
         two = self.model_cfg.replace(num_layers=2)
         self.layer_params = count_params(two) - count_params(two.replace(num_layers=1))
         self.model_flops = flops.training_step(self.model_cfg, self.batch, self.seq)
-        self.faster: list[dict[str, Any]] = []  # the fitting rows of faster precisions
+        self.faster: list[SearchRow] = []  # the fitting rows of faster precisions
         self._least_bytes: dict[Candidate, int | None] = {}
 
     def least_step(self, precision: str) -> float:
@@ -97,33 +97,34 @@ class Bounds:
         by prune 5 (`behind`): whether its count may be needed."""
         return self.may_fit_memory(self.least_bytes(c)) and self.behind(c) is None
 
-    def behind(self, c: Candidate) -> dict[str, Any] | None:
+    def behind(self, c: Candidate) -> SearchRow | None:
         """Prune 5 (module docstring): resident `c`'s row when layouts of faster
         precisions (`faster`) rule it out of the top and of the Pareto front, else
         None."""
         least = self.least_step(c.precision)
-        faster = [r for r in self.faster if r["step_time_s"] < least]
+        faster = [r for r in self.faster if r.step_time_s < least]
         if len(faster) < self.top:
             return None
         least_bytes = self.least_bytes(c)
         if not self.may_fit_memory(least_bytes):
             return None  # over the memory: `screen` says so, with nothing compiled
-        smaller = [r for r in faster if r["device_bytes"] <= least_bytes]
+        smaller = [r for r in faster if r.measures and r.measures.device_bytes <= least_bytes]
         if not smaller:
             return None
-        d = min(smaller, key=lambda r: r["step_time_s"])
+        d = min(smaller, key=lambda r: r.step_time_s)
         why = (
             f"at least {least:.4g} s (its model FLOPs at {c.precision}'s compute rate) and "
             f"{least_bytes / 1e9:.4g} GB a device: {len(faster)} layouts are faster, and "
-            f"{d['label']} takes {d['step_time_s']:.4g} s in {d['device_bytes'] / 1e9:.4g} GB"
+            f"{d.label} takes {d.step_time_s:.4g} s in {d.device_bytes / 1e9:.4g} GB"
         )
-        return c.row() | {
-            "microbatches": self.microbatches(c),
-            "status": "pruned",
-            "reason": why,
-            "least_step_time_s": least,
-            "device_bytes_at_least": least_bytes,
-        }
+        return SearchRow.of(
+            c,
+            "pruned",
+            microbatches=self.microbatches(c),
+            reason=why,
+            least_step_time_s=least,
+            device_bytes_at_least=least_bytes,
+        )
 
     def pruned_modes(self, par: Parallelism, precision: str, modes: tuple[Mode, ...]) -> dict:
         """Prune 1, by mode: the reason no layout of `par` in `precision` can fit."""

@@ -1,8 +1,8 @@
 """The layouts a search enumerates (`search.py`): a `Candidate` is one (mesh,
 microbatch size, precision, resident or phased settings), and hands itself to the
 planner as configs (`train_config`, `phased_config`); a `Space` says which are tried;
-`meshes` and the settings generators list them; `pareto` is the memory/time front of
-the ones that fit.
+`meshes` and the settings generators list them (`rows.py` holds what the search makes
+of them).
 """
 
 from __future__ import annotations
@@ -85,10 +85,6 @@ class Candidate:
             optimizer_on=self.optimizer_on,  # type: ignore[arg-type]
             prefetch=self.prefetch,
         )
-
-    def row(self) -> dict[str, Any]:
-        """The search's row of this layout before it is judged: its label and settings."""
-        return {"label": self.label, **self.settings()}
 
     def settings(self) -> dict[str, Any]:
         """The fields that apply to this candidate's mode."""
@@ -195,23 +191,3 @@ def memory_ranks(c: Candidate) -> tuple[int, ...]:
         c.optimizer_on != "host",
         c.prefetch,
     )
-
-
-def candidate_of(row: dict[str, Any]) -> Candidate:
-    """The candidate a screened row describes."""
-    return Candidate(
-        **{f.name: row[f.name] for f in dataclasses.fields(Candidate) if f.name in row}
-    )
-
-
-def pareto(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The fitting layouts no other beats on both device memory and step time."""
-    fitting = sorted(
-        (r for r in rows if r.get("fits")), key=lambda r: (r["device_bytes"], r["step_time_s"])
-    )
-    front, best = [], float("inf")
-    for r in fitting:
-        if r["step_time_s"] < best:
-            front.append(r)
-            best = r["step_time_s"]
-    return front

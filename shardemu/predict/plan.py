@@ -13,30 +13,31 @@ from typing import Any
 from shardemu.accounting.ledger import Ledger
 from shardemu.errors import ConfigError
 from shardemu.phased.planner import PhasePlan
-from shardemu.predict.costmodel import Timeline
+from shardemu.predict.costmodel import Prediction, Timeline
 
 
 @dataclass(frozen=True)
 class Plan:
     """A planned step: `report` (what `shardemu plan --json` prints: settings, counts,
     memory and, with hardware, the predicted step), the `ledger` of counted events it
-    was assembled from, its `timeline` on the hardware (None without one) and, for a
-    phased step, its `phase_plan`."""
+    was assembled from, its `timeline` and `prediction` on the hardware (None without
+    one) and, for a phased step, its `phase_plan`."""
 
     report: dict[str, Any]
     ledger: Ledger
     timeline: Timeline | None
+    prediction: Prediction | None = None  # on the hardware (in `report` too)
     phase_plan: PhasePlan | None = None  # a phased plan's phases (in `report` as `plan`)
 
     @property
     def step_time_s(self) -> float:
         """The predicted step; a plan without hardware has none."""
-        if "step_time_s" not in self.report:
+        if self.prediction is None:
             raise ConfigError(
                 "this plan has no prediction: plan it with a hardware profile "
                 "(shardemu.get_hardware(NAME))"
             )
-        return self.report["step_time_s"]
+        return self.prediction.step_time_s
 
     def to_json(self) -> dict[str, Any]:
         return self.report

@@ -153,7 +153,7 @@ def _counted(
     }
     if model_cfg.vocab_size != given_vocab:
         report["vocab_padded_from"] = given_vocab
-    timeline = None
+    timeline = prediction = None
     if hardware is not None:
         tokens = train_cfg.tokens
         events, sparse = ledger.events, train_cfg.sparsity
@@ -175,7 +175,7 @@ def _counted(
             f"stage{stage}/{stream}": busy
             for (stage, stream), busy in sorted(timeline.stream_totals().items())
         }
-    return Plan(report, ledger, timeline, plan)
+    return Plan(report, ledger, timeline, prediction, plan)
 
 
 def check_fit(

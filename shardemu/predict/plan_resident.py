@@ -283,7 +283,7 @@ def plan_resident(
         **sparse_report(hardware, sparsity),
         "elapsed_s": time.perf_counter() - t0,
     }
-    return Plan(report, ledger, timeline)
+    return Plan(report, ledger, timeline, prediction)
 
 
 def _counts(

@@ -62,21 +62,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from shardemu.config import ConfigError, ModelConfig, Parallelism, TrainConfig
 from shardemu.errors import CapacityError
 from shardemu.predict.ahead import CountsAhead
 from shardemu.predict.bounds import Bounds
+from shardemu.predict.costmodel import Prediction
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import (
     Candidate,
     Mode,
     Space,
-    candidate_of,
     memory_ranks,
     meshes,
-    pareto,
     phased_settings,
     resident_settings,
 )
@@ -84,6 +82,7 @@ from shardemu.predict.microbatch import microbatch_candidates
 from shardemu.predict.plan_phased import check_fit
 from shardemu.predict.planning import plan
 from shardemu.predict.resident_count import CountKey, count_key, counted_microbatch
+from shardemu.predict.rows import Measures, SearchResult, SearchRow, Status
 
 
 @dataclasses.dataclass
@@ -94,8 +93,8 @@ class Searcher(Bounds):
     log: Callable[[str], None] = lambda _: None
     ahead: CountsAhead | None = None  # the counts being made in the background
 
-    def plan(self, c: Candidate, microbatches: int) -> dict[str, Any]:
-        """The planner's report for `c` with `microbatches` microbatches (or passes)."""
+    def plan(self, c: Candidate, microbatches: int) -> Prediction:
+        """The planner's prediction for `c` with `microbatches` microbatches (or passes)."""
         if c.mode == "resident" and self.ahead is not None:
             self.ahead.ready(self.count_of(c))
         resident = {"recompute": c.recompute, "attention": self.space.attention}
@@ -109,7 +108,7 @@ class Searcher(Bounds):
             overlap=self.space.overlap,
             must_fit=True,
             **(resident if c.mode == "resident" else {}),
-        ).report
+        ).prediction  # type: ignore[return-value]
 
     def train_config(self, c: Candidate, microbatches: int) -> TrainConfig:
         """`c`'s training settings with `microbatches` microbatches (or passes)."""
@@ -127,26 +126,27 @@ class Searcher(Bounds):
             self.space.attention,
         )
 
-    def screen(self, c: Candidate) -> dict[str, Any]:
+    def screen(self, c: Candidate) -> SearchRow:
         """`c` predicted by extrapolating two short steps (module docstring), or planned
-        whole when its step is short anyway: the row the JSON holds."""
+        whole when its step is short anyway."""
         m = self.microbatches(c)
         m1, m2 = c.pipe, 2 * c.pipe
-        row = c.row() | {"microbatches": m}
         try:
             if m <= m2:
-                return row | _measures(self.plan(c, m), m, "planned")
+                return _judged(c, m, Measures.of(self.plan(c, m), m), "planned")
             second = self.plan(c, m2)  # the full step's memory: whether it fits
             first = self.plan(c, m1)
         except (CapacityError, ConfigError) as err:
-            return row | _refusal(err)
-        s1, s2 = first["step_time_s"], second["step_time_s"]
+            return _refusal(c, m, err)
+        s1, s2 = first.step_time_s, second.step_time_s
         step = s1 + (m - m1) * (s2 - s1) / (m2 - m1)
-        out = _measures(second, m2, "extrapolated")
-        out["step_time_s"] = step
-        out["tokens_per_s"] = self.batch * self.seq / step
-        out["utilisation"] = second["utilisation"] * (m / m2) * (s2 / step)
-        return row | out
+        measures = dataclasses.replace(
+            Measures.of(second, m2),
+            step_time_s=step,
+            tokens_per_s=self.batch * self.seq / step,
+            utilisation=second.utilisation * (m / m2) * (s2 / step),
+        )
+        return _judged(c, m, measures, "extrapolated")
 
     def candidates(
         self, par: Parallelism, modes: tuple[Mode, ...], precision: str, size: int
@@ -169,7 +169,7 @@ class Searcher(Bounds):
             )
         ]
 
-    def check(self, c: Candidate) -> dict[str, Any] | None:
+    def check(self, c: Candidate) -> SearchRow | None:
         """Phased `c`'s full step judged by its memory alone (`check_fit`): its row when
         it does not fit (prune 2) or is refused; None when it fits, its pieces then
         compiling in the background for `screen`."""
@@ -180,17 +180,17 @@ class Searcher(Bounds):
         try:
             check_fit(self.model_cfg, c.par, train, phased, self.hardware, c.microbatch_size)
         except (CapacityError, ConfigError) as err:
-            return c.row() | {"microbatches": m} | _refusal(err)
+            return _refusal(c, m, err)
         return None
 
-    def check_group(self, group: list[Candidate]) -> list[dict[str, Any] | Candidate]:
+    def check_group(self, group: list[Candidate]) -> list[SearchRow | Candidate]:
         """One mesh, precision and microbatch size's candidates: the resident ones
         screened, the phased ones judged by memory (`check`), each a row, or the
         candidate itself where it fits and is left for `finish` to screen. Prune 4:
         phased settings are judged least device memory first (`layouts.memory_ranks`); one
         that holds at least what a setting that did not fit holds, in every respect,
         is not planned."""
-        out: list[dict[str, Any] | Candidate] = [
+        out: list[SearchRow | Candidate] = [
             self.behind(c) or self.screen(c) for c in group if c.mode == "resident"
         ]
         failed: list[tuple[int, tuple[int, ...], str]] = []  # (rts, ranks, label)
@@ -206,15 +206,15 @@ class Searcher(Bounds):
             )
             if worse is not None:
                 why = f"holds at least what {worse} holds on the device, which does not fit"
-                out.append(c.row() | {"status": "pruned", "reason": why})
+                out.append(SearchRow.of(c, "pruned", reason=why))
                 continue
             row = self.check(c)
             out.append(c if row is None else row)
-            if row is not None and row["status"] == "does not fit":
+            if row is not None and row.status == "does not fit":
                 failed.append((c.rts, ranks, c.label))
         return out
 
-    def finish(self, checked: list[dict[str, Any] | Candidate]) -> None:
+    def finish(self, checked: list[SearchRow | Candidate]) -> None:
         """Screen, in place, the candidates `check_group` left: their pieces have been
         compiling since it judged their memory."""
         checked[:] = [self.screen(x) if isinstance(x, Candidate) else x for x in checked]
@@ -256,22 +256,22 @@ class Searcher(Bounds):
                     yield group
 
     def run_mode(
-        self, modes: tuple[Mode, ...], rows: list[dict[str, Any]], precisions: tuple[str, ...]
+        self, modes: tuple[Mode, ...], rows: list[SearchRow], precisions: tuple[str, ...]
     ) -> None:
         """Search `modes`' layouts in `precisions` (one rate class) into `rows`, their
         counts queued to be made ahead. A group's fitting phased layouts are screened
         after the next group is judged, so their pieces compile meanwhile."""
-        self.faster = [r for r in rows if r.get("fits")]
+        self.faster = [r for r in rows if r.fits]
         if self.ahead is not None:
             self.ahead.add(self.resident_counts(modes, precisions))
-        groups: list[list[dict[str, Any] | Candidate]] = []
-        waiting: list[dict[str, Any] | Candidate] = []  # judged, its pieces compiling
+        groups: list[list[SearchRow | Candidate]] = []
+        waiting: list[SearchRow | Candidate] = []  # judged, its pieces compiling
 
-        def fit(x: dict[str, Any] | Candidate) -> bool:
-            return isinstance(x, Candidate) or bool(x.get("fits"))
+        def fit(x: SearchRow | Candidate) -> bool:
+            return isinstance(x, Candidate) or x.fits
 
-        def bounded(x: dict[str, Any] | Candidate) -> bool:  # pruned by prune 5
-            return isinstance(x, dict) and "least_step_time_s" in x
+        def bounded(x: SearchRow | Candidate) -> bool:  # pruned by prune 5
+            return isinstance(x, SearchRow) and x.least_step_time_s is not None
 
         for par, precision, pruned, sizes in self.mesh_plans(modes, precisions):
             groups.append([_pruned(par, precision, mode, why) for mode, why in pruned.items()])
@@ -290,44 +290,27 @@ class Searcher(Bounds):
         rows += [row for group in groups for row in group]  # type: ignore[misc]
 
 
-def _measures(report: dict[str, Any], microbatches: int, how: str) -> dict[str, Any]:
-    memory = report["memory_per_device"]
-    fits = all(tier["fits"] for tier in memory.values())
-    return {
-        "status": how if fits else "does not fit",
-        "fits": fits,
-        "step_time_s": report["step_time_s"],
-        "device_bytes": memory["device"]["bytes"],
-        "host_bytes": memory.get("host", {}).get("bytes", 0),
-        "tokens_per_s": report["tokens_per_s"],
-        "utilisation": report["utilisation"],
-        "breakdown": report["breakdown"],
-        "planned_microbatches": microbatches,
-    }
+def _judged(c: Candidate, m: int, measures: Measures, how: Status) -> SearchRow:
+    """`c`'s row with the step it was judged by: `how` it was timed, if it fits."""
+    return SearchRow.of(
+        c, how if measures.fits else "does not fit", microbatches=m, measures=measures
+    )
 
 
-def _refusal(err: CapacityError | ConfigError) -> dict[str, Any]:
-    """A row's status when its planner refused it: a layout over a memory tier is kept
-    with its device bytes (or their lower bound) and not timed (prune 2); a setting the
+def _refusal(c: Candidate, m: int, err: CapacityError | ConfigError) -> SearchRow:
+    """`c`'s row when its planner refused it: a layout over a memory tier is kept with
+    its device bytes (or their lower bound) and not timed (prune 2); a setting the
     planner refuses, with its reason."""
-    if isinstance(err, CapacityError):
-        field = "device_bytes_at_least" if err.at_least else "device_bytes"
-        needed = {} if err.needed is None else {field: err.needed}
-        return {"status": "does not fit", "fits": False, "reason": str(err), **needed}
-    return {"status": "refused", "reason": str(err)}
+    if not isinstance(err, CapacityError):
+        return SearchRow.of(c, "refused", microbatches=m, reason=str(err))
+    needed = {"device_bytes_at_least" if err.at_least else "needed_bytes": err.needed}
+    return SearchRow.of(c, "does not fit", microbatches=m, reason=str(err), **needed)
 
 
-def _pruned(par: Parallelism, precision: str, mode: Mode, reason: str) -> dict[str, Any]:
-    return {
-        "label": f"p{par.pipe} t{par.tensor} r{par.replica} {precision} {mode}",
-        "mode": mode,
-        "pipe": par.pipe,
-        "tensor": par.tensor,
-        "replica": par.replica,
-        "precision": precision,
-        "status": "pruned",
-        "reason": reason,
-    }
+def _pruned(par: Parallelism, precision: str, mode: Mode, reason: str) -> SearchRow:
+    """A whole mesh and mode pruned at one precision (prune 1)."""
+    label = f"p{par.pipe} t{par.tensor} r{par.replica} {precision} {mode}"
+    return SearchRow(label, mode, par, precision, "pruned", reason=reason)
 
 
 def search(
@@ -339,7 +322,7 @@ def search(
     space: Space,
     top: int = 5,
     log: Callable[[str], None] = lambda _: None,
-) -> dict[str, Any]:
+) -> SearchResult:
     """Search the layouts (module docstring): every candidate's row, the best `top`
     planned at the full batch (`top`, fastest first), and the memory/time Pareto front.
     Needs the most virtual devices any planned mesh does (`run.verify.search_devices`)."""
@@ -347,7 +330,7 @@ def search(
     if top < 1:
         raise ConfigError(f"`top` must be a positive number of layouts, got {top}")
     s = Searcher(model_cfg, hardware, devices, batch, seq, space, top=top, log=log)
-    rows: list[dict[str, Any]] = []
+    rows: list[SearchRow] = []
     order: dict[str, tuple[Mode, ...]] = {
         "auto": ("resident",),
         "resident": ("resident",),
@@ -357,11 +340,11 @@ def search(
     with CountsAhead(counted_microbatch) as s.ahead:
         for precisions in s.rate_classes():
             s.run_mode(order[space.modes], rows, precisions)
-        if space.modes == "auto" and not any(r.get("fits") for r in rows):
+        if space.modes == "auto" and not any(r.fits for r in rows):
             log("no resident layout fits: searching phased layouts")
             for precisions in s.rate_classes():
                 s.run_mode(("phased",), rows, precisions)
-        fitting = sorted((r for r in rows if r.get("fits")), key=lambda r: r["step_time_s"])
+        fitting = sorted((r for r in rows if r.fits), key=lambda r: r.step_time_s)
         if not fitting:
             raise CapacityError(
                 f"no layout of {model_cfg.name} on {devices} x {hardware.name} fits its "
@@ -370,30 +353,16 @@ def search(
             )
         best = []
         for row in fitting[:top]:  # planned whole: the numbers the table shows
-            c = candidate_of(row)
-            full = _measures(s.plan(c, row["microbatches"]), row["microbatches"], "planned")
-            full["screened_step_time_s"] = row["step_time_s"]
-            best.append(row | full)
-    best.sort(key=lambda r: r["step_time_s"])
-    return {
-        "model": model_cfg.name,
-        "hardware": hardware.name,
-        "devices": devices,
-        "batch": batch,
-        "seq": seq,
-        "param_count": s.params,
-        "space": dataclasses.asdict(space),
-        "counts": {
-            "candidates": len(rows),
-            "fit": len(fitting),
-            "pruned": sum(r["status"] == "pruned" for r in rows),
-            "do_not_fit": sum(r["status"] == "does not fit" for r in rows),
-            "refused": sum(r["status"] == "refused" for r in rows),
-        },
-        "top": best,
-        "best": best[0],
-        "best_candidate": candidate_of(best[0]),
-        "pareto": pareto(rows),
-        "candidates": rows,
-        "elapsed_s": time.perf_counter() - t0,
-    }
+            assert row.candidate is not None and row.microbatches is not None
+            full = Measures.of(s.plan(row.candidate, row.microbatches), row.microbatches)
+            status: Status = "planned" if full.fits else "does not fit"
+            best.append(
+                dataclasses.replace(
+                    row, status=status, measures=full, screened_step_time_s=row.step_time_s
+                )
+            )
+    best.sort(key=lambda r: r.step_time_s)
+    return SearchResult(
+        model_cfg.name, hardware.name, devices, batch, seq, s.params, space, tuple(best),
+        tuple(rows), time.perf_counter() - t0,
+    )  # fmt: skip

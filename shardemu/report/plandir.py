@@ -32,18 +32,19 @@ _COUNTS = (
 PLAN_FILES = ("config.json", "ledger.json", "summary.md", "trace.json", "timeline.png")
 
 
-def plan_record(report: dict[str, Any]) -> dict[str, Any]:
+def plan_record(plan: Plan) -> dict[str, Any]:
     """The counted step as metrics.jsonl's record: counts, tokens, the device tier's
     peak and, with a prediction, the predicted step time and throughput."""
+    report = plan.report
     record: dict[str, Any] = {"step": 0, **{k: report[k] for k in _COUNTS if k in report}}
     record["pipe_bytes"] = record.get("bytes_collective", {}).get("pipe", 0)
     record["tokens"], record["sequences"] = report["batch"] * report["seq"], report["batch"]
     device = report.get("memory_per_device", {}).get("device")
     if device is not None:  # bytes, or {bytes, capacity, fits} once predicted
         record["device_high_water_bytes"] = device["bytes"] if isinstance(device, dict) else device
-    if "step_time_s" in report:
-        record["predicted_step_s"] = report["step_time_s"]
-        record["predicted_tokens_per_s"] = report["tokens_per_s"]
+    if plan.prediction is not None:
+        record["predicted_step_s"] = plan.prediction.step_time_s
+        record["predicted_tokens_per_s"] = plan.prediction.tokens_per_s
     return record
 
 
@@ -61,7 +62,7 @@ def write_plan_dir(out: Path, plan: Plan, tracking: TrackingConfig | None = None
             title = f"{report['model']} on {report['mesh']}, {report['hardware']}"
             report.update(write_views(timeline, out, title))
         trackers.log_config(report)
-        trackers.log(plan_record(report), 0)
+        trackers.log(plan_record(plan), 0)
         trackers.log_summary(flatten(report))
         trackers.log_artifacts([out / name for name in PLAN_FILES])
     finally:

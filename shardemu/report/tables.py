@@ -12,6 +12,7 @@ from shardemu.report.rundir import fmt_value
 
 if TYPE_CHECKING:
     from shardemu.phased.planner import PhasePlan
+    from shardemu.predict.rows import SearchResult
 
 _PHASE_COLUMNS = (
     "phase",
@@ -103,13 +104,14 @@ def _short(text: str, width: int = 40) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def search_table(result: dict[str, Any]) -> Table:
-    """`shardemu search`'s best layouts, fastest first, and the check of the winner."""
-    counts = result["counts"]
+def search_table(result: SearchResult, check: dict[str, Any] | None = None) -> Table:
+    """`shardemu search`'s best layouts, fastest first, and the check of the winner
+    (`run.verify.verify`'s report)."""
+    counts = result.counts
     title = (
-        f"shardemu search: {result['model']} on {result['devices']} x {result['hardware']}, "
-        f"batch {result['batch']} x {result['seq']}: {counts['candidates']} layouts, "
-        f"{counts['fit']} fit, {result['elapsed_s']:.0f} s"
+        f"shardemu search: {result.model} on {result.devices} x {result.hardware}, "
+        f"batch {result.batch} x {result.seq}: {counts['candidates']} layouts, "
+        f"{counts['fit']} fit, {result.elapsed_s:.0f} s"
     )
     table = Table(title=title)
     for col in (
@@ -123,19 +125,19 @@ def search_table(result: dict[str, Any]) -> Table:
         "exposed comm s",
     ):
         table.add_column(col, justify="left" if col == "layout" else "right")
-    for i, r in enumerate(result["top"], 1):
-        b = r["breakdown"]
+    for i, r in enumerate(result.top, 1):
+        m = r.measures
+        assert m is not None  # the top rows are planned whole
         table.add_row(
             str(i),
-            r["label"],
-            f"{r['step_time_s']:.4g}",
-            f"{r['tokens_per_s']:,.0f}",
-            f"{r['utilisation']:.1%}",
-            f"{r['device_bytes'] / 1e9:.3g}",
-            f"{b['pipeline_bubble_s']:.3g}",
-            f"{b['exposed_communication_s']:.3g}",
+            r.label,
+            f"{m.step_time_s:.4g}",
+            f"{m.tokens_per_s:,.0f}",
+            f"{m.utilisation:.1%}",
+            f"{m.device_bytes / 1e9:.3g}",
+            f"{m.breakdown['pipeline_bubble_s']:.3g}",
+            f"{m.breakdown['exposed_communication_s']:.3g}",
         )
-    check = result.get("verification")
     if check is not None:
         verdict = "equal" if check["equal"] else "NOT EQUAL"
         table.caption = (

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardemu.predict.costmodel import Span, Timeline
+from shardemu.predict.rows import SearchResult, SearchRow
 
 _STREAM_ORDER = ("compute", "h2d", "d2h", "host")
 _COLOURS = {
@@ -204,7 +205,7 @@ def write_views(timeline: Timeline, out: Path, title: str) -> dict[str, str]:
     }
 
 
-def plot_pareto(result: dict[str, Any], path: Path) -> Path:
+def plot_pareto(result: SearchResult, path: Path) -> Path:
     """`shardemu search`'s pareto.png: every fitting layout's device memory against its
     predicted step time, the Pareto front joined, the best `top` ringed."""
     import matplotlib
@@ -212,40 +213,43 @@ def plot_pareto(result: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def gb(rows: list[SearchRow]) -> list[float]:
+        return [(r.device_bytes or 0) / 1e9 for r in rows]
+
     fig, ax = plt.subplots(figsize=(8, 5))
     for mode, marker in (("resident", "o"), ("phased", "s")):
-        rows = [r for r in result["candidates"] if r.get("fits") and r["mode"] == mode]
+        rows = [r for r in result.candidates if r.fits and r.mode == mode]
         if rows:
             ax.scatter(
-                [r["device_bytes"] / 1e9 for r in rows],
-                [r["step_time_s"] for r in rows],
+                gb(rows),
+                [r.step_time_s for r in rows],
                 s=12,
                 marker=marker,
                 alpha=0.5,
                 label=f"{mode} ({len(rows)})",
             )
-    front = result["pareto"]
+    front = result.pareto
     ax.plot(
-        [r["device_bytes"] / 1e9 for r in front],
-        [r["step_time_s"] for r in front],
+        gb(front),
+        [r.step_time_s for r in front],
         "k-",
         lw=1,
         drawstyle="steps-post",
         label="Pareto front",
     )
-    top = result["top"]
+    top = list(result.top)
     ax.scatter(
-        [r["device_bytes"] / 1e9 for r in top],
-        [r["step_time_s"] for r in top],
+        gb(top),
+        [r.step_time_s for r in top],
         s=60,
         facecolors="none",
         edgecolors="red",
         label=f"top {len(top)}",
     )
-    best = result["best"]
+    best = result.best
     ax.annotate(
-        best["label"],
-        (best["device_bytes"] / 1e9, best["step_time_s"]),
+        best.label,
+        (gb([best])[0], best.step_time_s),
         fontsize=7,
         xytext=(-5, 5),
         textcoords="offset points",
@@ -254,8 +258,8 @@ def plot_pareto(result: dict[str, Any], path: Path) -> Path:
     ax.set(
         xlabel="device memory per device (GB)",
         ylabel="predicted step time (s)",
-        title=f"{result['model']} on {result['devices']} x {result['hardware']}, "
-        f"batch {result['batch']} x {result['seq']}",
+        title=f"{result.model} on {result.devices} x {result.hardware}, "
+        f"batch {result.batch} x {result.seq}",
     )
     ax.set_yscale("log")
     ax.legend(fontsize=8)
