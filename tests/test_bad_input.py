@@ -56,7 +56,8 @@ CLI_ROWS = [
     row("hidden-not-heads", [*CUSTOM[:6], "65", *CUSTOM[7:]], "--hidden 65 is not divisible"),
     row("heads-0", [*CUSTOM[:8], "0"], "heads must be a positive integer, got 0"),
     row("custom-missing", ["run", "--model", "gpt"], "--model gpt needs --layers, --hidden"),
-    row("preset-with-layers", [*GPT, "--layers", "2"], "--layers go with --model gpt"),
+    row("preset-with-layers", [*GPT, "--layers", "2"],
+        "--layers go with --model bert or --model gpt or --model llama, not a preset"),  # fmt: skip
     row("no-model", ["run"], "the following argument is required: --model"),
     row("unknown-model", ["run", "--model", "gpt-9000"], "unknown model 'gpt-9000'"),
     row("pad-vocab-0", [*GPT, "--pad-vocab", "0"], "multiple must be a positive integer, got 0"),

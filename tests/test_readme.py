@@ -12,15 +12,18 @@ README = (ROOT / "README.md").read_text()
 
 def test_preset_table_matches_the_models():
     rows = re.findall(
-        r"^\| `([\w.-]+)` \| (\d+) \| (\d+) \| (\d+) \| .* \| ([\d,]+) \|$", README, re.M
+        r"^\| `([\w.-]+)` \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| .* \| ([\d,]+) \|$",
+        README,
+        re.M,
     )
     assert {name for name, *_ in rows} == set(PRESETS)
-    for name, layers, width, heads, count in rows:
+    for name, layers, width, heads, kv_heads, count in rows:
         cfg = PRESETS[name]
-        assert (cfg.num_layers, cfg.embed_dim, cfg.num_heads) == (
+        assert (cfg.num_layers, cfg.embed_dim, cfg.num_heads, cfg.kv_heads) == (
             int(layers),
             int(width),
             int(heads),
+            int(kv_heads),
         )
         assert param_count(Model(cfg).abstract_params()[0]) == int(count.replace(",", "")), name
 

@@ -1,7 +1,8 @@
 """Analytic FLOP counts of transformer training, per operation, so counts compose.
 
 Symbols: B sequences, s sequence length, T = B s tokens, d model width, f MLP width,
-A heads, k = d / A head width, V vocabulary, L layers.
+A heads, G key/value heads (grouped-query attention; G = A without), k = d / A head
+width, V vocabulary, L layers. A gated MLP (SwiGLU: Llama) has two input matrices.
 
 A matrix product [m, k] x [k, n] costs 2 m k n FLOPs (a multiply and an add per
 multiply-accumulate); its backward pass costs twice that (gradients with respect to
@@ -33,12 +34,14 @@ def layer_forward(cfg: ModelConfig, batch: int, seq: int) -> dict[str, int]:
     """One transformer layer's forward matmuls, by operation."""
     tokens, d, f = batch * seq, cfg.embed_dim, cfg.mlp_dim
     heads, k = cfg.num_heads, cfg.head_dim
+    gated = get_family(cfg.family).gated_mlp
     return {
-        "qkv": 3 * matmul(tokens, d, d),
+        # A query heads and G key/value heads of k (G = A without grouping)
+        "qkv": matmul(tokens, d, (heads + 2 * cfg.kv_heads) * k),
         "attn_scores": batch * heads * matmul(seq, k, seq),  # Q K^T, all s x s scores
         "attn_context": batch * heads * matmul(seq, seq, k),  # probs V
         "attn_out": matmul(tokens, d, d),
-        "mlp_in": matmul(tokens, d, f),
+        "mlp_in": (2 if gated else 1) * matmul(tokens, d, f),  # SwiGLU: gate and up
         "mlp_out": matmul(tokens, f, d),
     }
 

@@ -26,10 +26,20 @@ def model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
         "--model",
         required=required,
         help=f"a preset ({', '.join(PRESETS)}), or a family ({' / '.join(FAMILIES)}) with "
-        "--layers --hidden --heads [--vocab]",
+        "--layers --hidden --heads [--kv-heads] [--mlp] [--vocab]",
     )
     for flag in ("--layers", "--hidden", "--heads", "--vocab"):
         p.add_argument(flag, type=int, default=None, help=f"custom model {flag[2:]}")
+    p.add_argument(
+        "--kv-heads",
+        type=int,
+        default=None,
+        metavar="G",
+        help="custom model: key/value heads of grouped-query attention (llama; default --heads)",
+    )
+    p.add_argument(
+        "--mlp", type=int, default=None, metavar="F", help="custom model: the MLP's width d_ff"
+    )
     p.add_argument(
         "--pad-vocab",
         type=int,

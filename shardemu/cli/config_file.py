@@ -144,9 +144,11 @@ def run_flags(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
         flags["devices"] = cfg["device_count"]
     flags |= to_flags(train)
     default = [[n, a] for n, a in megatron_rules(train.sequence_parallel)]
-    # runs recorded before sequence parallelism have no residual_sequence rule
-    before = [rule for rule in default if rule != ["residual_sequence", None]]
-    if cfg.get("rules") not in (None, default, before):
+    # runs recorded before a logical name existed (residual_sequence, kv_heads) lack its
+    # rule: the default less those names
+    recorded = cfg.get("rules")
+    names = {rule[0] for rule in recorded or ()}
+    if recorded is not None and recorded != [rule for rule in default if rule[0] in names]:
         raise ConfigError(
             f"--config {path}: its sharding rules are not the default, and no flag sets "
             f"them; re-run it from Python with shardemu.train"
@@ -169,7 +171,7 @@ def _mesh(par: Parallelism) -> str:
 
 
 def _model_flags(model: ModelConfig, seq: int, path: Path) -> dict[str, Any]:
-    """--model (a preset, with --pad-vocab when padded) or --model gpt|bert with its
+    """--model (a preset, with --pad-vocab when padded) or --model FAMILY with its
     dimensions, and BERT's --max-predictions when set; checked by building the model
     back as the command line would."""
     preset = PRESETS.get(model.name)
@@ -183,11 +185,17 @@ def _model_flags(model: ModelConfig, seq: int, path: Path) -> dict[str, Any]:
             "layers": model.num_layers,
             "hidden": model.embed_dim,
             "heads": model.num_heads,
+            "mlp": model.mlp_dim,
             "vocab": model.vocab_size,
         }
+        if model.num_kv_heads:
+            flags["kv_heads"] = model.num_kv_heads
     if model.max_predictions:
         flags["max_predictions"] = model.max_predictions
-    names = ("model", "layers", "hidden", "heads", "vocab", "pad_vocab", "max_predictions")
+    names = (
+        "model", "layers", "hidden", "heads", "kv_heads", "mlp", "vocab", "pad_vocab",
+        "max_predictions",
+    )  # fmt: skip
     rebuilt = model_config(argparse.Namespace(**{n: flags.get(n) for n in names}, seq=seq))
     if rebuilt != model:
         differ = [

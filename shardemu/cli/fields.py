@@ -93,7 +93,7 @@ KEYWORDS = {
     name: "--" + name.replace("_", "-")
     for name in (
         "devices", "top", "recompute", "microbatch_size", "checkpoint_every", "eval_every",
-        "out", "plot", "resume", "hardware", "batch", "seq", "hidden", "heads",
+        "out", "plot", "resume", "hardware", "batch", "seq", "hidden", "heads", "kv_heads",
     )
 } | {"family": "--model"}  # fmt: skip
 _REF = re.compile(r"\b[A-Z][A-Za-z]+\.[a-z_]+\b|`[a-z_]+`")

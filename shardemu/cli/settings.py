@@ -28,20 +28,21 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     if args.model is None:
         raise ConfigError("the following argument is required: --model (or --resume RUN_DIR)")
     dims = {"--layers": args.layers, "--hidden": args.hidden, "--heads": args.heads}
+    extra = {"--kv-heads": args.kv_heads, "--mlp": args.mlp, "--vocab": args.vocab}
     if args.model in FAMILIES:
         missing = [flag for flag, value in dims.items() if value is None]
         if missing:
             raise ConfigError(f"--model {args.model} needs {', '.join(missing)} (or a preset name)")
         positions = getattr(args, "seq", None) or 0
-        cfg = custom_model(args.model, args.layers, args.hidden, args.heads, args.vocab, positions)
+        cfg = custom_model(
+            args.model, args.layers, args.hidden, args.heads, args.vocab, positions,
+            kv_heads=args.kv_heads, mlp=args.mlp,
+        )  # fmt: skip
     else:
-        given = [
-            flag for flag, value in {**dims, "--vocab": args.vocab}.items() if value is not None
-        ]
+        given = [flag for flag, value in (dims | extra).items() if value is not None]
         if given:
-            raise ConfigError(
-                f"{', '.join(given)} go with --model gpt or --model bert, not a preset"
-            )
+            families = " or ".join(f"--model {name}" for name in FAMILIES)
+            raise ConfigError(f"{', '.join(given)} go with {families}, not a preset")
         cfg = get_preset(args.model)
     if args.max_predictions is not None:
         if cfg.family != "bert" or args.max_predictions < 1:

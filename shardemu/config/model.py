@@ -32,6 +32,9 @@ class ModelConfig:
     param_dtype: str = "float32"
     # BERT: positions per sequence its masked-LM head predicts (`predictions`); 0: 15%
     max_predictions: int = 0
+    # key/value heads of grouped-query attention (Ainslie et al. 2023); 0: num_heads
+    num_kv_heads: int = 0
+    rope_theta: float = 10000.0  # the base of rotary position embeddings (Su et al. 2021)
 
     def __post_init__(self) -> None:
         require_positive(
@@ -52,6 +55,17 @@ class ModelConfig:
                 f"ModelConfig.max_predictions must be a whole number of positions (0 for "
                 f"15% of the sequence), got {self.max_predictions!r}"
             )
+        if not isinstance(self.num_kv_heads, int) or self.num_kv_heads < 0:
+            raise ConfigError(
+                f"ModelConfig.num_kv_heads must be a whole number of heads (0: num_heads), "
+                f"got {self.num_kv_heads!r}"
+            )
+        if self.num_heads % self.kv_heads:
+            raise ConfigError(
+                f"ModelConfig.num_kv_heads={self.num_kv_heads} does not divide "
+                f"num_heads={self.num_heads}; each key/value head serves an equal group"
+            )
+        require_finite("ModelConfig", True, rope_theta=self.rope_theta)
         if self.embed_dim % self.num_heads:
             raise ConfigError(
                 f"ModelConfig.embed_dim={self.embed_dim} is not divisible by "
@@ -66,6 +80,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: `num_kv_heads`, or one per query head."""
+        return self.num_kv_heads or self.num_heads
 
     def replace(self, **changes: object) -> ModelConfig:
         return dataclasses.replace(self, **changes)

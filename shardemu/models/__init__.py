@@ -25,7 +25,7 @@ import numpy as np
 from shardemu.config import ModelConfig, Parallelism, TrainConfig
 from shardemu.data import SyntheticCorpus
 from shardemu.errors import ConfigError
-from shardemu.models import bert, gpt  # noqa: F401  (each registers its family)
+from shardemu.models import bert, gpt, llama  # noqa: F401  (each registers its family)
 from shardemu.models.family import (
     FAMILIES,
     PRESETS,
@@ -66,6 +66,12 @@ class Model:
 
     def __post_init__(self) -> None:
         family = get_family(self.cfg.family)
+        if not family.grouped_query and self.cfg.kv_heads != self.cfg.num_heads:
+            raise ConfigError(
+                f"{self.cfg.name}: ModelConfig.num_kv_heads={self.cfg.num_kv_heads}, but the "
+                f"{family.name} family's attention has a key/value head per query head; "
+                f"use a family with grouped-query attention (llama) or leave it 0"
+            )
         object.__setattr__(self, "family", family)
         object.__setattr__(self, "module", family.module(self.cfg))
 
@@ -83,6 +89,11 @@ class Model:
         """Refuse training settings this model or the mesh cannot take
         (`TrainConfig.check_fits`), and sequences shorter than its family's batches hold."""
         train.check_fits(self.cfg, par)
+        if train.sparsity is not None and not self.family.block_sparse:
+            raise ConfigError(
+                f"{self.cfg.name}: block sparsity (SparsityConfig.sparsity) is not built "
+                f"for the {self.family.name} family's kernels yet; train it dense"
+            )
         if train.seq < self.family.min_seq:
             raise ConfigError(
                 f"{self.family.name} batches need TrainConfig.seq >= {self.family.min_seq}, got "

@@ -47,6 +47,12 @@ class Family:
     presets       the family's named configurations, with their sources
     head_inputs   the batch arrays `head` takes after the activations, in order
     min_seq       the shortest sequence a batch can hold (BERT's sentence pairs)
+    gated_mlp     whether the MLP's input is two matrices (gate and up: SwiGLU), which
+                  the analytic FLOP count needs
+    grouped_query whether its attention reads `ModelConfig.num_kv_heads` key/value heads;
+                  a config of a family without it must leave them at the query heads
+    block_sparse  whether its layer kernels are the ones block sparsity applies to
+                  (`sparsity/masks.py`: GPT's and BERT's); without, sparsity is refused
     """
 
     name: str
@@ -64,6 +70,9 @@ class Family:
     presets: tuple[ModelConfig, ...] = ()
     head_inputs: tuple[str, ...] = ()
     min_seq: int = 1
+    gated_mlp: bool = False
+    grouped_query: bool = False
+    block_sparse: bool = True
 
 
 FAMILIES: dict[str, Family] = {}
@@ -102,11 +111,18 @@ def get_preset(name: str) -> ModelConfig:
 
 
 def custom_model(
-    family: str, layers: int, hidden: int, heads: int, vocab: int | None, positions: int
+    family: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    vocab: int | None,
+    positions: int,
+    kv_heads: int | None = None,
+    mlp: int | None = None,
 ) -> ModelConfig:
     """A model of `family` of any size, shaped like its presets (`Family.shaped`), its
-    vocabulary `vocab` unless None, at least `positions` positions:
-    `--model gpt --layers L --hidden H --heads A`."""
+    vocabulary `vocab`, key/value heads `kv_heads` and MLP width `mlp` unless None, at
+    least `positions` positions: `--model llama --layers L --hidden H --heads A`."""
     if family not in FAMILIES:
         raise ConfigError(
             f"custom dimensions need `family` set to a family ({', '.join(FAMILIES)}), "
@@ -115,8 +131,15 @@ def custom_model(
     require_positive("custom model", layers=layers, hidden=hidden, heads=heads)
     if hidden % heads:
         raise ConfigError(f"`hidden` {hidden} is not divisible by `heads` {heads}")
+    if kv_heads is not None and not FAMILIES[family].grouped_query:
+        grouped = [name for name, f in FAMILIES.items() if f.grouped_query]
+        raise ConfigError(
+            f"`kv_heads` {kv_heads} goes with grouped-query attention ({', '.join(grouped)}); "
+            f"{family}'s attention has a key/value head per query head"
+        )
     cfg = FAMILIES[family].shaped(f"{family}-L{layers}-H{hidden}-A{heads}", layers, hidden, heads)
-    return cfg.replace(
-        vocab_size=cfg.vocab_size if vocab is None else vocab,
-        max_positions=max(positions, cfg.max_positions),
-    )
+    changes: dict[str, int] = {"max_positions": max(positions, cfg.max_positions)}
+    for field, value in (("vocab_size", vocab), ("num_kv_heads", kv_heads), ("mlp_dim", mlp)):
+        if value is not None:
+            changes[field] = value
+    return cfg.replace(**changes)

@@ -6,6 +6,7 @@ Models name every parameter and key activation dimension with a logical axis:
     sequence  token positions of an activation       heads     attention heads A
     residual_sequence  token positions of the residual stream (sequence parallelism)
     head_dim  width of one head d/A                  mlp       feed-forward width d_ff
+    kv_heads  key/value heads of grouped-query attention (Llama)
     vocab     vocabulary rows V                      layers    stacked transformer layers L
     position  rows of a learned position table       segment   rows of BERT's segment table
     classes   outputs of a small classifier head     embed_out second width of a d x d matrix
@@ -60,6 +61,7 @@ def megatron_rules(sequence_parallel: bool = False) -> Rules:
         ("embed", None),
         ("embed_out", None),
         ("heads", "tensor"),
+        ("kv_heads", "tensor"),
         ("head_dim", None),
         ("mlp", "tensor"),
         ("vocab", "tensor"),
@@ -79,6 +81,7 @@ def rules_or_default(rules: Rules | None, sequence_parallel: bool) -> Rules:
 _FIX_HINTS = {
     "vocab": "pad the vocabulary to a multiple of 128 (ModelConfig.pad_vocab)",
     "heads": "use a model whose head count the axis divides",
+    "kv_heads": "use a tensor size that divides the key/value heads (ModelConfig.num_kv_heads)",
     "mlp": "use a model whose MLP width the axis divides",
     "batch": "use a global TrainConfig.batch that is a multiple of the axis size",
     "layers": "use a pipe size that divides the layer count (or TrainConfig.stage_layers)",

@@ -5,9 +5,10 @@ A prediction is only as good as the layout being runnable: a pipe the layers do 
 split into, a tensor axis a dimension does not divide, a schedule the executor cannot
 run, or a sharding rule that changes the maths would all show here. The model keeps
 the family and gets tiny widths that every axis of the layout divides: 2 heads per
-tensor device of width 8, one layer per pipeline chunk, a vocabulary of 64 per tensor
-device. Replicas are capped at `VERIFY_REPLICAS` (data parallelism adds a gradient
-all-reduce, which two replicas exercise) so the run fits one laptop. Both runs take the
+tensor device of width 8 (with grouped-query attention, a key/value head per tensor
+device), one layer per pipeline chunk, a vocabulary of 64 per tensor device. Replicas
+are capped at `VERIFY_REPLICAS` (data parallelism adds a gradient all-reduce, which two
+replicas exercise) so the run fits one laptop. Both runs take the
 same microbatches in the same precision: the sharded run must equal the one-device run
 up to the reordering of sums (`TOLERANCE`).
 """
@@ -36,10 +37,12 @@ TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp16-mixed": 1e-3}
 def scaled_down(model_cfg: ModelConfig, c: Candidate) -> tuple[ModelConfig, Parallelism]:
     """The tiny model and the mesh that stand for `c` (module docstring)."""
     heads = 2 * c.tensor
+    grouped = model_cfg.kv_heads != model_cfg.num_heads  # then 2 query heads a group
     tiny = model_cfg.replace(
         name=f"{model_cfg.name}-scaled-down",
         num_layers=c.pipe * c.virtual,
         num_heads=heads,
+        num_kv_heads=c.tensor if grouped else 0,
         embed_dim=8 * heads,
         mlp_dim=32 * heads,
         vocab_size=64 * c.tensor,
