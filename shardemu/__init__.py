@@ -14,6 +14,12 @@ and planning from shapes alone, with nothing allocated:
                             shardemu.TrainConfig(batch=8, seq=1024),
                             shardemu.get_hardware("a100-80gb"))
     planned.step_time_s, planned.ledger, planned.timeline
+
+and any jitted function of your own, counted on a mesh and timed on a profile:
+
+    ledger = shardemu.count(step, params, batch, mesh=mesh, rules=shardemu.megatron_rules())
+    timeline, prediction = shardemu.predict_ledger(
+        ledger, shardemu.get_hardware("h100-sxm"), precision="bf16", mesh=mesh)
 """
 
 from importlib import metadata
@@ -23,6 +29,8 @@ try:
 except metadata.PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
+from shardemu.accounting.function import count
+from shardemu.accounting.ledger import Ledger
 from shardemu.config import ModelConfig, Parallelism, PhasedConfig, SparsityConfig, TrainConfig
 from shardemu.data import StdlibCorpus, SyntheticCorpus
 from shardemu.devices import use_virtual_devices
@@ -52,6 +60,8 @@ from shardemu.parallel.rules import (
 )
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.trainer import PipelinedTrainer
+from shardemu.predict.costmodel import Prediction
+from shardemu.predict.counted import predict_ledger
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import Space
 from shardemu.predict.overlap import Overlap
@@ -88,6 +98,10 @@ __all__ = [
     "get_hardware",
     "plan",
     "search",
+    "Ledger",
+    "Prediction",
+    "count",
+    "predict_ledger",
     "AXIS_NAMES",
     "PIPE",
     "PRESETS",

@@ -1,0 +1,71 @@
+"""Counting any jitted function: a user's own step, lowered on a shardemu mesh.
+
+`count(fn, *args, mesh=...)` compiles `fn` once over the abstract `args` (nothing is
+allocated or run) and returns the ledger of one call: XLA's FLOPs per device, its
+kernels' matmuls and memory traffic, and every collective in the compiled HLO with its
+bytes per mesh axis (`count.py`, `collectives.py`), as the engines count their own
+pieces. With `rules`, the function's `constrain` calls (and Flax's logical constraints,
+`nn.with_logical_constraint`) resolve through that rules table on the mesh while it is
+traced. `predict/function.py` times such a ledger on a hardware profile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh
+
+from shardemu.accounting.count import COUNT_OPTIONS, Counter, piece_events
+from shardemu.accounting.ledger import Ledger, Phase
+from shardemu.errors import ConfigError
+from shardemu.parallel.rules import Rules, activation_rules
+
+MESH_AXES = ("pipe", "replica", "tensor")
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """An argument as the compiler sees it: its shape, dtype and (if it has one) sharding."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ConfigError(
+            f"count takes arrays or jax.ShapeDtypeStruct arguments, got a {type(x).__name__}; "
+            f"pass a value's shape and dtype as jax.ShapeDtypeStruct(shape, dtype, sharding=...)"
+        )
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def count(
+    fn: Callable[..., Any],
+    *args: Any,
+    mesh: Mesh,
+    rules: Rules | None = None,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+) -> Ledger:
+    """The ledger of one call of `fn(*args)` on `mesh` (a shardemu mesh: axes `pipe`,
+    `replica`, `tensor`, as `shardemu.make_mesh` builds). `args` are arrays or
+    `jax.ShapeDtypeStruct`s, their shardings (or `in_shardings`, as `jax.jit` takes
+    them) the layout they arrive in. One `step` event of computation and one event per
+    (collective, mesh axes, group size)."""
+    unknown = [name for name in mesh.axis_names if name not in MESH_AXES]
+    if unknown:
+        raise ConfigError(
+            f"count needs a mesh of shardemu's axes ({', '.join(MESH_AXES)}), as "
+            f"shardemu.make_mesh builds; this one has {', '.join(map(repr, unknown))}: "
+            f"rename them (and the PartitionSpecs that name them)"
+        )
+    abstract = jax.tree.map(_abstract, args)
+    jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings)
+    with contextlib.ExitStack() as context:
+        if rules is not None:
+            context.enter_context(activation_rules(mesh, rules))
+            context.enter_context(nn.logical_axis_rules(rules))
+        context.enter_context(jax.set_mesh(mesh))
+        compiled = jitted.lower(*abstract).compile(compiler_options=COUNT_OPTIONS)
+    # a counter of its own: its keys are a piece's name and signature, and two user
+    # functions may share both
+    counted = Counter().count_compiled(getattr(fn, "__name__", "fn"), compiled, mesh, abstract)
+    return Ledger(piece_events(counted, 0, Phase("step"), 0))
