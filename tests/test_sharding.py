@@ -174,3 +174,16 @@ def test_resolution_succeeds_exactly_when_shards_tile_the_array(dims, tensor, re
     assert [b * n for b, n in zip(block, splits, strict=True)] == dims
     row = param_table(shapes, {"w": names}, specs, sizes)[0]
     assert row.bytes_per_device * math.prod(splits) == 4 * math.prod(dims)
+
+
+def test_a_short_logical_spec_is_refused_in_one_whole_sentence():
+    """A 3-D kernel annotated with two names (a user's `('embed', 'kv')`): the error
+    names the parameter, both counts and the fix."""
+    shapes = {"k": jax.ShapeDtypeStruct((64, 4, 16), "float32")}
+    with pytest.raises(ShardingError) as err:
+        resolve_specs(shapes, {"k": ("embed", "kv")}, megatron_rules(), MESH_2x4.axis_sizes())
+    assert str(err.value) == (
+        "parameter 'k' (64, 4, 16): has 2 logical axes ('embed', 'kv') for its 3 dimensions; "
+        "name every dimension (None for one that is never split) in its "
+        "nn.with_logical_partitioning"
+    )

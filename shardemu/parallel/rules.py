@@ -178,7 +178,11 @@ def resolve_specs(
     def one(path: tuple, shape_leaf: jax.ShapeDtypeStruct, axes: LogicalAxes) -> PartitionSpec:
         what = f"parameter {path_str(path)!r} {tuple(shape_leaf.shape)}"
         if len(axes) != len(shape_leaf.shape):
-            raise ShardingError(f"{what}: has {len(axes)} logical axes {axes}, expected rank")
+            raise ShardingError(
+                f"{what}: has {len(axes)} logical axes {axes} for its {len(shape_leaf.shape)} "
+                f"dimensions; name every dimension (None for one that is never split) in its "
+                f"nn.with_logical_partitioning"
+            )
         spec = logical_to_spec(axes, rules, what)
         try:
             check_divisible(what, shape_leaf.shape, axes, spec, axis_sizes)
