@@ -4,6 +4,7 @@ lines, a table of Python API calls, and a hypothesis search over command lines w
 one field broken."""
 
 import math
+import os
 
 import pytest
 from cli_helpers import shardemu
@@ -140,7 +141,7 @@ CLI_ROWS = [
     # hardware
     row("hardware-unknown", [*GPT, "--hardware", "gpu-9000"], "unknown hardware 'gpu-9000'"),
     row("hardware-no-file", [*GPT, "--hardware", "/nonexistent/hw.toml"],
-        "cannot read hardware profile"),  # fmt: skip
+        "hardware profile: cannot read /nonexistent/hw.toml"),  # fmt: skip
     # plans
     row("plan-no-hardware", ["plan", "--model", "gpt-tiny"], "add --phased"),
     row("plan-hardware-unknown", [*PHASED, "--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
@@ -356,3 +357,27 @@ def test_library_errors_name_fields_and_the_command_line_prints_flags():
     assert found == []
     said = "TrainConfig.seed 9; `microbatch_size` 3; PhasedConfig.prefetch; Parallelism.tensor"
     assert flag_message(said) == "--seed 9; --microbatch-size 3; --no-prefetch; Parallelism.tensor"
+
+
+def test_files_that_are_not_settings_are_one_clear_error(tmp_path):
+    """Binary files given as settings, a sweep, a profile or a run to compare; a FIFO
+    (which would block a read forever) and a device; a plan's directory to resume."""
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe\x00steps = 3")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_bytes(b"\x00\xc3(")
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    not_utf8 = "is not UTF-8 text (byte 0xff at offset 0)"
+    one_clear_error(shardemu("run", "--config", str(binary)), f"--config: {binary} {not_utf8}")
+    one_clear_error(shardemu("sweep", str(binary)), f"sweep file: {binary} {not_utf8}")
+    profile = binary.with_suffix(".json")
+    binary.rename(profile)
+    one_clear_error(shardemu(*GPT, "--hardware", str(profile)), f"hardware profile: {profile}")
+    one_clear_error(shardemu("compare", str(tmp_path / "run")), "is not UTF-8 text (byte 0xc3")
+    one_clear_error(shardemu("run", "--config", str(fifo)), f"{fifo} is not a regular file")
+    one_clear_error(shardemu("run", "--config", "/dev/zero"), "/dev/zero is not a regular file")
+    plan = tmp_path / "plan"
+    assert shardemu("plan", "--model", "gpt-tiny", "--hardware", "a100-80gb", "--out",
+                    str(plan)).returncode == 0  # fmt: skip
+    one_clear_error(shardemu("run", "--resume", str(plan)), "is a plan's config.json")

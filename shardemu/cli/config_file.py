@@ -20,6 +20,7 @@ from typing import Any
 from shardemu.cli.fields import int_list, to_flags
 from shardemu.cli.settings import model_config
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.config.files import read_text
 from shardemu.models import PRESETS
 from shardemu.parallel.rules import megatron_rules
 
@@ -32,10 +33,7 @@ def read_settings(path: str | Path) -> dict[str, Any]:
     """The settings in `path`: a TOML file of flags, or a run directory's config.json
     turned back into the flags that make the same run."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ConfigError(f"--config {path}: cannot read it ({err.strerror})") from None
+    text = read_text(path, "--config", ConfigError)
     try:
         if path.suffix == ".toml":
             return tomllib.loads(text)

@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 from shardemu.config import BLOCK_SIZES
+from shardemu.config.files import read_text
 from shardemu.errors import HardwareError
 from shardemu.predict.hardware import MEASURED_ON_H100, Hardware
 
@@ -236,10 +237,7 @@ def load_profile(path: str | Path) -> Hardware:
     """A profile from TOML or JSON with `Hardware`'s keys; `base = "NAME"` starts from a
     built-in profile and overrides the keys given."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise HardwareError(f"cannot read hardware profile {str(path)!r}: {err.strerror}") from None
+    text = read_text(path, "hardware profile", HardwareError)
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:

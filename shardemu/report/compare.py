@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardemu.config.files import read_text
 from shardemu.errors import RunDirError
 from shardemu.report.rundir import read_metrics
 from shardemu.report.scalars import scalars
@@ -103,8 +104,9 @@ def find_runs(paths: list[str]) -> list[RunView]:
 
 
 def _load(path: Path) -> RunView:
+    text = read_text(path / "config.json", "compare", RunDirError)
     try:
-        config = json.loads((path / "config.json").read_text())
+        config = json.loads(text)
         records = read_metrics(path) if (path / "metrics.jsonl").exists() else []
     except (OSError, json.JSONDecodeError) as err:
         raise RunDirError(f"cannot read the run directory {path}: {err}") from None

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from shardemu.config.files import read_text
 from shardemu.errors import ConfigError, RunDirError, RunInterrupted, ShardemuError
 from shardemu.report.rundir import fmt_value, read_metrics
 from shardemu.report.scalars import scalars
@@ -80,9 +81,7 @@ def load_sweep(path: str | Path) -> Sweep:
     """The sweep in `path`, every key checked: the first mistake is named."""
     path = Path(path)
     try:
-        cfg = tomllib.loads(path.read_text())
-    except OSError as err:
-        raise ConfigError(f"cannot read the sweep file {path}: {err.strerror}") from None
+        cfg = tomllib.loads(read_text(path, "sweep file", ConfigError))
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"sweep file {path} is not valid TOML: {err}") from None
     unknown = [k for k in cfg if k not in _TOP_KEYS]

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 from jax.sharding import Mesh
 
 from shardemu.config import ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.config.files import read_text
 from shardemu.errors import CheckpointError
 from shardemu.models import Model, param_bytes
 from shardemu.parallel.mesh import parallelism_of
@@ -52,12 +53,18 @@ def resume_settings(run_dir: str | Path) -> RunSettings:
     """The settings a run directory was made with (its config.json)."""
     path = Path(run_dir) / "config.json"
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        cfg = json.loads(read_text(path, f"`resume` {run_dir}", CheckpointError))
+    except json.JSONDecodeError as err:
         raise CheckpointError(
             f"`resume` {run_dir}: cannot read {path} ({err}); give a run directory that "
             f"shardemu run wrote"
         ) from None
+    if not isinstance(cfg, dict) or not {"model", "train", "rules"} <= set(cfg):
+        made_by = "a plan's" if isinstance(cfg, dict) and "mesh" in cfg else "not a run's"
+        raise CheckpointError(
+            f"`resume` {run_dir}: {path} is {made_by} config.json (no model, train and "
+            f"rules settings); give a run directory that shardemu run wrote"
+        )
     rules = tuple(
         (name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in cfg["rules"]
     )
