@@ -207,3 +207,23 @@ def test_a_valid_command_line_runs(seed, steps, every, runs, tmp_path_factory):
     assert out.returncode == 0, out.stderr
     assert [r["step"] for r in read_metrics(out_dir)] == list(range(steps))
     assert (out_dir / "checkpoints").exists() == (every is not None)
+
+
+@pytest.mark.slow
+def test_a_damaged_latest_checkpoint_is_passed_over_for_the_one_before(runs, tmp_path):
+    """Checkpoint 3 with a data file cut short (a disk that filled, a bad copy): the
+    resume says so in one line, keeps it as `3.damaged`, goes on from checkpoint 2, and
+    its losses are the uninterrupted run's, bit for bit."""
+    full = runs("resident")
+    run = tmp_path / "damaged"
+    shutil.copytree(full, run)
+    data = sorted((run / "checkpoints" / "3" / "state").rglob("d/*"))[0]
+    data.write_bytes(data.read_bytes()[:10])
+    out = shardemu("run", "--resume", str(run), "--steps", "4")
+    assert out.returncode == 0, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("warning: the checkpoint after 3 steps does not read back whole")
+    assert "written as" in line and "resuming from the one after 2 steps" in line
+    assert losses(run)[:3] == losses(full)
+    assert (run / "checkpoints" / "3.damaged").is_dir()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "3.damaged", "4"]

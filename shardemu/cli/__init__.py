@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import logging
 import sys
 import tempfile
 from pathlib import Path
@@ -39,6 +40,18 @@ from shardemu.predict.profiles import get_hardware
 from shardemu.report.tables import param_table, print_phase_plan, summary_table
 
 console = Console(stderr=True)
+
+
+class _Warnings(logging.Handler):
+    """The library's notices (the `shardemu` logger: a damaged checkpoint passed over)
+    as one `warning:` line each, flags named as the command line spells them."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = escape(flag_message(record.getMessage()))
+        console.print(f"[bold yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+
+
+_WARNINGS = _Warnings(logging.WARNING)
 
 
 # the options a resumed run may set; its other settings are the run's own (config.json)
@@ -301,6 +314,9 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    library = logging.getLogger("shardemu")
+    library.addHandler(_WARNINGS)  # once: a handler is added only if it is not there
+    library.propagate = False
     try:
         args = parse(argv)
         if args.command == "run" and args.processes is not None and process_index() is None:

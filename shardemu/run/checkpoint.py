@@ -15,10 +15,17 @@ from the checkpoint's is refused with both named.
 
 orbax writes a checkpoint into a temporary directory and renames it when complete
 (`orbax.checkpoint` "atomicity"), so a run killed while writing keeps the previous one.
+A complete checkpoint can still be damaged afterwards (a truncated or zeroed file, a
+part deleted): each checkpoint's files are listed with their sizes and CRC-32s
+(`write_manifest`), and a resume passes over a damaged one for the newest that reads
+back whole, and says so (`restore_newest`).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +35,7 @@ import orbax.checkpoint as ocp
 from shardemu.errors import CheckpointError
 
 CHECKPOINTS = "checkpoints"
+log = logging.getLogger("shardemu")
 
 
 def abstract_like(state: Any) -> Any:
@@ -51,6 +59,7 @@ class Checkpoints:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         self._manager.save(steps_done, args=args, force=True)
         self._manager.wait_until_finished()
+        write_manifest(self.path / str(steps_done))
 
     def latest(self) -> int | None:
         """Steps done at the newest complete checkpoint (None if there is none)."""
@@ -62,6 +71,8 @@ class Checkpoints:
         meta = self._manager.restore(
             steps_done, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
         ).meta
+        if not isinstance(meta, dict) or "layout" not in meta:
+            raise ValueError(f"its meta record holds no layout: {meta!r}")
         if meta["layout"] != layout:
             raise CheckpointError(
                 f"the checkpoint after {steps_done} steps in {self.path} holds a state laid "
@@ -74,5 +85,95 @@ class Checkpoints:
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_like(template)))
         return self._manager.restore(steps_done, args=args).state
 
+    def restore_newest(
+        self, template: Any, layout: dict[str, Any], set_aside: bool
+    ) -> tuple[int, Any]:
+        """(steps done, state) of the newest checkpoint that restores whole, placed as
+        `template` is; (0, `template`) when there is none. A damaged one (a meta record
+        or arrays that do not read back: what a kill, a full disk or a bad block leaves)
+        is passed over for the one before and said so on the `shardemu` logger; with
+        `set_aside` (the run goes on in this directory and will save those steps again)
+        it is renamed `<step>.damaged`, kept, not deleted. A whole checkpoint of another
+        layout is refused (`check_layout`); none whole among several is an error naming
+        why each failed."""
+        self._manager.reload()
+        damaged: list[tuple[int, str]] = []
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            broken = check_manifest(self.path / str(step))
+            if broken is not None:  # found without asking orbax, which prints its failures
+                damaged.append((step, broken))
+                continue
+            try:
+                self.check_layout(step, layout)
+                state = self.restore(step, template)
+            except CheckpointError:
+                raise
+            except Exception as err:  # orbax and tensorstore raise bare Exception too
+                damaged.append((step, str(err).splitlines()[0][:200]))
+                continue
+            self._report(damaged, step, set_aside)
+            return step, state
+        if damaged:
+            reasons = "; ".join(f"after {step} steps: {why}" for step, why in damaged)
+            raise CheckpointError(
+                f"no checkpoint in {self.path} reads back whole ({reasons}); nothing was "
+                f"changed: remove them to start over"
+            )
+        return 0, template
+
+    def _report(self, damaged: list[tuple[int, str]], used: int, set_aside: bool) -> None:
+        for step, why in damaged:
+            where = self.path / str(step)
+            if set_aside:
+                where = where.rename(where.with_name(f"{step}.damaged"))
+            log.warning(
+                "the checkpoint after %d steps does not read back whole (%s): resuming from "
+                "the one after %d steps%s",
+                step, why, used, f"; it is kept as {where}" if set_aside else "",
+            )  # fmt: skip
+
     def close(self) -> None:
         self._manager.close()
+
+
+MANIFEST = "shardemu-manifest.json"
+
+
+def _crc(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(2**24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_manifest(step_dir: Path) -> None:
+    """Every file of a finished checkpoint with its size and CRC-32, so that a resume
+    finds a truncated, zeroed or missing part before restoring (`check_manifest`)."""
+    files = {
+        str(f.relative_to(step_dir)): [f.stat().st_size, _crc(f)]
+        for f in sorted(step_dir.rglob("*"))
+        if f.is_file() and f.name != MANIFEST
+    }
+    (step_dir / MANIFEST).write_text(json.dumps(files))
+
+
+def check_manifest(step_dir: Path) -> str | None:
+    """Why the checkpoint in `step_dir` differs from what was written (None: it does
+    not, or it has no manifest: one written before manifests, or killed between its
+    commit and its manifest, which the restore itself then checks)."""
+    try:
+        files = json.loads((step_dir / MANIFEST).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        return f"its manifest does not read ({err})"
+    for name, (size, crc) in files.items():
+        path = step_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is {path.stat().st_size:,} bytes, written as {size:,}"
+        if _crc(path) != crc:
+            return f"{name} does not hold the bytes written (CRC-32 differs)"
+    return None

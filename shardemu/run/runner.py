@@ -176,20 +176,17 @@ class Run:
         self.saved: Checkpoints | None = None  # the run's own checkpoints, once made
 
     def resume_from(self, resume: str | Path) -> Resumed:
-        """Where the run directory `resume` stopped: its last checkpoint (step 0 when it
-        has none), checked against this run's layout, and its records before it."""
+        """The run directory `resume`: its checkpoints, records and ledger. Where it goes
+        on from (the newest checkpoint that restores whole) is found when the state is
+        restored (`_start`), before anything is written."""
         source = Checkpoints(resume)
-        start = source.latest() or 0
-        if start >= self.train_cfg.steps:
+        latest = source.latest() or 0
+        if latest >= self.train_cfg.steps:
             raise ConfigError(
-                f"{resume} has a checkpoint after {start} steps; give TrainConfig.steps more "
-                f"than {start}"
+                f"{resume} has a checkpoint after {latest} steps; give TrainConfig.steps more "
+                f"than {latest}"
             )
-        if start > 0:
-            source.check_layout(start, self.layout)
-        previous = [r for r in read_metrics(resume) if r["step"] < start]
-        ledger = [e for e in read_ledger(resume) if e["step"] < start]
-        return Resumed(source, start, previous, ledger, Path(resume))
+        return Resumed(source, 0, read_metrics(resume), read_ledger(resume), Path(resume))
 
     def execute(
         self, run: RunDir, resumed: Resumed, on_step: Callable[[dict[str, Any]], None] | None
@@ -199,7 +196,7 @@ class Run:
         trackers: Trackers | None = None
         try:
             # the state first: a resume that cannot restore it changes no file
-            state, compile_s = self._start(resumed)
+            state, compile_s, resumed = self._start(resumed, run)
             for record in resumed.records:
                 run.log(record)
             trackers = open_trackers(self.tracking, run)
@@ -236,15 +233,24 @@ class Run:
             ),
         }
 
-    def _start(self, resumed: Resumed) -> tuple[Any, float]:
-        """The engine's first state, or the checkpoint's; the seconds to compile."""
+    def _start(self, resumed: Resumed, run: RunDir) -> tuple[Any, float, Resumed]:
+        """The engine's first state, or the newest whole checkpoint's, with the records
+        and ledger of the steps before it; the seconds to compile."""
         t0 = time.perf_counter()
         state = self.engine.init(self.train_cfg.seed)  # pipelined and phased compile later
         compile_s = time.perf_counter() - t0
-        if resumed.source is not None and resumed.start > 0:
-            state = resumed.source.restore(resumed.start, state)
-            self.engine.start_at(resumed.start)
-        return state, compile_s
+        if resumed.source is None:
+            return state, compile_s, resumed
+        here = resumed.run_dir is not None and run.path.resolve() == resumed.run_dir.resolve()
+        start, state = resumed.source.restore_newest(state, self.layout, set_aside=here)
+        self.engine.start_at(start)
+        resumed = dataclasses.replace(
+            resumed,
+            start=start,
+            records=[r for r in resumed.records if r["step"] < start],
+            ledger=[e for e in resumed.ledger if e["step"] < start],
+        )
+        return state, compile_s, resumed
 
     def _train(
         self,
