@@ -11,14 +11,19 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 from cli_helpers import shardemu
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import shardemu as api
+from shardemu.config import Parallelism, TrainConfig
 from shardemu.errors import CheckpointError, RunDirError
+from shardemu.models import get_preset
 from shardemu.report.rundir import read_metrics
 from shardemu.run.checkpoint import Checkpoints
+from shardemu.run.record import read_ledger
 
 TINY = ["--model", "gpt-tiny", "--batch", "8", "--seq", "16"]
 ENGINES = {
@@ -227,3 +232,31 @@ def test_a_damaged_latest_checkpoint_is_passed_over_for_the_one_before(runs, tmp
     assert losses(run)[:3] == losses(full)
     assert (run / "checkpoints" / "3.damaged").is_dir()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "3.damaged", "4"]
+
+
+class Crash(Exception):
+    """A process dying mid-run: nothing after it runs, no summary, no final ledger."""
+
+
+@pytest.mark.slow
+def test_the_ledger_after_a_crash_and_resume_holds_every_step(runs, tmp_path):
+    """A run that dies after its second step (its checkpoint after one step written, the
+    end-of-run ledger never): the ledger written with each checkpoint holds step 0, and
+    after the resume ledger.json has every step's events, equal to the uninterrupted
+    run's, as metrics.jsonl has every step's record."""
+    out = tmp_path / "crashed"
+    train = TrainConfig(batch=8, seq=16, steps=3, seed=0)
+
+    def crash(record):
+        if record["step"] == 1:
+            raise Crash
+
+    with pytest.raises(Crash):
+        api.train(get_preset("gpt-tiny"), Parallelism(tensor=2, replica=2), train, out,
+                  jax.devices()[:4], checkpoint_every=1, on_step=crash)  # fmt: skip
+    assert {e["step"] for e in read_ledger(out)} == {0}
+    resumed = shardemu("run", "--resume", str(out))
+    assert resumed.returncode == 0, resumed.stderr
+    full = runs("resident")
+    assert read_ledger(out) == read_ledger(full)
+    assert losses(out) == losses(full)

@@ -193,5 +193,9 @@ class Ledger:
 
     def write(self, path: str | Path, before: list[dict[str, Any]] = ()) -> None:
         """ledger.json: `before` (earlier steps' events as JSON, from a resumed run's
-        previous ledger.json) and then these events."""
-        Path(path).write_text(json.dumps([*before, *self.to_json()]) + "\n")
+        previous ledger.json) and then these events; written whole to a temporary file
+        and renamed over the old one, so a kill mid-write leaves the previous ledger."""
+        path = Path(path)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps([*before, *self.to_json()]) + "\n")
+        partial.replace(path)

@@ -34,7 +34,7 @@ from shardemu.resident.trainer import Trainer
 from shardemu.run.checkpoint import Checkpoints
 from shardemu.run.engine import Engine, PhasedEngine, PipelinedEngine, ResidentEngine
 from shardemu.run.faults import StopSignals, check_finite
-from shardemu.run.loop import training_loop
+from shardemu.run.loop import StepInfo, training_loop
 from shardemu.run.record import (
     predict_step,
     prediction_files,
@@ -273,10 +273,14 @@ class Run:
         if on_step is not None:
             loop.add_hook(lambda info: on_step(info.record))
         if saved is not None:
-            loop.add_hook(
-                lambda info: saved.save(info.step + 1, info.result.state, self.layout),
-                every=self.checkpoint_every,  # type: ignore[arg-type]
-            )
+
+            def checkpoint(info: StepInfo) -> None:
+                """The state, and the ledger so far: a run killed later resumes with
+                every step's events, as it does with every step's metrics."""
+                saved.save(info.step + 1, info.result.state, self.layout)
+                self.engine.ledger.write(run.path / "ledger.json", resumed.ledger)
+
+            loop.add_hook(checkpoint, every=self.checkpoint_every)  # type: ignore[arg-type]
         state, records = loop.run(state, self.train_cfg.steps, resumed.start, signals.requested)
         return state, records
 
