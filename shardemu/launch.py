@@ -5,7 +5,8 @@ The launcher starts N copies of the command on this machine. Each joins one JAX
 distributed system (`jax.distributed.initialize`, the coordinator on a free local port)
 with CPU collectives over gloo, brings `devices / N` virtual devices, and sees the
 global mesh: the same code a cluster's hosts run, one per host. Process 0 writes the
-run directory; the others keep theirs in a temporary folder.
+run directory; the others keep theirs in a temporary folder that the launcher makes and
+removes when the run ends, however they ended.
 
 A process that fails takes the run with it: the launcher stops the others (SIGTERM,
 then SIGKILL) and exits with the failed process's status and one line saying which.
@@ -17,16 +18,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
-ENV_ID, ENV_COUNT, ENV_COORDINATOR = (
+ENV_ID, ENV_COUNT, ENV_COORDINATOR, ENV_SCRATCH = (
     "SHARDEMU_PROCESS_ID",
     "SHARDEMU_NUM_PROCESSES",
     "SHARDEMU_COORDINATOR",
+    "SHARDEMU_SCRATCH",  # where a process other than 0 keeps its copy of the run directory
 )
 HEARTBEAT_S = 10  # a peer silent this long is dead (jax.distributed's default is 100 s)
 STOP_GRACE_S = 10  # after SIGTERM, how long the others get before SIGKILL
@@ -36,6 +40,11 @@ def process_index() -> int | None:
     """This process's index when the launcher started it, else None."""
     value = os.environ.get(ENV_ID)
     return None if value is None else int(value)
+
+
+def scratch_folder() -> str:
+    """The folder a process other than 0 writes its copy of the run directory into."""
+    return os.environ[ENV_SCRATCH]
 
 
 def join(devices: int) -> None:
@@ -65,10 +74,18 @@ def _free_port() -> int:
 def launch(count: int, argv: list[str]) -> int:
     """Run `shardemu ARGV` as `count` processes; their exit status (the first failure's)."""
     coordinator = f"127.0.0.1:{_free_port()}"
+    # made and removed here, so that a process killed outright leaves none behind
+    scratch = {i: tempfile.mkdtemp(prefix=f"shardemu-process-{i}-") for i in range(1, count)}
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "shardemu", *argv],
-            env={**os.environ, ENV_ID: str(i), ENV_COUNT: str(count), ENV_COORDINATOR: coordinator},
+            env={
+                **os.environ,
+                ENV_ID: str(i),
+                ENV_COUNT: str(count),
+                ENV_COORDINATOR: coordinator,
+                ENV_SCRATCH: scratch.get(i, ""),
+            },  # fmt: skip
             stdout=None if i == 0 else subprocess.DEVNULL,
         )
         for i in range(count)
@@ -101,6 +118,8 @@ def launch(count: int, argv: list[str]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for folder in scratch.values():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

@@ -5,6 +5,7 @@ a diverging run stops with exit status 3 and valid metrics."""
 
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import shardemu as api
 from shardemu.config import Parallelism, TrainConfig
 from shardemu.errors import CheckpointError, RunDirError
 from shardemu.models import get_preset
-from shardemu.report.rundir import read_metrics
+from shardemu.report.rundir import RunDir, read_metrics
 from shardemu.run.checkpoint import Checkpoints
 from shardemu.run.record import read_ledger
 
@@ -260,3 +261,21 @@ def test_the_ledger_after_a_crash_and_resume_holds_every_step(runs, tmp_path):
     full = runs("resident")
     assert read_ledger(out) == read_ledger(full)
     assert losses(out) == losses(full)
+
+
+def test_a_run_directory_has_one_writer(tmp_path):
+    """A second writer of a run directory (two `--resume` at once) is refused, naming
+    the live one; a dead writer's lock is reported, not broken behind the user's back;
+    a finished writer leaves no lock."""
+    first = RunDir(tmp_path / "run")
+    with pytest.raises(RunDirError, match=rf"being written by process {os.getpid()} "):
+        RunDir(tmp_path / "run", reopen=True)
+    first.finish()
+    assert not (tmp_path / "run" / ".lock").exists()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / "run" / ".lock").write_text(f"{gone.pid}\n")
+    with pytest.raises(RunDirError, match=rf"process {gone.pid}, which is no longer running"):
+        RunDir(tmp_path / "run", reopen=True)
+    (tmp_path / "run" / ".lock").unlink()
+    RunDir(tmp_path / "run", reopen=True).finish()  # broken by hand: the run goes on

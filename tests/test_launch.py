@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from cli_helpers import shardemu
@@ -51,6 +52,9 @@ def test_two_processes_equal_one_and_a_lost_process_stops_the_run(tmp_path):
     pids = children(launcher.pid)
     assert len(pids) == 2
     second = next(p for p in pids if b"SHARDEMU_PROCESS_ID=1\0" in environ(p))
+    variables = dict(v.split(b"=", 1) for v in environ(second).split(b"\0") if b"=" in v)
+    scratch = Path(variables[b"SHARDEMU_SCRATCH"].decode())
+    assert (scratch / "metrics.jsonl").exists()  # process 1's copy of the run directory
     killed_at = time.monotonic()
     subprocess.run(["kill", "-9", str(second)], check=True)
     _, stderr = launcher.communicate(timeout=60)
@@ -58,6 +62,7 @@ def test_two_processes_equal_one_and_a_lost_process_stops_the_run(tmp_path):
     assert launcher.returncode == 128 + signal.SIGKILL
     assert "process 1 of 2 ended with signal 9; the others were stopped" in stderr
     assert not any(p in children(launcher.pid) for p in pids)
+    assert not scratch.exists()  # removed by the launcher, though its process was killed
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,6 @@ import io
 import json
 import logging
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from shardemu.cli.settings import (
 from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.devices import use_virtual_devices
 from shardemu.errors import ShardemuError
-from shardemu.launch import join, launch, process_index
+from shardemu.launch import join, launch, process_index, scratch_folder
 from shardemu.predict.profiles import get_hardware
 from shardemu.report.tables import param_table, print_phase_plan, summary_table
 
@@ -91,7 +90,7 @@ def _devices(args: argparse.Namespace, par: Parallelism) -> list[Any]:
 
     join(count)
     if process_index() != 0:  # the run directory and the trackers are process 0's
-        args.out = tempfile.mkdtemp(prefix=f"shardemu-process-{process_index()}-")
+        args.out = scratch_folder()
         args.wandb, args.tensorboard = None, False
     return jax.devices()
 

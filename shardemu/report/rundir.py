@@ -13,6 +13,7 @@ import contextlib
 import datetime as dt
 import json
 import math
+import os
 import platform
 import shutil
 import sys
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from shardemu.errors import RunDirError
+
+LOCK = ".lock"  # the run directory's writer (`RunDir._claim`)
 
 _VERSIONED = ("shardemu", "jax", "jaxlib", "flax", "optax", "numpy", "chex")
 
@@ -86,10 +89,43 @@ class RunDir:
         self.path, self.command = Path(path), command
         self.created = not self.path.exists()
         self._metrics: TextIO | None = None
+        self._locked = False
         self.logged = 0
         if not reopen:
             require_new(self.path)
             self._open_metrics()
+        self._claim()
+
+    def _claim(self) -> None:
+        """One writer per run directory: `.lock` holds the writer's process id until it
+        finishes. A live holder is refused; a dead one's (a `kill -9`) is reported, for
+        the user to remove once they know nothing else writes there."""
+        lock = self.path / LOCK
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            holder = lock.read_text().strip() if lock.is_file() else "?"
+            if holder.isdigit() and _running(int(holder)):
+                raise RunDirError(
+                    f"{self.path} is being written by process {holder} (its {LOCK}); wait "
+                    f"for it to finish, or stop it"
+                ) from None
+            raise RunDirError(
+                f"{self.path} holds the {LOCK} of process {holder}, which is no longer "
+                f"running (killed?); remove {lock} to go on"
+            ) from None
+        except OSError as err:
+            raise RunDirError(
+                f"cannot write the run directory {self.path}: {err.strerror}"
+            ) from None
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        self._locked = True
+
+    def _release(self) -> None:
+        if self._locked:
+            (self.path / LOCK).unlink(missing_ok=True)
+            self._locked = False
 
     def _open_metrics(self) -> None:
         try:
@@ -125,6 +161,7 @@ class RunDir:
     def finish(self) -> None:
         if self._metrics is not None:
             self._metrics.close()
+        self._release()
 
     def discard_if_empty(self) -> None:
         """Remove the directory this run created when no step got into it, so a run
@@ -132,6 +169,17 @@ class RunDir:
         self.finish()
         if self.created and self.logged == 0:
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it exists
+        return True
+    return True
 
 
 def json_safe(value: Any) -> Any:
