@@ -209,3 +209,16 @@ def test_phased_pruning_drops_only_layouts_that_do_not_fit():
     assert sum(1 for r in rows.values() if r.fits) == 4
     for c in pruned:
         assert not s.screen(c).fits, c.label
+
+
+def test_a_layout_whose_full_step_has_no_schedule_is_refused_not_fatal(searched):
+    """Interleaved 1F1B over pipe 2 needs microbatches in multiples of 2: with batch 10
+    on 2 replicas (5 microbatches) its two short plans (2 and 4 microbatches) exist, its
+    full step does not. It is a refused row; the search goes on to its top (it once
+    extrapolated such a layout into the top, then stopped planning it whole)."""
+    space = dataclasses.replace(SPACE, max_tensor=1)
+    got = search(TINY, HW, DEVICES, 10, SEQ, space, top=20)
+    refused = [r for r in got.candidates if r.status == "refused"]
+    assert refused and all("interleaved" in r.label and r.par.pipe == 2 for r in refused)
+    assert all("microbatches divisible by stages" in r.reason for r in refused)
+    assert got.top and all("interleaved" not in r.label or r.par.pipe != 2 for r in got.top)

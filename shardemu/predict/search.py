@@ -65,6 +65,7 @@ from collections.abc import Callable, Iterator
 
 from shardemu.config import ConfigError, ModelConfig, Parallelism, TrainConfig
 from shardemu.errors import CapacityError
+from shardemu.parallel.schedules import make_schedule
 from shardemu.predict.ahead import CountsAhead
 from shardemu.predict.bounds import Bounds
 from shardemu.predict.costmodel import Prediction
@@ -132,6 +133,8 @@ class Searcher(Bounds):
         m = self.microbatches(c)
         m1, m2 = c.pipe, 2 * c.pipe
         try:
+            if c.mode == "resident":  # the full step's schedule, which the short plans
+                make_schedule(c.schedule, c.pipe, m, c.virtual)  # do not build, must exist
             if m <= m2:
                 return _judged(c, m, Measures.of(self.plan(c, m), m), "planned")
             second = self.plan(c, m2)  # the full step's memory: whether it fits
