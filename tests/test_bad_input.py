@@ -6,10 +6,12 @@ one field broken."""
 import math
 import os
 
+import jax
 import pytest
 from cli_helpers import shardemu
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jax.sharding import Mesh
 
 import shardemu as api
 from shardemu.predict.hardware import Hardware
@@ -207,6 +209,9 @@ def test_bad_command_line_is_one_clear_error(args, message):
         ('{"base": "a100-80gb", "name": 3}', "name must be a string, got 3"),
         ('{"base": "a100-80gb", "speed": 3}', "unknown key(s) speed"),
         ('{"base": "h900"}', "unknown base 'h900'"),
+        ('{"base": "a100-80gb", "precisions": "bf16"}', "precisions must be a list such as"),
+        ('{"base": "a100-80gb", "block_sparse_speed": 5}', "a list of [block, speed] pairs"),
+        ('{"base": "a100-80gb", "host_memory_gb": 1e308}', "more memory than any machine"),
         ('{"peak_tflops": 100}', "is missing"),
         ("{", "does not parse"),
     ],
@@ -266,6 +271,19 @@ API_ROWS = [
     (lambda: Hardware("x", 1, 1, 1, 1, 1, 1, 0), "devices_per_node must be a positive integer"),
     (lambda: Hardware("x", 1, 1, 1, 1, 1, 1, 1, efficiency=NAN), "efficiency must be in"),
     (lambda: api.resume_settings("/nonexistent"), "cannot read /nonexistent/config.json"),
+    (lambda: get_hardware(None), "get_hardware takes a profile name"),
+    (
+        lambda: api.Trainer(
+            api.Model(api.get_preset("gpt-tiny")),
+            Mesh(jax.devices()[:1], ("data",)),
+            api.TrainConfig(),
+        ),
+        "this one has 'data': rename them",
+    ),  # fmt: skip
+    (
+        lambda: api.Model(api.get_preset("gpt-tiny")).batch(api.SyntheticCorpus(512), -5, 2, 8),
+        "Model.batch: `step` must be an integer >= 0, got -5",
+    ),  # fmt: skip
 ]
 
 
@@ -381,3 +399,12 @@ def test_files_that_are_not_settings_are_one_clear_error(tmp_path):
     assert shardemu("plan", "--model", "gpt-tiny", "--hardware", "a100-80gb", "--out",
                     str(plan)).returncode == 0  # fmt: skip
     one_clear_error(shardemu("run", "--resume", str(plan)), "is a plan's config.json")
+
+
+def test_resuming_a_directory_that_is_not_there_creates_nothing(tmp_path):
+    missing = tmp_path / "missing"
+    train = api.TrainConfig(steps=1, batch=2, seq=8)
+    with pytest.raises(api.CheckpointError, match="no run directory there"):
+        api.train(api.get_preset("gpt-tiny"), api.Parallelism(), train, resume=missing,
+                  devices=jax.devices()[:1])  # fmt: skip
+    assert not missing.exists()

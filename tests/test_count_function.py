@@ -116,7 +116,9 @@ def test_predict_ledger_takes_the_precision_it_is_told(mesh):
 def test_a_mesh_of_other_axis_names_is_refused():
     foreign = Mesh(jax.devices()[:2], ("data",))
     x = jax.ShapeDtypeStruct((4, 4), jnp.float32)
-    with pytest.raises(ConfigError, match="mesh of shardemu's axes .* this one has 'data'"):
+    with pytest.raises(
+        ConfigError, match="a mesh of shardemu's axes .* is needed; this one has 'data'"
+    ):
         shardemu.count(lambda a: a * 2, x, mesh=foreign)
     with pytest.raises(ConfigError, match="takes arrays or jax.ShapeDtypeStruct arguments"):
         shardemu.count(lambda a: a, [[1.0]], mesh=make_mesh(devices=jax.devices()[:1]))

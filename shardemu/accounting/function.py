@@ -22,9 +22,8 @@ from jax.sharding import Mesh
 from shardemu.accounting.count import COUNT_OPTIONS, Counter, piece_events
 from shardemu.accounting.ledger import Ledger, Phase
 from shardemu.errors import ConfigError
+from shardemu.parallel.mesh import parallelism_of
 from shardemu.parallel.rules import Rules, activation_rules
-
-MESH_AXES = ("pipe", "replica", "tensor")
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
@@ -50,13 +49,7 @@ def count(
     `jax.ShapeDtypeStruct`s, their shardings (or `in_shardings`, as `jax.jit` takes
     them) the layout they arrive in. One `step` event of computation and one event per
     (collective, mesh axes, group size)."""
-    unknown = [name for name in mesh.axis_names if name not in MESH_AXES]
-    if unknown:
-        raise ConfigError(
-            f"count needs a mesh of shardemu's axes ({', '.join(MESH_AXES)}), as "
-            f"shardemu.make_mesh builds; this one has {', '.join(map(repr, unknown))}: "
-            f"rename them (and the PartitionSpecs that name them)"
-        )
+    parallelism_of(mesh)  # refuses a mesh of other axis names
     abstract = jax.tree.map(_abstract, args)
     jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings)
     with contextlib.ExitStack() as context:

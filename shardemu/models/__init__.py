@@ -138,6 +138,13 @@ class Model:
     def batch(
         self, corpus: SyntheticCorpus, step: int, size: int, seq: int
     ) -> dict[str, np.ndarray]:
+        """Batch `step` of `corpus` (step k is the k-th batch: a pure function of the
+        corpus's seed and k), `size` sequences of `seq` tokens."""
+        for name, value, least in (("step", step, 0), ("size", size, 1), ("seq", seq, 1)):
+            if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < least:
+                raise ConfigError(
+                    f"Model.batch: `{name}` must be an integer >= {least}, got {value!r}"
+                )
         return self.family.make_batch(corpus, step, size, seq, self.cfg)
 
     def batch_shapes(self, size: int, seq: int) -> dict[str, tuple[int, ...]]:

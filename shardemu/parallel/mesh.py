@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-from shardemu.config import Parallelism
+from shardemu.config import ConfigError, Parallelism
 from shardemu.devices import DeviceError
 
 PIPE = "pipe"
@@ -57,4 +57,11 @@ def mesh_from(par: Parallelism, devices: Sequence[jax.Device] | None = None) -> 
 
 def parallelism_of(mesh: Mesh) -> Parallelism:
     """The `Parallelism` a mesh of axes (pipe, replica, tensor) stands for."""
+    unknown = [name for name in mesh.axis_names if name not in AXIS_NAMES]
+    if unknown:
+        raise ConfigError(
+            f"a mesh of shardemu's axes ({', '.join(AXIS_NAMES)}), as shardemu.make_mesh "
+            f"builds, is needed; this one has {', '.join(map(repr, unknown))}: rename them "
+            f"(and the PartitionSpecs that name them)"
+        )
     return Parallelism(**{name: int(size) for name, size in mesh.shape.items()})

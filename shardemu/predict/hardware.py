@@ -90,6 +90,11 @@ class Hardware:
                 raise HardwareError(
                     f"hardware {self.name!r}: {key} must be a finite positive number, got {value!r}"
                 )
+            if key.endswith("_gb") and value * GB >= 2**63:  # bytes are counted in int64
+                raise HardwareError(
+                    f"hardware {self.name!r}: {key} = {value!r} is more memory than any "
+                    f"machine holds (at most {2**63 / GB:.3g} GB)"
+                )
         for key, least in (("devices_per_node", 1), ("swarmx_fanout", 2)):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -112,6 +117,11 @@ class Hardware:
                     f"hardware {self.name!r}: {key} must be a finite positive number (or "
                     f"left out: {left_out}), got {value!r}"
                 )
+        if not isinstance(self.precisions, list | tuple):  # a string would split in letters
+            raise HardwareError(
+                f'hardware {self.name!r}: precisions must be a list such as ["bf16"], got '
+                f"{self.precisions!r}"
+            )
         object.__setattr__(self, "precisions", tuple(self.precisions))  # a list from a file
         if not self.precisions or any(p not in PRECISIONS for p in self.precisions):
             raise HardwareError(
@@ -124,6 +134,13 @@ class Hardware:
                 raise HardwareError(
                     f"hardware {self.name!r}: {key} must be in (0, 1], got {value!r}"
                 )
+        if not isinstance(self.block_sparse_speed, list | tuple) or not all(
+            isinstance(pair, list | tuple) for pair in self.block_sparse_speed
+        ):
+            raise HardwareError(
+                f"hardware {self.name!r}: block_sparse_speed is a list of [block, speed] "
+                f"pairs such as [[16, 0.1]], got {self.block_sparse_speed!r}"
+            )
         speeds = tuple(tuple(pair) for pair in self.block_sparse_speed)
         object.__setattr__(self, "block_sparse_speed", speeds)  # lists from a profile file
         for pair in speeds:

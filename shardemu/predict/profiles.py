@@ -222,6 +222,11 @@ PROFILES: dict[str, Hardware] = {
 
 def get_hardware(name_or_path: str) -> Hardware:
     """A built-in profile by name, or one loaded from a .toml / .json file."""
+    if not isinstance(name_or_path, str | Path):
+        raise HardwareError(
+            f"get_hardware takes a profile name ({', '.join(sorted(PROFILES))}) or a .toml / "
+            f".json path, got {name_or_path!r}"
+        )
     if name_or_path in PROFILES:
         return PROFILES[name_or_path]
     path = Path(name_or_path)

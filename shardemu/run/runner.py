@@ -19,7 +19,7 @@ import jax
 from jax.sharding import Mesh
 
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
-from shardemu.errors import NonFiniteError, RunInterrupted
+from shardemu.errors import CheckpointError, NonFiniteError, RunInterrupted
 from shardemu.models import Model, param_count
 from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.mesh import mesh_from, parallelism_of
@@ -179,6 +179,11 @@ class Run:
         """The run directory `resume`: its checkpoints, records and ledger. Where it goes
         on from (the newest checkpoint that restores whole) is found when the state is
         restored (`_start`), before anything is written."""
+        if not (Path(resume) / "config.json").is_file():
+            raise CheckpointError(
+                f"`resume` {resume}: no run directory there (no config.json); give a run "
+                f"directory that shardemu run wrote"
+            )
         source = Checkpoints(resume)
         latest = source.latest() or 0
         if latest >= self.train_cfg.steps:
