@@ -47,9 +47,10 @@ class SyntheticCorpus:
         split: str = "train",
     ):
         if vocab_size < FIRST_WORD + branching:
-            raise ValueError(
-                f"vocab_size {vocab_size} is too small for a synthetic corpus; "
-                f"need at least {FIRST_WORD + branching}"
+            raise ConfigError(
+                f"ModelConfig.vocab_size {vocab_size} is too small for the synthetic corpus "
+                f"({FIRST_WORD} special tokens and {branching} words at least); use a "
+                f"vocabulary of {FIRST_WORD + branching} or more"
             )
         self.vocab_size = vocab_size
         self.seed = seed

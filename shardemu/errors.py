@@ -63,3 +63,9 @@ class RunInterrupted(ShardemuError):
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+class TrialsFailed(ShardemuError):
+    """Every trial a sweep ran failed: the sweep did not do its job, whatever it wrote."""
+
+    exit_code = 1

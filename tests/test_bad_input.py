@@ -53,8 +53,8 @@ CLI_ROWS = [
         "needs 4 device(s) but 3 were given"),  # fmt: skip
     row("devices-8-for-4", [*GPT, "--mesh", "tensor=2,replica=2", "--devices", "8"],
         "needs 4 device(s) but 8 were given"),  # fmt: skip
-    row("vocab-0", [*CUSTOM, "--vocab", "0"], "vocab_size must be a positive integer, got 0"),
-    row("vocab-negative", [*CUSTOM, "--vocab", "-1"], "vocab_size must be a positive integer"),
+    row("vocab-0", [*CUSTOM, "--vocab", "0"], "--vocab must be a positive integer, got 0"),
+    row("vocab-negative", [*CUSTOM, "--vocab", "-1"], "--vocab must be a positive integer"),
     row("layers-0", [*CUSTOM[:4], "0", *CUSTOM[5:]], "layers must be a positive integer, got 0"),
     row("hidden-not-heads", [*CUSTOM[:6], "65", *CUSTOM[7:]], "--hidden 65 is not divisible"),
     row("heads-0", [*CUSTOM[:8], "0"], "heads must be a positive integer, got 0"),
@@ -62,6 +62,8 @@ CLI_ROWS = [
     row("preset-with-layers", [*GPT, "--layers", "2"],
         "--layers go with --model bert or --model gpt or --model llama, not a preset"),  # fmt: skip
     row("no-model", ["run"], "the following argument is required: --model"),
+    row("vocab-2", ["run", "--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "4",
+        "--vocab", "2"], "--vocab 2 is too small for the synthetic corpus"),  # fmt: skip
     row("unknown-model", ["run", "--model", "gpt-9000"], "unknown model 'gpt-9000'"),
     row("pad-vocab-0", [*GPT, "--pad-vocab", "0"], "multiple must be a positive integer, got 0"),
     row("max-predictions-gpt", [*GPT, "--max-predictions", "4"],

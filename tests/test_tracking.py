@@ -271,6 +271,20 @@ def test_ctrl_c_in_a_trial_stops_the_sweep(tmp_path, monkeypatch):
     }
 
 
+def test_a_sweep_whose_every_trial_fails_exits_1_and_records_why_in_flags(tmp_path):
+    """Trials refused before they compile (a sequence longer than the model's positions):
+    each is recorded failed with its error as the command line says it, and the sweep
+    exits 1, not 0."""
+    path, out = tmp_path / "sweep.toml", tmp_path / "sweep"
+    path.write_text(SWEEP.replace("seq = { value = 16 }", "seq = { values = [100000, 200000] }"))
+    failed = shardemu("sweep", str(path), "--out", str(out), "--count", "2")
+    assert failed.returncode == 1, failed.stderr
+    assert failed.stderr.strip().splitlines()[-1].startswith("error: every trial that ran failed")
+    trials = json.loads((out / "sweep.json").read_text())["trials"]
+    errors = [t["error"] for t in trials if t["status"] == "failed"]
+    assert len(errors) == 2 and all(e.startswith("--seq ") for e in errors), errors
+
+
 def test_compare_names_exactly_the_settings_that_differ(sweep, tmp_path):
     out, plot = sweep[0], tmp_path / "cmp.png"
     result = shardemu("compare", str(out / "trial-00[02]"), "--json", "--plot", str(plot))

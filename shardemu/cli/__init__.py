@@ -33,7 +33,7 @@ from shardemu.cli.settings import (
 )
 from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.devices import use_virtual_devices
-from shardemu.errors import ShardemuError
+from shardemu.errors import ShardemuError, TrialsFailed
 from shardemu.launch import join, launch, process_index, scratch_folder
 from shardemu.predict.profiles import get_hardware
 from shardemu.report.tables import param_table, print_phase_plan, summary_table
@@ -275,8 +275,12 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     use_virtual_devices(max(_devices_needed(trial_args(p, out)) for p in sweep.trials()))
 
     def run_trial(params: dict[str, Any], run_dir: Path) -> None:
-        with contextlib.redirect_stdout(io.StringIO()):  # one line per trial, not its table
-            COMMANDS[sweep.command](trial_args(params, run_dir))
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # one line per trial, not its table
+                COMMANDS[sweep.command](trial_args(params, run_dir))
+        except ShardemuError as err:  # recorded in sweep.json as the command line says it
+            err.args = (flag_message(str(err)),)
+            raise
 
     table = run_sweep(
         sweep,
@@ -286,12 +290,15 @@ def cmd_sweep(args: argparse.Namespace) -> None:
         log=lambda line: console.print(line, highlight=False, markup=False),
     )
     finished = sum(r["status"] == "finished" for r in table)
+    failed = sum(r["status"] == "failed" for r in table)
     Console().print((out / "summary.md").read_text(), highlight=False, markup=False)
     console.print(
         f"{finished} of {len(table)} trials finished; {out}/sweep.json",
         highlight=False,
         markup=False,
     )
+    if failed and not finished:
+        raise TrialsFailed(f"every trial that ran failed ({failed}); why is in {out}/sweep.json")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

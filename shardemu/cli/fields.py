@@ -25,6 +25,7 @@ OTHER_FLAGS = {
     "SparsityConfig.sparsity": "--sparsity",
     "ModelConfig.pad_vocab": "--pad-vocab",
     "ModelConfig.max_predictions": "--max-predictions",
+    "ModelConfig.vocab_size": "--vocab",
 }
 
 

@@ -19,6 +19,7 @@ import jax
 from jax.sharding import Mesh
 
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.data import make_corpus
 from shardemu.errors import CheckpointError, NonFiniteError, RunInterrupted
 from shardemu.models import Model, param_count
 from shardemu.numerics.precision import arithmetic
@@ -140,6 +141,8 @@ class Run:
         if eval_every is not None and eval_every < 1:
             raise ConfigError(f"`eval_every` must be a positive number of steps, got {eval_every}")
         _check_host_memory(model_cfg, train_cfg)
+        make_corpus(train_cfg.data, model_cfg.vocab_size, train_cfg.seed)  # refused now if
+        # the vocabulary cannot hold its tokens, not after compiling (its text is cached)
         if hardware is not None:  # predicted at the run's precision's peak
             hardware = hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))
         self.par, self.train_cfg, self.hardware = par, train_cfg, hardware
