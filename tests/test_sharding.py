@@ -138,6 +138,11 @@ def test_rules_table_is_validated():
         validate_rules((("embed", None), ("embed", "tensor")), ("pipe", "replica", "tensor"))
     with pytest.raises(ShardingError, match="names mesh axis 'model'"):
         validate_rules((("mlp", "model"),), ("pipe", "replica", "tensor"))
+    # logical_to_spec alone is as strict: the last duplicate does not win
+    with pytest.raises(ShardingError, match="maps logical axis 'mlp' twice"):
+        logical_to_spec(("mlp",), (("mlp", None), ("mlp", "tensor")))
+    with pytest.raises(ShardingError, match="names mesh axis 'model'"):
+        logical_to_spec(("mlp",), (("mlp", "model"),), "w", ("pipe", "replica", "tensor"))
 
 
 def test_multi_axis_rule_divides_by_the_product():

@@ -94,8 +94,11 @@ def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def validate_rules(rules: Rules, mesh_axis_names: Sequence[str]) -> dict[str, tuple[str, ...]]:
-    """Check a rules table and return it as a dict; duplicates and unknown axes raise."""
+def validate_rules(
+    rules: Rules, mesh_axis_names: Sequence[str] | None
+) -> dict[str, tuple[str, ...]]:
+    """Check a rules table and return it as a dict; duplicates raise, and so do mesh
+    axes `mesh_axis_names` lacks (unchecked when it is None: no mesh at hand)."""
     table: dict[str, tuple[str, ...]] = {}
     for logical, axes in rules:
         if logical in table:
@@ -103,7 +106,7 @@ def validate_rules(rules: Rules, mesh_axis_names: Sequence[str]) -> dict[str, tu
                 f"rules table maps logical axis {logical!r} twice; keep one entry per name"
             )
         for axis in _as_tuple(axes):
-            if axis not in mesh_axis_names:
+            if mesh_axis_names is not None and axis not in mesh_axis_names:
                 raise ShardingError(
                     f"rule {logical!r} -> {axes!r} names mesh axis {axis!r}, "
                     f"but the mesh has only {tuple(mesh_axis_names)}"
@@ -112,9 +115,16 @@ def validate_rules(rules: Rules, mesh_axis_names: Sequence[str]) -> dict[str, tu
     return table
 
 
-def logical_to_spec(logical_axes: LogicalAxes, rules: Rules, what: str = "tensor") -> PartitionSpec:
-    """The PartitionSpec for one tensor's logical axes (no size checks)."""
-    table = dict((name, _as_tuple(axes)) for name, axes in rules)
+def logical_to_spec(
+    logical_axes: LogicalAxes,
+    rules: Rules,
+    what: str = "tensor",
+    mesh_axis_names: Sequence[str] | None = None,
+) -> PartitionSpec:
+    """The PartitionSpec for one tensor's logical axes (no size checks), as strict as
+    the rest: a name mapped twice is an error, not the last entry winning, and so is a
+    mesh axis `mesh_axis_names` (when given) lacks."""
+    table = validate_rules(rules, mesh_axis_names)
     used: dict[str, str] = {}
     entries: list[MeshAxes] = []
     for name in logical_axes:
@@ -233,7 +243,7 @@ def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
     if active is None:
         return x
     mesh, rules = active
-    spec = logical_to_spec(logical_axes, rules, f"activation {logical_axes}")
+    spec = logical_to_spec(logical_axes, rules, f"activation {logical_axes}", mesh.axis_names)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
