@@ -365,6 +365,25 @@ def test_random_sweeps_draw_the_same_trials_within_their_ranges(tmp_path):
         assert isinstance(t["warmup"], int)
 
 
+def test_a_sweep_of_more_trials_than_it_holds_is_refused_before_any_is_built(tmp_path):
+    """run_cap = 10^8 draws (it once built every trial before the first ran: a hang), and
+    a grid of 30^3 = 27,000 combinations; a grid capped by run_cap builds only its cap."""
+    path = tmp_path / "big.toml"
+    head = 'metric = { name = "loss" }\n'
+    path.write_text(head + 'method = "random"\nrun_cap = 100000000\n[parameters]\n'
+                    'lr = { distribution = "uniform", min = 1e-4, max = 1e-2 }\n')  # fmt: skip
+    with pytest.raises(ConfigError, match="asks for 100,000,000 trials, more than a sweep"):
+        load_sweep(path)
+    grid = "[parameters]\n" + "".join(
+        f"{k} = {{ values = {list(range(30))} }}\n" for k in ("seed", "warmup", "steps")
+    )
+    path.write_text(head + grid)
+    with pytest.raises(ConfigError, match="asks for 27,000 trials"):
+        load_sweep(path)
+    path.write_text(head + "run_cap = 7\n" + grid)
+    assert len(load_sweep(path).trials()) == 7
+
+
 def test_version():
     out = shardemu("--version")
     assert out.returncode == 0 and out.stdout.strip() == f"shardemu {__version__}"

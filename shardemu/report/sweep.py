@@ -28,6 +28,7 @@ from shardemu.errors import ConfigError, RunDirError, RunInterrupted, ShardemuEr
 from shardemu.report.rundir import fmt_value, read_metrics
 from shardemu.report.scalars import scalars
 
+MAX_TRIALS = 10_000  # trials of one sweep: each a run directory, all listed up front
 _TOP_KEYS = ("command", "method", "metric", "parameters", "run_cap", "name", "description")
 _DISTRIBUTIONS = (
     "constant",
@@ -64,8 +65,8 @@ class Sweep:
         if self.method == "grid":
             names = list(self.parameters)
             choices = [_choices(self.parameters[n]) for n in names]
-            trials = [dict(zip(names, combo, strict=True)) for combo in itertools.product(*choices)]
-            return trials[: self.run_cap] if self.run_cap else trials
+            combos = itertools.islice(itertools.product(*choices), self.run_cap)
+            return [dict(zip(names, combo, strict=True)) for combo in combos]
         rng = np.random.default_rng(RANDOM_SEED)
         return [
             {name: _draw(spec, rng) for name, spec in self.parameters.items()}
@@ -119,7 +120,19 @@ def load_sweep(path: str | Path) -> Sweep:
         raise ConfigError(f"run_cap = {run_cap!r} in {path} must be a positive integer")
     if method == "random" and run_cap is None:
         raise ConfigError(f'method = "random" in {path} needs run_cap, the number of trials')
-    return Sweep(command, method, metric["name"], goal, parameters, run_cap, str(path))
+    sweep = Sweep(command, method, metric["name"], goal, parameters, run_cap, str(path))
+    if method == "grid":  # the product's size, not the product
+        grid = math.prod(len(_choices(spec)) for spec in parameters.values())
+        count = min(grid, run_cap or grid)
+    else:
+        count = run_cap
+    if count > MAX_TRIALS:
+        raise ConfigError(
+            f"{path} asks for {count:,} trials, more than a sweep holds ({MAX_TRIALS:,}: each "
+            f"is a run directory, listed in sweep.json before the first runs); lower run_cap "
+            f"or split the sweep"
+        )
+    return sweep
 
 
 def _check_parameter(name: str, spec: Any, method: str, path: Path) -> None:
