@@ -401,6 +401,15 @@ def test_files_that_are_not_settings_are_one_clear_error(tmp_path):
     assert shardemu("plan", "--model", "gpt-tiny", "--hardware", "a100-80gb", "--out",
                     str(plan)).returncode == 0  # fmt: skip
     one_clear_error(shardemu("run", "--resume", str(plan)), "is a plan's config.json")
+    # where a plot or a sweep cannot go: a name that is not a PNG, a folder that cannot be
+    # made, a file where the sweep's directory should be
+    compare = ["compare", str(plan), "--plot"]
+    one_clear_error(shardemu(*compare, str(tmp_path / "p.json")), "the plot is a PNG")
+    one_clear_error(shardemu(*compare, "/proc/none/p.png"), "/proc/none/p.png: cannot write it")
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text('metric = { name = "loss" }\n[parameters]\nseed = { values = [0] }\n')
+    one_clear_error(shardemu("sweep", str(sweep), "--out", str(profile)), "is a file, not a")
+    one_clear_error(shardemu("sweep", str(sweep), "--out", "/proc/none"), "cannot make the sweep")
 
 
 def test_resuming_a_directory_that_is_not_there_creates_nothing(tmp_path):

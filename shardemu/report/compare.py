@@ -198,14 +198,20 @@ def plot_compare(runs: list[RunView], out: Path) -> Path:
     for j, p in enumerate(predicted):
         time_ax.text(0, j, " no --hardware" if p is None else f" {p:.3g}", va="center")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100, format="png", metadata={"Software": COMPARE_PLOT})
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=100, format="png", metadata={"Software": COMPARE_PLOT})
+    except OSError as err:
+        raise RunDirError(f"`plot` {out}: cannot write it ({err.strerror})") from None
+    finally:
+        plt.close(fig)
     return out
 
 
 def _require_replaceable(out: Path) -> None:
-    """`out` is new, or a plot that `plot_compare` wrote (its PNG says so)."""
+    """`out` is a .png path, new or a plot that `plot_compare` wrote (its PNG says so)."""
+    if out.suffix.lower() != ".png":
+        raise RunDirError(f"`plot` {out}: the plot is a PNG; give a path ending in .png")
     if not out.exists():
         return
     if out.is_file():

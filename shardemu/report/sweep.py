@@ -213,6 +213,8 @@ def run_sweep(
     the first trial, says so): a run's or another sweep's directory is refused whole."""
     spec = {k: v for k, v in sweep.__dict__.items() if k != "source"}
     index = out / "sweep.json"
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"`out` {out} is a file, not a directory; give a new `out`")
     if out.is_dir() and any(out.iterdir()) and not index.exists():
         raise RunDirError(
             f"`out` {out} holds files but no sweep.json: it is not a sweep's directory (a "
@@ -222,7 +224,12 @@ def run_sweep(
         raise ConfigError(
             f"{out} holds a different sweep ({index}); give another `out`, or the same sweep file"
         )
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunDirError(
+            f"`out` {out}: cannot make the sweep's directory ({err.strerror})"
+        ) from None
     trials = sweep.trials()
     rows = [
         {"trial": f"trial-{i:03d}", "parameters": params, "status": "not run"}
