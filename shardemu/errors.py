@@ -30,7 +30,10 @@ class DeviceError(ShardemuError, RuntimeError):
 class CapacityError(ShardemuError, RuntimeError):
     """A memory tier cannot hold what a phase needs; the message names both and the fix.
     `needed`: the bytes per device a layout needs on its device tier, where known;
-    `at_least`: whether that is only a lower bound (found without compiling)."""
+    `at_least`: whether that is only a lower bound (found without compiling). Exit
+    status 4: the settings are valid, the layout does not fit."""
+
+    exit_code = 4
 
     def __init__(self, message: str, needed: int | None = None, at_least: bool = False) -> None:
         super().__init__(message)

@@ -3,6 +3,7 @@ the value and the fix, exit status 2, never a traceback. A table of named comman
 lines, a table of Python API calls, and a hypothesis search over command lines with
 one field broken."""
 
+import json
 import math
 import os
 
@@ -419,3 +420,21 @@ def test_resuming_a_directory_that_is_not_there_creates_nothing(tmp_path):
         api.train(api.get_preset("gpt-tiny"), api.Parallelism(), train, resume=missing,
                   devices=jax.devices()[:1])  # fmt: skip
     assert not missing.exists()
+
+
+def test_a_plan_that_does_not_fit_exits_4_naming_the_tier_and_what_to_change(tmp_path):
+    """gpt-tiny on a 1 MB device: the plan is written and printed, then one line says
+    which tier, by how much and what would shrink it (not the settings already given),
+    exit status 4; --allow-overflow plans it with a warning and exit status 0."""
+    tiny = tmp_path / "tiny.json"
+    tiny.write_text('{"base": "a100-80gb", "name": "a100-1mb", "device_memory_gb": 0.001}')
+    plan = ["plan", "--model", "gpt-tiny", "--hardware", str(tiny), "--recompute", "full"]
+    out = shardemu(*plan, "--json")
+    assert out.returncode == 4, out.stderr
+    assert json.loads(out.stdout)["memory_per_device"]["device"]["fits"] is False
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("error: gpt-tiny on pipe=1,tensor=1,replica=1 does not fit a100-1mb")
+    assert "its device tier holds" in line and "GB over the 0.001 GB it has" in line
+    assert "--recompute full" not in line and "--allow-overflow" in line
+    anyway = shardemu(*plan, "--json", "--allow-overflow")
+    assert anyway.returncode == 0 and anyway.stderr.startswith("warning: gpt-tiny"), anyway.stderr

@@ -161,6 +161,12 @@ def plan_args(plan: argparse.ArgumentParser) -> None:
     )
     pipeline_args(plan)
     plan.add_argument(
+        "--allow-overflow",
+        action="store_true",
+        help="plan a layout that does not fit its hardware's memory anyway, with a warning "
+        "(without it: exit status 4 after the plan is written)",
+    )
+    plan.add_argument(
         "--recompute",
         choices=("none", "selective", "full"),
         default="full",

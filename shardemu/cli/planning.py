@@ -22,9 +22,11 @@ from shardemu.cli.settings import (
 )
 from shardemu.config import ConfigError, PhasedConfig, TrainConfig
 from shardemu.devices import MAX_VIRTUAL_DEVICES, use_virtual_devices
+from shardemu.errors import CapacityError
 from shardemu.models import Model
 from shardemu.numerics.precision import arithmetic
 from shardemu.predict.hardware import Hardware
+from shardemu.predict.plan import Plan
 from shardemu.predict.profiles import get_hardware
 from shardemu.report.tables import print_phase_plan, summary_table
 from shardemu.report.trackers import TrackingConfig
@@ -89,13 +91,57 @@ def cmd_plan(args: argparse.Namespace) -> None:
         write_plan_dir(Path(out), planned, tracking)
     if args.json:
         print(json.dumps(report, indent=2))
+    else:
+        table = Console()
+        title = f"shardemu plan: {report['model']} on {report['mesh']}"
+        table.print(summary_table(title, flatten(report)))
+        if planned.phase_plan is not None:
+            print_phase_plan(table, planned.phase_plan)
+    _say_if_it_does_not_fit(args, planned, phased)
+
+
+def _say_if_it_does_not_fit(args: argparse.Namespace, planned: Plan, phased: Any) -> None:
+    """A plan over a memory tier of its hardware: which tier, by how much, and what to
+    change (never a setting already given); exit status 4 unless --allow-overflow."""
+    prediction = planned.prediction
+    memory = prediction.memory_per_device if prediction is not None else None
+    over = {tier: use for tier, use in (memory or {}).items() if not use.fits}
+    if prediction is None or not over:
         return
-    table = Console()
-    table.print(
-        summary_table(f"shardemu plan: {report['model']} on {report['mesh']}", flatten(report))
+    told = "; ".join(
+        f"its {tier} tier holds {use.bytes / 1e9:,.4g} GB per device, "
+        f"{(use.bytes - use.capacity) / 1e9:,.4g} GB over the {use.capacity / 1e9:,.4g} GB it has"
+        for tier, use in over.items()
     )
-    if planned.phase_plan is not None:
-        print_phase_plan(table, planned.phase_plan)
+    report = planned.report
+    what = f"{report['model']} on {report['mesh']} does not fit {prediction.hardware}: {told}"
+    if args.allow_overflow:
+        console.print(
+            f"[bold yellow]warning:[/] {what} (planned anyway: --allow-overflow)", highlight=False
+        )
+        return
+    raise CapacityError(
+        f"{what}; {_changes(args, phased)}, or give --allow-overflow to plan it anyway"
+    )
+
+
+def _changes(args: argparse.Namespace, phased: Any) -> str:
+    """The layout changes that shrink a plan's memory, less those already made."""
+    if phased is not None:
+        options = [
+            "more --phases" if args.phases else "--phases (more, smaller phases)",
+            "--activations offload" if phased.activations != "offload" else None,
+            "a larger --rts" if phased.rts == 1 else None,
+        ]
+    else:
+        micro = args.microbatch_size
+        options = [
+            "--recompute full" if args.recompute != "full" else None,
+            "a smaller --microbatch-size" if micro is None or micro > 1 else None,
+            "more tensor or pipe devices in --mesh",
+            "--phased (weights in the host tier)",
+        ]
+    return "try " + ", ".join(o for o in options if o)
 
 
 def _refuse_resident_only(args: argparse.Namespace, phased: PhasedConfig | None) -> None:
