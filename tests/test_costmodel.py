@@ -211,6 +211,31 @@ def test_resident_plan_recomputation_and_schedules():
     assert full["bubble_fraction"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1), p=2, m=4
 
 
+def test_one_stage_whose_whole_batch_does_not_fit_takes_the_fastest_microbatch_that_does():
+    """pipe = 1, no --microbatch-size: the whole batch when it fits (no choice made,
+    none said); on a device too small for it (4.5 MB: the whole batch of 8 needs 4.9
+    MB), the fastest of the sizes that fit, recorded as the choice, and the plan fits."""
+    from cli_helpers import shardemu
+
+    from shardemu.models import get_preset
+    from shardemu.predict.planning import plan
+
+    small = dataclasses.replace(PROFILES["a100-80gb"], name="small", device_memory_gb=0.0045)
+    train = TrainConfig(batch=8, seq=128)
+    roomy = plan(get_preset("gpt-tiny"), Parallelism(), train, PROFILES["a100-80gb"])
+    assert roomy.report["microbatch_size"] == 8 and "microbatch_choice" not in roomy.report
+    tight = plan(get_preset("gpt-tiny"), Parallelism(), train, small)
+    choice = tight.report["microbatch_choice"]
+    capacity = small.device_memory_bytes
+    fitting = [k for k, used in choice["device_bytes"].items() if used <= capacity]
+    assert choice["device_bytes"]["8"] > capacity and fitting  # the whole batch cannot
+    fastest = min(fitting, key=choice["step_time_s"].get)
+    assert tight.report["microbatch_size"] == int(fastest) < 8 and tight.fits
+    said = shardemu("plan", "--model", "gpt-tiny", "--batch", "8", "--seq", "128",
+                    "--hardware", "a100-80gb")  # fmt: skip
+    assert said.returncode == 0 and "--microbatch-size" not in said.stderr
+
+
 def test_a_pipelined_plan_without_a_microbatch_size_picks_the_fastest(tmp_path, capsys):
     """`plan --mesh pipe=2` without --microbatch-size plans each power-of-two size of the
     batch per replica and takes the fastest that fits; it says so. The chosen plan is

@@ -156,8 +156,9 @@ def plan_args(plan: argparse.ArgumentParser) -> None:
         "--microbatch-size",
         type=int,
         default=None,
-        help="sequences per microbatch per replica (default: the whole batch at once); "
-        "phased plans run the batch as pipelined passes of this size",
+        help="sequences per microbatch per replica (default: on pipelines, the fastest "
+        "size that fits; on one stage, the whole batch if it fits, else the fastest that "
+        "does); phased plans run the batch as pipelined passes of this size",
     )
     pipeline_args(plan)
     plan.add_argument(

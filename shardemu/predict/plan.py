@@ -39,5 +39,12 @@ class Plan:
             )
         return self.prediction.step_time_s
 
+    @property
+    def fits(self) -> bool:
+        """Whether the step fits every memory tier of its hardware (a plan without
+        hardware has no capacities to overflow)."""
+        memory = self.prediction.memory_per_device if self.prediction else None
+        return all(use.fits for use in (memory or {}).values())
+
     def to_json(self) -> dict[str, Any]:
         return self.report

@@ -41,7 +41,9 @@ def plan(
     `rules` apply). `microbatch_size` None on a pipeline (pipe > 1) with hardware, or
     "auto", plans each candidate size and keeps the fastest that fits (one microbatch
     would leave (p-1)/p of a p-stage pipeline idle); None otherwise is the whole batch
-    per replica. With `must_fit`, a step over a memory tier raises `CapacityError`.
+    per replica, and on one resident stage whose whole batch does not fit, the fastest
+    smaller microbatch that does (the whole batch, when it fits, is the fastest: no
+    bubble, the fewest kernels). With `must_fit`, a step over a memory tier raises `CapacityError`.
     Needs JAX devices for one stage (`plan_phased.plan_devices`) or one tensor group."""
     auto = microbatch_size == "auto" or (
         microbatch_size is None and par.pipe > 1 and hardware is not None
@@ -83,4 +85,7 @@ def plan(
     if auto:
         return plan_resident_auto(model, par, train, hardware, **settings)
     size = microbatch_size if microbatch_size is not None else train.batch // par.replica
-    return plan_resident(model, par, train, size, hardware, **settings)
+    whole = plan_resident(model, par, train, size, hardware, **settings)
+    if microbatch_size is None and not whole.fits:  # one stage: smaller microbatches
+        return plan_resident_auto(model, par, train, hardware, **settings)  # may fit
+    return whole
