@@ -208,14 +208,17 @@ def test_bad_weight_streaming_settings_are_refused(capsys):
 
 @pytest.mark.slow
 def test_a_batch_whose_activations_do_not_fit_a_system_is_refused(tiny_model, runs):
-    """(The plan counts the pieces the runs above compiled: nothing compiles again.)"""
+    """Refused, suggesting recomputation only to a plan that does not recompute yet.
+    (The plans count the pieces the runs above compiled: nothing compiles again.)"""
     if tiny_model.cfg.family == "bert":
         pytest.skip("one model shows the refusal")
-    runs("keep-activations")
     small = dataclasses.replace(PROFILES["cs2"], device_memory_gb=1e-4)  # 100 kB
-    with pytest.raises(CapacityError, match="100,000"):
-        plan_phased(
-            tiny_model.cfg, Parallelism(replica=SYSTEMS), TRAIN,
-            PhasedConfig(activations="keep-activations", weight_streaming=True),
-            hardware=small,
-        )  # fmt: skip
+    for activations in ("keep-activations", "recompute"):
+        runs(activations)
+        with pytest.raises(CapacityError, match="100,000") as err:
+            plan_phased(
+                tiny_model.cfg, Parallelism(replica=SYSTEMS), TRAIN,
+                PhasedConfig(activations=activations, weight_streaming=True), hardware=small,
+            )  # fmt: skip
+        suggested = "PhasedConfig.activations recompute" in str(err.value)
+        assert suggested == (activations != "recompute") and "use more systems" in str(err.value)

@@ -128,7 +128,7 @@ def _counted(
     plan, events = _one_pass(model_cfg, par, pass_cfg, phased, rules)
     memory = _memory(plan, sched, phased)
     if phased.weight_streaming and hardware is not None:
-        _check_activations_fit(memory["device"], hardware, pass_cfg, par)
+        _check_activations_fit(memory["device"], hardware, pass_cfg, par, phased)
     ledger = Ledger(list(events) if sched is None else repeat_passes(events, sched))
     totals = ledger.step_totals(0)
     analytic = flops.training_step(model_cfg, train_cfg.batch, train_cfg.seq)
@@ -281,19 +281,30 @@ def _memory(plan: PhasePlan, sched: Schedule | None, phased: PhasedConfig) -> di
 
 
 def _check_activations_fit(
-    device_peak: int, hardware: Hardware, pass_cfg: TrainConfig, par: Parallelism
+    device_peak: int,
+    hardware: Hardware,
+    pass_cfg: TrainConfig,
+    par: Parallelism,
+    phased: PhasedConfig,
 ) -> None:
     """Weight streaming keeps a system's activations on its device tier (MISSION.md:
     "activations stay on the wafer"): refuse a pass (`pass_cfg`: the sequences that go
-    through the layers together) whose activations do not fit."""
+    through the layers together) whose activations do not fit, suggesting only what the
+    settings do not already do."""
     capacity = hardware.device_memory_bytes
     if device_peak > capacity:
+        per_system = pass_cfg.batch // par.replica
+        fixes = [
+            "stream fewer sequences at a time (`microbatch_size`)" if per_system > 1 else "",
+            "use more systems",
+            "PhasedConfig.activations recompute" if phased.activations != "recompute" else "",
+        ]
         raise CapacityError(
             f"weight streaming keeps each system's activations on its device: "
-            f"{device_peak:,} bytes per system for {pass_cfg.batch // par.replica} "
-            f"sequences of {pass_cfg.seq} at a time, more than {hardware.name}'s "
-            f"{capacity:,}; stream fewer sequences at a time (`microbatch_size`), use more "
-            f"systems, or PhasedConfig.activations recompute"
+            f"{device_peak:,} bytes per system for {per_system} sequences of "
+            f"{pass_cfg.seq} at a time, more than {hardware.name}'s {capacity:,}; "
+            f"{', or '.join(f for f in fixes if f)}",
+            needed=device_peak,
         )
 
 
