@@ -329,3 +329,24 @@ def test_timeline_bars_cover_exactly_the_spans(raw):
     assert all(any(s >= a and e <= b for a, b in bars) for s, e in intervals)
     covered = {t for s, e in intervals for t in range(int(s), int(e))}
     assert covered == {t for a, b in bars for t in range(int(a), int(b))}
+
+
+def test_a_timeline_too_large_for_a_trace_keeps_its_picture_and_its_critical_stage(
+    tmp_path, monkeypatch
+):
+    """Past the span limit (made 3 here) timeline.png is still drawn, and trace.json
+    holds the critical stage's spans only, which the views say (it once wrote neither,
+    without a word)."""
+    import shardemu.report.views as views
+
+    spans = [
+        Span(i, stage, "compute", F(0), i, i + 1.0, compute(F(0), 1.0))
+        for i, stage in enumerate((0, 1, 1, 0, 1))
+    ]
+    timeline = Timeline(spans, 5.0, critical_stage=1)
+    monkeypatch.setattr(views, "MAX_TRACE_SPANS", 3)
+    written = views.write_views(timeline, tmp_path, "five spans")
+    assert (tmp_path / "timeline.png").stat().st_size > 1000
+    assert "critical stage 1 alone: 3 of the step's 5 spans" in written["trace_window"]
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {e["ts"] for e in events if e.get("ph") == "X"} == {1e6, 2e6, 4e6}

@@ -10,13 +10,17 @@ source material's phased-execution heat maps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
 
 from shardemu.predict.costmodel import Span, Timeline
 from shardemu.predict.rows import SearchResult, SearchRow
+
+log = logging.getLogger("shardemu")
 
 _STREAM_ORDER = ("compute", "h2d", "d2h", "host")
 _COLOURS = {
@@ -195,14 +199,23 @@ MAX_TRACE_SPANS = 200_000  # a trace past this is too big for a browser to open
 
 
 def write_views(timeline: Timeline, out: Path, title: str) -> dict[str, str]:
-    """trace.json and timeline.png in `out`; their paths, by the report keys `trace` and
-    `timeline`. A timeline of more than MAX_TRACE_SPANS spans gets neither."""
-    if len(timeline.spans) > MAX_TRACE_SPANS:
-        return {}
-    return {
-        "trace": str(write_trace(timeline, out / "trace.json")),
-        "timeline": str(plot_timeline(timeline, out / "timeline.png", title)),
-    }
+    """timeline.png (always: its bars are merged) and trace.json in `out`; their paths,
+    by the report keys `timeline` and `trace`. A timeline of more than MAX_TRACE_SPANS
+    spans, too many for a browser, gets the trace of its critical stage alone (the
+    first MAX_TRACE_SPANS of them at most), and `trace_window` says so."""
+    views = {"timeline": str(plot_timeline(timeline, out / "timeline.png", title))}
+    spans = timeline.spans
+    if len(spans) > MAX_TRACE_SPANS:
+        stage = timeline.critical_stage
+        kept = [s for s in spans if s.stage == stage][:MAX_TRACE_SPANS]
+        views["trace_window"] = (
+            f"the critical stage {stage} alone: {len(kept):,} of the step's {len(spans):,} "
+            f"spans (a whole trace past {MAX_TRACE_SPANS:,} is too large for a browser)"
+        )
+        log.warning("trace.json holds %s", views["trace_window"])
+        timeline = dataclasses.replace(timeline, spans=kept)
+    views["trace"] = str(write_trace(timeline, out / "trace.json"))
+    return views
 
 
 def plot_pareto(result: SearchResult, path: Path) -> Path:
