@@ -6,6 +6,7 @@ one field broken."""
 import json
 import math
 import os
+import re
 
 import jax
 import pytest
@@ -438,3 +439,24 @@ def test_a_plan_that_does_not_fit_exits_4_naming_the_tier_and_what_to_change(tmp
     assert "--recompute full" not in line and "--allow-overflow" in line
     anyway = shardemu(*plan, "--json", "--allow-overflow")
     assert anyway.returncode == 0 and anyway.stderr.startswith("warning: gpt-tiny"), anyway.stderr
+
+
+def test_a_batch_the_step_cannot_take_is_refused_before_it_compiles():
+    """A key missing, a shape for other settings, token ids past the vocabulary (which
+    read no embedding row: a NaN loss before): one ConfigError each from a Trainer's
+    step, checked on the host before anything compiles (the pipelined and phased steps
+    call the same `Model.check_batch`)."""
+    model = api.Model(api.get_preset("gpt-tiny"))
+    train = api.TrainConfig(batch=4, seq=8)
+    trainer = api.Trainer(model, api.make_mesh(devices=jax.devices()[:1]), train)
+    good = model.batch(api.SyntheticCorpus(512), 0, 4, 8)
+    bad = [
+        ({"tokens": good["tokens"]}, "batch holds targets, tokens; got tokens"),
+        ({k: v[:2] for k, v in good.items()}, "has shape (2, 8); the step takes (4, 8)"),
+        ({**good, "tokens": good["tokens"] + 512}, "outside gpt-tiny's vocabulary of 512"),
+    ]
+    for batch, message in bad:
+        with pytest.raises(api.ConfigError, match=re.escape(message)):
+            trainer.step(None, None, batch)
+        with pytest.raises(api.ConfigError, match=re.escape(message)):
+            model.check_batch(batch, 4, 8)

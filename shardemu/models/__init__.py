@@ -147,6 +147,33 @@ class Model:
                 )
         return self.family.make_batch(corpus, step, size, seq, self.cfg)
 
+    def check_batch(self, batch: dict[str, Any], size: int, seq: int) -> None:
+        """A training batch as the compiled step takes it: its family's arrays, each of
+        its shape for `size` sequences of `seq` tokens, and token ids inside the
+        vocabulary (an id past it would read no embedding row: a NaN loss, not an
+        error). Checked on the host, before anything is placed."""
+        want = self.batch_shapes(size, seq)
+        if set(batch) != set(want):
+            raise ConfigError(
+                f"{self.cfg.name}'s batch holds {', '.join(sorted(want))}; got "
+                f"{', '.join(sorted(batch)) or 'nothing'} (Model.batch makes one)"
+            )
+        for key, shape in want.items():
+            got = tuple(np.shape(batch[key]))
+            if got != shape:
+                raise ConfigError(
+                    f"batch array {key!r} has shape {got}; the step takes {shape} "
+                    f"({size} sequences of {seq} tokens)"
+                )
+        tokens = batch.get("tokens")
+        if isinstance(tokens, np.ndarray) and tokens.size:
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0 or high >= self.cfg.vocab_size:
+                raise ConfigError(
+                    f"batch token ids run from {low} to {high}, outside {self.cfg.name}'s "
+                    f"vocabulary of {self.cfg.vocab_size} (0 to {self.cfg.vocab_size - 1})"
+                )
+
     def batch_shapes(self, size: int, seq: int) -> dict[str, tuple[int, ...]]:
         """The shape of each array of a batch of `size` sequences of `seq` tokens."""
         dims = {"batch": size, "sequence": seq, "predictions": self.cfg.predictions(seq)}

@@ -221,6 +221,7 @@ class PhasedTrainer:
             raise ConfigError(
                 "a trainer with emulated stages plans (abstract mode); it cannot train"
             )
+        self.model.check_batch(batch, self.train.batch, self.train.seq)
         batches = {
             st.index: {
                 k: jax.device_put(np.asarray(v, np.int32), st.batch[k]) for k, v in batch.items()

@@ -175,6 +175,7 @@ class PipelinedTrainer:
         self, state: PipelinedState, batch: dict[str, np.ndarray], keep_grads: bool = False
     ) -> PipelinedResult:
         """One real step; its events go to `self.ledger` under the step's number."""
+        self.model.check_batch(batch, self.train.batch, self.train.seq)
         counts = tuple(np.float32(c) for c in self.model.loss_counts(batch))
         on = {s: jax.device_put(counts, self.stages[s].replicated) for s in self.holders}
         ex = Executor(

@@ -148,7 +148,8 @@ class Trainer:
         return fn(jax.random.key(seed))
 
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Place a host batch on the mesh (int32 ids, split over `replica`)."""
+        """Place a host batch on the mesh (int32 ids, split over `replica`), checked."""
+        self.model.check_batch(batch, self.train.batch, self.train.seq)
         return {
             k: jax.device_put(np.asarray(v, np.int32), self.batch_shardings[k])
             for k, v in batch.items()
@@ -227,8 +228,8 @@ class Trainer:
     ) -> ResidentOutput:
         """One optimizer step on a global batch. `params` and `opt_state` are donated.
         With `keep_grads`, the gradients (sharded like the parameters) come back too."""
-        out = self.compiled(keep_grads)(params, opt_state, self.put_batch(batch))
-        return ResidentOutput(*out)
+        placed = self.put_batch(batch)  # checked before anything compiles
+        return ResidentOutput(*self.compiled(keep_grads)(params, opt_state, placed))
 
     @property
     def _program_settings(self) -> TrainConfig:
