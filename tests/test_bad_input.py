@@ -429,7 +429,8 @@ def test_a_plan_that_does_not_fit_exits_4_naming_the_tier_and_what_to_change(tmp
     exit status 4; --allow-overflow plans it with a warning and exit status 0."""
     tiny = tmp_path / "tiny.json"
     tiny.write_text('{"base": "a100-80gb", "name": "a100-1mb", "device_memory_gb": 0.001}')
-    plan = ["plan", "--model", "gpt-tiny", "--hardware", str(tiny), "--recompute", "full"]
+    plan = ["plan", "--model", "gpt-tiny", "--hardware", str(tiny), "--recompute", "full",
+            "--microbatch-size", "2"]  # fmt: skip
     out = shardemu(*plan, "--json")
     assert out.returncode == 4, out.stderr
     assert json.loads(out.stdout)["memory_per_device"]["device"]["fits"] is False
@@ -437,6 +438,7 @@ def test_a_plan_that_does_not_fit_exits_4_naming_the_tier_and_what_to_change(tmp
     assert line.startswith("error: gpt-tiny on pipe=1,tensor=1,replica=1 does not fit a100-1mb")
     assert "its device tier holds" in line and "GB over the 0.001 GB it has" in line
     assert "--recompute full" not in line and "--allow-overflow" in line
+    assert "a smaller --microbatch-size" in line
     anyway = shardemu(*plan, "--json", "--allow-overflow")
     assert anyway.returncode == 0 and anyway.stderr.startswith("warning: gpt-tiny"), anyway.stderr
 
