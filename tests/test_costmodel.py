@@ -350,3 +350,18 @@ def test_a_timeline_too_large_for_a_trace_keeps_its_picture_and_its_critical_sta
     assert "critical stage 1 alone: 3 of the step's 5 spans" in written["trace_window"]
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert {e["ts"] for e in events if e.get("ph") == "X"} == {1e6, 2e6, 4e6}
+
+
+def test_a_profile_override_that_fp32_plans_ignore_is_said(tmp_path, caplog):
+    """`peak_tflops` over a base with its own FP32 peak changes the 16-bit plans only:
+    loading it says so (it was silent); giving `fp32_tflops` too says nothing."""
+    only = tmp_path / "fast.toml"
+    only.write_text('base = "a100-80gb"\npeak_tflops = 500\n')
+    both = tmp_path / "both.toml"
+    both.write_text('base = "a100-80gb"\npeak_tflops = 500\nfp32_tflops = 250\n')
+    with caplog.at_level("WARNING", logger="shardemu"):
+        assert load_profile(only).at_precision("fp32").peak_tflops == 156
+        assert load_profile(both).at_precision("fp32").peak_tflops == 250
+    (record,) = caplog.records
+    assert "peak_tflops sets the 16-bit peak only" in record.getMessage()
+    assert "fp32_tflops = 156" in record.getMessage() and "fast.toml" in record.getMessage()

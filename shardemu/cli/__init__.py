@@ -320,9 +320,7 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    library = logging.getLogger("shardemu")
-    library.addHandler(_WARNINGS)  # once: a handler is added only if it is not there
-    library.propagate = False
+    logging.getLogger("shardemu").addHandler(_WARNINGS)  # once: added only if not there
     try:
         args = parse(argv)
         if args.command == "run" and args.processes is not None and process_index() is None:

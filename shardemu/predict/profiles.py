@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import tomllib
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from shardemu.config import BLOCK_SIZES
 from shardemu.config.files import read_text
 from shardemu.errors import HardwareError
 from shardemu.predict.hardware import MEASURED_ON_H100, Hardware
+
+log = logging.getLogger("shardemu")
 
 
 def _ipu(name: str, ipus: int) -> Hardware:
@@ -268,6 +271,13 @@ def load_profile(path: str | Path) -> Hardware:
     if base is not None:
         if base not in PROFILES:
             raise HardwareError(f"hardware profile {str(path)!r}: unknown base {base!r}")
+        fp32 = PROFILES[base].fp32_tflops
+        if "peak_tflops" in data and "fp32_tflops" not in data and fp32 is not None:
+            log.warning(
+                "hardware profile %s: peak_tflops sets the 16-bit peak only; an fp32 plan "
+                "computes at %s's fp32_tflops = %g (give fp32_tflops to change that too)",
+                path, base, fp32,
+            )  # fmt: skip
         return dataclasses.replace(PROFILES[base], **{"name": path.stem, **data})
     missing = sorted(
         f.name
