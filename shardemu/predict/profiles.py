@@ -271,6 +271,7 @@ def load_profile(path: str | Path) -> Hardware:
     if base is not None:
         if base not in PROFILES:
             raise HardwareError(f"hardware profile {str(path)!r}: unknown base {base!r}")
+        profile = dataclasses.replace(PROFILES[base], **{"name": path.stem, **data})  # checked
         fp32 = PROFILES[base].fp32_tflops
         if "peak_tflops" in data and "fp32_tflops" not in data and fp32 is not None:
             log.warning(
@@ -278,7 +279,7 @@ def load_profile(path: str | Path) -> Hardware:
                 "computes at %s's fp32_tflops = %g (give fp32_tflops to change that too)",
                 path, base, fp32,
             )  # fmt: skip
-        return dataclasses.replace(PROFILES[base], **{"name": path.stem, **data})
+        return profile
     missing = sorted(
         f.name
         for f in dataclasses.fields(Hardware)
