@@ -77,3 +77,20 @@ def test_two_processes_equal_one_and_a_lost_process_stops_the_run(tmp_path):
 def test_what_processes_cannot_do_is_refused(extra, message):
     out = shardemu(*ARGS, *extra)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_only_process_0_says_how_to_resume(monkeypatch):
+    """Ctrl-C reaches every process; a process other than 0 keeps its copy of the run in a
+    scratch folder, so its resume hint would point there: it exits 130 and says nothing,
+    and process 0 prints the hint."""
+    import shardemu.cli as cli
+    from shardemu.errors import RunInterrupted
+
+    def interrupted(args):
+        raise RunInterrupted(f"stopped; resume with: shardemu run --resume {args.out}", 2)
+
+    monkeypatch.setitem(cli.COMMANDS, "run", interrupted)
+    for index, says in (("1", False), ("0", True)):
+        monkeypatch.setenv("SHARDEMU_PROCESS_ID", index)
+        out = shardemu("run", "--model", "gpt-tiny", "--out", "scratch")
+        assert out.returncode == 130 and ("resume with" in out.stderr) == says, out.stderr

@@ -33,7 +33,7 @@ from shardemu.cli.settings import (
 )
 from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.devices import use_virtual_devices
-from shardemu.errors import ShardemuError, TrialsFailed
+from shardemu.errors import RunInterrupted, ShardemuError, TrialsFailed
 from shardemu.launch import join, launch, process_index, scratch_folder
 from shardemu.predict.profiles import get_hardware
 from shardemu.report.tables import param_table, print_phase_plan, summary_table
@@ -329,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as done:  # --help, --version, or a usage error argparse has printed
         return int(done.code or 0)
     except ShardemuError as err:
+        if isinstance(err, RunInterrupted) and process_index() not in (None, 0):
+            return err.exit_code  # process 0 says how to resume; this one's folder is scratch
         message = escape(flag_message(str(err)))  # TrainConfig.seed -> --seed
         console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
         return err.exit_code
