@@ -115,13 +115,18 @@ def test_pipelined_equals_one_device(reference, assert_params_close):
     on the last."""
     train = TrainConfig(batch=TRAIN.batch, seq=TRAIN.seq, seed=0, microbatches=2)
     trainer = PipelinedTrainer(TINY, make_mesh(2, 2, 1, devices=jax.devices()[:4]), train)
-    state = trainer.place(reference["init"])
+    train_like_reference(trainer, trainer.place(reference["init"]), reference, assert_params_close)
+
+
+def train_like_reference(trainer, state, reference, assert_params_close):
+    """Step a staged `trainer` (pipelined or phased) from `state` through the reference's
+    batches: every loss, then the final parameters, as one device's."""
     corpus = SyntheticCorpus(TINY.cfg.vocab_size, seed=0)
     for step, want in enumerate(reference["losses"]):
         result = trainer.step(state, TINY.batch(corpus, step, TRAIN.batch, TRAIN.seq))
         state = result.state
         np.testing.assert_allclose(result.loss, want, rtol=1e-5)
-    assert_params_close(trainer.params(state), reference["final"], train.learning_rate)
+    assert_params_close(trainer.params(state), reference["final"], TRAIN.learning_rate)
 
 
 @pytest.mark.slow
@@ -130,13 +135,7 @@ def test_phased_with_rts_equals_one_device(reference, assert_params_close):
     (rts 2) and gathering the rest before its phase runs; the update in the host tier."""
     mesh = make_mesh(tensor=2, replica=2, devices=jax.devices()[:4])
     trainer = PhasedTrainer(TINY, mesh, TRAIN, PhasedConfig(phases=2, rts=2))
-    state = trainer.init(reference["init"])
-    corpus = SyntheticCorpus(TINY.cfg.vocab_size, seed=0)
-    for step, want in enumerate(reference["losses"]):
-        result = trainer.step(state, TINY.batch(corpus, step, TRAIN.batch, TRAIN.seq))
-        state = result.state
-        np.testing.assert_allclose(result.loss, want, rtol=1e-5)
-    assert_params_close(trainer.params(state), reference["final"], TRAIN.learning_rate)
+    train_like_reference(trainer, trainer.init(reference["init"]), reference, assert_params_close)
 
 
 def test_settings_a_family_cannot_honour_are_refused():

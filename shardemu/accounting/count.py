@@ -27,8 +27,12 @@ from shardemu.accounting.matmuls import Kernels, Matmul, compute_itemsize
 
 
 def abstract(tree: Any) -> Any:
-    """Shapes, dtypes and shardings of a tree of arrays (or of abstract values)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    """Shapes, dtypes and shardings (where they have one: a NumPy array has none) of a
+    tree of arrays or abstract values."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+        tree,
+    )
 
 
 def with_shardings(shapes: Any, shardings: Any) -> Any:

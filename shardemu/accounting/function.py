@@ -19,21 +19,20 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh
 
-from shardemu.accounting.count import COUNT_OPTIONS, Counter, piece_events
+from shardemu.accounting.count import COUNT_OPTIONS, Counter, abstract, piece_events
 from shardemu.accounting.ledger import Ledger, Phase
 from shardemu.errors import ConfigError
 from shardemu.parallel.mesh import parallelism_of
 from shardemu.parallel.rules import Rules, activation_rules
 
 
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-    """An argument as the compiler sees it: its shape, dtype and (if it has one) sharding."""
+def _require_array(x: Any) -> None:
+    """An argument the compiler can take as a shape and a dtype."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ConfigError(
             f"count takes arrays or jax.ShapeDtypeStruct arguments, got a {type(x).__name__}; "
             f"pass a value's shape and dtype as jax.ShapeDtypeStruct(shape, dtype, sharding=...)"
         )
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
 def count(
@@ -50,15 +49,16 @@ def count(
     them) the layout they arrive in. One `step` event of computation and one event per
     (collective, mesh axes, group size)."""
     parallelism_of(mesh)  # refuses a mesh of other axis names
-    abstract = jax.tree.map(_abstract, args)
+    jax.tree.map(_require_array, args)
+    shapes = abstract(args)
     jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings)
     with contextlib.ExitStack() as context:
         if rules is not None:
             context.enter_context(activation_rules(mesh, rules))
             context.enter_context(nn.logical_axis_rules(rules))
         context.enter_context(jax.set_mesh(mesh))
-        compiled = jitted.lower(*abstract).compile(compiler_options=COUNT_OPTIONS)
+        compiled = jitted.lower(*shapes).compile(compiler_options=COUNT_OPTIONS)
     # a counter of its own: its keys are a piece's name and signature, and two user
     # functions may share both
-    counted = Counter().count_compiled(getattr(fn, "__name__", "fn"), compiled, mesh, abstract)
+    counted = Counter().count_compiled(getattr(fn, "__name__", "fn"), compiled, mesh, shapes)
     return Ledger(piece_events(counted, 0, Phase("step"), 0))

@@ -56,7 +56,6 @@ class Setting:
     default: Any
     kind: type  # int, float, str, bool or tuple (of ints)
     choices: tuple[Any, ...] | None
-    optional: bool  # None is a value
 
     @property
     def ref(self) -> str:
@@ -71,8 +70,8 @@ def settings_of(cls: type) -> tuple[Setting, ...]:
     for f in dataclasses.fields(cls):
         flag = f.metadata.get("flag")
         if flag is not None:
-            kind, choices, optional = _read_hint(hints[f.name], f"{cls.__name__}.{f.name}")
-            out.append(Setting(cls, f.name, flag, f.default, kind, choices, optional))
+            kind, choices = _read_hint(hints[f.name], f"{cls.__name__}.{f.name}")
+            out.append(Setting(cls, f.name, flag, f.default, kind, choices))
     return tuple(out)
 
 
@@ -81,16 +80,16 @@ def choices_of(hint: Any) -> tuple[Any, ...]:
     return typing.get_args(hint)
 
 
-def _read_hint(hint: Any, ref: str) -> tuple[type, tuple[Any, ...] | None, bool]:
+def _read_hint(hint: Any, ref: str) -> tuple[type, tuple[Any, ...] | None]:
+    """(kind, choices) of a field's annotation, `X | None` read as `X`."""
     args = typing.get_args(hint)
-    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
-    if optional:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
         (hint,) = [a for a in args if a is not type(None)]
     if typing.get_origin(hint) is Literal:
         values = typing.get_args(hint)
-        return type(values[0]), values, optional
+        return type(values[0]), values
     if typing.get_origin(hint) is tuple:
-        return tuple, None, optional
+        return tuple, None
     if hint in (int, float, str, bool):
-        return hint, None, optional
+        return hint, None
     raise TypeError(f"{ref}: a flag cannot hold a {hint!r}")

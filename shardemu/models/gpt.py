@@ -111,7 +111,8 @@ def shaped(name: str, layers: int, d: int, heads: int, ctx: int = 2048) -> Model
 
 
 def head_matmuls(cfg: ModelConfig, batch: int, seq: int) -> dict[str, tuple[int, int, int]]:
-    """The tied output projection at every position (the embedding lookup is a gather)."""
+    """The output projection at every position (the embedding lookup is a gather):
+    GPT's, tied to the embedding, and Llama's untied `lm_head` alike."""
     return {"logits": (batch * seq, cfg.embed_dim, cfg.vocab_size)}
 
 
