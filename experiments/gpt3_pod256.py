@@ -30,7 +30,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from shardemu.config import Parallelism, PhasedConfig, TrainConfig  # noqa: E402
-from shardemu.models import get_preset  # noqa: E402
+from shardemu.models import Model, get_preset  # noqa: E402
 from shardemu.predict.plan_phased import padded_for, plan_phased  # noqa: E402
 from shardemu.predict.profiles import PROFILES  # noqa: E402
 from shardemu.report.describe import describe  # noqa: E402
@@ -56,7 +56,7 @@ SETTINGS = {
 def resident() -> dict:
     """Weights and Adam state per IPU if everything stayed on chip (float32 as described,
     and bfloat16 weights with float32 Adam moments)."""
-    model = padded_for(get_preset("gpt3-175b"), PAR)
+    model = padded_for(Model(get_preset("gpt3-175b")), PAR)
     report = describe(model, PAR)
     weights32 = report["bytes_per_device"]
     return {
@@ -69,7 +69,7 @@ def resident() -> dict:
 
 
 def phased(name: str, cfg: PhasedConfig) -> dict:
-    model = padded_for(get_preset("gpt3-175b"), PAR).replace(param_dtype="float16")
+    model = padded_for(Model(get_preset("gpt3-175b")), PAR).replace(param_dtype="float16")
     train = TrainConfig(batch=GLOBAL_BATCH, seq=SEQ)
     r = plan_phased(model, PAR, train, cfg, hardware=HW, microbatch_size=MICROBATCH).report
     return {

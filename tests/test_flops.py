@@ -44,7 +44,7 @@ def xla_training_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
 @pytest.mark.parametrize("name", ["gpt2-small", "gpt3-1.3b", "gpt3-175b"])
 def test_per_op_count_equals_narayanan_closed_form(name):
     cfg = get_preset(name)
-    analytic = flops.training_step(cfg, 8, 2048)
+    analytic = flops.training_step(Model(cfg), 8, 2048)
     assert analytic == pytest.approx(flops.narayanan_gpt(cfg, 8, 2048), rel=1e-12)
 
 
@@ -52,14 +52,14 @@ def test_per_op_count_equals_narayanan_closed_form(name):
 def test_analytic_count_agrees_with_xla_within_2_percent(family):
     cfg, batch, seq = WIDE[family], 2, 128
     xla = xla_training_flops(cfg, batch, seq)
-    analytic = flops.training_step(cfg, batch, seq)
+    analytic = flops.training_step(Model(cfg), batch, seq)
     assert abs(xla - analytic) / analytic < 0.02, (xla, analytic)
 
 
 def test_recomputation_adds_one_forward_of_the_layers():
-    cfg = get_preset("gpt2-small")
-    extra = flops.training_step(cfg, 4, 1024, recompute=True) - flops.training_step(cfg, 4, 1024)
-    assert extra == cfg.num_layers * sum(flops.layer_forward(cfg, 4, 1024).values())
+    model = Model(get_preset("gpt2-small"))
+    extra = flops.training_step(model, 4, 1024, True) - flops.training_step(model, 4, 1024)
+    assert extra == model.cfg.num_layers * sum(flops.layer_forward(model, 4, 1024).values())
 
 
 def test_xla_counts_a_scanned_layer_stack_once():
@@ -70,4 +70,4 @@ def test_xla_counts_a_scanned_layer_stack_once():
     assert xla_training_flops(three, 2, 128) == pytest.approx(
         xla_training_flops(one, 2, 128), rel=1e-3
     )
-    assert flops.training_step(three, 2, 128) > 1.5 * flops.training_step(one, 2, 128)
+    assert flops.training_step(Model(three), 2, 128) > 1.5 * flops.training_step(Model(one), 2, 128)

@@ -91,7 +91,7 @@ def test_analytic_count_agrees_with_xla_within_1_percent():
     shapes, _ = model.abstract_params()
     tokens = {k: jax.ShapeDtypeStruct(s, jnp.int32) for k, s in model.batch_shapes(2, 128).items()}
     compiled = jax.jit(jax.value_and_grad(model.loss)).lower(shapes, tokens).compile()
-    analytic = flops.training_step(cfg, 2, 128)
+    analytic = flops.training_step(model, 2, 128)
     assert abs(compiled.cost_analysis()["flops"] / analytic - 1) < 0.01
 
 

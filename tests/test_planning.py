@@ -31,13 +31,31 @@ def test_a_resident_plan_is_plan_residents_own():
         ({"phased": PhasedConfig(), "recompute": "none"}, "recompute='none' and attention="),
         ({"phased": PhasedConfig(), "attention": "fused"}, "PhasedConfig.activations"),
         ({}, "a resident plan is timed on a hardware profile"),
-        ({"rules": shardemu.megatron_rules()}, "counts with Megatron-LM's rules"),
     ],
 )
 def test_settings_of_the_other_planner_are_refused(settings, message):
     hardware = None if not settings else HW
     with pytest.raises(ConfigError, match=message):
         shardemu.plan(TINY, Parallelism(), TRAIN, hardware, **settings)
+
+
+def test_a_resident_plan_shards_by_the_rules_it_is_given():
+    """`rules=` reaches the resident planner's count: Megatron-LM's rules (the default,
+    or given) all-reduce activations over `tensor`; rules that split nothing over it
+    leave no collective on `tensor` and hold each layer's weights whole."""
+    par = Parallelism(tensor=2)
+    whole = tuple((name, None) for name, _ in shardemu.megatron_rules())
+
+    def tensor_bytes(planned: shardemu.Plan) -> int:
+        return sum(e.bytes for e in planned.ledger.events if e.axis == "tensor")
+
+    default = shardemu.plan(TINY, par, TRAIN, HW, recompute="none")
+    given = shardemu.plan(TINY, par, TRAIN, HW, recompute="none", rules=shardemu.megatron_rules())
+    replicated = shardemu.plan(TINY, par, TRAIN, HW, recompute="none", rules=whole)
+    assert tensor_bytes(default) == tensor_bytes(given) > 0
+    assert tensor_bytes(replicated) == 0
+    held = [p.report["memory_per_device"]["device"]["bytes"] for p in (default, replicated)]
+    assert held[1] > held[0]
 
 
 def test_a_plan_without_hardware_has_no_step_time():

@@ -131,7 +131,7 @@ def test_a_resident_plan_with_fused_attention() -> None:
     FlashAttention's backward recomputes (one per layer, microbatch and replica); the
     kept activations lose the [s, s] probabilities; the step is faster at seq 2048."""
     from shardemu.accounting import flops
-    from shardemu.models import custom_model
+    from shardemu.models import Model, custom_model
     from shardemu.predict.plan_resident import plan_resident
     from shardemu.predict.profiles import PROFILES
 
@@ -147,7 +147,9 @@ def test_a_resident_plan_with_fused_attention() -> None:
 
     plain, fused = plan("materialized"), plan("fused")
     assert fused["model_flops"] == pytest.approx(plain["model_flops"], rel=1e-12)
-    recomputed = cfg.num_layers * (batch // b) * flops.layer_forward(cfg, b, 2048)["attn_scores"]
+    recomputed = (
+        cfg.num_layers * (batch // b) * flops.layer_forward(Model(cfg), b, 2048)["attn_scores"]
+    )
     assert fused["flops"] - plain["flops"] == pytest.approx(recomputed, rel=1e-9)
     device = [r["memory_per_device"]["device"]["bytes"] for r in (plain, fused)]
     assert device[1] < device[0]

@@ -13,7 +13,7 @@ from cli_helpers import shardemu
 
 from shardemu.accounting import flops
 from shardemu.config import ConfigError, Parallelism, TrainConfig
-from shardemu.models import custom_model
+from shardemu.models import Model, custom_model
 from shardemu.predict.layouts import Space
 from shardemu.predict.plan_resident import plan_resident
 from shardemu.predict.profiles import PROFILES
@@ -98,7 +98,9 @@ def test_memory_bound_is_the_count_or_less():
     for tensor, recompute, attention in itertools.product(
         (1, 2), ("none", "full"), ("materialized", "fused")
     ):
-        key = count_key(TINY, Parallelism(tensor=tensor), 1, SEQ, recompute, "bf16", attention)
+        key = count_key(
+            Model(TINY), Parallelism(tensor=tensor), 1, SEQ, recompute, "bf16", attention
+        )
         bound, counted = memory_bound(*key), counted_microbatch(*key)
         assert (bound.layer_bytes, bound.shared_bytes, bound.opt_bytes) == (
             counted.layer_bytes, counted.shared_bytes, counted.opt_bytes
@@ -118,7 +120,7 @@ def test_slower_precision_pruned_by_its_bound_changes_no_result():
     space = dataclasses.replace(SPACE, precisions=("fp32", "bf16"))
     got = search(TINY, SLOW, DEVICES, BATCH, SEQ, space, top=3)
     brute = {**brute_force("fp32", SLOW), **brute_force("bf16", SLOW)}
-    model_flops = flops.training_step(TINY, BATCH, SEQ)
+    model_flops = flops.training_step(Model(TINY), BATCH, SEQ)
     for label, report in brute.items():
         hw = SLOW.at_precision(label.split()[4])
         assert report["step_time_s"] >= least_step_seconds(model_flops, DEVICES, hw)
@@ -196,7 +198,7 @@ def test_phased_pruning_drops_only_layouts_that_do_not_fit():
     it pruned (prune 4: it holds at least what a setting that did not fit holds) planned
     whole: none of those fits."""
     par, hw = Parallelism(1, 1, 2), dataclasses.replace(HW, device_memory_gb=PHASED_GB)
-    s = Searcher(TINY, hw, par.num_devices, BATCH, SEQ, Space(("fp32",), "phased"))
+    s = Searcher(Model(TINY), hw, par.num_devices, BATCH, SEQ, Space(("fp32",), "phased"))
     group = [
         c for c in s.candidates(par, ("phased",), "fp32", 2)
         if c.rts == 1 and c.activations in ("offload", "keep")

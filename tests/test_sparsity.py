@@ -366,11 +366,11 @@ def test_a_sparse_plan_streams_a_tenth_and_times_the_layers_sparse():
     close to 10x fewer bytes (the non-zero blocks and their coordinates); on a CS-2 the
     layers' computations take the analytic share of their dense time, and the rest is
     timed as before."""
-    model = custom_model("gpt", layers=2, hidden=256, heads=4, vocab=512, positions=64)
+    model = Model(custom_model("gpt", layers=2, hidden=256, heads=4, vocab=512, positions=64))
     sparse = SparsityConfig(0.9, block=16)
     train = TrainConfig(batch=4, seq=64, sparsity=sparse)
     mesh = mesh_from(Parallelism(), jax.devices()[:1])
-    trainer = PhasedTrainer(Model(model), mesh, train, PhasedConfig())
+    trainer = PhasedTrainer(model, mesh, train, PhasedConfig())
     ledger = Ledger()
     trainer.plan(ledger=ledger)
     streamed = sum(

@@ -22,7 +22,7 @@ stack of L layers reports one layer: compare per layer, or multiply.
 from __future__ import annotations
 
 from shardemu.config import ModelConfig
-from shardemu.models.family import get_family
+from shardemu.models import Model
 
 
 def matmul(m: int, k: int, n: int) -> int:
@@ -30,11 +30,12 @@ def matmul(m: int, k: int, n: int) -> int:
     return 2 * m * k * n
 
 
-def layer_forward(cfg: ModelConfig, batch: int, seq: int) -> dict[str, int]:
+def layer_forward(model: Model, batch: int, seq: int) -> dict[str, int]:
     """One transformer layer's forward matmuls, by operation."""
+    cfg = model.cfg
     tokens, d, f = batch * seq, cfg.embed_dim, cfg.mlp_dim
     heads, k = cfg.num_heads, cfg.head_dim
-    gated = get_family(cfg.family).gated_mlp
+    gated = model.family.gated_mlp
     return {
         # A query heads and G key/value heads of k (G = A without grouping)
         "qkv": matmul(tokens, d, (heads + 2 * cfg.kv_heads) * k),
@@ -46,26 +47,26 @@ def layer_forward(cfg: ModelConfig, batch: int, seq: int) -> dict[str, int]:
     }
 
 
-def head_forward(cfg: ModelConfig, batch: int, seq: int) -> dict[str, int]:
+def head_forward(model: Model, batch: int, seq: int) -> dict[str, int]:
     """The output head's forward matmuls, as its family declares them
     (`Family.head_matmuls`: GPT's at every position, BERT's masked-LM head at its P
     masked positions a sequence)."""
-    shapes = get_family(cfg.family).head_matmuls(cfg, batch, seq)
+    shapes = model.family.head_matmuls(model.cfg, batch, seq)
     return {name: matmul(m, k, n) for name, (m, k, n) in shapes.items()}
 
 
-def forward(cfg: ModelConfig, batch: int, seq: int) -> int:
+def forward(model: Model, batch: int, seq: int) -> int:
     """Forward FLOPs of the whole model on B sequences of length s."""
-    layers = cfg.num_layers * sum(layer_forward(cfg, batch, seq).values())
-    return layers + sum(head_forward(cfg, batch, seq).values())
+    layers = model.cfg.num_layers * sum(layer_forward(model, batch, seq).values())
+    return layers + sum(head_forward(model, batch, seq).values())
 
 
-def training_step(cfg: ModelConfig, batch: int, seq: int, recompute: bool = False) -> int:
+def training_step(model: Model, batch: int, seq: int, recompute: bool = False) -> int:
     """Forward + backward FLOPs of one step (`model_flops`); with full recomputation the
     layers' forward runs twice (Narayanan et al. 2021: 4x instead of 3x forward)."""
-    flops = 3 * forward(cfg, batch, seq)
+    flops = 3 * forward(model, batch, seq)
     if recompute:
-        flops += cfg.num_layers * sum(layer_forward(cfg, batch, seq).values())
+        flops += model.cfg.num_layers * sum(layer_forward(model, batch, seq).values())
     return flops
 
 

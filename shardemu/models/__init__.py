@@ -47,6 +47,7 @@ __all__ = [
     "LogicalAxes",
     "LossTerms",
     "Model",
+    "as_model",
     "custom_model",
     "get_preset",
     "normalise",
@@ -60,20 +61,51 @@ def normalise(sums: LossTerms, counts: LossTerms) -> jax.Array:
 
 @dataclass(frozen=True)
 class Model:
+    """A model an engine runs: its sizes (`cfg`) and its family (`Family`: modules, batch,
+    loss). `Model(cfg)` is the registered family `cfg.family` names (GPT, BERT, Llama);
+    `Model(cfg, family=MINE)` is a family of your own, registered or not
+    (`models/family.py` says what it provides). Engines and planners take a `Model` and
+    never rebuild one from its config, so a model of your own stays yours everywhere.
+    Two models are equal when their configs are and their family is the same object."""
+
     cfg: ModelConfig
-    family: Family = field(init=False)
-    module: nn.Module = field(init=False)
+    family: Family = None  # type: ignore[assignment]  # None: the family `cfg.family` names
+    module: nn.Module = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        family = get_family(self.cfg.family)
+        if not isinstance(self.cfg, ModelConfig):
+            raise ConfigError(
+                f"Model takes a ModelConfig (shardemu.get_preset(NAME), or your own), got a "
+                f"{type(self.cfg).__name__}"
+            )
+        if self.family is None:
+            object.__setattr__(self, "family", get_family(self.cfg.family))
+        elif not isinstance(self.family, Family):
+            raise ConfigError(
+                f"Model's family must be a shardemu.Family, got a {type(self.family).__name__}"
+            )
+        elif self.family.name != self.cfg.family:
+            raise ConfigError(
+                f"{self.cfg.name}: ModelConfig.family is {self.cfg.family!r} but the family "
+                f"given is {self.family.name!r}; set ModelConfig(family={self.family.name!r})"
+            )
+        family = self.family
         if not family.grouped_query and self.cfg.kv_heads != self.cfg.num_heads:
             raise ConfigError(
                 f"{self.cfg.name}: ModelConfig.num_kv_heads={self.cfg.num_kv_heads}, but the "
                 f"{family.name} family's attention has a key/value head per query head; "
                 f"use a family with grouped-query attention (llama) or leave it 0"
             )
-        object.__setattr__(self, "family", family)
         object.__setattr__(self, "module", family.module(self.cfg))
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    def replace(self, **changes: Any) -> Model:
+        """This model with its config's `changes` (a padded vocabulary, a dtype, fewer
+        layers): the same family."""
+        return Model(self.cfg.replace(**changes), self.family)
 
     @property
     def stack_key(self) -> str:
@@ -204,12 +236,12 @@ class Model:
         """(shapes, logical axes) of every parameter, without allocating any: traced
         once per process and config (~0.2 s at GPT-3's size; a search plans one model
         hundreds of times), so callers share the trees and must not change them."""
-        return _abstract_params(self.cfg)
+        return _abstract_params(self)
 
 
 @functools.lru_cache(maxsize=64)
-def _abstract_params(cfg: ModelConfig) -> tuple[dict, dict]:
-    boxed = jax.eval_shape(Model(cfg)._boxed_params, jax.random.key(0))
+def _abstract_params(model: Model) -> tuple[dict, dict]:
+    boxed = jax.eval_shape(model._boxed_params, jax.random.key(0))
     logical = jax.tree.map(
         tuple,
         nn.get_partition_spec(boxed),
@@ -226,7 +258,12 @@ def param_bytes(shapes: dict) -> int:
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
-@functools.lru_cache(maxsize=64)
-def count_params(cfg: ModelConfig) -> int:
-    """`cfg`'s parameters, from its abstract init (`Model.abstract_params`)."""
-    return param_count(Model(cfg).abstract_params()[0])
+def count_params(model: Model) -> int:
+    """`model`'s parameters, from its abstract init (`Model.abstract_params`)."""
+    return param_count(model.abstract_params()[0])
+
+
+def as_model(model: Model | ModelConfig) -> Model:
+    """`model`, or the model of a registered family's config: what the planners, the
+    search and `train` take from a caller."""
+    return model if isinstance(model, Model) else Model(model)

@@ -191,6 +191,7 @@ FAMILY = register(
             step, size, seq, cfg.predictions(seq)
         ),
         example_mask=True,
+        block_sparse=True,
         shaped=shaped,
         head_matmuls=head_matmuls,
         presets=PRESETS,

@@ -28,7 +28,6 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from shardemu.config import ModelConfig
 from shardemu.models.family import Family, register
@@ -84,18 +83,6 @@ class GPT(nn.Module):
         return self.head(x_bsd)
 
 
-def gpt_loss_sums(logits_bsv: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
-    """Summed causal-LM cross-entropy; its count is every position (`gpt_loss_counts`)."""
-    ce_bs = optax.softmax_cross_entropy_with_integer_labels(
-        logits_bsv.astype(jnp.float32), batch["targets"]
-    )
-    return (ce_bs.sum(),)
-
-
-def gpt_loss_counts(batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
-    return (jnp.asarray(batch["targets"].size, jnp.float32),)
-
-
 def shaped(name: str, layers: int, d: int, heads: int, ctx: int = 2048) -> ModelConfig:
     """A GPT of these dimensions: d_ff = 4 d, GPT-2's vocabulary."""
     return ModelConfig(
@@ -108,12 +95,6 @@ def shaped(name: str, layers: int, d: int, heads: int, ctx: int = 2048) -> Model
         mlp_dim=4 * d,
         max_positions=ctx,
     )
-
-
-def head_matmuls(cfg: ModelConfig, batch: int, seq: int) -> dict[str, tuple[int, int, int]]:
-    """The output projection at every position (the embedding lookup is a gather):
-    GPT's, tied to the embedding, and Llama's untied `lm_head` alike."""
-    return {"logits": (batch * seq, cfg.embed_dim, cfg.vocab_size)}
 
 
 PRESETS = (
@@ -133,14 +114,8 @@ FAMILY = register(
         module=GPT,
         layer=GPTBlock,
         stack_key="blocks",
-        inputs=("tokens",),
-        batch_axes={"tokens": ("batch", "sequence"), "targets": ("batch", "sequence")},
-        loss_sums=gpt_loss_sums,
-        loss_counts=gpt_loss_counts,
-        make_batch=lambda corpus, step, size, seq, _cfg: corpus.gpt_batch(step, size, seq),
-        example_mask=False,
-        shaped=shaped,
-        head_matmuls=head_matmuls,
+        shaped=shaped,  # a causal language model: `Family`'s defaults for the rest
         presets=PRESETS,
+        block_sparse=True,
     )
 )

@@ -38,7 +38,6 @@ import jax
 import jax.numpy as jnp
 
 from shardemu.config import ModelConfig
-from shardemu.models import gpt
 from shardemu.models.family import Family, register
 from shardemu.models.layers import ACT_BSD, ACT_BSD_WHOLE, ACT_BSF, ACT_BSHK, layer_stack, normal
 from shardemu.parallel.rules import constrain
@@ -226,17 +225,9 @@ FAMILY = register(
         module=Llama,
         layer=LlamaBlock,
         stack_key="layers",
-        inputs=("tokens",),
-        batch_axes=gpt.FAMILY.batch_axes,
-        loss_sums=gpt.gpt_loss_sums,
-        loss_counts=gpt.gpt_loss_counts,
-        make_batch=gpt.FAMILY.make_batch,
-        example_mask=False,
-        shaped=shaped,
-        head_matmuls=gpt.head_matmuls,  # the same projection at every position, untied
+        shaped=shaped,  # a causal language model (`Family`'s defaults), its head untied
         presets=PRESETS,
         gated_mlp=True,
-        grouped_query=True,
-        block_sparse=False,  # its kernels are not `sparsity.masks.SPARSE_KERNELS`
+        grouped_query=True,  # block_sparse False: not `sparsity.masks.SPARSE_KERNELS`
     )
 )

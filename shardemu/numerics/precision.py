@@ -32,7 +32,9 @@ import jax.numpy as jnp
 import optax
 
 from shardemu.config import ModelConfig, TrainConfig
+from shardemu.errors import ConfigError
 from shardemu.models import Model
+from shardemu.parallel.rules import path_str
 
 COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16-mixed": "float16"}
 INITIAL_SCALE = 2.0**16  # torch.amp.GradScaler(init_scale=2.**16)
@@ -60,10 +62,26 @@ def arithmetic(cfg: ModelConfig, precision: str) -> str:
 
 def compute_model(model: Model, precision: str) -> Model:
     """The model an engine computes with: 16-bit weights for a mixed precision, else
-    `model` as given (whose own `param_dtype` then holds everywhere)."""
-    if precision == "fp32":
-        return model
-    return Model(model.cfg.replace(param_dtype=COMPUTE_DTYPES[precision]))
+    `model` as given (whose own `param_dtype` then holds everywhere); the same family
+    either way. A model whose parameters are not made in its `param_dtype` is refused:
+    counted or trained, it would be another precision than the one asked for."""
+    if precision != "fp32":
+        model = model.replace(param_dtype=COMPUTE_DTYPES[precision])
+    want = jnp.dtype(model.cfg.param_dtype)
+    shapes = model.abstract_params()[0]
+    ignored = [
+        f"{path_str(path)} ({leaf.dtype})"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]
+        if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != want
+    ]
+    if ignored:
+        raise ConfigError(
+            f"{model.name} (family {model.family.name!r}) makes {len(ignored)} parameters in "
+            f"another dtype than ModelConfig.param_dtype {want.name}, which precision "
+            f"{precision!r} needs: {', '.join(ignored[:4])}{', ...' if len(ignored) > 4 else ''}; "
+            f"pass param_dtype=jnp.dtype(cfg.param_dtype) to each of its Flax layers"
+        )
+    return model
 
 
 def as_compute(params: Any, model: Model) -> Any:

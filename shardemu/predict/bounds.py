@@ -11,9 +11,10 @@ import dataclasses
 import jax.numpy as jnp
 
 from shardemu.accounting import flops
-from shardemu.config import ConfigError, ModelConfig, Parallelism, TrainConfig
+from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.models import Model, count_params
 from shardemu.numerics.precision import arithmetic, compute_model
+from shardemu.parallel.rules import Rules
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import STATE_BYTES_PER_PARAM, Candidate, Mode, Space
 from shardemu.predict.resident_memory import device_bytes_at_least
@@ -25,13 +26,14 @@ from shardemu.predict.rows import SearchRow
 class Bounds:
     """A search's inputs, checked, and the bounds it prunes by."""
 
-    model_cfg: ModelConfig
+    model: Model
     hardware: Hardware
     devices: int
     batch: int
     seq: int
     space: Space
     top: int = 5  # the layouts the search ranks: prune 5 keeps any that could be among them
+    rules: Rules | None = None  # None: Megatron-LM's
 
     def __post_init__(self) -> None:
         if self.devices < 1 or self.batch < 1 or self.seq < 1:
@@ -39,19 +41,19 @@ class Bounds:
                 f"`devices`, `batch` and `seq` must be positive, got {self.devices}, "
                 f"{self.batch}, {self.seq}"
             )
-        Model(self.model_cfg).check_fits(TrainConfig(batch=self.batch, seq=self.seq), Parallelism())
+        self.model.check_fits(TrainConfig(batch=self.batch, seq=self.seq), Parallelism())
         for precision in self.space.precisions:  # refuses a precision the profile lacks
-            self.hardware.at_precision(arithmetic(self.model_cfg, precision))
-        self.params = count_params(self.model_cfg)
-        two = self.model_cfg.replace(num_layers=2)
+            self.hardware.at_precision(arithmetic(self.model.cfg, precision))
+        self.params = count_params(self.model)
+        two = self.model.replace(num_layers=2)
         self.layer_params = count_params(two) - count_params(two.replace(num_layers=1))
-        self.model_flops = flops.training_step(self.model_cfg, self.batch, self.seq)
+        self.model_flops = flops.training_step(self.model, self.batch, self.seq)
         self.faster: list[SearchRow] = []  # the fitting rows of faster precisions
         self._least_bytes: dict[Candidate, int | None] = {}
 
     def least_step(self, precision: str) -> float:
         """No layout in `precision` is faster (`roofline.least_step_seconds`)."""
-        hw = self.hardware.at_precision(arithmetic(self.model_cfg, precision))
+        hw = self.hardware.at_precision(arithmetic(self.model.cfg, precision))
         return least_step_seconds(self.model_flops, self.devices, hw)
 
     def rate_classes(self) -> list[tuple[str, ...]]:
@@ -74,7 +76,7 @@ class Bounds:
             batch = c.microbatch_size * c.replica * min(self.microbatches(c), 2 * c.pipe)
             try:
                 self._least_bytes[c] = device_bytes_at_least(
-                    self.model_cfg,
+                    self.model,
                     c.par,
                     batch,
                     self.seq,
@@ -84,6 +86,7 @@ class Bounds:
                     c.recompute,
                     c.precision,
                     self.space.attention,  # type: ignore[arg-type]
+                    self.rules,
                 )
             except ConfigError:
                 self._least_bytes[c] = None
@@ -136,7 +139,7 @@ class Bounds:
                 f"weights, gradients and Adam state ({STATE_BYTES_PER_PARAM} bytes x "
                 f"{self.params:,} parameters over pipe x tensor) exceed {name}'s device memory"
             )
-        dtype = compute_model(Model(self.model_cfg), precision).cfg.param_dtype
+        dtype = compute_model(self.model, precision).cfg.param_dtype
         layer = self.layer_params * jnp.dtype(dtype).itemsize / par.tensor
         if "phased" in modes and layer > capacity:
             out["phased"] = (

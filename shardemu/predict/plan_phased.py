@@ -21,7 +21,7 @@ from shardemu.accounting.assemble import repeat_passes
 from shardemu.accounting.ledger import Event, Ledger
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.errors import CapacityError
-from shardemu.models import Model, param_bytes, param_count
+from shardemu.models import Model, as_model, param_bytes, param_count
 from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import Rules
@@ -39,13 +39,13 @@ from shardemu.predict.sparse import model_flops_sparse, sparse_compute, sparse_r
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
 
-def padded_for(model_cfg: ModelConfig, par: Parallelism) -> ModelConfig:
+def padded_for(model: Model, par: Parallelism) -> Model:
     """The model with its vocabulary padded as Megatron-LM pads it when the tensor axis
     does not divide it: to a multiple of 128 * tensor (Shoeybi et al. 2019; Megatron-LM
     `_vocab_size_with_padding`)."""
-    if model_cfg.vocab_size % par.tensor == 0:
-        return model_cfg
-    return model_cfg.pad_vocab(VOCAB_MULTIPLE * par.tensor)
+    if model.cfg.vocab_size % par.tensor == 0:
+        return model
+    return model.replace(vocab_size=model.cfg.pad_vocab(VOCAB_MULTIPLE * par.tensor).vocab_size)
 
 
 def plan_devices(par: Parallelism) -> int:
@@ -54,7 +54,7 @@ def plan_devices(par: Parallelism) -> int:
 
 
 def plan_phased(
-    model_cfg: ModelConfig,
+    model: Model | ModelConfig,
     par: Parallelism,
     train_cfg: TrainConfig,
     phased: PhasedConfig,
@@ -78,20 +78,21 @@ def plan_phased(
     assembled and timed. Needs `plan_devices(par)` JAX devices (virtual CPU devices
     will do)."""
     t0 = time.perf_counter()
+    model = as_model(model)
     if microbatch_size == "auto":
         if hardware is None:
             raise ConfigError("choosing the microbatch size times each one: give `hardware`")
 
         def candidate(size: int) -> tuple[dict[str, Any], Plan]:
             planned = _counted(
-                model_cfg, par, train_cfg, phased, rules, hardware, size, overlap, must_fit
+                model, par, train_cfg, phased, rules, hardware, size, overlap, must_fit
             )
             return planned.report, planned
 
         _, planned = choose_microbatch(train_cfg.batch, par, candidate)
     else:
         planned = _counted(
-            model_cfg,
+            model,
             par,
             train_cfg,
             phased,
@@ -106,7 +107,7 @@ def plan_phased(
 
 
 def _counted(
-    model_cfg: ModelConfig,
+    model: Model,
     par: Parallelism,
     train_cfg: TrainConfig,
     phased: PhasedConfig,
@@ -118,26 +119,25 @@ def _counted(
 ) -> Plan:
     """`plan_phased`'s work at one microbatch size: the report, the step's ledger and
     (with `hardware`) its timeline."""
-    given_vocab = model_cfg.vocab_size
-    hardware, model_cfg, passes, pass_cfg, sched = _setting(
-        model_cfg, par, train_cfg, hardware, microbatch_size
+    given_vocab = model.cfg.vocab_size
+    hardware, model, passes, pass_cfg, sched = _setting(
+        model, par, train_cfg, hardware, microbatch_size
     )
-    model = Model(model_cfg)
     if must_fit and hardware is not None:  # its memory first: nothing compiled if it does not fit
-        _require_fit(model_cfg, par, pass_cfg, phased, rules, sched, hardware)
-    plan, events = _one_pass(model_cfg, par, pass_cfg, phased, rules)
+        _require_fit(model, par, pass_cfg, phased, rules, sched, hardware)
+    plan, events = _one_pass(model, par, pass_cfg, phased, rules)
     memory = _memory(plan, sched, phased)
     if phased.weight_streaming and hardware is not None:
         _check_activations_fit(memory["device"], hardware, pass_cfg, par, phased)
     ledger = Ledger(list(events) if sched is None else repeat_passes(events, sched))
     totals = ledger.step_totals(0)
-    analytic = flops.training_step(model_cfg, train_cfg.batch, train_cfg.seq)
+    analytic = flops.training_step(model, train_cfg.batch, train_cfg.seq)
     shapes, _ = model.abstract_params()
     report = {
-        "model": model_cfg.name,
+        "model": model.name,
         "mesh": str(par),
         "devices": par.num_devices,
-        "vocab_size": model_cfg.vocab_size,
+        "vocab_size": model.cfg.vocab_size,
         "param_count": param_count(shapes),
         "param_bytes": param_bytes(shapes),
         "batch": train_cfg.batch,
@@ -151,14 +151,14 @@ def _counted(
         "memory_per_device": memory,
         "plan": plan.to_json(),
     }
-    if model_cfg.vocab_size != given_vocab:
+    if model.cfg.vocab_size != given_vocab:
         report["vocab_padded_from"] = given_vocab
     timeline = prediction = None
     if hardware is not None:
         tokens = train_cfg.tokens
         events, sparse = ledger.events, train_cfg.sparsity
         if sparse is not None:
-            events = sparse_compute(events, hardware, model_cfg, train_cfg.seq, sparse)
+            events = sparse_compute(events, hardware, model, train_cfg.seq, sparse)
         timeline, prediction = predict(
             events,
             hardware,
@@ -170,7 +170,7 @@ def _counted(
         )
         report["overlap"] = {"pipe_sends": overlap.pipe_sends}  # phases are the buckets
         report.update(prediction.to_json() | sparse_report(hardware, sparse))
-        report |= model_flops_sparse(model_cfg, tokens, totals["model_flops"], sparse)
+        report |= model_flops_sparse(model, tokens, totals["model_flops"], sparse)
         report["stream_busy_s"] = {
             f"stage{stage}/{stream}": busy
             for (stage, stream), busy in sorted(timeline.stream_totals().items())
@@ -179,7 +179,7 @@ def _counted(
 
 
 def check_fit(
-    model_cfg: ModelConfig,
+    model: Model,
     par: Parallelism,
     train_cfg: TrainConfig,
     phased: PhasedConfig,
@@ -192,33 +192,31 @@ def check_fit(
     tiers. When it fits, the pieces its counted plan will count start compiling in
     the background (`planner.count_ahead`): a search judges the next layouts while
     they compile, and plans this one after."""
-    hardware, model_cfg, _, pass_cfg, sched = _setting(
-        model_cfg, par, train_cfg, hardware, microbatch_size
-    )
-    _require_fit(model_cfg, par, pass_cfg, phased, rules, sched, hardware)
-    trainer = _trainer(model_cfg, par, pass_cfg, phased, rules)
+    hardware, model, _, pass_cfg, sched = _setting(model, par, train_cfg, hardware, microbatch_size)
+    _require_fit(model, par, pass_cfg, phased, rules, sched, hardware)
+    trainer = _trainer(model, par, pass_cfg, phased, rules)
     planner.count_ahead(trainer, trainer.layout())
 
 
 def _setting(
-    model_cfg: ModelConfig,
+    model: Model,
     par: Parallelism,
     train_cfg: TrainConfig,
     hardware: Hardware | None,
     microbatch_size: int | None,
-) -> tuple[Hardware | None, ModelConfig, int, TrainConfig, Schedule | None]:
+) -> tuple[Hardware | None, Model, int, TrainConfig, Schedule | None]:
     """What a plan at one microbatch size runs: the hardware at the training's
     precision, the model with its vocabulary padded for the mesh, the number of passes,
     one pass's training settings and the passes' pipeline schedule (none for one)."""
     if hardware is not None:
-        hardware = hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))
+        hardware = hardware.at_precision(arithmetic(model.cfg, train_cfg.precision))
     passes, pass_cfg = _passes(train_cfg, par, microbatch_size)
     sched = make_schedule("1f1b", par.pipe, passes) if passes > 1 else None
-    return hardware, padded_for(model_cfg, par), passes, pass_cfg, sched
+    return hardware, padded_for(model, par), passes, pass_cfg, sched
 
 
 def _require_fit(
-    model_cfg: ModelConfig,
+    model: Model,
     par: Parallelism,
     pass_cfg: TrainConfig,
     phased: PhasedConfig,
@@ -228,7 +226,7 @@ def _require_fit(
 ) -> None:
     """`CapacityError` unless the step's memory, from a dry run of one pass for memory
     alone (which compiles almost nothing), fits `hardware`'s tiers."""
-    plan, _ = _one_pass(model_cfg, par, pass_cfg, phased, rules, counting=False)
+    plan, _ = _one_pass(model, par, pass_cfg, phased, rules, counting=False)
     layout = (
         f"{par} phased in {plan.phases} phases (rts {phased.rts}, activations "
         f"{phased.activations}, optimizer on the {phased.optimizer_on})"
@@ -238,7 +236,7 @@ def _require_fit(
 
 @functools.lru_cache(maxsize=128)
 def _one_pass(
-    model_cfg: ModelConfig,
+    model: Model,
     par: Parallelism,
     pass_cfg: TrainConfig,
     phased: PhasedConfig,
@@ -249,13 +247,13 @@ def _one_pass(
     setting: a search and the microbatch choice plan the same pass at several numbers of
     passes. Not `counting`, its memory alone (`planner.dry_run`)."""
     ledger = Ledger()
-    plan = _trainer(model_cfg, par, pass_cfg, phased, rules).plan(ledger=ledger, counting=counting)
+    plan = _trainer(model, par, pass_cfg, phased, rules).plan(ledger=ledger, counting=counting)
     return dataclasses.replace(plan, step_totals=None), tuple(ledger.events)
 
 
 @functools.lru_cache(maxsize=64)
 def _trainer(
-    model_cfg: ModelConfig,
+    model: Model,
     par: Parallelism,
     pass_cfg: TrainConfig,
     phased: PhasedConfig,
@@ -267,7 +265,7 @@ def _trainer(
     to 48 settings) before it plans the first group's that fit."""
     stage = dataclasses.replace(par, pipe=1)
     mesh = mesh_from(stage, jax.devices()[: plan_devices(par)])
-    return PhasedTrainer(Model(model_cfg), mesh, pass_cfg, phased, rules, par.pipe)
+    return PhasedTrainer(model, mesh, pass_cfg, phased, rules, par.pipe)
 
 
 def _memory(plan: PhasePlan, sched: Schedule | None, phased: PhasedConfig) -> dict[str, int]:

@@ -31,8 +31,9 @@ from shardemu.accounting import flops
 from shardemu.accounting.assemble import assemble
 from shardemu.accounting.ledger import Event, Ledger, Phase
 from shardemu.config import ModelConfig, Parallelism, SparsityConfig, TrainConfig
-from shardemu.models import count_params
+from shardemu.models import Model, as_model, count_params
 from shardemu.numerics.precision import arithmetic
+from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Schedule, Slot
 from shardemu.pipelined.layout import PipelineLayout
 from shardemu.predict.costmodel import predict, require_fit
@@ -212,7 +213,7 @@ class _StepEvents:
 
 
 def plan_resident(
-    model_cfg: ModelConfig,
+    model: Model | ModelConfig,
     par: Parallelism,
     train: TrainConfig,
     microbatch_size: int,
@@ -221,6 +222,7 @@ def plan_resident(
     overlap: Overlap = DEFAULT_OVERLAP,
     attention: str = "materialized",
     must_fit: bool = False,
+    rules: Rules | None = None,
 ) -> Plan:
     """Predict a resident (pipelined) step of `train`'s batch, schedule, precision,
     sparsity and stage layers (each stage's layers, as `pipeline_layout` splits them) on
@@ -229,16 +231,19 @@ def plan_resident(
     report, the step's ledger and its timeline. With `must_fit`, a layout over the
     device memory raises `CapacityError` before its step is assembled and timed, and
     before its microbatch is counted where its least bytes (`memory_bound`) are over
-    already. Needs `par.tensor` JAX devices (one stage's tensor group)."""
+    already. Parameters and activations are sharded by `rules` (Megatron-LM's
+    tensor parallelism by default). Needs `par.tensor` JAX devices (one stage's tensor
+    group)."""
     batch, seq, schedule, virtual = train.batch, train.seq, train.schedule, train.virtual
     precision, sparsity = train.precision, train.sparsity
     t0 = time.perf_counter()
-    hardware = hardware.at_precision(arithmetic(model_cfg, precision))
+    model = as_model(model)
+    hardware = hardware.at_precision(arithmetic(model.cfg, precision))
     lay, sched, key = resident_layout(
-        model_cfg, par, batch, seq, microbatch_size, schedule, virtual, recompute, precision,
-        attention, train.stage_layers,
+        model, par, batch, seq, microbatch_size, schedule, virtual, recompute, precision,
+        attention, train.stage_layers, rules,
     )  # fmt: skip
-    model_cfg, m = key.cfg, sched.microbatches
+    model, m = key.model, sched.microbatches
     layout = f"{par} microbatch {microbatch_size} {schedule} recompute={recompute}"
     if must_fit:  # nothing compiled for a layout whose least bytes are over the memory
         least = device_bytes(memory_bound(*key), key, recompute, par, lay, sched)
@@ -252,7 +257,7 @@ def plan_resident(
     ledger = Ledger(_step_events(mb, sched, lay, par, overlap))
     timed = ledger.events
     if sparsity is not None:  # the layers' matmuls at the hardware's block-sparse speed
-        factor = layer_factor(hardware, model_cfg, seq, sparsity)
+        factor = layer_factor(hardware, model, seq, sparsity)
         layers = {k: scale_compute(mb.pieces[k], factor) for k in ("forward", "backward")}
         timed = _step_events(
             dataclasses.replace(mb, pieces={**mb.pieces, **layers}), sched, lay, par, overlap
@@ -262,10 +267,10 @@ def plan_resident(
         timed, hardware, par, model_flops, batch * seq, {"device": held}, overlap
     )
     report = {
-        "model": model_cfg.name,
+        "model": model.name,
         "mesh": str(par),
         "devices": par.num_devices,
-        "param_count": count_params(model_cfg),
+        "param_count": count_params(model),
         "batch": batch,
         "seq": seq,
         "microbatch_size": microbatch_size,
@@ -278,7 +283,7 @@ def plan_resident(
         "overlap": overlap.to_json(),
         "attention": attention,
         "bubble_fraction": sched.bubble_fraction,
-        **_counts(ledger, model_cfg, par, batch, seq, prediction.step_time_s, sparsity),
+        **_counts(ledger, model, par, batch, seq, prediction.step_time_s, sparsity),
         **prediction.to_json(),
         **sparse_report(hardware, sparsity),
         "elapsed_s": time.perf_counter() - t0,
@@ -288,7 +293,7 @@ def plan_resident(
 
 def _counts(
     ledger: Ledger,
-    model_cfg: ModelConfig,
+    model: Model,
     par: Parallelism,
     batch: int,
     seq: int,
@@ -298,7 +303,7 @@ def _counts(
     """A step's counts in the report: the ledger's totals, the analytic model FLOPs
     beside them, and what the hardware executes (less the optimizer update)."""
     totals = ledger.step_totals(0)
-    analytic = flops.training_step(model_cfg, batch, seq)
+    analytic = flops.training_step(model, batch, seq)
     executed = sum(
         e.flops for e in ledger.events if e.kind == "compute" and e.carries != "optimizer_state"
     )
@@ -308,12 +313,12 @@ def _counts(
         "model_flops_rel_err": totals["model_flops"] / analytic - 1,
         "executed_flops": executed,
         "tflops_per_device": executed / par.num_devices / step / 1e12 if step else 0.0,
-        **model_flops_sparse(model_cfg, batch * seq, totals["model_flops"], sparsity),
+        **model_flops_sparse(model, batch * seq, totals["model_flops"], sparsity),
     }
 
 
 def plan_resident_auto(
-    model_cfg: ModelConfig,
+    model: Model,
     par: Parallelism,
     train: TrainConfig,
     hardware: Hardware,
@@ -323,7 +328,7 @@ def plan_resident_auto(
     the report says so under `microbatch_choice`."""
 
     def plan(size: int) -> tuple[dict[str, Any], Any]:
-        planned = plan_resident(model_cfg, par, train, size, hardware, **settings)
+        planned = plan_resident(model, par, train, size, hardware, **settings)
         return planned.report, planned
 
     _, planned = choose_microbatch(train.batch, par, plan)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
+from shardemu.models import Model, as_model
 from shardemu.parallel.rules import Rules
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
@@ -19,7 +20,7 @@ from shardemu.predict.resident_count import Recompute
 
 
 def plan(
-    model: ModelConfig,
+    model: Model | ModelConfig,
     par: Parallelism,
     train: TrainConfig,
     hardware: Hardware | None = None,
@@ -32,19 +33,22 @@ def plan(
     rules: Rules | None = None,
     must_fit: bool = False,
 ) -> Plan:
-    """Plan one training step of `model` on `par` with `train`'s settings (batch,
-    sequence, schedule, precision, sparsity, stage layers), timed on `hardware`.
+    """Plan one training step of `model` (a `Model`, your own family's included, or a
+    registered family's config) on `par` with `train`'s settings (batch, sequence,
+    schedule, precision, sparsity, stage layers), timed on `hardware`, its parameters
+    and activations sharded by `rules` (Megatron-LM's by default).
 
     Without `phased`: a resident step (`plan_resident`: `recompute` and `attention`
-    apply; needs `hardware`; Megatron-LM's rules). With `phased`: a phased or
-    weight-streaming step (`plan_phased`: its activations policy replaces `recompute`;
-    `rules` apply). `microbatch_size` None on a pipeline (pipe > 1) with hardware, or
-    "auto", plans each candidate size and keeps the fastest that fits (one microbatch
-    would leave (p-1)/p of a p-stage pipeline idle); None otherwise is the whole batch
-    per replica, and on one resident stage whose whole batch does not fit, the fastest
-    smaller microbatch that does (the whole batch, when it fits, is the fastest: no
-    bubble, the fewest kernels). With `must_fit`, a step over a memory tier raises `CapacityError`.
-    Needs JAX devices for one stage (`plan_phased.plan_devices`) or one tensor group."""
+    apply; needs `hardware`). With `phased`: a phased or weight-streaming step
+    (`plan_phased`: its activations policy replaces `recompute`). `microbatch_size`
+    None on a pipeline (pipe > 1) with hardware, or "auto", plans each candidate size
+    and keeps the fastest that fits (one microbatch would leave (p-1)/p of a p-stage
+    pipeline idle); None otherwise is the whole batch per replica, and on one resident
+    stage whose whole batch does not fit, the fastest smaller microbatch that does (the
+    whole batch, when it fits, is the fastest: no bubble, the fewest kernels). With
+    `must_fit`, a step over a memory tier raises `CapacityError`. Needs JAX devices for
+    one stage (`plan_phased.plan_devices`) or one tensor group."""
+    model = as_model(model)
     auto = microbatch_size == "auto" or (
         microbatch_size is None and par.pipe > 1 and hardware is not None
     )
@@ -71,12 +75,8 @@ def plan(
             "a resident plan is timed on a hardware profile: give `hardware` "
             "(shardemu.get_hardware(NAME))"
         )
-    if rules is not None:
-        raise ConfigError(
-            "a resident plan counts with Megatron-LM's rules (megatron_rules()); own "
-            "rules are planned with a PhasedConfig, or trained with Trainer(rules=...)"
-        )
     settings = {
+        "rules": rules,
         "recompute": recompute,
         "attention": attention,
         "overlap": overlap,

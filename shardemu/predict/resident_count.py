@@ -23,16 +23,11 @@ from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Event, Ledger, Phase
 from shardemu.accounting.matmuls import squeezed
 from shardemu.accounting.sizes import bytes_per_device
-from shardemu.config import (
-    ModelConfig,
-    Parallelism,
-    PhasedConfig,
-    TrainConfig,
-)
+from shardemu.config import Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import Model
 from shardemu.numerics.precision import compute_model
 from shardemu.parallel.mesh import mesh_from
-from shardemu.parallel.rules import megatron_rules
+from shardemu.parallel.rules import Rules, megatron_rules
 from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
 from shardemu.predict.plan_phased import padded_for
 from shardemu.stages.executor import Executor
@@ -72,13 +67,15 @@ def count_microbatch(
     counter: Counter | None = None,
     precision: str = "fp32",
     fused_attention: bool = False,
+    rules: Rules | None = None,
 ) -> Microbatch:
     """Count one microbatch's pieces on `tensor` JAX devices (no weights allocated), in
-    `precision` (`model` is then the model that computes in it: `compute_model`). With
+    `precision` (`model` is then the model that computes in it: `compute_model`), its
+    parameters and activations sharded by `rules` (Megatron-LM's by default). With
     `fused_attention`, its kernels and kept bytes are FlashAttention's: no [s, s]
     scores in memory (`accounting/matmuls.py`)."""
     built, st, shared, layer, batch, context = _one_stage(
-        model, tensor, microbatch_size, seq, precision
+        model, tensor, microbatch_size, seq, precision, rules
     )
     ledger = Ledger()
     counter = PROCESS_COUNTER if counter is None else counter  # an empty Counter is falsy
@@ -133,20 +130,22 @@ def count_microbatch(
     )
 
 
-def _one_stage(model: Model, tensor: int, microbatch_size: int, seq: int, precision: str) -> tuple:
+def _one_stage(
+    model: Model, tensor: int, microbatch_size: int, seq: int, precision: str, rules: Rules | None
+) -> tuple:
     """(built stages, the stage, its shared weights, one layer's weights, a microbatch,
     the counting context), abstract and sharded, on one pipeline stage of `tensor` JAX
     devices. The context (the model and the rules) keeps apart the counts of pieces
     whose inputs look alike but compute or place their outputs otherwise."""
     mesh = mesh_from(Parallelism(tensor=tensor), jax.devices()[:tensor])
     train = TrainConfig(batch=microbatch_size, seq=seq, precision=precision)
-    rules = stage_rules(megatron_rules())
+    rules = stage_rules(megatron_rules() if rules is None else rules)
     built = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), rules)
     st = built.stages[0]
     shared = with_shardings(built.shared_shapes, st.shared_compute)
     layer = with_shardings(built.layer_shape_one, st.layer_compute)
     batch = model.abstract_batch(microbatch_size, seq, st.batch)
-    return built, st, shared, layer, batch, (model.cfg, rules)
+    return built, st, shared, layer, batch, (model, rules)
 
 
 def _optimizer_state(tx: Any, weights: Any, shardings: Any) -> Any:
@@ -156,13 +155,14 @@ def _optimizer_state(tx: Any, weights: Any, shardings: Any) -> Any:
 
 @functools.lru_cache(maxsize=256)
 def memory_bound(
-    cfg: ModelConfig,
+    model: Model,
     tensor: int,
     microbatch_size: int,
     seq: int,
     full: bool,
     precision: str,
     fused_attention: bool,
+    rules: Rules | None,
 ) -> Microbatch:
     """`counted_microbatch`'s bytes (`count_key`), with nothing compiled and no pieces:
     a search judges memory first, and most layouts that do not fit would compile only to
@@ -171,9 +171,8 @@ def memory_bound(
     each counts at least its bytes over the `tensor` devices (the most it is split
     over), or exactly where the piece declares its sharding. (The vjp of GPT-3 175B's
     layer at tensor 8: at least 1.22 GB a device, 2.49 GB counted.)"""
-    model = Model(cfg)
     built, st, shared, layer, batch, context = _one_stage(
-        model, tensor, microbatch_size, seq, precision
+        model, tensor, microbatch_size, seq, precision, rules
     )
     # traced through the process counter, whose count of the microbatch then reuses it
     embed = (shared, batch)
@@ -188,7 +187,7 @@ def memory_bound(
             Piece.FWD_KEEP, st.fn(Piece.FWD_KEEP), st.mesh, (layer, x, mask), context
         )
         _, vjp = tree.unflatten(leaves)
-        scores = (microbatch_size, cfg.num_heads, seq, seq)
+        scores = (microbatch_size, model.cfg.num_heads, seq, seq)
         keep = sum(
             _bytes_at_least(leaf, tensor)
             for leaf in jax.tree.leaves(vjp)
@@ -225,39 +224,42 @@ def _bytes_of_shape(tree: Any, shape: tuple[int, ...]) -> int:
 class CountKey(NamedTuple):
     """What a layout's microbatch count depends on: `counted_microbatch`'s arguments."""
 
-    cfg: ModelConfig  # padded for the mesh, in the precision's dtypes
+    model: Model  # padded for the mesh, in the precision's dtypes
     tensor: int
     microbatch_size: int
     seq: int
     full: bool  # full recomputation
     precision: str
     fused_attention: bool
+    rules: Rules | None  # None: Megatron-LM's
 
 
 def count_key(
-    model_cfg: ModelConfig,
+    model: Model,
     par: Parallelism,
     microbatch_size: int,
     seq: int,
     recompute: str,
     precision: str,
     attention: str,
+    rules: Rules | None = None,
 ) -> CountKey:
     """The count a layout's plan uses."""
-    cfg = compute_model(Model(padded_for(model_cfg, par)), precision).cfg
+    computed = compute_model(padded_for(model, par), precision)
     full, fused = recompute == "full", attention == "fused"
-    return CountKey(cfg, par.tensor, microbatch_size, seq, full, precision, fused)
+    return CountKey(computed, par.tensor, microbatch_size, seq, full, precision, fused, rules)
 
 
 @functools.lru_cache(maxsize=256)
 def counted_microbatch(
-    cfg: ModelConfig,
+    model: Model,
     tensor: int,
     microbatch_size: int,
     seq: int,
     full: bool,
     precision: str,
     fused_attention: bool,
+    rules: Rules | None,
 ) -> Microbatch:
     """`count_microbatch` once per process for each setting (`count_key`): a search plans
     one count at many pipeline depths, replicas, schedules and batch sizes, and counts
@@ -265,18 +267,19 @@ def counted_microbatch(
     each layer's backward also recomputes its scores Q K^T: FlashAttention keeps only
     the softmax statistics (Dao et al. 2022, Algorithm 4)."""
     mb = count_microbatch(
-        Model(cfg),
+        model,
         tensor,
         microbatch_size,
         seq,
         full,
         precision=precision,
         fused_attention=fused_attention,
+        rules=rules,
     )
     if fused_attention:  # Q K^T per device: it reads Q and K, writes nothing to memory
-        scores = flops.layer_forward(cfg, microbatch_size, seq)["attn_scores"]
-        q_k = 2 * microbatch_size * seq * cfg.embed_dim // tensor
-        kernel = (scores / tensor, q_k * jnp.dtype(cfg.param_dtype).itemsize)
+        scores = flops.layer_forward(model, microbatch_size, seq)["attn_scores"]
+        q_k = 2 * microbatch_size * seq * model.cfg.embed_dim // tensor
+        kernel = (scores / tensor, q_k * jnp.dtype(model.cfg.param_dtype).itemsize)
         mb = _add_backward_flops(mb, scores, kernel)
     return mb
 
@@ -306,7 +309,7 @@ def selective(mb: Microbatch, key: CountKey) -> Microbatch:
     s x s scores and probabilities (`selective_keep`), and recompute that core (Q K^T
     and probs V) in the backward pass: its forward FLOPs (flops.py) added to each
     layer's backward."""
-    core = flops.layer_forward(key.cfg, key.microbatch_size, key.seq)
+    core = flops.layer_forward(key.model, key.microbatch_size, key.seq)
     return _add_backward_flops(mb, core["attn_scores"] + core["attn_context"])
 
 
@@ -316,6 +319,6 @@ def selective_keep(mb: Microbatch, key: CountKey) -> Microbatch:
     kept)."""
     if key.fused_attention:
         return mb
-    cfg, b, s = key.cfg, key.microbatch_size, key.seq
+    cfg, b, s = key.model.cfg, key.microbatch_size, key.seq
     scores = b * (cfg.num_heads // key.tensor) * s * s * jnp.dtype(cfg.param_dtype).itemsize
     return dataclasses.replace(mb, keep_bytes=max(mb.keep_bytes - 2 * scores, 0))

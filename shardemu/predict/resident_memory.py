@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from shardemu.config import (
-    ConfigError,
-    ModelConfig,
-    Parallelism,
-)
+from shardemu.config import ConfigError, Parallelism
+from shardemu.models import Model
+from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.pipelined.layout import PipelineLayout, pipeline_layout
 from shardemu.predict.layouts import ATTENTION
@@ -32,7 +30,7 @@ def _stage_bytes(
     shared: bool,
     microbatches: int,
     held: float,
-    model_cfg: ModelConfig,
+    model: Model,
 ) -> int:
     """Device bytes per device of a stage of `layers` layers (and the shared weights
     where it holds them): weights, gradients and optimizer state, and what its layers
@@ -41,13 +39,13 @@ def _stage_bytes(
     (`numerics/precision.py`)."""
     weights = mb.layer_bytes * layers + (mb.shared_bytes if shared else 0)
     optimizer = mb.opt_bytes[0] * layers + (mb.opt_bytes[1] if shared else 0)
-    itemsize = jnp.dtype(model_cfg.param_dtype).itemsize
+    itemsize = jnp.dtype(model.cfg.param_dtype).itemsize
     grads = weights if microbatches == 1 else weights * 4 // itemsize
     return weights + grads + optimizer + round(held * layers * mb.keep_bytes)
 
 
 def resident_layout(
-    model_cfg: ModelConfig,
+    model: Model,
     par: Parallelism,
     batch: int,
     seq: int,
@@ -58,6 +56,7 @@ def resident_layout(
     precision: str,
     attention: str,
     stage_layers: tuple[int, ...] | None,
+    rules: Rules | None = None,
 ) -> tuple[PipelineLayout, Schedule, CountKey]:
     """A resident layout's layers per stage, its schedule and the count it uses; a
     `ConfigError` for a setting it cannot take."""
@@ -67,14 +66,14 @@ def resident_layout(
         raise ConfigError(
             f"Space.attention must be one of {', '.join(ATTENTION)}, got {attention!r}"
         )
-    key = count_key(model_cfg, par, microbatch_size, seq, recompute, precision, attention)
+    key = count_key(model, par, microbatch_size, seq, recompute, precision, attention, rules)
     per_step = par.replica * microbatch_size
     if batch % per_step:
         raise ConfigError(
             f"TrainConfig.batch {batch} is not divisible by replica * `microbatch_size` = "
             f"{per_step}"
         )
-    p, v, L = par.pipe, virtual, key.cfg.num_layers
+    p, v, L = par.pipe, virtual, key.model.cfg.num_layers
     if stage_layers is None and L % (p * v):
         raise ConfigError(f"{L} layers do not split into pipe * virtual = {p * v} equal chunks")
     lay = pipeline_layout(L, p, v, stage_layers)
@@ -96,14 +95,14 @@ def device_bytes(
         mb = selective_keep(mb, key)
     return max(
         _stage_bytes(
-            mb, n, s in (0, par.pipe - 1), sched.microbatches, sched.peak_activations(s), key.cfg
+            mb, n, s in (0, par.pipe - 1), sched.microbatches, sched.peak_activations(s), key.model
         )
         for s, n in enumerate(lay.stage_layers())
     )
 
 
 def device_bytes_at_least(
-    model_cfg: ModelConfig,
+    model: Model,
     par: Parallelism,
     batch: int,
     seq: int,
@@ -113,12 +112,13 @@ def device_bytes_at_least(
     recompute: Recompute = "full",
     precision: str = "fp32",
     attention: str = "materialized",
+    rules: Rules | None = None,
 ) -> int:
     """At most the device bytes per device `plan_resident` finds for this layout, with
     nothing compiled (`memory_bound`): a search counts no microbatch that none of its
     layouts could fit."""
     lay, sched, key = resident_layout(
-        model_cfg,
+        model,
         par,
         batch,
         seq,
@@ -129,5 +129,6 @@ def device_bytes_at_least(
         precision,
         attention,
         None,
+        rules,
     )
     return device_bytes(memory_bound(*key), key, recompute, par, lay, sched)

@@ -65,6 +65,8 @@ from collections.abc import Callable, Iterator
 
 from shardemu.config import ConfigError, ModelConfig, Parallelism, TrainConfig
 from shardemu.errors import CapacityError
+from shardemu.models import Model, as_model
+from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import make_schedule
 from shardemu.predict.ahead import CountsAhead
 from shardemu.predict.bounds import Bounds
@@ -100,13 +102,14 @@ class Searcher(Bounds):
             self.ahead.ready(self.count_of(c))
         resident = {"recompute": c.recompute, "attention": self.space.attention}
         return plan(
-            self.model_cfg,
+            self.model,
             c.par,
             self.train_config(c, microbatches),
             self.hardware,
             phased=c.phased_config(self.hardware.device_memory_bytes),
             microbatch_size=c.microbatch_size,
             overlap=self.space.overlap,
+            rules=self.rules,
             must_fit=True,
             **(resident if c.mode == "resident" else {}),
         ).prediction  # type: ignore[return-value]
@@ -118,13 +121,14 @@ class Searcher(Bounds):
     def count_of(self, c: Candidate) -> CountKey:
         """The microbatch count resident candidate `c`'s plans use."""
         return count_key(
-            self.model_cfg,
+            self.model,
             c.par,
             c.microbatch_size,
             self.seq,
             c.recompute,
             c.precision,
             self.space.attention,
+            self.rules,
         )
 
     def screen(self, c: Candidate) -> SearchRow:
@@ -166,7 +170,7 @@ class Searcher(Bounds):
             Candidate(**base, **s)
             for mode in modes
             for s in (
-                resident_settings(par, self.model_cfg.num_layers)
+                resident_settings(par, self.model.cfg.num_layers)
                 if mode == "resident"
                 else phased_settings(par)
             )
@@ -181,7 +185,9 @@ class Searcher(Bounds):
         train = self.train_config(c, min(m, 2 * c.pipe))
         phased = c.phased_config(self.hardware.device_memory_bytes)
         try:
-            check_fit(self.model_cfg, c.par, train, phased, self.hardware, c.microbatch_size)
+            check_fit(
+                self.model, c.par, train, phased, self.hardware, c.microbatch_size, self.rules
+            )
         except (CapacityError, ConfigError) as err:
             return _refusal(c, m, err)
         return None
@@ -227,7 +233,7 @@ class Searcher(Bounds):
     ) -> Iterator[tuple[Parallelism, str, dict[Mode, str], list[int]]]:
         """In search order, each mesh and precision of `precisions`: the modes prune 1
         drops (with the reason) and the microbatch sizes to try."""
-        for par in meshes(self.model_cfg, self.devices, self.batch, self.space.max_tensor):
+        for par in meshes(self.model.cfg, self.devices, self.batch, self.space.max_tensor):
             sizes = [
                 b
                 for b in microbatch_candidates(self.batch // par.replica)
@@ -317,7 +323,7 @@ def _pruned(par: Parallelism, precision: str, mode: Mode, reason: str) -> Search
 
 
 def search(
-    model_cfg: ModelConfig,
+    model: Model | ModelConfig,
     hardware: Hardware,
     devices: int,
     batch: int,
@@ -325,14 +331,17 @@ def search(
     space: Space,
     top: int = 5,
     log: Callable[[str], None] = lambda _: None,
+    rules: Rules | None = None,
 ) -> SearchResult:
     """Search the layouts (module docstring): every candidate's row, the best `top`
     planned at the full batch (`top`, fastest first), and the memory/time Pareto front.
-    Needs the most virtual devices any planned mesh does (`run.verify.search_devices`)."""
+    `model` is a `Model` (your own family's included) or a registered family's config;
+    every layout shards it by `rules` (Megatron-LM's by default). Needs the most virtual
+    devices any planned mesh does (`run.verify.search_devices`)."""
     t0 = time.perf_counter()
     if top < 1:
         raise ConfigError(f"`top` must be a positive number of layouts, got {top}")
-    s = Searcher(model_cfg, hardware, devices, batch, seq, space, top=top, log=log)
+    s = Searcher(as_model(model), hardware, devices, batch, seq, space, top, rules, log=log)
     rows: list[SearchRow] = []
     order: dict[str, tuple[Mode, ...]] = {
         "auto": ("resident",),
@@ -350,7 +359,7 @@ def search(
         fitting = sorted((r for r in rows if r.fits), key=lambda r: r.step_time_s)
         if not fitting:
             raise CapacityError(
-                f"no layout of {model_cfg.name} on {devices} x {hardware.name} fits its "
+                f"no layout of {s.model.name} on {devices} x {hardware.name} fits its "
                 f"memory ({len(rows)} tried, Space.modes {space.modes}); use more devices, "
                 f"a smaller `batch` or `seq`, or Space.modes both"
             )
@@ -366,6 +375,6 @@ def search(
             )
     best.sort(key=lambda r: r.step_time_s)
     return SearchResult(
-        model_cfg.name, hardware.name, devices, batch, seq, s.params, space, tuple(best),
+        s.model.name, hardware.name, devices, batch, seq, s.params, space, tuple(best),
         tuple(rows), time.perf_counter() - t0,
     )  # fmt: skip

@@ -18,18 +18,21 @@ import dataclasses
 
 from shardemu.accounting import flops
 from shardemu.accounting.ledger import Event
-from shardemu.config import ModelConfig, SparsityConfig
+from shardemu.config import SparsityConfig
+from shardemu.models import Model
 from shardemu.predict.hardware import Hardware
 
 SPARSE_MATMULS = ("qkv", "attn_out", "mlp_in", "mlp_out")  # masks.SPARSE_KERNELS' matmuls
 
 
-def sparse_share(model: ModelConfig, seq: int) -> tuple[float, float]:
+def sparse_share(model: Model, seq: int) -> tuple[float, float]:
     """(of a layer's, of the whole model's) forward matmul FLOPs, the fraction in sparse
     kernels (the batch cancels out)."""
     layer = flops.layer_forward(model, 1, seq)
     sparse = sum(layer[k] for k in SPARSE_MATMULS)
-    return sparse / sum(layer.values()), model.num_layers * sparse / flops.forward(model, 1, seq)
+    return sparse / sum(layer.values()), model.cfg.num_layers * sparse / flops.forward(
+        model, 1, seq
+    )
 
 
 def _scaled(event: Event, factor: float) -> Event:
@@ -50,13 +53,13 @@ def _factor(share: float, hw: Hardware, sparse: SparsityConfig) -> float:
     return 1 - share * (1 - hw.sparse_time(sparse.density, sparse.block))
 
 
-def layer_factor(hw: Hardware, model: ModelConfig, seq: int, sparse: SparsityConfig) -> float:
+def layer_factor(hw: Hardware, model: Model, seq: int, sparse: SparsityConfig) -> float:
     """How much of its dense time a layer's computation takes sparse on `hw`."""
     return _factor(sparse_share(model, seq)[0], hw, sparse)
 
 
 def sparse_compute(
-    events: list[Event], hw: Hardware, model: ModelConfig, seq: int, sparse: SparsityConfig
+    events: list[Event], hw: Hardware, model: Model, seq: int, sparse: SparsityConfig
 ) -> list[Event]:
     """A ledger's events with each device computation's FLOPs replaced by the dense FLOPs
     that take as long on `hw` as it does sparse: what the timeline should time. Layer
@@ -67,15 +70,15 @@ def sparse_compute(
 
 
 def model_flops_sparse(
-    model: ModelConfig, tokens: int, model_flops: float, sparse: SparsityConfig | None
+    model: Model, tokens: int, model_flops: float, sparse: SparsityConfig | None
 ) -> dict[str, float]:
     """A plan's `model_flops_sparse` (`flops.without_zero_weights`), the zero weights
     being `sparsity` of the sparse kernels' L (4 d^2 + 2 d f) (ERK keeps the same
     total)."""
     if sparse is None:
         return {}
-    d, f = model.embed_dim, model.mlp_dim
-    zeros = sparse.sparsity * model.num_layers * (4 * d * d + 2 * d * f)
+    d, f = model.cfg.embed_dim, model.cfg.mlp_dim
+    zeros = sparse.sparsity * model.cfg.num_layers * (4 * d * d + 2 * d * f)
     return {"model_flops_sparse": flops.without_zero_weights(model_flops, tokens, zeros)}
 
 

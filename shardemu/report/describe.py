@@ -9,22 +9,24 @@ from __future__ import annotations
 from typing import Any
 
 from shardemu.config import ModelConfig, Parallelism
-from shardemu.models import Model, param_bytes, param_count
+from shardemu.models import Model, as_model, param_bytes, param_count
 from shardemu.parallel.rules import Rules, megatron_rules, param_table, resolve_specs
 
 
 def describe(
-    model_cfg: ModelConfig, par: Parallelism, rules: Rules | None = None
+    model: Model | ModelConfig, par: Parallelism, rules: Rules | None = None
 ) -> dict[str, Any]:
     """Every parameter's path, shape, logical axes, PartitionSpec and bytes per device,
-    with totals; the JSON that `shardemu describe --json` prints."""
+    with totals, of `model` (a `Model` or a registered family's config); the JSON that
+    `shardemu describe --json` prints."""
     rules = megatron_rules() if rules is None else rules
-    shapes, logical = Model(model_cfg).abstract_params()
+    model = as_model(model)
+    shapes, logical = model.abstract_params()
     axis_sizes = par.axis_sizes()
     specs = resolve_specs(shapes, logical, rules, axis_sizes)
     rows = param_table(shapes, logical, specs, axis_sizes)
     return {
-        "model": model_cfg.name,
+        "model": model.name,
         "mesh": str(par),
         "devices": par.num_devices,
         "param_count": param_count(shapes),

@@ -122,7 +122,7 @@ def training_loop(
         "tokens": train_cfg.tokens,
         "sequences": train_cfg.batch,
         "bubble_fraction": schedule.bubble_fraction if engine.name == "pipelined" else 0.0,
-        "model_flops_analytic": flops.training_step(model.cfg, train_cfg.batch, train_cfg.seq),
+        "model_flops_analytic": flops.training_step(model, train_cfg.batch, train_cfg.seq),
     }
 
     def rates(info: StepInfo) -> dict[str, Any]:

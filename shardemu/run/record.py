@@ -175,7 +175,7 @@ def predict_step(
         memory = {"device": engine.device_bytes()}
     train = engine.trainer.train
     if train.sparsity is not None:
-        events = sparse_compute(events, hw, engine.trainer.model.cfg, train.seq, train.sparsity)
+        events = sparse_compute(events, hw, engine.trainer.model, train.seq, train.sparsity)
     timeline, prediction = predict(events, hw, par, totals["model_flops"], tokens, memory)
     return timeline, prediction.to_json() | sparse_report(hw, train.sparsity)
 

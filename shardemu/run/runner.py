@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.data import make_corpus
 from shardemu.errors import CheckpointError, NonFiniteError, RunInterrupted
-from shardemu.models import Model, param_count
+from shardemu.models import Model, as_model, param_count
 from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.mesh import mesh_from, parallelism_of
 from shardemu.parallel.rules import Rules
@@ -68,7 +68,7 @@ class Resumed:
 
 
 def train(
-    model_cfg: ModelConfig,
+    model: Model | ModelConfig,
     par: Parallelism,
     train_cfg: TrainConfig,
     out: str | Path | None = None,
@@ -82,7 +82,8 @@ def train(
     tracking: TrackingConfig | None = None,
     eval_every: int | None = None,
 ) -> RunResult:
-    """Train `model_cfg` on a `par` mesh for `train_cfg.steps` steps and record the run:
+    """Train `model` (a `Model`, your own family's included, or a registered family's
+    config) on a `par` mesh for `train_cfg.steps` steps and record the run:
     resident (one compiled step), pipelined (pipe > 1 or microbatches > 1: the schedule
     executed stage by stage), or with `phased` weights in the host tier streamed in
     phase by phase. Every engine writes `ledger.json`; with `hardware`, every step is
@@ -97,8 +98,9 @@ def train(
     (`resume_settings`), the mesh may differ. SIGINT or SIGTERM stop the run after the
     current step (`RunInterrupted`); a non-finite loss or gradient norm stops it with
     `NonFiniteError`. `on_step` sees every step's record."""
+    model = as_model(model)
     run = Run(
-        model_cfg,
+        model,
         par,
         train_cfg,
         devices,
@@ -110,7 +112,7 @@ def train(
         eval_every,
     )
     resumed = run.resume_from(resume) if resume is not None else Resumed()
-    out = Path(out or resume or default_run_dir(model_cfg.name))
+    out = Path(out or resume or default_run_dir(model.name))
     reopen = resume is not None and out.resolve() == Path(resume).resolve()
     return run.execute(RunDir(out, reopen=reopen), resumed, on_step)
 
@@ -120,7 +122,7 @@ class Run:
 
     def __init__(
         self,
-        model_cfg: ModelConfig,
+        model: Model,
         par: Parallelism,
         train_cfg: TrainConfig,
         devices: Sequence[jax.Device] | None,
@@ -140,11 +142,11 @@ class Run:
             tracking.check_installed()
         if eval_every is not None and eval_every < 1:
             raise ConfigError(f"`eval_every` must be a positive number of steps, got {eval_every}")
-        _check_host_memory(model_cfg, train_cfg)
-        make_corpus(train_cfg.data, model_cfg.vocab_size, train_cfg.seed)  # refused now if
+        _check_host_memory(model.cfg, train_cfg)
+        make_corpus(train_cfg.data, model.cfg.vocab_size, train_cfg.seed)  # refused now if
         # the vocabulary cannot hold its tokens, not after compiling (its text is cached)
         if hardware is not None:  # predicted at the run's precision's peak
-            hardware = hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))
+            hardware = hardware.at_precision(arithmetic(model.cfg, train_cfg.precision))
         self.par, self.train_cfg, self.hardware = par, train_cfg, hardware
         self.checkpoint_every, self.tracking, self.eval_every = (
             checkpoint_every,
@@ -152,7 +154,7 @@ class Run:
             eval_every,
         )
         self.mesh = mesh_from(par, devices)
-        self.model = Model(model_cfg)
+        self.model = model
         self.engine = _engine(self.model, self.mesh, train_cfg, phased, rules)
         self.phase_plan = self.engine.trainer.plan() if phased else None  # one abstract step
         self.sizes = {

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardemu.accounting.count import signature
 from shardemu.accounting.ledger import Phase
-from shardemu.config import ModelConfig, PhasedConfig, TrainConfig
+from shardemu.config import PhasedConfig, TrainConfig
 from shardemu.models import Model, normalise
 from shardemu.numerics.optim import clip_by_norm, make_optimizer, squared_norm
 from shardemu.numerics.precision import (
@@ -259,18 +259,17 @@ def build_stages(
     `cfg`'s rts and rts'; optimizers without clipping (the update clips by the global
     norm it is given). Stages keep no state but their jitted pieces, so trainers of the
     same settings in one process (a resumed run, a sweep) share them, traced once."""
-    return _stages(model.cfg, tuple(meshes), train, cfg, rules)
+    return _stages(model, tuple(meshes), train, cfg, rules)
 
 
 @functools.lru_cache(maxsize=32)
 def _stages(
-    model_cfg: ModelConfig,
+    model: Model,
     meshes: tuple[Mesh, ...],
     train: TrainConfig,
     cfg: PhasedConfig,
     rules: Rules,
 ) -> Pieces:
-    model = Model(model_cfg)
     sizes = dict(meshes[0].shape)
     key = model.stack_key
     shapes, logical = model.abstract_params()
