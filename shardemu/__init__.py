@@ -46,7 +46,9 @@ from shardemu.errors import (
     ShardemuError,
     ShardingError,
 )
-from shardemu.models import PRESETS, Model, get_preset, param_bytes, param_count
+from shardemu.models import PRESETS, Family, Model, get_preset, param_bytes, param_count
+from shardemu.models.layers import layer_stack
+from shardemu.models.logical import logical_params
 from shardemu.numerics.optim import make_optimizer
 from shardemu.parallel.mesh import AXIS_NAMES, PIPE, REPLICA, TENSOR, make_mesh
 from shardemu.parallel.rules import (
@@ -109,6 +111,7 @@ __all__ = [
     "TENSOR",
     "ConfigError",
     "DeviceError",
+    "Family",
     "Model",
     "ModelConfig",
     "NonFiniteError",
@@ -144,6 +147,8 @@ __all__ = [
     "describe",
     "get_preset",
     "logical_to_spec",
+    "layer_stack",
+    "logical_params",
     "make_mesh",
     "make_optimizer",
     "megatron_rules",

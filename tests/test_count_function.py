@@ -122,3 +122,17 @@ def test_a_mesh_of_other_axis_names_is_refused():
         shardemu.count(lambda a: a * 2, x, mesh=foreign)
     with pytest.raises(ConfigError, match="takes arrays or jax.ShapeDtypeStruct arguments"):
         shardemu.count(lambda a: a, [[1.0]], mesh=make_mesh(devices=jax.devices()[:1]))
+
+
+def test_flax_multi_dimensional_dense_general_is_refused_with_its_cause(mesh):
+    """Flax's DenseGeneral with (heads, head_dim) features and named kernels cannot be
+    traced under the global mesh count sets (google/flax#3676): said, not XLA's rank
+    error."""
+    dense = nn.DenseGeneral(
+        (4, 16), kernel_init=nn.with_logical_partitioning(
+            nn.initializers.normal(), ("embed", "heads", "head_dim"))
+    )  # fmt: skip
+    x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    params = nn.meta.unbox(jax.eval_shape(dense.init, jax.random.key(0), x))
+    with pytest.raises(ConfigError, match=r"google/flax#3676.*self.param\(...\) and jnp.einsum"):
+        shardemu.count(dense.apply, params, x, mesh=mesh, rules=shardemu.megatron_rules())

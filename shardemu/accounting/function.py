@@ -4,14 +4,21 @@
 allocated or run) and returns the ledger of one call: XLA's FLOPs per device, its
 kernels' matmuls and memory traffic, and every collective in the compiled HLO with its
 bytes per mesh axis (`count.py`, `collectives.py`), as the engines count their own
-pieces. With `rules`, the function's `constrain` calls (and Flax's logical constraints,
-`nn.with_logical_constraint`) resolve through that rules table on the mesh while it is
-traced. `predict/function.py` times such a ledger on a hardware profile.
+pieces. The mesh is the global mesh while `fn` is traced, so a bare `PartitionSpec`
+constraint resolves on it; with `rules`, the function's `constrain` calls (and Flax's
+logical constraints, `nn.with_logical_constraint`) resolve through that rules table.
+`predict/counted.py` times such a ledger on a hardware profile.
+
+Flax's `DenseGeneral` with multi-dimensional features and logically partitioned
+kernels cannot be traced under a global mesh (google/flax#3676: it constrains the
+kernel at its flat init shape against its full-rank names); `count` says so instead of
+XLA's error. The engines set no global mesh and run such modules.
 """
 
 from __future__ import annotations
 
 import contextlib
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +40,19 @@ def _require_array(x: Any) -> None:
             f"count takes arrays or jax.ShapeDtypeStruct arguments, got a {type(x).__name__}; "
             f"pass a value's shape and dtype as jax.ShapeDtypeStruct(shape, dtype, sharding=...)"
         )
+
+
+def _refuse_flax_3676(err: ValueError) -> None:
+    """A clear error for Flax's multi-dimensional `DenseGeneral` under a mesh."""
+    frames = {frame.name for frame in traceback.extract_tb(err.__traceback__)}
+    if "kernel_init_wrap" in frames:
+        raise ConfigError(
+            "a Flax DenseGeneral with multi-dimensional features and logically partitioned "
+            "kernels cannot be traced under a global mesh, which count sets (google/flax#3676: "
+            "its kernel is constrained at its flat init shape); write that projection as "
+            "self.param(...) and jnp.einsum, or run the model on shardemu's engines, which "
+            "set no global mesh"
+        ) from None
 
 
 def count(
@@ -57,7 +77,12 @@ def count(
             context.enter_context(activation_rules(mesh, rules))
             context.enter_context(nn.logical_axis_rules(rules))
         context.enter_context(jax.set_mesh(mesh))
-        compiled = jitted.lower(*shapes).compile(compiler_options=COUNT_OPTIONS)
+        try:
+            lowered = jitted.lower(*shapes)
+        except ValueError as err:
+            _refuse_flax_3676(err)
+            raise
+        compiled = lowered.compile(compiler_options=COUNT_OPTIONS)
     # a counter of its own: its keys are a piece's name and signature, and two user
     # functions may share both
     counted = Counter().count_compiled(getattr(fn, "__name__", "fn"), compiled, mesh, shapes)

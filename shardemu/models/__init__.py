@@ -37,6 +37,7 @@ from shardemu.models.family import (
     get_preset,
 )
 from shardemu.models.layers import layer_stack
+from shardemu.models.logical import require_named, stacked
 
 Batch = dict[str, jax.Array]
 __all__ = [
@@ -247,7 +248,16 @@ def _abstract_params(model: Model) -> tuple[dict, dict]:
         nn.get_partition_spec(boxed),
         is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
     )
-    return nn.unbox(boxed), logical
+    shapes, key = nn.unbox(boxed), model.stack_key
+    if key not in shapes:
+        raise ConfigError(
+            f"{model.name}: the {model.family.name} family's parameters have no "
+            f"{key!r} subtree (Family.stack_key), only {', '.join(shapes)}; name the "
+            f"layer stack (shardemu.layer_stack) {key!r} in its module"
+        )
+    logical[key] = stacked(logical[key], shapes[key])
+    require_named(shapes, logical, f"{model.name}: ")
+    return shapes, logical
 
 
 def param_count(shapes: dict) -> int:

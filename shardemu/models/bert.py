@@ -174,6 +174,7 @@ FAMILY = register(
         module=BERT,
         layer=BertLayer,
         stack_key="layers",
+        activation_axes=ACT_BSD,
         inputs=("tokens", "segments", "attention_mask"),
         head_inputs=("mlm_positions",),
         batch_axes={

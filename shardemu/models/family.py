@@ -54,8 +54,12 @@ class Family:
     refused (`numerics/precision.compute_model`).
 
     The rest default to next-token prediction (`models/causal_lm.py`): a batch of
-    `tokens` and `targets`, logits [b, s, V] from `head`, mean cross-entropy.
+    `tokens` and `targets`, logits [b, s, V] from `head`, mean cross-entropy; the
+    activations between layers named (batch, sequence, embed). The rules table must name
+    these too.
 
+    activation_axes  logical axes of the activations between layers ([b, s, d]: what a
+                  pipeline stage sends the next, what a phase hands on)
     inputs        the batch arrays `embed` takes, in order
     head_inputs   the batch arrays `head` takes after the activations, in order
     batch_axes    logical axes of every array in a training batch (int32 arrays)
@@ -86,6 +90,7 @@ class Family:
     module: Callable[[ModelConfig], nn.Module]
     layer: Callable[[ModelConfig], nn.Module]
     stack_key: str
+    activation_axes: LogicalAxes = ("batch", "sequence", "embed")
     inputs: tuple[str, ...] = ("tokens",)
     batch_axes: dict[str, LogicalAxes] = field(default_factory=lambda: dict(causal_lm.BATCH_AXES))
     loss_sums: Callable[[Any, dict], LossTerms] = causal_lm.loss_sums

@@ -114,6 +114,7 @@ FAMILY = register(
         module=GPT,
         layer=GPTBlock,
         stack_key="blocks",
+        activation_axes=ACT_BSD,
         shaped=shaped,  # a causal language model: `Family`'s defaults for the rest
         presets=PRESETS,
         block_sparse=True,

@@ -225,6 +225,7 @@ FAMILY = register(
         module=Llama,
         layer=LlamaBlock,
         stack_key="layers",
+        activation_axes=ACT_BSD,
         shaped=shaped,  # a causal language model (`Family`'s defaults), its head untied
         presets=PRESETS,
         gated_mlp=True,

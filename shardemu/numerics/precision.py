@@ -75,10 +75,11 @@ def compute_model(model: Model, precision: str) -> Model:
         if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != want
     ]
     if ignored:
+        more = ", ..." if len(ignored) > 4 else ""
         raise ConfigError(
-            f"{model.name} (family {model.family.name!r}) makes {len(ignored)} parameters in "
-            f"another dtype than ModelConfig.param_dtype {want.name}, which precision "
-            f"{precision!r} needs: {', '.join(ignored[:4])}{', ...' if len(ignored) > 4 else ''}; "
+            f"{model.name} (family {model.family.name!r}): precision {precision!r} keeps its "
+            f"weights in {want.name} (ModelConfig.param_dtype), but its module makes "
+            f"{len(ignored)} parameter(s) in another dtype: {', '.join(ignored[:4])}{more}; "
             f"pass param_dtype=jnp.dtype(cfg.param_dtype) to each of its Flax layers"
         )
     return model

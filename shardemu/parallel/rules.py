@@ -228,7 +228,12 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.Context
 
 @contextlib.contextmanager
 def activation_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
-    """While tracing inside this context, `constrain` pins activations to the mesh."""
+    """While tracing inside this context, `constrain` pins activations to the mesh.
+
+    Flax's own `nn.with_logical_constraint` needs a global mesh, and Flax's
+    `DenseGeneral` cannot take one: with a mesh set, its parameter shape check unboxes
+    a multi-dimensional kernel at its flat init shape against the kernel's full-rank
+    names, and fails. So a model of your own pins its activations with `constrain`."""
     validate_rules(rules, mesh.axis_names)
     token = _ACTIVE.set((mesh, rules))
     try:

@@ -87,7 +87,7 @@ class PhasedTrainer:
         self.stages: tuple[Stage, ...] = self.pieces.stages
         self.counter = PROCESS_COUNTER if counter is None else counter
         # what a piece compiles to depends on these settings as well as on its inputs
-        self._context = (model.cfg, train, self.rules, cfg.rts, cfg.rts_opt)
+        self._context = (model, train, self.rules, cfg.rts, cfg.rts_opt)
         self.dry_runs: dict[tuple, planner.DryRun] = {}  # by (layout slices, counting)
         self._abstract_states: dict[tuple, PhasedState] = {}  # by layout slices
         # one layer's weights as a phase computes with them (gathered, tensor-sharded)

@@ -67,7 +67,7 @@ class PipelinedTrainer:
         self.stages: tuple[Stage, ...] = self.pieces.stages
         self.holders = shared_holders(self.layout)
         self.counter = PROCESS_COUNTER if counter is None else counter
-        self._context = (model.cfg, train, self.rules, 1, 1)  # as PhasedTrainer's, rts = 1
+        self._context = (model, train, self.rules, 1, 1)  # as PhasedTrainer's, rts = 1
         self.ledger = Ledger()
         self.tiers = [Tier(f"device (stage {s})", None) for s in range(par.pipe)]
         self.steps_done = 0

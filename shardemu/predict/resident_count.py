@@ -162,7 +162,7 @@ def memory_bound(
     full: bool,
     precision: str,
     fused_attention: bool,
-    rules: Rules | None,
+    rules: Rules,
 ) -> Microbatch:
     """`counted_microbatch`'s bytes (`count_key`), with nothing compiled and no pieces:
     a search judges memory first, and most layouts that do not fit would compile only to
@@ -231,7 +231,7 @@ class CountKey(NamedTuple):
     full: bool  # full recomputation
     precision: str
     fused_attention: bool
-    rules: Rules | None  # None: Megatron-LM's
+    rules: Rules
 
 
 def count_key(
@@ -244,9 +244,11 @@ def count_key(
     attention: str,
     rules: Rules | None = None,
 ) -> CountKey:
-    """The count a layout's plan uses."""
+    """The count a layout's plan uses, its parameters and activations sharded by `rules`
+    (Megatron-LM's when None: the same count as when they are given)."""
     computed = compute_model(padded_for(model, par), precision)
     full, fused = recompute == "full", attention == "fused"
+    rules = megatron_rules() if rules is None else rules
     return CountKey(computed, par.tensor, microbatch_size, seq, full, precision, fused, rules)
 
 
@@ -259,7 +261,7 @@ def counted_microbatch(
     full: bool,
     precision: str,
     fused_attention: bool,
-    rules: Rules | None,
+    rules: Rules,
 ) -> Microbatch:
     """`count_microbatch` once per process for each setting (`count_key`): a search plans
     one count at many pipeline depths, replicas, schedules and batch sizes, and counts

@@ -200,7 +200,7 @@ class Trainer:
         """The step, lowered and compiled ahead of time over `abstract_inputs()`; compiled
         once per process for each (model, settings, rules, mesh, flag), so a second
         Trainer of the same settings (a resumed run, a sweep) reuses it."""
-        key = (self.model.cfg, self._program_settings, self.rules, self.mesh, keep_grads)
+        key = (self.model, self._program_settings, self.rules, self.mesh, keep_grads)
         if key not in _COMPILED:
             if len(_COMPILED) >= 32:
                 _COMPILED.pop(next(iter(_COMPILED)))  # the oldest

@@ -14,7 +14,6 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from shardemu.config import PhasedConfig
 from shardemu.models import Model
-from shardemu.models.layers import ACT_BSD
 from shardemu.parallel.rules import Rules, logical_to_spec
 
 RTS = "rts"
@@ -129,7 +128,7 @@ def make_specs(
         shared_compute=shared_specs,
         shared_store=tree_store_specs(shared_specs, shared_shapes, rts_axes, sizes, skip=0),
         shared_opt=tree_store_specs(shared_specs, shared_shapes, opt_axes, sizes, skip=0),
-        act=logical_to_spec(ACT_BSD, rules, "activations"),
+        act=logical_to_spec(model.family.activation_axes, rules, "activations"),
         batch={
             k: logical_to_spec(axes, rules, f"batch array {k!r}")
             for k, axes in model.batch_axes.items()
