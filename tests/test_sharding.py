@@ -129,8 +129,8 @@ def test_one_mesh_axis_cannot_shard_two_dimensions():
 
 
 def test_unknown_logical_axis_is_an_error():
-    with pytest.raises(ShardingError, match="'experts' has no rule"):
-        logical_to_spec(("experts",), megatron_rules())
+    with pytest.raises(ShardingError, match="'moe_groups' has no rule"):
+        logical_to_spec(("moe_groups",), megatron_rules())
 
 
 def test_rules_table_is_validated():

@@ -141,9 +141,12 @@ def run_flags(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     if cfg.get("device_count", par.num_devices) != par.num_devices:
         flags["devices"] = cfg["device_count"]
     flags |= to_flags(train)
-    default = [[n, a] for n, a in megatron_rules(train.sequence_parallel)]
-    # runs recorded before a logical name existed (residual_sequence, kv_heads) lack its
-    # rule: the default less those names
+    default = [
+        [n, list(a) if isinstance(a, tuple) else a]
+        for n, a in megatron_rules(train.sequence_parallel, par.expert > 1)
+    ]
+    # runs recorded before a logical name existed (residual_sequence, kv_heads, experts)
+    # lack its rule: the default less those names
     recorded = cfg.get("rules")
     names = {rule[0] for rule in recorded or ()}
     if recorded is not None and recorded != [rule for rule in default if rule[0] in names]:
@@ -165,7 +168,7 @@ def run_flags(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
 
 
 def _mesh(par: Parallelism) -> str:
-    return f"pipe={par.pipe},tensor={par.tensor},replica={par.replica}"
+    return str(par)
 
 
 def _model_flags(model: ModelConfig, seq: int, path: Path) -> dict[str, Any]:

@@ -11,32 +11,49 @@ from shardemu.errors import ConfigError
 @dataclass(frozen=True)
 class Parallelism:
     """How a model is decomposed (MISSION.md, IPU-POD section): `pipe` pipeline stages,
-    `tensor` shards, `replica` data-parallel replicas. Devices used = pipe*tensor*replica."""
+    `tensor` shards, `replica` data-parallel replicas, and `expert` expert-parallel
+    groups: a mixture of experts' experts split over them, and the batch too, as
+    data parallelism (GShard, Lepikhin et al. 2020, Section 3.2; DeepSpeed-MoE and
+    Megatron-Core carve expert parallelism out of data parallelism alike).
+    Devices used = pipe*tensor*replica*expert."""
 
     pipe: int = 1
     tensor: int = 1
     replica: int = 1
+    expert: int = 1
 
     def __post_init__(self) -> None:
-        require_positive("Parallelism", pipe=self.pipe, tensor=self.tensor, replica=self.replica)
+        require_positive(
+            "Parallelism", pipe=self.pipe, tensor=self.tensor, replica=self.replica,
+            expert=self.expert,
+        )  # fmt: skip
 
     @property
     def num_devices(self) -> int:
-        return self.pipe * self.tensor * self.replica
+        return self.pipe * self.tensor * self.replica * self.expert
+
+    @property
+    def data(self) -> int:
+        """The ways the batch is split: replica x expert."""
+        return self.replica * self.expert
 
     def axis_sizes(self) -> dict[str, int]:
-        return {"pipe": self.pipe, "tensor": self.tensor, "replica": self.replica}
+        return {
+            "pipe": self.pipe, "tensor": self.tensor, "replica": self.replica,
+            "expert": self.expert,
+        }  # fmt: skip
 
     @classmethod
     def parse(cls, text: str) -> Parallelism:
-        """Parse `pipe=P,tensor=T,replica=R` (any subset; missing axes are 1)."""
+        """Parse `pipe=P,tensor=T,replica=R,expert=E` (any subset; missing axes are 1)."""
         sizes: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
             key = key.strip()
-            if not sep or key not in ("pipe", "tensor", "replica"):
+            if not sep or key not in ("pipe", "tensor", "replica", "expert"):
                 raise ConfigError(
-                    f"bad mesh item {part!r} in {text!r}; expected pipe=P,tensor=T,replica=R"
+                    f"bad mesh item {part!r} in {text!r}; expected "
+                    f"pipe=P,tensor=T,replica=R[,expert=E]"
                 )
             if key in sizes:
                 raise ConfigError(f"mesh axis {key!r} given twice in {text!r}")
@@ -49,4 +66,5 @@ class Parallelism:
         return cls(**sizes)
 
     def __str__(self) -> str:
-        return f"pipe={self.pipe},tensor={self.tensor},replica={self.replica}"
+        text = f"pipe={self.pipe},tensor={self.tensor},replica={self.replica}"
+        return text + (f",expert={self.expert}" if self.expert > 1 else "")

@@ -1,12 +1,14 @@
-"""The device mesh with named axes `pipe`, `tensor`, `replica`.
+"""The device mesh with named axes `pipe`, `replica`, `expert`, `tensor`.
 
 The physical order puts `tensor` innermost (adjacent devices) and `pipe` outermost,
 following Megatron-LM's rank order (tensor-parallel ranks fastest, pipeline ranks
 slowest; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
 Clusters", Section 3.3): tensor parallelism exchanges the most data, so it gets the
-closest links. Axis types are `Auto` so GSPMD propagates shardings from the parameter
-and activation annotations; the returned object is a plain `jax.sharding.Mesh` built by
-`jax.make_mesh` (which on accelerators may order devices by their physical topology).
+closest links. `expert` (expert parallelism: a mixture of experts' experts) sits between
+`replica` and `tensor`: its all-to-alls are the next heaviest. Axis types are `Auto` so
+GSPMD propagates shardings from the parameter and activation annotations; the returned
+object is a plain `jax.sharding.Mesh` built by `jax.make_mesh` (which on accelerators
+may order devices by their physical topology).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from shardemu.devices import DeviceError
 PIPE = "pipe"
 TENSOR = "tensor"
 REPLICA = "replica"
-AXIS_NAMES: tuple[str, str, str] = (PIPE, REPLICA, TENSOR)
+EXPERT = "expert"
+AXIS_NAMES: tuple[str, str, str, str] = (PIPE, REPLICA, EXPERT, TENSOR)
 
 
 def make_mesh(
@@ -30,33 +33,38 @@ def make_mesh(
     tensor: int = 1,
     replica: int = 1,
     devices: Sequence[jax.Device] | None = None,
+    expert: int = 1,
 ) -> Mesh:
-    """A `Mesh` of shape (pipe, replica, tensor) over `devices` (default: all of JAX's).
+    """A `Mesh` of shape (pipe, replica, expert, tensor) over `devices` (default: all of
+    JAX's).
 
     The mesh must use every given device exactly once; pass `devices=jax.devices()[:k]`
     to build a mesh over a subset.
     """
-    par = Parallelism(pipe=pipe, tensor=tensor, replica=replica)
+    par = Parallelism(pipe=pipe, tensor=tensor, replica=replica, expert=expert)
     devs = list(jax.devices() if devices is None else devices)
     if par.num_devices != len(devs):
         raise DeviceError(
             f"mesh {par} needs {par.num_devices} device(s) but {len(devs)} were given; "
-            f"change the mesh so pipe*tensor*replica = {len(devs)}, or start with "
+            f"change the mesh so pipe*tensor*replica*expert = {len(devs)}, or start with "
             f"{par.num_devices} devices (`devices` {par.num_devices}, or "
             f"shardemu.use_virtual_devices({par.num_devices}))"
         )
     return jax.make_mesh(
-        (pipe, replica, tensor), AXIS_NAMES, (AxisType.Auto,) * len(AXIS_NAMES), devices=devs
+        (pipe, replica, expert, tensor),
+        AXIS_NAMES,
+        (AxisType.Auto,) * len(AXIS_NAMES),
+        devices=devs,
     )
 
 
 def mesh_from(par: Parallelism, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """`make_mesh` from a `Parallelism`."""
-    return make_mesh(par.pipe, par.tensor, par.replica, devices=devices)
+    return make_mesh(par.pipe, par.tensor, par.replica, devices=devices, expert=par.expert)
 
 
 def parallelism_of(mesh: Mesh) -> Parallelism:
-    """The `Parallelism` a mesh of axes (pipe, replica, tensor) stands for."""
+    """The `Parallelism` a mesh of shardemu's axes stands for (an axis it lacks: 1)."""
     unknown = [name for name in mesh.axis_names if name not in AXIS_NAMES]
     if unknown:
         raise ConfigError(

@@ -11,12 +11,16 @@ Models name every parameter and key activation dimension with a logical axis:
     position  rows of a learned position table       segment   rows of BERT's segment table
     classes   outputs of a small classifier head     embed_out second width of a d x d matrix
     predictions  BERT's masked positions a sequence (its masked-LM head's rows)
+    experts   a mixture of experts' experts          capacity  token slots of an expert
+    expert_batch  the batch of tokens dispatched to experts (split over replica only)
 
 A rules table maps each logical name to a mesh axis (or None: replicated). The default,
 `megatron_rules()`, is Megatron-LM tensor parallelism (Shoeybi et al. 2019, "Megatron-LM",
 Section 3): the embedding is vocab-parallel, QKV and the first MLP matrix are
 column-parallel (split on heads / mlp), the attention output and second MLP matrix are
-row-parallel (split on their input heads / mlp), and the batch is split over `replica`.
+row-parallel (split on their input heads / mlp), and the batch is split over `replica`
+and `expert`. A mixture of experts' experts are split over `expert` (GShard, Lepikhin et
+al. 2020): tokens are dispatched to them and combined back by all-to-alls over it.
 Stacked layers are split over `pipe` in contiguous blocks: pipeline stages (GPipe-style,
 Huang et al. 2019).
 
@@ -43,10 +47,14 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 LogicalAxes = tuple[str | None, ...]
 
 
-def megatron_rules(sequence_parallel: bool = False) -> Rules:
+def megatron_rules(sequence_parallel: bool = False, expert_parallel: bool = False) -> Rules:
     """Megatron-style tensor parallelism over `tensor`, data parallelism over `replica`.
 
-    With `sequence_parallel`, the residual stream between the tensor-parallel matmuls
+    With `expert_parallel`, a mixture of experts' experts are split over `expert`, and
+    the batch over `replica` and `expert` both (expert parallelism within data
+    parallelism: GShard, Lepikhin et al. 2020, Section 3.2; Megatron-Core's expert
+    parallel groups); without, the experts are whole on every device and `expert` is
+    unused. With `sequence_parallel`, the residual stream between the tensor-parallel matmuls
     (layer norms, residual adds) is split over `tensor` by
     sequence, as Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
     Transformer Models", Section 4.2.2) do: each all-reduce over `tensor` becomes a
@@ -54,7 +62,10 @@ def megatron_rules(sequence_parallel: bool = False) -> Rules:
     activations are no longer repeated on every tensor device.
     """
     return (
-        ("batch", "replica"),
+        ("batch", ("replica", "expert") if expert_parallel else "replica"),
+        ("expert_batch", "replica"),
+        ("experts", "expert" if expert_parallel else None),
+        ("capacity", None),
         ("sequence", None),
         ("predictions", None),
         ("residual_sequence", "tensor" if sequence_parallel else None),
@@ -72,9 +83,10 @@ def megatron_rules(sequence_parallel: bool = False) -> Rules:
     )
 
 
-def rules_or_default(rules: Rules | None, sequence_parallel: bool) -> Rules:
-    """`rules` as given, or the default table with the run's sequence parallelism."""
-    return megatron_rules(sequence_parallel) if rules is None else rules
+def rules_or_default(rules: Rules | None, sequence_parallel: bool, experts: int = 1) -> Rules:
+    """`rules` as given, or the default table with the run's sequence parallelism and,
+    on a mesh of `experts` > 1 expert-parallel groups, expert parallelism."""
+    return megatron_rules(sequence_parallel, experts > 1) if rules is None else rules
 
 
 # What to suggest when a dimension does not divide, by logical name.

@@ -102,7 +102,8 @@ def run_config(
         "train": dataclasses.asdict(train_cfg),
         "engine": engine.name,
         "rules": [
-            [name, axes] for name, axes in rules_or_default(rules, train_cfg.sequence_parallel)
+            [name, axes]
+            for name, axes in rules_or_default(rules, train_cfg.sequence_parallel, par.expert)
         ],
         "param_count": sizes["param_count"],
         "param_bytes": param_bytes(shapes),

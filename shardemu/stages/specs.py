@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
-from shardemu.config import PhasedConfig
+from shardemu.config import ConfigError, PhasedConfig
 from shardemu.models import Model
 from shardemu.parallel.rules import Rules, logical_to_spec
 
@@ -23,9 +23,16 @@ AXIS_LABELS = {RTS: "replica"}  # the ledger names the rts sub-axis as the user'
 
 def stage_meshes(mesh: Mesh, rts: int) -> list[Mesh]:
     """One mesh per pipeline stage, over that stage's devices, with `replica` split
-    into (replica / rts, rts); neighbouring replicas share a weight's rts shards."""
+    into (replica / rts, rts); neighbouring replicas share a weight's rts shards. The
+    pipelined and phased engines split no experts: a mesh with `expert` > 1 is refused."""
+    if mesh.shape.get("expert", 1) > 1:
+        raise ConfigError(
+            f"the pipelined and phased engines run expert = 1 (got expert="
+            f"{mesh.shape['expert']}); expert parallelism runs on the resident engine "
+            f"(shardemu.Trainer), or fold the expert devices into `replica`"
+        )
     _, replica, tensor = (mesh.shape[a] for a in ("pipe", "replica", "tensor"))
-    grid = mesh.devices  # (pipe, replica, tensor): see mesh.py
+    grid = mesh.devices  # (pipe, replica, expert = 1, tensor): see mesh.py
     return [
         Mesh(
             grid[s].reshape(1, replica // rts, rts, tensor),
@@ -38,14 +45,17 @@ def stage_meshes(mesh: Mesh, rts: int) -> list[Mesh]:
 
 def stage_rules(rules: Rules) -> Rules:
     """`rules` on a stage mesh: whatever was split over `replica` is split over
-    (replica, rts), i.e. over the same devices."""
+    (replica, rts), i.e. over the same devices; `expert` is not on a stage mesh (the
+    staged engines run expert = 1: `stage_meshes`)."""
 
     def split(axes: Any) -> Any:
         if axes is None:
             return None
         names = (axes,) if isinstance(axes, str) else tuple(axes)
-        out = tuple(n for a in names for n in ((a, RTS) if a == "replica" else (a,)))
-        return out[0] if len(out) == 1 else out
+        out = tuple(
+            n for a in names if a != "expert" for n in ((a, RTS) if a == "replica" else (a,))
+        )
+        return None if not out else out[0] if len(out) == 1 else out
 
     return tuple((name, split(axes)) for name, axes in rules)
 
