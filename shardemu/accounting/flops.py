@@ -2,7 +2,11 @@
 
 Symbols: B sequences, s sequence length, T = B s tokens, d model width, f MLP width,
 A heads, G key/value heads (grouped-query attention; G = A without), k = d / A head
-width, V vocabulary, L layers. A gated MLP (SwiGLU: Llama) has two input matrices.
+width, V vocabulary, L layers. A gated MLP (SwiGLU: Llama) has two input matrices. A
+mixture of experts of E experts routes each token to K of them: its router is a
+[T, d] x [d, E] matmul, and its MLP matmuls are the K active experts' (Fedus et al.
+2022, "Switch Transformers", Section 2: the FLOPs per token of K experts; the slots a
+capacity factor over 1 leaves empty are executed, not model, FLOPs).
 
 A matrix product [m, k] x [k, n] costs 2 m k n FLOPs (a multiply and an add per
 multiply-accumulate); its backward pass costs twice that (gradients with respect to
@@ -36,14 +40,17 @@ def layer_forward(model: Model, batch: int, seq: int) -> dict[str, int]:
     tokens, d, f = batch * seq, cfg.embed_dim, cfg.mlp_dim
     heads, k = cfg.num_heads, cfg.head_dim
     gated = model.family.gated_mlp
+    routed = tokens * (cfg.experts_per_token if cfg.num_experts else 1)
+    router = {"router": matmul(tokens, d, cfg.num_experts)} if cfg.num_experts else {}
     return {
         # A query heads and G key/value heads of k (G = A without grouping)
         "qkv": matmul(tokens, d, (heads + 2 * cfg.kv_heads) * k),
         "attn_scores": batch * heads * matmul(seq, k, seq),  # Q K^T, all s x s scores
         "attn_context": batch * heads * matmul(seq, seq, k),  # probs V
         "attn_out": matmul(tokens, d, d),
-        "mlp_in": (2 if gated else 1) * matmul(tokens, d, f),  # SwiGLU: gate and up
-        "mlp_out": matmul(tokens, f, d),
+        **router,
+        "mlp_in": (2 if gated else 1) * matmul(routed, d, f),  # SwiGLU: gate and up
+        "mlp_out": matmul(routed, f, d),
     }
 
 

@@ -35,6 +35,14 @@ class ModelConfig:
     # key/value heads of grouped-query attention (Ainslie et al. 2023); 0: num_heads
     num_kv_heads: int = 0
     rope_theta: float = 10000.0  # the base of rotary position embeddings (Su et al. 2021)
+    # a mixture of experts (models/moe.py): experts per layer (0: a dense MLP), the
+    # experts each token is routed to (top-k), the capacity factor (an expert takes
+    # ceil(k s factor / E) tokens of a sequence, the rest are dropped; 0: dropless, s),
+    # and the weight of the load-balancing loss
+    num_experts: int = 0
+    experts_per_token: int = 0
+    capacity_factor: float = 1.0
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         require_positive(
@@ -66,6 +74,7 @@ class ModelConfig:
                 f"num_heads={self.num_heads}; each key/value head serves an equal group"
             )
         require_finite("ModelConfig", True, rope_theta=self.rope_theta)
+        self._check_experts()
         if self.embed_dim % self.num_heads:
             raise ConfigError(
                 f"ModelConfig.embed_dim={self.embed_dim} is not divisible by "
@@ -76,6 +85,36 @@ class ModelConfig:
                 f"ModelConfig.param_dtype must be float32, bfloat16 or float16, "
                 f"got {self.param_dtype!r}"
             )
+
+    def _check_experts(self) -> None:
+        for name in ("num_experts", "experts_per_token"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"ModelConfig.{name} must be a whole number, got {value!r}")
+        require_finite(
+            "ModelConfig",
+            False,
+            capacity_factor=self.capacity_factor,
+            router_aux_loss_coef=self.router_aux_loss_coef,
+        )
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ConfigError(
+                f"ModelConfig.experts_per_token={self.experts_per_token} must be 1 to "
+                f"num_experts={self.num_experts} (the top-k experts each token is routed to)"
+            )
+        if not self.num_experts and self.experts_per_token:
+            raise ConfigError(
+                f"ModelConfig.experts_per_token={self.experts_per_token} needs num_experts > 0"
+            )
+
+    def capacity(self, seq: int) -> int:
+        """Token slots of each expert in a sequence of `seq` tokens: ceil(k s factor /
+        E) (GShard, Lepikhin et al. 2020, Algorithm 1, its group a sequence), at most
+        `seq`; `seq` itself when dropless (`capacity_factor` 0)."""
+        k, e = self.experts_per_token, self.num_experts
+        if not self.capacity_factor:
+            return seq
+        return min(seq, math.ceil(k * seq * self.capacity_factor / e))
 
     @property
     def head_dim(self) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 from shardemu.config import ModelConfig, Parallelism, TrainConfig
 from shardemu.data import SyntheticCorpus
 from shardemu.errors import ConfigError
-from shardemu.models import bert, gpt, llama  # noqa: F401  (each registers its family)
+from shardemu.models import bert, gpt, llama, moe  # noqa: F401  (each registers its family)
 from shardemu.models.family import (
     FAMILIES,
     PRESETS,
@@ -96,6 +96,12 @@ class Model:
                 f"{self.cfg.name}: ModelConfig.num_kv_heads={self.cfg.num_kv_heads}, but the "
                 f"{family.name} family's attention has a key/value head per query head; "
                 f"use a family with grouped-query attention (llama) or leave it 0"
+            )
+        if not family.mixture_of_experts and self.cfg.num_experts:
+            raise ConfigError(
+                f"{self.cfg.name}: ModelConfig.num_experts={self.cfg.num_experts}, but the "
+                f"{family.name} family's MLP is dense; use a mixture-of-experts family (moe) "
+                f"or leave it 0"
             )
         object.__setattr__(self, "module", family.module(self.cfg))
 

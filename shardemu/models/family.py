@@ -79,6 +79,10 @@ class Family:
                   the analytic FLOP count needs
     grouped_query whether its attention reads `ModelConfig.num_kv_heads` key/value heads;
                   a config of a family without it must leave them at the query heads
+    mixture_of_experts  whether its MLP is `ModelConfig.num_experts` experts of which
+                  each token uses `experts_per_token` (the analytic FLOP count adds the
+                  router and counts the active experts); a config of a family without
+                  it must leave `num_experts` 0
     block_sparse  whether its layer kernels are the ones block sparsity applies to
                   (`sparsity/masks.py`: GPT's and BERT's); without, sparsity is refused
 
@@ -108,6 +112,7 @@ class Family:
     min_seq: int = 1
     gated_mlp: bool = False
     grouped_query: bool = False
+    mixture_of_experts: bool = False
     block_sparse: bool = False
 
     def __post_init__(self) -> None:

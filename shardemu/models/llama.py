@@ -149,6 +149,7 @@ class LlamaBlock(nn.Module):
 
 class Llama(nn.Module):
     cfg: ModelConfig
+    block = LlamaBlock  # the layer (a mixture of experts' blocks: models/moe.py)
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -158,7 +159,7 @@ class Llama(nn.Module):
             embedding_init=normal(cfg.init_std, ("vocab", "embed")),
             param_dtype=jnp.dtype(cfg.param_dtype),
         )
-        self.layers = layer_stack(LlamaBlock, cfg)
+        self.layers = layer_stack(self.block, cfg)
         self.norm = RMSNorm(cfg)
         self.lm_head = self.param(
             "lm_head",

@@ -254,6 +254,12 @@ def activation_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def active_rules() -> tuple[Mesh, Rules] | None:
+    """The mesh and rules `activation_rules` set while tracing, or None outside it: what
+    a layer that writes its own collectives (`shard_map`) needs."""
+    return _ACTIVE.get()
+
+
 def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
     """Annotate an activation with its logical axes; a no-op outside `activation_rules`."""
     active = _ACTIVE.get()
