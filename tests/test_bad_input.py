@@ -62,7 +62,8 @@ CLI_ROWS = [
     row("heads-0", [*CUSTOM[:8], "0"], "heads must be a positive integer, got 0"),
     row("custom-missing", ["run", "--model", "gpt"], "--model gpt needs --layers, --hidden"),
     row("preset-with-layers", [*GPT, "--layers", "2"],
-        "--layers go with --model bert or --model gpt or --model llama, not a preset"),  # fmt: skip
+        "--layers go with --model bert or --model gpt or --model llama or --model moe, "
+        "not a preset"),  # fmt: skip
     row("no-model", ["run"], "the following argument is required: --model"),
     row("vocab-2", ["run", "--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "4",
         "--vocab", "2"], "--vocab 2 is too small for the synthetic corpus"),  # fmt: skip

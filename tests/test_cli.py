@@ -53,6 +53,7 @@ def test_sharded_and_single_device_runs_agree(demo):
         "pipe": 1,
         "tensor": 2,
         "replica": 4,
+        "expert": 1,
     }
     assert config["param_count"] > 0 and config["param_bytes"] == 4 * config["param_count"]
     assert {"jax", "flax", "optax"} <= set(config["versions"])

@@ -17,15 +17,22 @@ from shardemu.parallel.mesh import make_mesh
 def test_mesh_has_named_axes_over_all_devices():
     mesh = make_mesh(tensor=2, replica=4)
     assert isinstance(mesh, Mesh)
-    assert dict(mesh.shape) == {"pipe": 1, "replica": 4, "tensor": 2}
+    assert dict(mesh.shape) == {"pipe": 1, "replica": 4, "expert": 1, "tensor": 2}
     assert set(mesh.devices.flat) == set(jax.devices())
     assert all(t == AxisType.Auto for t in mesh.axis_types)
 
 
 def test_tensor_is_the_innermost_axis():
     mesh = make_mesh(tensor=2, replica=4)
-    ids = [[d.id for d in row] for row in mesh.devices[0]]
+    ids = [[d.id for d in row] for row in mesh.devices[0, :, 0]]
     assert ids[0] == [jax.devices()[0].id, jax.devices()[1].id]  # neighbours share tensor
+
+
+def test_expert_sits_between_replica_and_tensor():
+    mesh = make_mesh(tensor=2, expert=2, replica=2)
+    assert mesh.axis_names == ("pipe", "replica", "expert", "tensor")
+    ids = [d.id for d in mesh.devices[0, 0, :, 0]]
+    assert ids == [jax.devices()[0].id, jax.devices()[2].id]  # past one tensor group
 
 
 def test_mesh_over_a_subset():

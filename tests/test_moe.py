@@ -190,3 +190,9 @@ def test_mixtral_is_planned_at_full_size():
     extra = cfg.num_layers * (3 * 2 * t * d * f + 2 * t * d * cfg.num_experts)
     assert r["model_flops_analytic"] == flops.training_step(dense, 64, 4096) + 3 * extra
     assert math.isfinite(r["step_time_s"]) and r["step_time_s"] > 0
+
+
+def test_a_plan_of_expert_parallelism_is_refused_not_planned_without_the_axis():
+    with pytest.raises(ConfigError, match="plans of expert parallelism .* not built yet"):
+        shardemu.plan(get_preset("moe-tiny"), Parallelism(expert=2), TRAIN,
+                      shardemu.get_hardware("h100-sxm"))  # fmt: skip

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardemu.accounting.ledger import Ledger
+from shardemu.config import Parallelism
 from shardemu.errors import ConfigError
 from shardemu.phased.planner import PhasePlan
 from shardemu.predict.costmodel import Prediction, Timeline
@@ -48,3 +49,15 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         return self.report
+
+
+def require_no_experts(par: Parallelism) -> None:
+    """The planners count a stage's pieces without the `expert` axis (expert
+    parallelism is trained on the resident engine, not planned yet): refuse a mesh
+    with expert > 1 rather than plan it as if the axis were not there."""
+    if par.expert > 1:
+        raise ConfigError(
+            f"mesh {par}: plans of expert parallelism (expert > 1) are not built yet; train "
+            f"it on the resident engine (shardemu run / shardemu.Trainer), or plan with "
+            f"the experts whole on every device (expert=1)"
+        )

@@ -33,7 +33,7 @@ from shardemu.predict.costmodel import predict, require_fit
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
-from shardemu.predict.plan import Plan
+from shardemu.predict.plan import Plan, require_no_experts
 from shardemu.predict.sparse import model_flops_sparse, sparse_compute, sparse_report
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default
@@ -79,6 +79,7 @@ def plan_phased(
     will do)."""
     t0 = time.perf_counter()
     model = as_model(model)
+    require_no_experts(par)
     if microbatch_size == "auto":
         if hardware is None:
             raise ConfigError("choosing the microbatch size times each one: give `hardware`")

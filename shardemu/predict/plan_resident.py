@@ -40,7 +40,7 @@ from shardemu.predict.costmodel import predict, require_fit
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
-from shardemu.predict.plan import Plan
+from shardemu.predict.plan import Plan, require_no_experts
 from shardemu.predict.resident_count import (
     Microbatch,
     Recompute,
@@ -238,6 +238,7 @@ def plan_resident(
     precision, sparsity = train.precision, train.sparsity
     t0 = time.perf_counter()
     model = as_model(model)
+    require_no_experts(par)
     hardware = hardware.at_precision(arithmetic(model.cfg, precision))
     lay, sched, key = resident_layout(
         model, par, batch, seq, microbatch_size, schedule, virtual, recompute, precision,

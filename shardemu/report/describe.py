@@ -10,7 +10,7 @@ from typing import Any
 
 from shardemu.config import ModelConfig, Parallelism
 from shardemu.models import Model, as_model, param_bytes, param_count
-from shardemu.parallel.rules import Rules, megatron_rules, param_table, resolve_specs
+from shardemu.parallel.rules import Rules, param_table, resolve_specs, rules_or_default
 
 
 def describe(
@@ -19,7 +19,7 @@ def describe(
     """Every parameter's path, shape, logical axes, PartitionSpec and bytes per device,
     with totals, of `model` (a `Model` or a registered family's config); the JSON that
     `shardemu describe --json` prints."""
-    rules = megatron_rules() if rules is None else rules
+    rules = rules_or_default(rules, False, par.expert)
     model = as_model(model)
     shapes, logical = model.abstract_params()
     axis_sizes = par.axis_sizes()
