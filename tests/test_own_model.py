@@ -152,7 +152,7 @@ def test_planned_and_searched_with_its_rules():
     """Resident and phased plans of the model at a larger size on a profile, with its
     rules; the analytic FLOPs (its layers shaped as a transformer's, its head the
     default logits) within 2% of the counted ones; a search ranks the small model's
-    layouts."""
+    layouts on one device."""
     big = shardemu.Model(CFG.replace(num_layers=4, embed_dim=512, mlp_dim=2048, vocab_size=1024,
                                      max_positions=128), MINI)  # fmt: skip
     train = TrainConfig(batch=8, seq=128, precision="bf16")
@@ -164,8 +164,8 @@ def test_planned_and_searched_with_its_rules():
         assert planned.report["model"] == "mini-lm"
         assert abs(planned.report["model_flops_rel_err"]) < 0.02
         assert planned.step_time_s > 0
-    space = shardemu.Space(("bf16",), "resident", max_tensor=2, max_microbatch=1)
-    found = shardemu.search(MODEL, hw, 2, 4, 16, space, top=2, rules=RULES)
+    space = shardemu.Space(("bf16",), "resident", max_tensor=1, max_microbatch=1)
+    found = shardemu.search(MODEL, hw, 1, 4, 16, space, top=1, rules=RULES)
     assert found.model == "mini-lm" and found.best.step_time_s > 0
 
 
