@@ -365,3 +365,16 @@ def test_a_profile_override_that_fp32_plans_ignore_is_said(tmp_path, caplog):
     (record,) = caplog.records
     assert "peak_tflops sets the 16-bit peak only" in record.getMessage()
     assert "fp32_tflops = 156" in record.getMessage() and "fast.toml" in record.getMessage()
+
+
+def test_an_expert_group_spans_its_tensor_groups():
+    """The mesh is (pipe, replica, expert, tensor): an all-to-all over `expert` on
+    expert 2 x tensor 8 spans 16 devices, past an 8-GPU node: inter-node; over `tensor`
+    alone it stays inside."""
+    from shardemu.predict.costmodel import duration
+
+    hw, par = PROFILES["h100-sxm"], Parallelism(tensor=8, replica=2, expert=2)
+    a2a = Event(0, Phase("step"), "collective", "", bytes=8e9, axis="expert", devices=8)
+    inside = dataclasses.replace(a2a, axis="tensor")
+    assert duration(a2a, hw, par) == pytest.approx(1 / hw.inter_node_gbps)
+    assert duration(inside, hw, par) == pytest.approx(1 / hw.intra_node_gbps)

@@ -39,7 +39,7 @@ the system's I/O and MemoryX, plus a latency per level of the tree
 (`Hardware.swarmx_seconds`). A collective = bytes each device sends (the ledger holds
 the ring algorithm's: `collectives.py`) / the link bandwidth of its axis, intra-node
 when the axis's device group fits in one node (the mesh is laid out pipe, replica,
-tensor with tensor innermost), else inter-node.
+expert, tensor with tensor innermost), else inter-node.
 
 The step time is when the last event ends. Its breakdown is measured on the stage whose
 compute is busiest: compute, and the rest of the step split by what that stage was
@@ -125,12 +125,14 @@ def stream_of(event: Event) -> str:
 @functools.lru_cache(maxsize=1024)  # asked once per collective a timeline places
 def axis_span(axis: str, par: Parallelism) -> int:
     """How many consecutive devices a group along `axis` (e.g. "replica+tensor")
-    spans, in the mesh's (pipe, replica, tensor) layout."""
+    spans, in the mesh's (pipe, replica, expert, tensor) layout."""
     names = set(axis.split("+"))
     if "pipe" in names:
         return par.num_devices
     if "replica" in names:
-        return par.replica * par.tensor
+        return par.replica * par.expert * par.tensor
+    if "expert" in names:
+        return par.expert * par.tensor
     return par.tensor
 
 
