@@ -1,0 +1,135 @@
+"""Activation memory per layer as a GPU or TPU stack keeps it, tensor by tensor.
+
+A layer's backward pass needs some of its forward's tensors. `saved_tensors` lists them
+for a transformer layer, each with its elements, bytes per element and whether tensor
+parallelism splits it, following Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", Section 4.1, Figure 3: a Megatron-LM GPT
+layer): the two layer norms' inputs, the QKV matmul's input, Q and K for the scores, the
+softmax's output (and with dropout its mask and output), V, the output projection's
+input, the MLP's input, its activation's input and the second matmul's input (and with
+dropout the two residual dropout masks). Under tensor parallelism (Section 4.2.1) the
+layer norms' and the column-parallel matmuls' inputs (and the residual dropout masks)
+are whole on every device and the rest split; sequence parallelism (4.2.2) splits those
+too. Selective recomputation (Section 5) keeps everything but the attention core's
+s x s tensors, which it recomputes; full recomputation keeps the layer's input.
+
+A gated MLP (SwiGLU: Llama) keeps the gate's and the up projection's outputs and their
+product; grouped-query attention keeps K and V at the key/value heads' width. Rotary
+embeddings add nothing to keep (their backward is the same rotation).
+
+This is the second witness beside the CPU compile's count (`resident_count.py`, which
+keeps what XLA's CPU fusions keep: 2.9x this for GPT-3 1.3B at tensor 4): the analytic
+sum equals Korthikanti's closed forms (Table 2) exactly for their layer, and a resident
+plan reports both (`activation_bytes_per_layer`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardemu.models import Model
+
+MASK_BYTES = 1  # a dropout mask is one byte an element (Korthikanti et al., Section 4.1)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor a layer keeps for its backward: `elements` of `itemsize` bytes, split
+    over the tensor axis or whole on every tensor device (`split`), and whether it is
+    the attention core's s x s (what selective recomputation drops)."""
+
+    name: str
+    elements: int
+    itemsize: int
+    split: bool
+    core: bool = False
+
+    def bytes_per_device(self, tensor: int, sequence_parallel: bool) -> float:
+        whole = self.elements * self.itemsize
+        return whole / tensor if self.split or sequence_parallel else whole
+
+
+def saved_tensors(
+    model: Model, batch: int, seq: int, itemsize: int, dropout: bool = False
+) -> list[Saved]:
+    """What one layer of `model` keeps for its backward on `batch` sequences of `seq`
+    tokens, its activations of `itemsize` bytes (module docstring)."""
+    cfg = model.cfg
+    sbh, sbf = seq * batch * cfg.embed_dim, seq * batch * cfg.mlp_dim
+    kv = seq * batch * cfg.kv_heads * cfg.head_dim
+    scores = cfg.num_heads * seq * seq * batch
+    p = itemsize
+    out = [
+        Saved("layer norm 1 input", sbh, p, split=False),
+        Saved("QKV input", sbh, p, split=False),
+        Saved("Q", sbh, p, split=True),
+        Saved("K", kv, p, split=True),
+        Saved("softmax output", scores, p, split=True, core=True),
+        Saved("V", kv, p, split=True),
+        Saved("projection input", sbh, p, split=True),
+        Saved("layer norm 2 input", sbh, p, split=False),
+        Saved("MLP input", sbh, p, split=False),
+    ]
+    if model.family.gated_mlp:
+        out += [
+            Saved("gate output", sbf, p, split=True),
+            Saved("up output", sbf, p, split=True),
+            Saved("down input", sbf, p, split=True),
+        ]
+    else:
+        out += [
+            Saved("activation input", sbf, p, split=True),
+            Saved("second matmul input", sbf, p, split=True),
+        ]
+    if dropout:
+        out += [
+            Saved("attention dropout mask", scores, MASK_BYTES, split=True, core=True),
+            Saved("attention dropout output", scores, p, split=True, core=True),
+            Saved("projection dropout mask", sbh, MASK_BYTES, split=False),
+            Saved("MLP dropout mask", sbh, MASK_BYTES, split=False),
+        ]
+    return out
+
+
+def layer_bytes(
+    model: Model,
+    batch: int,
+    seq: int,
+    itemsize: int,
+    tensor: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    dropout: bool = False,
+) -> float:
+    """Bytes per device one layer keeps for its backward (`saved_tensors`), with
+    `recompute` none, selective (the attention core's s x s tensors recomputed) or full
+    (the layer's input alone)."""
+    if recompute == "full":
+        whole = seq * batch * model.cfg.embed_dim * itemsize
+        return whole / tensor if sequence_parallel else whole
+    return sum(
+        t.bytes_per_device(tensor, sequence_parallel)
+        for t in saved_tensors(model, batch, seq, itemsize, dropout)
+        if not (recompute == "selective" and t.core)
+    )
+
+
+def korthikanti(
+    seq: int,
+    batch: int,
+    hidden: int,
+    heads: int,
+    tensor: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+) -> float:
+    """Korthikanti et al. 2022, Table 2: bytes per layer and device of a GPT layer with
+    16-bit activations and dropout, d_ff = 4h: sbh (10 + 24/t + 5as/(ht)) with tensor
+    parallelism, sbh (34/t + 5as/(ht)) with sequence parallelism too, the 5as/(ht) term
+    dropped by selective recomputation, 2sbh with full recomputation."""
+    sbh, t = seq * batch * hidden, tensor
+    core = 5 * heads * seq / (hidden * t)
+    if recompute == "full":
+        return 2 * sbh
+    rest = 34 / t if sequence_parallel else 10 + 24 / t
+    return sbh * (rest + (0 if recompute == "selective" else core))

@@ -1,0 +1,62 @@
+"""Activation memory as the target keeps it (`predict/activations.py`): the layer's
+saved tensors, summed, against Korthikanti et al. 2022's closed forms (Table 2), and a
+resident plan reporting it beside the CPU compile's count."""
+
+import itertools
+
+import pytest
+
+import shardemu
+from shardemu.config import Parallelism, TrainConfig
+from shardemu.models import Model, custom_model, get_preset
+from shardemu.predict.activations import korthikanti, layer_bytes, saved_tensors
+
+
+@pytest.mark.parametrize("name", ["gpt3-1.3b", "gpt3-13b", "gpt3-175b"])
+def test_a_gpt_layer_tensor_by_tensor_is_korthikantis_table_2(name):
+    """16-bit activations with dropout, as the paper counts them: no parallelism,
+    tensor parallel, tensor and sequence parallel, each without recomputation and with
+    selective recomputation, and full recomputation; at three widths."""
+    model = Model(get_preset(name))
+    cfg, s, b = model.cfg, 2048, 1
+    for t, sp, rec in itertools.product((1, 8), (False, True), ("none", "selective")):
+        ours = layer_bytes(model, b, s, 2, t, sp, rec, dropout=True)
+        theirs = korthikanti(s, b, cfg.embed_dim, cfg.num_heads, t, sp, rec)
+        assert ours == pytest.approx(theirs, rel=1e-12), (t, sp, rec)
+    full = layer_bytes(model, b, s, 2, 8, recompute="full", dropout=True)
+    assert full == korthikanti(s, b, cfg.embed_dim, cfg.num_heads, 8, recompute="full")
+
+
+def test_without_dropout_and_with_a_gated_mlp():
+    """shardemu's layers have no dropout: 32 sbh + 2 a s^2 b at 16 bits (Table 2 less
+    the three masks and the dropout's output). Llama's gated MLP keeps three [s, b, f]
+    tensors for GPT's two, and grouped-query attention K and V at G / A of the width."""
+    gpt = Model(get_preset("gpt3-1.3b"))
+    cfg, s, b = gpt.cfg, 1024, 2
+    sbh, scores = s * b * cfg.embed_dim, cfg.num_heads * s * s * b
+    assert layer_bytes(gpt, b, s, 2) == 32 * sbh + 2 * scores
+    llama = Model(get_preset("llama3-8b"))
+    lc = llama.cfg
+    sbh, sbf = s * b * lc.embed_dim, s * b * lc.mlp_dim
+    kv = s * b * lc.kv_heads * lc.head_dim
+    want = 2 * (6 * sbh + 2 * kv + 3 * sbf) + 2 * lc.num_heads * s * s * b
+    assert layer_bytes(llama, b, s, 2) == want
+    names = [t.name for t in saved_tensors(llama, b, s, 2)]
+    assert "gate output" in names and "activation input" not in names
+
+
+def test_a_resident_plan_reports_both_witnesses():
+    """The CPU compile keeps more than the target does (its fusions keep intermediates
+    a GPU kernel does not); with full recomputation both keep the layer's input alone,
+    exactly."""
+    model = custom_model("gpt", 2, 128, 4, 256, 64)
+    hw, par = shardemu.get_hardware("a100-80gb"), Parallelism(tensor=2)
+    train = TrainConfig(batch=2, seq=64, precision="bf16")
+    kept = {
+        rec: shardemu.plan(model, par, train, hw, recompute=rec).report[
+            "activation_bytes_per_layer"
+        ]
+        for rec in ("none", "full")
+    }
+    assert kept["none"]["counted"] > kept["none"]["target"] > 0
+    assert kept["full"]["counted"] == kept["full"]["target"] == 2 * 64 * 128 * 2
