@@ -45,10 +45,10 @@ def test_without_dropout_and_with_a_gated_mlp():
     assert "gate output" in names and "activation input" not in names
 
 
-def test_a_resident_plan_reports_both_witnesses():
+def test_a_resident_plan_reports_both_witnesses_and_holds_the_targets():
     """The CPU compile keeps more than the target does (its fusions keep intermediates
-    a GPU kernel does not); with full recomputation both keep the layer's input alone,
-    exactly."""
+    a GPU kernel does not), and the plan's memory is the target's; with full
+    recomputation both keep the layer's input alone, exactly."""
     model = custom_model("gpt", 2, 128, 4, 256, 64)
     hw, par = shardemu.get_hardware("a100-80gb"), Parallelism(tensor=2)
     train = TrainConfig(batch=2, seq=64, precision="bf16")
@@ -59,4 +59,5 @@ def test_a_resident_plan_reports_both_witnesses():
         for rec in ("none", "full")
     }
     assert kept["none"]["counted"] > kept["none"]["target"] > 0
+    assert kept["none"]["used"] == "target"
     assert kept["full"]["counted"] == kept["full"]["target"] == 2 * 64 * 128 * 2

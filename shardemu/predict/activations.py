@@ -100,18 +100,25 @@ def layer_bytes(
     sequence_parallel: bool = False,
     recompute: str = "none",
     dropout: bool = False,
+    fused_attention: bool = False,
 ) -> float:
     """Bytes per device one layer keeps for its backward (`saved_tensors`), with
     `recompute` none, selective (the attention core's s x s tensors recomputed) or full
-    (the layer's input alone)."""
+    (the layer's input alone). With `fused_attention` (FlashAttention: Dao et al. 2022,
+    Section 3.1) the core keeps no s x s tensor, only each query row's softmax
+    statistic (its log-sum-exp, float32)."""
     if recompute == "full":
         whole = seq * batch * model.cfg.embed_dim * itemsize
         return whole / tensor if sequence_parallel else whole
-    return sum(
+    drop_core = recompute == "selective" or fused_attention
+    kept = sum(
         t.bytes_per_device(tensor, sequence_parallel)
         for t in saved_tensors(model, batch, seq, itemsize, dropout)
-        if not (recompute == "selective" and t.core)
+        if not (drop_core and t.core)
     )
+    if fused_attention and recompute != "selective":
+        kept += batch * model.cfg.num_heads * seq * 4 / tensor
+    return kept
 
 
 def korthikanti(

@@ -27,8 +27,6 @@ import functools
 import time
 from typing import Any
 
-import jax.numpy as jnp
-
 from shardemu.accounting import flops
 from shardemu.accounting.assemble import assemble
 from shardemu.accounting.ledger import Event, Ledger, Phase
@@ -38,22 +36,19 @@ from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Schedule, Slot
 from shardemu.pipelined.layout import PipelineLayout
-from shardemu.predict.activations import layer_bytes
 from shardemu.predict.costmodel import predict, require_fit
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.plan import Plan, require_no_experts
 from shardemu.predict.resident_count import (
-    CountKey,
     Microbatch,
     Recompute,
     counted_microbatch,
     memory_bound,
     selective,
-    selective_keep,
 )
-from shardemu.predict.resident_memory import device_bytes, resident_layout
+from shardemu.predict.resident_memory import device_bytes, kept, resident_layout
 from shardemu.predict.sparse import (
     layer_factor,
     model_flops_sparse,
@@ -256,7 +251,7 @@ def plan_resident(
         require_fit({"device": least}, hardware, layout, at_least=True)
     mb = counted_microbatch(*key)
     held = device_bytes(mb, key, recompute, par, lay, sched)
-    kept = _kept_per_layer(mb, key, recompute)
+    keep = kept(mb, key, recompute)
     if must_fit:
         require_fit({"device": held}, hardware, layout)
     if recompute == "selective":
@@ -290,29 +285,13 @@ def plan_resident(
         "overlap": overlap.to_json(),
         "attention": attention,
         "bubble_fraction": sched.bubble_fraction,
-        "activation_bytes_per_layer": kept,
+        "activation_bytes_per_layer": keep.to_json(),
         **_counts(ledger, model, par, batch, seq, prediction.step_time_s, sparsity),
         **prediction.to_json(),
         **sparse_report(hardware, sparsity),
         "elapsed_s": time.perf_counter() - t0,
     }
     return Plan(report, ledger, timeline, prediction)
-
-
-def _kept_per_layer(mb: Microbatch, key: CountKey, recompute: str) -> dict[str, float | None]:
-    """What one layer keeps for its backward per device and microbatch: as the CPU
-    compile counts it (`counted`, what the memory above uses) and as a GPU or TPU stack
-    keeps it (`target`: `activations.layer_bytes`, a transformer layer tensor by tensor;
-    None for a mixture of experts, whose dispatch it does not model)."""
-    counted = (selective_keep(mb, key) if recompute == "selective" else mb).keep_bytes
-    model = key.model
-    target = None
-    if not model.cfg.num_experts:
-        itemsize = jnp.dtype(model.cfg.param_dtype).itemsize
-        target = layer_bytes(
-            model, key.microbatch_size, key.seq, itemsize, key.tensor, recompute=recompute
-        )
-    return {"counted": counted, "target": target}
 
 
 def _counts(

@@ -6,6 +6,8 @@ also as a lower bound with nothing compiled (`device_bytes_at_least`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax.numpy as jnp
 
 from shardemu.config import ConfigError, Parallelism
@@ -13,6 +15,7 @@ from shardemu.models import Model
 from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.pipelined.layout import PipelineLayout, pipeline_layout
+from shardemu.predict.activations import layer_bytes
 from shardemu.predict.layouts import ATTENTION
 from shardemu.predict.resident_count import (
     CountKey,
@@ -24,6 +27,41 @@ from shardemu.predict.resident_count import (
 )
 
 
+@dataclass(frozen=True)
+class Kept:
+    """What one layer keeps for its backward, per device and microbatch: as the CPU
+    compile counts it (`counted`: XLA's CPU fusions keep intermediates a GPU or TPU
+    kernel does not) and as the target keeps it (`target`: `activations.layer_bytes`,
+    tensor by tensor; None for a mixture of experts, whose dispatch it does not model).
+    The target's is the memory a plan holds where there is one (`used`)."""
+
+    counted: float
+    target: float | None
+
+    @property
+    def used(self) -> float:
+        return self.counted if self.target is None else self.target
+
+    def to_json(self) -> dict[str, float | str | None]:
+        which = "counted" if self.target is None else "target"
+        return {"counted": self.counted, "target": self.target, "used": which}
+
+
+def kept(mb: Microbatch, key: CountKey, recompute: str) -> Kept:
+    """`Kept` of a layout's layers (`key`), with `recompute` none, selective or full,
+    its attention core materialized or fused (FlashAttention: no s x s tensors kept)."""
+    counted = (selective_keep(mb, key) if recompute == "selective" else mb).keep_bytes
+    model = key.model
+    if model.cfg.num_experts:
+        return Kept(counted, None)
+    itemsize = jnp.dtype(model.cfg.param_dtype).itemsize
+    target = layer_bytes(
+        model, key.microbatch_size, key.seq, itemsize, key.tensor, recompute=recompute,
+        fused_attention=key.fused_attention,
+    )  # fmt: skip
+    return Kept(counted, target)
+
+
 def _stage_bytes(
     mb: Microbatch,
     layers: int,
@@ -31,17 +69,18 @@ def _stage_bytes(
     microbatches: int,
     held: float,
     model: Model,
+    keep: float,
 ) -> int:
     """Device bytes per device of a stage of `layers` layers (and the shared weights
     where it holds them): weights, gradients and optimizer state, and what its layers
-    keep for the `held` microbatches in flight at its peak (`Schedule.peak_activations`).
-    Gradients are the weights' dtype, summed over microbatches in FP32
-    (`numerics/precision.py`)."""
+    keep (`keep` a layer) for the `held` microbatches in flight at its peak
+    (`Schedule.peak_activations`). Gradients are the weights' dtype, summed over
+    microbatches in FP32 (`numerics/precision.py`)."""
     weights = mb.layer_bytes * layers + (mb.shared_bytes if shared else 0)
     optimizer = mb.opt_bytes[0] * layers + (mb.opt_bytes[1] if shared else 0)
     itemsize = jnp.dtype(model.cfg.param_dtype).itemsize
     grads = weights if microbatches == 1 else weights * 4 // itemsize
-    return weights + grads + optimizer + round(held * layers * mb.keep_bytes)
+    return weights + grads + optimizer + round(held * layers * keep)
 
 
 def resident_layout(
@@ -89,14 +128,18 @@ def device_bytes(
     sched: Schedule,
 ) -> int:
     """Device bytes per device of the layout's fullest stage (`_stage_bytes`), its
-    layers keeping what `mb` keeps (less the attention core under selective
-    recomputation)."""
-    if recompute == "selective":
-        mb = selective_keep(mb, key)
+    layers keeping what the target keeps (`kept`)."""
+    keep = kept(mb, key, recompute).used
     return max(
         _stage_bytes(
-            mb, n, s in (0, par.pipe - 1), sched.microbatches, sched.peak_activations(s), key.model
-        )
+            mb,
+            n,
+            s in (0, par.pipe - 1),
+            sched.microbatches,
+            sched.peak_activations(s),
+            key.model,
+            keep,
+        )  # fmt: skip
         for s, n in enumerate(lay.stage_layers())
     )
 
