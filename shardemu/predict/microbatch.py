@@ -25,15 +25,17 @@ def choose_microbatch(batch: int, par: Parallelism, plan: Plan) -> tuple[dict[st
     fits (the least memory when none fits). Sizes a plan refuses (interleaved 1F1B
     needs microbatches in multiples of pipe) are skipped. The chosen report gets
     `microbatch_choice`: the size, the rule, and every candidate's step and memory."""
-    if batch % par.replica:
-        raise ConfigError(f"TrainConfig.batch {batch} is not divisible by replica={par.replica}")
+    if batch % par.data:
+        raise ConfigError(
+            f"TrainConfig.batch {batch} is not divisible by replica * expert = {par.data}"
+        )
     best, tried, refused = None, {}, None
 
     def key(report: dict) -> tuple:  # fitting first, then the faster; else the smaller
         mem = report["memory_per_device"]["device"]
         return (not mem["fits"], report["step_time_s"] if mem["fits"] else mem["bytes"])
 
-    for size in microbatch_candidates(batch // par.replica):
+    for size in microbatch_candidates(batch // par.data):
         try:
             planned = plan(size)
         except ConfigError as err:

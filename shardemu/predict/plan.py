@@ -52,12 +52,11 @@ class Plan:
 
 
 def require_no_experts(par: Parallelism) -> None:
-    """The planners count a stage's pieces without the `expert` axis (expert
-    parallelism is trained on the resident engine, not planned yet): refuse a mesh
+    """The phased planner counts a stage's pieces without the `expert` axis (the
+    resident planner adds it: `expert_parallel.py`): refuse a phased plan of a mesh
     with expert > 1 rather than plan it as if the axis were not there."""
     if par.expert > 1:
         raise ConfigError(
-            f"mesh {par}: plans of expert parallelism (expert > 1) are not built yet; train "
-            f"it on the resident engine (shardemu run / shardemu.Trainer), or plan with "
-            f"the experts whole on every device (expert=1)"
+            f"mesh {par}: phased plans of expert parallelism (expert > 1) are not built "
+            f"yet; plan it resident (no PhasedConfig), or phased with expert=1"
         )

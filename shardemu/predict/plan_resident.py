@@ -12,7 +12,8 @@ head, and activations (or their gradients) cross to the neighbouring stage point
 point over `pipe`. After its last backward each stage all-reduces its gradients over
 `replica` (ring: each device sends 2 (r-1)/r of them; Thakur et al. 2005) and runs its
 optimizer update. Every event is scaled to the stage's r * t devices (replicas do
-identical work). The cost model then places the events (`costmodel.py`), so the pipeline
+identical work). An `expert` axis is data parallelism too, whose experts are split over
+it (`expert_parallel.py`: their memory, all-to-alls and gradient reductions). The cost model then places the events (`costmodel.py`), so the pipeline
 bubble, exposed communication and the data-parallel all-reduce come out of the timeline.
 
 Memory per device: weights, gradients and two Adam moments (4x the stage's weight bytes)
@@ -37,10 +38,11 @@ from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Schedule, Slot
 from shardemu.pipelined.layout import PipelineLayout
 from shardemu.predict.costmodel import predict, require_fit
+from shardemu.predict.expert_parallel import expert_parallel
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
-from shardemu.predict.plan import Plan, require_no_experts
+from shardemu.predict.plan import Plan
 from shardemu.predict.resident_count import (
     Microbatch,
     Recompute,
@@ -100,7 +102,7 @@ class _StepEvents:
         overlap: Overlap,
     ) -> None:
         self.mb, self.sched, self.lay, self.par, self.overlap = mb, sched, lay, par, overlap
-        self.bucketed = overlap.grad_reduce == "bucketed" and par.replica > 1
+        self.bucketed = overlap.grad_reduce == "bucketed" and par.data > 1
         self.last_backward: dict[int, int] = {}  # virtual stage -> time of its last backward
         self.last_b: dict[int, Slot] = {}  # stage -> its last backward
         for sl in sched.in_order:
@@ -114,42 +116,53 @@ class _StepEvents:
         tag = _phase(kind, vs, self.lay.slices[vs])
         return tag if micro is None else tag.at(micro)
 
-    def all_reduce(self, grad_bytes: int, tag: Phase, stage: int = 0) -> Event:
-        """The ring all-reduce of `grad_bytes` per device over `replica`: each device
-        sends 2 (r-1)/r of them (Thakur et al. 2005)."""
-        r, t = self.par.replica, self.par.tensor
-        return Event(
-            0,
-            tag,
-            "collective",
-            "gradients",
-            bytes=round(2 * (r - 1) / r * grad_bytes * r * t),
-            axis="replica",
-            devices=r * t,
-            op="all-reduce",
-            group=r,
-            stage=stage,
-        )
+    def all_reduce(
+        self, grad_bytes: int, tag: Phase, stage: int = 0, expert_bytes: int = 0
+    ) -> list[Event]:
+        """The ring all-reduce of `grad_bytes` per device over the data-parallel groups
+        (replica, and expert: the experts' `expert_bytes` of them over replica alone):
+        each device sends 2 (n-1)/n of them (Thakur et al. 2005)."""
+        r, ep, t = self.par.replica, self.par.expert, self.par.tensor
+        parts = [("replica+expert" if ep > 1 else "replica", r * ep, grad_bytes - expert_bytes)]
+        if expert_bytes:
+            parts.append(("replica", r, expert_bytes))
+        return [
+            Event(
+                0,
+                tag,
+                "collective",
+                "gradients",
+                bytes=round(2 * (n - 1) / n * size * r * ep * t),
+                axis=axis,
+                devices=r * ep * t,
+                op="all-reduce",
+                group=n,
+                stage=stage,
+            )
+            for axis, n, size in parts
+            if n > 1 and size
+        ]
 
     def layers(self, kind: str, tag: Phase, reduce: bool) -> list[Event]:
         """A chunk's layers' forward or backward; with `reduce`, the backward in
         `buckets` equal parts, each followed by the all-reduce of its gradients."""
-        mb, r = self.mb, self.par.replica
+        mb, r = self.mb, self.par.data
         piece = mb.pieces["forward" if kind == "F" else "backward"]
         n = self.lay.layers_of(tag.index)
         if not reduce:
             return [_scaled(e, n, r, phase=tag) for e in piece]
-        grads, out = mb.layer_bytes * n, []
+        grads, experts, out = mb.layer_bytes * n, mb.expert_bytes * n, []
         buckets = self.overlap.buckets(grads)
         part = [_scaled(e, n / buckets, r, phase=tag) for e in piece]
+        share = lambda total, i: total * (i + 1) // buckets - total * i // buckets  # noqa: E731
         for i in range(buckets):
-            out += [*part, self.all_reduce(grads * (i + 1) // buckets - grads * i // buckets, tag)]
+            out += [*part, *self.all_reduce(share(grads, i), tag, 0, share(experts, i))]
         return out
 
     def _chunk_events(self, kind: str, vs: int, reduce: bool = False) -> list[Event]:
         """Virtual stage `vs`'s F or B slot: its pieces, and its output sent on to the
         next virtual stage over `pipe`."""
-        last_vs, r, t = self.lay.last, self.par.replica, self.par.tensor
+        last_vs, r, t = self.lay.last, self.par.data, self.par.tensor
         if kind == "F":
             names = (
                 (["embed"] if vs == 0 else []) + ["forward"] + (["head"] if vs == last_vs else [])
@@ -192,19 +205,15 @@ class _StepEvents:
     def after(self) -> list[Event]:
         """After the slots, each stage: its gradients' all-reduce (the shared weights'
         alone when the layers' went in buckets) and its optimizer updates."""
-        mb, sched, r, out = self.mb, self.sched, self.par.replica, []
+        mb, sched, r, out = self.mb, self.sched, self.par.data, []
         for s, n in enumerate(self.lay.stage_layers()):
             shared = s in (0, self.par.pipe - 1)
-            grads = (0 if self.bucketed else mb.layer_bytes * n) + (
-                mb.shared_bytes if shared else 0
-            )
+            layers = 0 if self.bucketed else n
+            grads = mb.layer_bytes * layers + (mb.shared_bytes if shared else 0)
             if r > 1 and grads:
                 last = self.last_b[s]
-                out.append(
-                    self.all_reduce(
-                        grads, self.phase("backward", sched.virtual_stage(last), last.microbatch), s
-                    )
-                )
+                tag = self.phase("backward", sched.virtual_stage(last), last.microbatch)
+                out += self.all_reduce(grads, tag, s, mb.expert_bytes * layers)
             update = Phase("update", s)
             out += [_scaled(e, n, r, phase=update, stage=s) for e in mb.pieces["update0"]]
             if shared:
@@ -238,7 +247,6 @@ def plan_resident(
     precision, sparsity = train.precision, train.sparsity
     t0 = time.perf_counter()
     model = as_model(model)
-    require_no_experts(par)
     hardware = hardware.at_precision(arithmetic(model.cfg, precision))
     lay, sched, key = resident_layout(
         model, par, batch, seq, microbatch_size, schedule, virtual, recompute, precision,
@@ -247,9 +255,10 @@ def plan_resident(
     model, m = key.model, sched.microbatches
     layout = f"{par} microbatch {microbatch_size} {schedule} recompute={recompute}"
     if must_fit:  # nothing compiled for a layout whose least bytes are over the memory
-        least = device_bytes(memory_bound(*key), key, recompute, par, lay, sched)
+        bound = expert_parallel(memory_bound(*key), key, par.expert, recompute)
+        least = device_bytes(bound, key, recompute, par, lay, sched)
         require_fit({"device": least}, hardware, layout, at_least=True)
-    mb = counted_microbatch(*key)
+    mb = expert_parallel(counted_microbatch(*key), key, par.expert, recompute)
     held = device_bytes(mb, key, recompute, par, lay, sched)
     keep = kept(mb, key, recompute)
     if must_fit:

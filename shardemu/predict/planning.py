@@ -84,7 +84,7 @@ def plan(
     }
     if auto:
         return plan_resident_auto(model, par, train, hardware, **settings)
-    size = microbatch_size if microbatch_size is not None else train.batch // par.replica
+    size = microbatch_size if microbatch_size is not None else train.batch // par.data
     whole = plan_resident(model, par, train, size, hardware, **settings)
     if microbatch_size is None and not whole.fits:  # one stage: smaller microbatches
         return plan_resident_auto(model, par, train, hardware, **settings)  # may fit

@@ -48,7 +48,9 @@ class Microbatch:
     weights, of the shared weights, of what one layer keeps for its backward, of the
     optimizer state of one layer and of the shared weights (FP32 master weights
     included under mixed precision), and of a layer's input (what a pipeline stage
-    sends the next)."""
+    sends the next). Under expert parallelism (`expert_parallel.py`) `expert_bytes`
+    is the part of `layer_bytes` that is a layer's experts, whose gradients reduce over
+    `replica` alone."""
 
     pieces: dict[str, list[Event]]
     layer_bytes: int
@@ -56,6 +58,7 @@ class Microbatch:
     keep_bytes: int
     opt_bytes: tuple[int, int]
     act_bytes: int
+    expert_bytes: int = 0
 
 
 def count_microbatch(

@@ -106,11 +106,11 @@ def resident_layout(
             f"Space.attention must be one of {', '.join(ATTENTION)}, got {attention!r}"
         )
     key = count_key(model, par, microbatch_size, seq, recompute, precision, attention, rules)
-    per_step = par.replica * microbatch_size
+    per_step = par.data * microbatch_size
     if batch % per_step:
         raise ConfigError(
-            f"TrainConfig.batch {batch} is not divisible by replica * `microbatch_size` = "
-            f"{per_step}"
+            f"TrainConfig.batch {batch} is not divisible by replica * expert * "
+            f"`microbatch_size` = {per_step}"
         )
     p, v, L = par.pipe, virtual, key.model.cfg.num_layers
     if stage_layers is None and L % (p * v):
