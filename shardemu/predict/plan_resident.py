@@ -13,8 +13,9 @@ point over `pipe`. After its last backward each stage all-reduces its gradients 
 `replica` (ring: each device sends 2 (r-1)/r of them; Thakur et al. 2005) and runs its
 optimizer update. Every event is scaled to the stage's r * t devices (replicas do
 identical work). An `expert` axis is data parallelism too, whose experts are split over
-it (`expert_parallel.py`: their memory, all-to-alls and gradient reductions). The cost model then places the events (`costmodel.py`), so the pipeline
-bubble, exposed communication and the data-parallel all-reduce come out of the timeline.
+it (`expert_parallel.py`: their memory, all-to-alls and gradient reductions). The cost
+model then places the events (`costmodel.py`), so the pipeline bubble, exposed
+communication and the data-parallel all-reduce come out of the timeline.
 
 Memory per device: weights, gradients and two Adam moments (4x the stage's weight bytes)
 plus the activations of the microbatches a stage holds at its peak (from the schedule)
