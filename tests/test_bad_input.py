@@ -65,6 +65,8 @@ CLI_ROWS = [
         "--layers go with --model bert or --model gpt or --model llama or --model moe, "
         "not a preset"),  # fmt: skip
     row("no-model", ["run"], "the following argument is required: --model"),
+    row("steps-past-int32", [*GPT, "--steps", "99999999999999999999"],
+        "--steps 99999999999999999999 is more than the optimizer's int32 step count"),  # fmt: skip
     row("vocab-2", ["run", "--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "4",
         "--vocab", "2"], "--vocab 2 is too small for the synthetic corpus"),  # fmt: skip
     row("unknown-model", ["run", "--model", "gpt-9000"], "unknown model 'gpt-9000'"),

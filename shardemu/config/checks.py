@@ -29,6 +29,9 @@ SEED_LIMIT = 2**32  # numpy.random.default_rng and jax.random.key take seeds bel
 # Tokens per step beyond which shapes stop being countable: activations are tokens x width
 # elements, and XLA's dimension arithmetic is int64 (2**40 tokens x 2**17 width < 2**63).
 MAX_TOKENS_PER_STEP = 2**40
+# Steps a run can count: optax's step counter (`ScaleByAdamState.count`) and the
+# learning-rate schedule's step are int32 arrays.
+MAX_STEPS = 2**31 - 1
 
 
 def require_choice(config: object, name: str, choices: Any) -> None:

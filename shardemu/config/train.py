@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shardemu.config.checks import (
+    MAX_STEPS,
     MAX_TOKENS_PER_STEP,
     SEED_LIMIT,
     require_choice,
@@ -177,6 +178,12 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"TrainConfig.{name} must be an integer >= 0, got {value!r}")
+        for name in ("steps", "warmup_steps"):
+            if getattr(self, name) > MAX_STEPS:
+                raise ConfigError(
+                    f"TrainConfig.{name} {getattr(self, name)} is more than the optimizer's "
+                    f"int32 step count holds ({MAX_STEPS:,}); use fewer"
+                )
         if self.batch * self.seq > MAX_TOKENS_PER_STEP:
             raise ConfigError(
                 f"TrainConfig.batch {self.batch} x TrainConfig.seq {self.seq} = "
