@@ -274,3 +274,18 @@ def test_an_nnx_module_is_read_the_same_way():
     assert specs["up"]["kernel"] == jax.sharding.PartitionSpec(None, "tensor")
     with pytest.raises(ShardingError, match=r"kernel \(32, 8\) named \(\)"):
         shardemu.logical_params(lambda: nnx.Linear(32, 8, use_bias=False, rngs=nnx.Rngs(0)))
+
+
+def test_a_rule_for_an_axis_the_model_does_not_name_is_refused():
+    """Its own rules with a typo, `ffn` for its `mlp`: the rule would split nothing and
+    the MLP would run whole on every tensor device; refused by the engines and the
+    planners, naming the rule and the model's names. Names of shardemu's vocabulary
+    (`megatron_rules`) may go unused."""
+    typo = (*RULES, ("ffn", "tensor"))
+    mesh = make_mesh(tensor=2, devices=jax.devices()[:2])
+    with pytest.raises(ConfigError, match=r"split 'ffn' -> 'tensor', but mini-lm .* its names: "):
+        shardemu.Trainer(MODEL, mesh, TRAIN, typo)
+    with pytest.raises(ConfigError, match="'ffn' -> 'tensor'"):
+        shardemu.plan(MODEL, Parallelism(tensor=2), TRAIN, shardemu.get_hardware("h100-sxm"),
+                      rules=typo)  # fmt: skip
+    MODEL.check_rules((*RULES, ("kv_heads", "tensor")))  # Llama's name, unused here

@@ -38,6 +38,7 @@ from shardemu.models.family import (
 )
 from shardemu.models.layers import layer_stack
 from shardemu.models.logical import require_named, stacked
+from shardemu.parallel.rules import Rules, megatron_rules, recording_names
 
 Batch = dict[str, jax.Array]
 __all__ = [
@@ -123,6 +124,23 @@ class Model:
     def batch_axes(self) -> dict[str, LogicalAxes]:
         """Logical axes of every array in a training batch."""
         return self.family.batch_axes
+
+    def check_rules(self, rules: Rules | None) -> None:
+        """Refuse a rules table that splits a logical axis neither shardemu's models nor
+        this one name (a typo, or another model's name): it would split nothing, and
+        the model would run with that dimension whole, without a word. Names of
+        shardemu's own vocabulary (`megatron_rules`) may go unused: one table serves
+        every family."""
+        if rules is None:
+            return
+        known = {name for name, _ in megatron_rules()} | _names_of(self)
+        unused = [f"{name!r} -> {axes!r}" for name, axes in rules if axes and name not in known]
+        if unused:
+            raise ConfigError(
+                f"the rules split {', '.join(unused)}, but {self.name} (family "
+                f"{self.family.name!r}) names no parameter, activation or batch axis so; "
+                f"its names: {', '.join(sorted(_names_of(self)))}"
+            )
 
     def check_fits(self, train: TrainConfig, par: Parallelism) -> None:
         """Refuse training settings this model or the mesh cannot take
@@ -264,6 +282,23 @@ def _abstract_params(model: Model) -> tuple[dict, dict]:
     logical[key] = stacked(logical[key], shapes[key])
     require_named(shapes, logical, f"{model.name}: ")
     return shapes, logical
+
+
+@functools.lru_cache(maxsize=64)
+def _names_of(model: Model) -> frozenset[str]:
+    """Every logical name `model` uses: its parameters', its activations' (recorded
+    while its initialisation is traced), its batch's and its inter-layer activations'."""
+    with recording_names() as activations:
+        jax.eval_shape(model._boxed_params, jax.random.key(0))
+    _, logical = model.abstract_params()
+    params = {a for axes in jax.tree.leaves(logical, is_leaf=_is_axes) for a in axes if a}
+    batch = {a for axes in model.batch_axes.values() for a in axes if a}
+    between = {a for a in model.family.activation_axes if a}
+    return frozenset(activations | params | batch | between)
+
+
+def _is_axes(x: object) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
 def param_count(shapes: dict) -> int:

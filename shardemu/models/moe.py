@@ -58,7 +58,7 @@ from shardemu.models.family import Family, register
 from shardemu.models.layers import ACT_BSD, ACT_BSD_WHOLE, normal
 from shardemu.models.llama import Attention, Llama, RMSNorm
 from shardemu.models.llama import shaped as llama_shaped
-from shardemu.parallel.rules import active_rules, constrain, logical_to_spec
+from shardemu.parallel.rules import active_rules, constrain, logical_to_spec, named
 
 EXPERT_TOKENS = ("expert_batch", "experts", "capacity", "embed")  # at the experts
 BATCH_TOKENS = ("batch", None, "capacity", "embed")  # the same [b, E, C, d], as dispatched
@@ -71,6 +71,7 @@ def exchange(tokens_becd: jax.Array, to_experts: bool) -> jax.Array:
     XLA's CPU pipeline would reshard with all-reduces). Without those axes (expert = 1,
     or rules that keep the experts whole) the tokens are only pinned to their layout."""
     src, dst = (BATCH_TOKENS, EXPERT_TOKENS) if to_experts else (EXPERT_TOKENS, BATCH_TOKENS)
+    named(src, dst)
     active = active_rules()
     if active is None:
         return tokens_becd

@@ -254,6 +254,31 @@ def activation_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+_NAMED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "shardemu_named_activations", default=None
+)
+
+
+@contextlib.contextmanager
+def recording_names() -> Iterator[set[str]]:
+    """While tracing inside this context, every logical name an activation is given
+    (`constrain`, `named`) is collected into the set it yields: what a model names."""
+    names: set[str] = set()
+    token = _NAMED.set(names)
+    try:
+        yield names
+    finally:
+        _NAMED.reset(token)
+
+
+def named(*logical_axes: LogicalAxes) -> None:
+    """Note activations' logical names for `recording_names`: what a layer that
+    resolves its own specs (`shard_map`) calls, as `constrain` does for itself."""
+    names = _NAMED.get()
+    if names is not None:
+        names.update(a for axes in logical_axes for a in axes if a is not None)
+
+
 def active_rules() -> tuple[Mesh, Rules] | None:
     """The mesh and rules `activation_rules` set while tracing, or None outside it: what
     a layer that writes its own collectives (`shard_map`) needs."""
@@ -262,6 +287,7 @@ def active_rules() -> tuple[Mesh, Rules] | None:
 
 def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
     """Annotate an activation with its logical axes; a no-op outside `activation_rules`."""
+    named(logical_axes)
     active = _ACTIVE.get()
     if active is None:
         return x

@@ -81,6 +81,7 @@ class PhasedTrainer:
                 "stay 1"
             )
         self.model, self.train, self.cfg, self.par = model, train, cfg, par
+        model.check_rules(rules)
         self.rules = stage_rules(rules_or_default(rules, train.sequence_parallel))
         meshes = stage_meshes(mesh, cfg.rts) * (emulated_stages or 1)
         self.pieces = build_stages(model, meshes, train, cfg, self.rules)

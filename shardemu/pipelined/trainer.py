@@ -62,6 +62,7 @@ class PipelinedTrainer:
         )
         self.schedule = make_schedule(train.schedule, par.pipe, train.microbatches, train.virtual)
         self.model, self.mesh, self.train, self.par = model, mesh, train, par
+        model.check_rules(rules)
         self.rules = stage_rules(rules_or_default(rules, train.sequence_parallel))
         self.pieces = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), self.rules)
         self.stages: tuple[Stage, ...] = self.pieces.stages

@@ -49,6 +49,7 @@ def plan(
     `must_fit`, a step over a memory tier raises `CapacityError`. Needs JAX devices for
     one stage (`plan_phased.plan_devices`) or one tensor group."""
     model = as_model(model)
+    model.check_rules(rules)
     auto = microbatch_size == "auto" or (
         microbatch_size is None and par.pipe > 1 and hardware is not None
     )

@@ -341,7 +341,9 @@ def search(
     t0 = time.perf_counter()
     if top < 1:
         raise ConfigError(f"`top` must be a positive number of layouts, got {top}")
-    s = Searcher(as_model(model), hardware, devices, batch, seq, space, top, rules, log=log)
+    model = as_model(model)
+    model.check_rules(rules)
+    s = Searcher(model, hardware, devices, batch, seq, space, top, rules, log=log)
     rows: list[SearchRow] = []
     order: dict[str, tuple[Mode, ...]] = {
         "auto": ("resident",),

@@ -19,8 +19,9 @@ def describe(
     """Every parameter's path, shape, logical axes, PartitionSpec and bytes per device,
     with totals, of `model` (a `Model` or a registered family's config); the JSON that
     `shardemu describe --json` prints."""
-    rules = rules_or_default(rules, False, par.expert)
     model = as_model(model)
+    model.check_rules(rules)
+    rules = rules_or_default(rules, False, par.expert)
     shapes, logical = model.abstract_params()
     axis_sizes = par.axis_sizes()
     specs = resolve_specs(shapes, logical, rules, axis_sizes)
