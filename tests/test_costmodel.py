@@ -126,7 +126,7 @@ def test_host_update_waits_for_all_gradients_and_utilisation():
 
 
 def test_profiles_and_profile_files(tmp_path):
-    assert {"ipu-pod16", "ipu-pod256", "cs2", "a100-40gb", "a100-80gb", "h100-sxm",
+    assert {"ipu-pod16", "ipu-pod256", "cs2", "a100-40gb", "a100-80gb", "h100-sxm", "h200-sxm",
             "tpu-v4", "tpu-v5p"} <= set(PROFILES)  # fmt: skip
     assert get_hardware("ipu-pod256").device_memory_bytes == 900_000_000
     (tmp_path / "mine.toml").write_text('base = "a100-80gb"\nefficiency = 0.4\n')

@@ -206,6 +206,21 @@ PROFILES: dict[str, Hardware] = {
         50.0,
         "NVIDIA H100 SXM5, DGX H100 nodes, NDR IB",
     ),
+    # NVIDIA H200 Tensor Core GPU datasheet (2024): the H100 SXM's compute (989 TFLOP/s
+    # BF16 dense, 494.5 TF32 dense) with 141 GB of HBM3e at 4.8 TB/s; NVLink 4 at 900 GB/s
+    # per GPU (450 per direction), PCIe Gen5 x16; DGX H200: 8 GPUs, 8 x 400 Gb/s NDR
+    # InfiniBand = 50 GB/s per GPU.
+    "h200-sxm": _gpu(
+        "h200-sxm",
+        989.0,
+        494.5,
+        141.0,
+        4800.0,
+        450.0,
+        64.0,
+        50.0,
+        "NVIDIA H200 SXM, DGX H200 nodes, NDR IB",
+    ),
     # Google Cloud TPU docs, "TPU v4": 275 TFLOP/s BF16 per chip, 32 GiB HBM2 at
     # 1200 GB/s, 4096 chips per pod with 1.1 PB/s of all-reduce bandwidth per pod: 269 GB/s
     # per chip, our per-direction collective bandwidth. Host link (PCIe) and host memory
