@@ -180,6 +180,33 @@ def test_sigint_stops_after_the_step_and_resume_goes_on(tmp_path):
     assert [r["step"] for r in read_metrics(out)] == list(range(done + 1))
 
 
+def test_a_second_sigterm_while_compiling_exits_143_with_one_line(tmp_path):
+    """Two SIGTERMs as soon as the run directory exists (its step still compiling): the
+    first asks the run to stop after the compile, the second stops it at once, exit 143
+    with one line and no traceback; the directory, which holds no step, is removed and
+    leaves no lock behind. (It used to end in a segmentation fault.)"""
+    out = tmp_path / "run"
+    argv = ["run", *TINY, "--steps", "10000", "--out", str(out)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardemu", *argv], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not (out / ".lock").exists():
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    assert "Traceback" not in stderr
+    assert stderr.strip().startswith("error: second SIGTERM: stopped at once")
+    assert len(stderr.strip().splitlines()) == 1
+    assert not (out / ".lock").exists()
+    if out.exists():  # the compile outran the signals: steps were logged, and are kept
+        assert read_metrics(out)
+
+
 def test_divergence_stops_with_exit_3_and_valid_metrics(tmp_path):
     out = tmp_path / "diverged"
     result = shardemu("run", *TINY, "--steps", "4", "--lr", "1e30", "--out", str(out))

@@ -1,17 +1,25 @@
 """Runs that stop early, and stop cleanly: a signal between two steps, a step that
 diverged.
 
-SIGINT (Ctrl-C) and SIGTERM (a scheduler's kill) are caught and remembered; the loop
-finishes the step it is in and stops before the next, so the run directory, the
-checkpoint and the summary are written whole. A second signal of either kind gives up
-waiting and raises `KeyboardInterrupt` at once.
+SIGINT (Ctrl-C) and SIGTERM (a scheduler's kill) are caught and remembered, from before
+the step compiles to the last write; the loop finishes the step it is in (or the
+compile) and stops before the next, so the run directory, the checkpoint and the
+summary are written whole. A second signal of either kind gives up waiting: the run's
+`on_abort` tidies what it can (the directory of a run that logged no step is removed,
+its lock released), one line says so, and the process exits at once with 128 + the
+signal's number (130, 143): no exception unwinds through a compile or a write half
+done, which is where it used to crash. What was written before stays: a torn last
+metrics line and a half-saved checkpoint are what resume already survives.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import signal
+import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -26,17 +34,29 @@ class StopSignals:
     Outside the main thread Python cannot install handlers; there the context does
     nothing and `received` stays None."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_abort: Callable[[], str] | None = None) -> None:
+        """`on_abort` tidies up after a second signal and says what was kept."""
         self.received: int | None = None
+        self.on_abort = on_abort
         self._previous: dict[int, Any] = {}
 
     def requested(self) -> bool:
         return self.received is not None
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        if self.received is not None:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping now")
-        self.received = signum
+        if self.received is None:
+            self.received = signum
+            return
+        kept = ""
+        if self.on_abort is not None:
+            try:
+                kept = self.on_abort()
+            except Exception as err:  # noqa: BLE001  (exiting anyway: say it, do not raise)
+                kept = f"tidying up failed ({err})"
+        name = signal.Signals(signum).name
+        sys.stderr.write(f"error: second {name}: stopped at once{'; ' + kept if kept else ''}\n")
+        sys.stderr.flush()
+        os._exit(128 + signum)
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():

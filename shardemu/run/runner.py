@@ -205,15 +205,15 @@ class Run:
         step leaves no directory behind, and the trackers and checkpoints always close."""
         trackers: Trackers | None = None
         try:
-            # the state first: a resume that cannot restore it changes no file
-            state, compile_s, resumed = self._start(resumed, run)
-            for record in resumed.records:
-                run.log(record)
-            trackers = open_trackers(self.tracking, run)
-            trackers.log_config(config_record(self._config_record(resumed)))
-            with StopSignals() as signals:
+            with StopSignals(on_abort=lambda: _abort(run)) as signals:
+                # the state first: a resume that cannot restore it changes no file
+                state, compile_s, resumed = self._start(resumed, run)
+                for record in resumed.records:
+                    run.log(record)
+                trackers = open_trackers(self.tracking, run)
+                trackers.log_config(config_record(self._config_record(resumed)))
                 state, records = self._train(state, resumed, run, trackers, on_step, signals)
-            return self._finish(run, trackers, resumed, state, records, compile_s, signals)
+                return self._finish(run, trackers, resumed, state, records, compile_s, signals)
         except NonFiniteError as err:
             run.write_summary(f"# shardemu run: {self.model.cfg.name}\n\nstopped: {err}\n")
             raise
@@ -352,6 +352,15 @@ class Run:
         if stopped is not None:
             raise RunInterrupted(_resume_hint(stopped, run.path, done, saved is not None), stopped)
         return RunResult(run.path, [r["loss"] for r in every], summary)
+
+
+def _abort(run: RunDir) -> str:
+    """After a second signal (`StopSignals`): the directory of a run that logged no step
+    removed, the lock released; what is kept, in words."""
+    run.discard_if_empty()
+    if not run.path.exists():
+        return f"{run.path} held no step and is removed"
+    return f"{run.path} keeps what was written before it (shardemu run --resume {run.path})"
 
 
 def _check_host_memory(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
