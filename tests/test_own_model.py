@@ -194,6 +194,8 @@ def test_settings_it_cannot_honour_are_refused():
         shardemu.Trainer(shardemu.Model(CFG, fp32_only), mesh, bf16, RULES)
     with pytest.raises(ConfigError, match="ModelConfig.family is 'gpt' but the family given"):
         shardemu.Model(CFG.replace(family="gpt"), MINI)
+    with pytest.raises(ConfigError, match=r"module \(Block\) has no embed or head method"):
+        shardemu.Model(CFG, shardemu.Family("mini", Block, Block, "stack"))
 
     class Short(nn.Module):
         @nn.compact

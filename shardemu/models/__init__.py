@@ -104,7 +104,15 @@ class Model:
                 f"{family.name} family's MLP is dense; use a mixture-of-experts family (moe) "
                 f"or leave it 0"
             )
-        object.__setattr__(self, "module", family.module(self.cfg))
+        module = family.module(self.cfg)
+        missing = [m for m in ("embed", "head") if not callable(getattr(module, m, None))]
+        if missing:
+            raise ConfigError(
+                f"the {family.name} family's module ({type(module).__name__}) has no "
+                f"{' or '.join(missing)} method; an engine runs a model as embed, the layers "
+                f"(Family.stack_key) and head (shardemu.Family's docstring)"
+            )
+        object.__setattr__(self, "module", module)
 
     @property
     def name(self) -> str:
