@@ -143,7 +143,9 @@ def pipeline_args(p: argparse.ArgumentParser) -> None:
 
 
 def precision_arg(p: argparse.ArgumentParser) -> None:
-    add_flags(p, TrainConfig, ("precision",))
+    """The precision, and ZeRO: what the weights and the optimizer state are held in,
+    and where."""
+    add_flags(p, TrainConfig, ("precision", "zero"))
 
 
 def overlap_args(p: argparse.ArgumentParser) -> None:

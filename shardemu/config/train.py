@@ -152,6 +152,12 @@ class TrainConfig:
         "split layer norms and residual adds over tensor by sequence (Korthikanti et "
         "al. 2022): reduce-scatter + all-gather instead of all-reduce, nothing repeated",
     )
+    zero: int = setting(
+        0,
+        "--zero",
+        "ZeRO stage (Rajbhandari et al. 2020): 1 shards the optimizer state and FP32 "
+        "master weights over replica (resident runs and plans)",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.sparsity, dict):  # from config.json
@@ -184,6 +190,12 @@ class TrainConfig:
                     f"TrainConfig.{name} {getattr(self, name)} is more than the optimizer's "
                     f"int32 step count holds ({MAX_STEPS:,}); use fewer"
                 )
+        if self.zero not in (0, 1):
+            raise ConfigError(
+                f"TrainConfig.zero must be 0 or 1, got {self.zero!r}: stage 1 shards the "
+                f"optimizer state over replica; stages 2 (gradients) and 3 (parameters) "
+                f"are not built yet"
+            )
         if self.batch * self.seq > MAX_TOKENS_PER_STEP:
             raise ConfigError(
                 f"TrainConfig.batch {self.batch} x TrainConfig.seq {self.seq} = "

@@ -82,6 +82,12 @@ class PhasedTrainer:
             )
         self.model, self.train, self.cfg, self.par = model, train, cfg, par
         model.check_rules(rules)
+        if train.zero:
+            raise ConfigError(
+                f"TrainConfig.zero={train.zero}: ZeRO runs on the resident engine, not the "
+                "phased one; its PhasedConfig.rts_opt shards the optimizer state over "
+                "replicas instead"
+            )
         self.rules = stage_rules(rules_or_default(rules, train.sequence_parallel))
         meshes = stage_meshes(mesh, cfg.rts) * (emulated_stages or 1)
         self.pieces = build_stages(model, meshes, train, cfg, self.rules)

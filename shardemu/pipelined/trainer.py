@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Ledger
 from shardemu.accounting.sizes import bytes_per_device
-from shardemu.config import PhasedConfig, TrainConfig
+from shardemu.config import ConfigError, PhasedConfig, TrainConfig
 from shardemu.models import Model
 from shardemu.numerics.precision import as_compute, compute_model
 from shardemu.parallel.mesh import parallelism_of
@@ -63,6 +63,11 @@ class PipelinedTrainer:
         self.schedule = make_schedule(train.schedule, par.pipe, train.microbatches, train.virtual)
         self.model, self.mesh, self.train, self.par = model, mesh, train, par
         model.check_rules(rules)
+        if train.zero:
+            raise ConfigError(
+                f"TrainConfig.zero={train.zero}: ZeRO runs on the resident engine, not the "
+                "pipelined one; train it resident (pipe = 1) or without it"
+            )
         self.rules = stage_rules(rules_or_default(rules, train.sequence_parallel))
         self.pieces = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), self.rules)
         self.stages: tuple[Stage, ...] = self.pieces.stages

@@ -80,6 +80,11 @@ def plan_phased(
     t0 = time.perf_counter()
     model = as_model(model)
     require_no_experts(par)
+    if train_cfg.zero:
+        raise ConfigError(
+            f"TrainConfig.zero={train_cfg.zero} plans a resident step; a phased plan shards "
+            f"the optimizer state over replicas with PhasedConfig.rts_opt (rts')"
+        )
     if microbatch_size == "auto":
         if hardware is None:
             raise ConfigError("choosing the microbatch size times each one: give `hardware`")

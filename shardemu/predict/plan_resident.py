@@ -219,7 +219,28 @@ class _StepEvents:
             out += [_scaled(e, n, r, phase=update, stage=s) for e in mb.pieces["update0"]]
             if shared:
                 out += [_scaled(e, 1, r, phase=update, stage=s) for e in mb.pieces["update-shared"]]
+            if mb.zero > 1:  # each replica updated its share: the weights all-gathered
+                weights = mb.layer_bytes * n + (mb.shared_bytes if shared else 0)
+                out.append(self.all_gather(weights, mb.zero, update, s))
         return out
+
+    def all_gather(self, weights: int, replicas: int, tag: Phase, stage: int) -> Event:
+        """ZeRO stage 1's all-gather of the updated `weights` (bytes per device, in
+        their own dtype, as Megatron-LM's distributed optimizer gathers them) over
+        `replica`: each device sends (n-1)/n of them (ring)."""
+        devices = self.par.data * self.par.tensor
+        return Event(
+            0,
+            tag,
+            "collective",
+            "weights",
+            bytes=round((replicas - 1) / replicas * weights * devices),
+            axis="replica",
+            devices=devices,
+            op="all-gather",
+            group=replicas,
+            stage=stage,
+        )
 
 
 def plan_resident(
@@ -256,10 +277,10 @@ def plan_resident(
     model, m = key.model, sched.microbatches
     layout = f"{par} microbatch {microbatch_size} {schedule} recompute={recompute}"
     if must_fit:  # nothing compiled for a layout whose least bytes are over the memory
-        bound = expert_parallel(memory_bound(*key), key, par.expert, recompute)
+        bound = zero(expert_parallel(memory_bound(*key), key, par.expert, recompute), train, par)
         least = device_bytes(bound, key, recompute, par, lay, sched)
         require_fit({"device": least}, hardware, layout, at_least=True)
-    mb = expert_parallel(counted_microbatch(*key), key, par.expert, recompute)
+    mb = zero(expert_parallel(counted_microbatch(*key), key, par.expert, recompute), train, par)
     held = device_bytes(mb, key, recompute, par, lay, sched)
     keep = kept(mb, key, recompute)
     if must_fit:
@@ -292,6 +313,7 @@ def plan_resident(
         "stage_layers": lay.stage_layers(),
         "recompute": recompute,
         "precision": precision,
+        "zero": train.zero,
         "overlap": overlap.to_json(),
         "attention": attention,
         "bubble_fraction": sched.bubble_fraction,
@@ -302,6 +324,17 @@ def plan_resident(
         "elapsed_s": time.perf_counter() - t0,
     }
     return Plan(report, ledger, timeline, prediction)
+
+
+def zero(mb: Microbatch, train: TrainConfig, par: Parallelism) -> Microbatch:
+    """`mb` under ZeRO stage 1 (`TrainConfig.zero`): the optimizer state, the FP32
+    master weights with it, split over `replica` (Rajbhandari et al. 2020, P_os: K Psi /
+    N_d of the 2 Psi + 2 Psi + K Psi), and its updated weights all-gathered."""
+    if not train.zero or par.replica == 1:
+        return mb
+    r = par.replica
+    opt = (round(mb.opt_bytes[0] / r), round(mb.opt_bytes[1] / r))
+    return dataclasses.replace(mb, opt_bytes=opt, zero=r)
 
 
 def _counts(

@@ -50,7 +50,8 @@ class Microbatch:
     included under mixed precision), and of a layer's input (what a pipeline stage
     sends the next). Under expert parallelism (`expert_parallel.py`) `expert_bytes`
     is the part of `layer_bytes` that is a layer's experts, whose gradients reduce over
-    `replica` alone."""
+    `replica` alone. With ZeRO stage 1 over `zero` replicas (`plan_resident.zero`) the
+    optimizer state is 1/zero of it a device, and the updated weights are all-gathered."""
 
     pieces: dict[str, list[Event]]
     layer_bytes: int
@@ -59,6 +60,7 @@ class Microbatch:
     opt_bytes: tuple[int, int]
     act_bytes: int
     expert_bytes: int = 0
+    zero: int = 1
 
 
 def count_microbatch(

@@ -54,6 +54,7 @@ from shardemu.sparsity import (
     opt_state_shardings,
     sparse_optimizer,
 )
+from shardemu.stages.specs import tree_store_specs
 
 _COMPILED: dict[tuple, jax.stages.Compiled] = {}  # Trainer.compiled's, process-wide
 
@@ -122,7 +123,7 @@ class Trainer:
         self.opt_shardings = opt_state_shardings(
             self.tx,
             jax.eval_shape(self.tx.init, self.param_shapes),
-            self.param_shardings,
+            self._optimizer_param_shardings(axis_sizes),
             replicated,
         )
         self.batch_shardings = {}
@@ -134,6 +135,19 @@ class Trainer:
             self.batch_shardings[key] = NamedSharding(mesh, spec)
         self._replicated = replicated
         self._eval: Any = None  # the jitted held-out loss, made on first use
+
+    def _optimizer_param_shardings(self, axis_sizes: dict[str, int]) -> Any:
+        """How the optimizer's copies of the parameters (Adam's moments, the FP32 master
+        weights) are sharded: as the parameters, and with ZeRO stage 1 also over
+        `replica`, on each one's largest dimension that the axis divides (Rajbhandari et
+        al. 2020, P_os: each replica updates its share, then the parameters are
+        all-gathered); a tensor no dimension of which it divides stays whole."""
+        if not self.train.zero or axis_sizes["replica"] == 1:
+            return self.param_shardings
+        specs = tree_store_specs(
+            self.param_specs, self.param_shapes, ("replica",), axis_sizes, skip=0
+        )
+        return named_shardings(self.mesh, specs)
 
     def init(self, seed: int) -> tuple[Any, Any]:
         """Parameters and optimizer state, created directly in their shardings."""
