@@ -97,11 +97,11 @@ CLI_ROWS = [
     row("pipe-3", ["run", "--model", "gpt-tiny", "--mesh", "pipe=3"],
         "give the layers of each stage with --stage-layers (e.g. 1,1,2)"),  # fmt: skip
     row("batch-replica", [*GPT, "--batch", "7", "--mesh", "replica=2"],
-        "--batch 7 is not divisible by replica=2"),  # fmt: skip
+        "--batch 7 is not divisible by replica * expert = 2"),  # fmt: skip
     row("batch-replica-4", ["run", "--model", "gpt-tiny", "--mesh", "replica=4", "--batch", "6"],
-        "--batch 6 is not divisible by replica=4"),  # fmt: skip
+        "--batch 6 is not divisible by replica * expert = 4"),  # fmt: skip
     row("batch-microbatches", [*GPT, "--microbatches", "3", "--mesh", "pipe=2"],
-        "not divisible by replica * microbatches * grad_accum = 1 * 3 * 1 = 3"),  # fmt: skip
+        "replica * expert * microbatches * grad_accum = 1 * 3 * 1 = 3"),  # fmt: skip
     row("batch-accum", [*GPT, "--grad-accum", "3"], "= 1 * 1 * 3 = 3; use a multiple of 3"),
     row("seq-huge", [*GPT, "--seq", "100000"], "--seq 100000 exceeds gpt-tiny's 128 positions"),
     row("bert-seq-4", ["run", "--model", "bert-tiny", "--seq", "4"], "need --seq >= 8, got 4"),

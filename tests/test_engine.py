@@ -85,7 +85,9 @@ def test_params_are_sharded_as_the_rules_say(tiny_model, tiny_train):
 
 
 def test_batch_not_divisible_by_replica_is_refused(tiny_model):
-    with pytest.raises(ConfigError, match="TrainConfig.batch 6 is not divisible by replica=4"):
+    with pytest.raises(
+        ConfigError, match=r"TrainConfig.batch 6 is not divisible by replica \* expert = 4"
+    ):
         Trainer(tiny_model, make_mesh(tensor=2, replica=4), TrainConfig(batch=6, seq=16))
 
 

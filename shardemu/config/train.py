@@ -249,17 +249,17 @@ class TrainConfig:
                 f"{self.seq}; use a TrainConfig.seq that is a multiple of "
                 f"{parallelism.tensor}, or leave sequence parallelism off"
             )
-        if self.batch % parallelism.replica:
+        data = parallelism.data  # replica x expert: the batch is split over both
+        if self.batch % data:
             raise ConfigError(
                 f"global TrainConfig.batch {self.batch} is not divisible by "
-                f"replica={parallelism.replica}; "
-                f"use a multiple of {parallelism.replica}"
+                f"replica * expert = {data}; use a multiple of {data}"
             )
-        split = parallelism.replica * self.microbatches * self.grad_accum
+        split = data * self.microbatches * self.grad_accum
         if self.batch % split:
             raise ConfigError(
-                f"global TrainConfig.batch {self.batch} is not divisible by replica * "
-                f"microbatches * grad_accum = {parallelism.replica} * {self.microbatches} * "
+                f"global TrainConfig.batch {self.batch} is not divisible by replica * expert "
+                f"* microbatches * grad_accum = {data} * {self.microbatches} * "
                 f"{self.grad_accum} = {split}; use a multiple of {split}"
             )
 
@@ -270,4 +270,4 @@ class TrainConfig:
 
     def microbatch_size(self, parallelism: Parallelism) -> int:
         """Sequences per microbatch per replica (the b of b * r)."""
-        return self.batch // (parallelism.replica * self.microbatches * self.grad_accum)
+        return self.batch // (parallelism.data * self.microbatches * self.grad_accum)
