@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 import shardemu
-from shardemu.config import Parallelism, TrainConfig
+from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.models import Model, custom_model, get_preset
 from shardemu.predict.activations import korthikanti, layer_bytes, saved_tensors
 
@@ -61,3 +61,21 @@ def test_a_resident_plan_reports_both_witnesses_and_holds_the_targets():
     assert kept["none"]["counted"] > kept["none"]["target"] > 0
     assert kept["none"]["used"] == "target"
     assert kept["full"]["counted"] == kept["full"]["target"] == 2 * 64 * 128 * 2
+
+
+def test_a_sequence_parallel_plan_splits_what_the_target_keeps():
+    """`TrainConfig.sequence_parallel` reaches the resident planner (it was planned as
+    if off): the layer norms' and the column-parallel matmuls' inputs split over
+    tensor too, Korthikanti's sbh (34 / t + 5 a s / (h t)) less dropout's terms; a
+    sequence the tensor size does not divide is refused."""
+    model = custom_model("gpt", 2, 128, 4, 256, 64)
+    hw, par = shardemu.get_hardware("a100-80gb"), Parallelism(tensor=2)
+    train = TrainConfig(batch=2, seq=64, precision="bf16", sequence_parallel=True)
+    kept = shardemu.plan(model, par, train, hw, recompute="none").report[
+        "activation_bytes_per_layer"
+    ]
+    s, b, h, a, t = 64, 2, 128, 4, 2
+    assert kept["target"] == s * b * h * (32 / t + 2 * a * s / (h * t))
+    odd = TrainConfig(batch=2, seq=63, precision="bf16", sequence_parallel=True)
+    with pytest.raises(ConfigError, match="does not divide TrainConfig.seq 63"):
+        shardemu.plan(model, par, odd, hw, recompute="none")

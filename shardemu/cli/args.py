@@ -148,6 +148,11 @@ def precision_arg(p: argparse.ArgumentParser) -> None:
     add_flags(p, TrainConfig, ("precision", "zero"))
 
 
+def sequence_parallel_arg(p: argparse.ArgumentParser) -> None:
+    """--sequence-parallel for a command without `run`'s training flags (`plan`)."""
+    add_flags(p, TrainConfig, ("sequence_parallel",))
+
+
 def overlap_args(p: argparse.ArgumentParser) -> None:
     """How the training system overlaps communication (`predict/overlap.py`)."""
     add_flags(p, Overlap)

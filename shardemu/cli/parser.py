@@ -16,6 +16,7 @@ from shardemu.cli.args import (
     precision_arg,
     run_args,
     search_space_args,
+    sequence_parallel_arg,
     shape_args,
     sparsity_args,
     tracking_args,
@@ -149,6 +150,7 @@ def plan_args(plan: argparse.ArgumentParser) -> None:
     )
     shape_args(plan)
     precision_arg(plan)
+    sequence_parallel_arg(plan)
     overlap_args(plan)
     phased_args(plan)
     sparsity_args(plan)

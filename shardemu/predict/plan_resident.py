@@ -32,10 +32,10 @@ from typing import Any
 from shardemu.accounting import flops
 from shardemu.accounting.assemble import assemble
 from shardemu.accounting.ledger import Event, Ledger, Phase
-from shardemu.config import ModelConfig, Parallelism, SparsityConfig, TrainConfig
+from shardemu.config import ConfigError, ModelConfig, Parallelism, SparsityConfig, TrainConfig
 from shardemu.models import Model, as_model, count_params
 from shardemu.numerics.precision import arithmetic
-from shardemu.parallel.rules import Rules
+from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.parallel.schedules import Schedule, Slot
 from shardemu.pipelined.layout import PipelineLayout
 from shardemu.predict.costmodel import predict, require_fit
@@ -269,6 +269,12 @@ def plan_resident(
     precision, sparsity = train.precision, train.sparsity
     t0 = time.perf_counter()
     model = as_model(model)
+    if train.sequence_parallel and train.seq % par.tensor:
+        raise ConfigError(
+            f"TrainConfig.sequence_parallel splits the sequence over tensor={par.tensor}, "
+            f"which does not divide TrainConfig.seq {train.seq}"
+        )
+    rules = rules_or_default(rules, train.sequence_parallel)  # the run's own default
     hardware = hardware.at_precision(arithmetic(model.cfg, precision))
     lay, sched, key = resident_layout(
         model, par, batch, seq, microbatch_size, schedule, virtual, recompute, precision,
@@ -314,6 +320,7 @@ def plan_resident(
         "recompute": recompute,
         "precision": precision,
         "zero": train.zero,
+        "sequence_parallel": train.sequence_parallel,
         "overlap": overlap.to_json(),
         "attention": attention,
         "bubble_fraction": sched.bubble_fraction,

@@ -55,9 +55,10 @@ def kept(mb: Microbatch, key: CountKey, recompute: str) -> Kept:
     if model.cfg.num_experts:
         return Kept(counted, None)
     itemsize = jnp.dtype(model.cfg.param_dtype).itemsize
+    sequence_parallel = bool(dict(key.rules).get("residual_sequence"))
     target = layer_bytes(
-        model, key.microbatch_size, key.seq, itemsize, key.tensor, recompute=recompute,
-        fused_attention=key.fused_attention,
+        model, key.microbatch_size, key.seq, itemsize, key.tensor, sequence_parallel,
+        recompute, fused_attention=key.fused_attention,
     )  # fmt: skip
     return Kept(counted, target)
 
