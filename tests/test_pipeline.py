@@ -147,7 +147,7 @@ def test_resident_trainer_refuses_pipelines(tiny_model):
 def test_batch_must_split_into_microbatches_and_accumulation(tiny_model):
     bad = TrainConfig(batch=16, seq=16, microbatches=4, grad_accum=4)
     with pytest.raises(
-        ConfigError, match="replica \\* microbatches \\* grad_accum = 2 \\* 4 \\* 4 = 32"
+        ConfigError, match="replica \\* expert \\* microbatches \\* grad_accum = 2 \\* 4 \\* 4 = 32"
     ):
         PipelinedTrainer(tiny_model, make_mesh(pipe=2, tensor=2, replica=2), bad)
 
