@@ -120,10 +120,11 @@ class Trainer:
             axis_sizes,
         )
         replicated = NamedSharding(mesh, PartitionSpec())
+        self._zero_shardings = self._optimizer_param_shardings(axis_sizes)
         self.opt_shardings = opt_state_shardings(
             self.tx,
             jax.eval_shape(self.tx.init, self.param_shapes),
-            self._optimizer_param_shardings(axis_sizes),
+            self._zero_shardings or self.param_shardings,
             replicated,
         )
         self.batch_shardings = {}
@@ -137,13 +138,14 @@ class Trainer:
         self._eval: Any = None  # the jitted held-out loss, made on first use
 
     def _optimizer_param_shardings(self, axis_sizes: dict[str, int]) -> Any:
-        """How the optimizer's copies of the parameters (Adam's moments, the FP32 master
-        weights) are sharded: as the parameters, and with ZeRO stage 1 also over
+        """With ZeRO stage 1, how the optimizer's copies of the parameters (Adam's
+        moments, the FP32 master weights) are sharded: as the parameters and also over
         `replica`, on each one's largest dimension that the axis divides (Rajbhandari et
         al. 2020, P_os: each replica updates its share, then the parameters are
-        all-gathered); a tensor no dimension of which it divides stays whole."""
+        all-gathered, in their own dtype: `_update`); a tensor no dimension of which it
+        divides stays whole. None without ZeRO: as the parameters."""
         if not self.train.zero or axis_sizes["replica"] == 1:
-            return self.param_shardings
+            return None
         specs = tree_store_specs(
             self.param_specs, self.param_shapes, ("replica",), axis_sizes, skip=0
         )
@@ -199,7 +201,10 @@ class Trainer:
         return loss, grads
 
     def _update(self, grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
-        return apply_update(self.tx, grads, opt_state, params)
+        params, opt_state = apply_update(self.tx, grads, opt_state, params)
+        if self._zero_shardings is not None:  # each replica's share, rounded, then gathered
+            params = jax.lax.with_sharding_constraint(params, self._zero_shardings)
+        return params, opt_state
 
     def _step_fn(self, params: Any, opt_state: Any, batch: dict, keep_grads: bool):
         scale = loss_scale(opt_state)
