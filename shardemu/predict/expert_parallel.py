@@ -54,8 +54,9 @@ def expert_share(key: CountKey) -> float:
 
 def exchanges(key: CountKey, experts: int, recompute: str) -> tuple[Event, Event]:
     """One layer's all-to-alls over `expert` for one microbatch, forward and backward,
-    on the count's tensor group (`devices` = tensor): two each way forward, two more in
-    the backward (four with full recomputation, which dispatches again)."""
+    on the count's tensor group (`devices` = tensor): dispatch and combine forward,
+    their transposes backward (and dispatch and combine again with full
+    recomputation, which re-runs the forward)."""
     cfg = key.model.cfg
     slots = cfg.num_experts * cfg.capacity(key.seq)
     buffer = key.microbatch_size * slots * cfg.embed_dim * jnp.dtype(cfg.param_dtype).itemsize
