@@ -15,7 +15,10 @@ s x s tensors, which it recomputes; full recomputation keeps the layer's input.
 
 A gated MLP (SwiGLU: Llama) keeps the gate's and the up projection's outputs and their
 product; grouped-query attention keeps K and V at the key/value heads' width. Rotary
-embeddings add nothing to keep (their backward is the same rotation).
+embeddings add nothing to keep (their backward is the same rotation). A mixture of
+experts (`models/moe.py`) keeps its router's FP32 probabilities, the tokens dispatched
+to each expert's E x C slots, the experts' gated MLP tensors over those slots, and the
+experts' outputs (the combine's backward weighs them by the gates).
 
 This is the second witness beside the CPU compile's count (`resident_count.py`, which
 keeps what XLA's CPU fusions keep: 2.9x this for GPT-3 1.3B at tensor 4): the analytic
@@ -70,7 +73,17 @@ def saved_tensors(
         Saved("layer norm 2 input", sbh, p, split=False),
         Saved("MLP input", sbh, p, split=False),
     ]
-    if model.family.gated_mlp:
+    if cfg.num_experts:  # a mixture of experts: the MLP runs on E x C slots a sequence
+        slots = batch * cfg.num_experts * cfg.capacity(seq)
+        out += [
+            Saved("router probabilities", seq * batch * cfg.num_experts, 4, split=False),
+            Saved("dispatched tokens", slots * cfg.embed_dim, p, split=False),
+            Saved("gate output", slots * cfg.mlp_dim, p, split=True),
+            Saved("up output", slots * cfg.mlp_dim, p, split=True),
+            Saved("down input", slots * cfg.mlp_dim, p, split=True),
+            Saved("expert outputs", slots * cfg.embed_dim, p, split=False),
+        ]
+    elif model.family.gated_mlp:
         out += [
             Saved("gate output", sbf, p, split=True),
             Saved("up output", sbf, p, split=True),

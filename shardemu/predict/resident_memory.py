@@ -32,19 +32,13 @@ class Kept:
     """What one layer keeps for its backward, per device and microbatch: as the CPU
     compile counts it (`counted`: XLA's CPU fusions keep intermediates a GPU or TPU
     kernel does not) and as the target keeps it (`target`: `activations.layer_bytes`,
-    tensor by tensor; None for a mixture of experts, whose dispatch it does not model).
-    The target's is the memory a plan holds where there is one (`used`)."""
+    tensor by tensor): the memory a plan holds."""
 
     counted: float
-    target: float | None
+    target: float
 
-    @property
-    def used(self) -> float:
-        return self.counted if self.target is None else self.target
-
-    def to_json(self) -> dict[str, float | str | None]:
-        which = "counted" if self.target is None else "target"
-        return {"counted": self.counted, "target": self.target, "used": which}
+    def to_json(self) -> dict[str, float]:
+        return {"counted": self.counted, "target": self.target}
 
 
 def kept(mb: Microbatch, key: CountKey, recompute: str) -> Kept:
@@ -52,8 +46,6 @@ def kept(mb: Microbatch, key: CountKey, recompute: str) -> Kept:
     its attention core materialized or fused (FlashAttention: no s x s tensors kept)."""
     counted = (selective_keep(mb, key) if recompute == "selective" else mb).keep_bytes
     model = key.model
-    if model.cfg.num_experts:
-        return Kept(counted, None)
     itemsize = jnp.dtype(model.cfg.param_dtype).itemsize
     sequence_parallel = bool(dict(key.rules).get("residual_sequence"))
     target = layer_bytes(
@@ -130,7 +122,7 @@ def device_bytes(
 ) -> int:
     """Device bytes per device of the layout's fullest stage (`_stage_bytes`), its
     layers keeping what the target keeps (`kept`)."""
-    keep = kept(mb, key, recompute).used
+    keep = kept(mb, key, recompute).target
     return max(
         _stage_bytes(
             mb,
