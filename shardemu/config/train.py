@@ -242,13 +242,7 @@ class TrainConfig:
                 f"TrainConfig.seq {self.seq} exceeds {model.name}'s {model.max_positions} "
                 f"positions; use TrainConfig.seq <= {model.max_positions}"
             )
-        if self.sequence_parallel and self.seq % parallelism.tensor:
-            raise ConfigError(
-                f"TrainConfig.sequence_parallel splits the sequence over "
-                f"tensor={parallelism.tensor}, which does not divide TrainConfig.seq "
-                f"{self.seq}; use a TrainConfig.seq that is a multiple of "
-                f"{parallelism.tensor}, or leave sequence parallelism off"
-            )
+        self.check_sequence_split(parallelism.tensor)
         data = parallelism.data  # replica x expert: the batch is split over both
         if self.batch % data:
             raise ConfigError(
@@ -261,6 +255,16 @@ class TrainConfig:
                 f"global TrainConfig.batch {self.batch} is not divisible by replica * expert "
                 f"* microbatches * grad_accum = {data} * {self.microbatches} * "
                 f"{self.grad_accum} = {split}; use a multiple of {split}"
+            )
+
+    def check_sequence_split(self, tensor: int) -> None:
+        """Refuse sequence parallelism over a `tensor` size that does not divide `seq`."""
+        if self.sequence_parallel and self.seq % tensor:
+            raise ConfigError(
+                f"TrainConfig.sequence_parallel splits the sequence over "
+                f"tensor={tensor}, which does not divide TrainConfig.seq "
+                f"{self.seq}; use a TrainConfig.seq that is a multiple of "
+                f"{tensor}, or leave sequence parallelism off"
             )
 
     @property

@@ -38,7 +38,7 @@ from shardemu.models.family import (
 )
 from shardemu.models.layers import layer_stack
 from shardemu.models.logical import require_named, stacked
-from shardemu.parallel.rules import Rules, megatron_rules, recording_names
+from shardemu.parallel.rules import Rules, is_logical_axes, megatron_rules, recording_names
 
 Batch = dict[str, jax.Array]
 __all__ = [
@@ -141,13 +141,14 @@ class Model:
         every family."""
         if rules is None:
             return
-        known = {name for name, _ in megatron_rules()} | _names_of(self)
+        names = _names_of(self)
+        known = {name for name, _ in megatron_rules()} | names
         unused = [f"{name!r} -> {axes!r}" for name, axes in rules if axes and name not in known]
         if unused:
             raise ConfigError(
                 f"the rules split {', '.join(unused)}, but {self.name} (family "
                 f"{self.family.name!r}) names no parameter, activation or batch axis so; "
-                f"its names: {', '.join(sorted(_names_of(self)))}"
+                f"its names: {', '.join(sorted(names))}"
             )
 
     def check_fits(self, train: TrainConfig, par: Parallelism) -> None:
@@ -269,12 +270,17 @@ class Model:
         """(shapes, logical axes) of every parameter, without allocating any: traced
         once per process and config (~0.2 s at GPT-3's size; a search plans one model
         hundreds of times), so callers share the trees and must not change them."""
-        return _abstract_params(self)
+        shapes, logical, _ = _traced(self)
+        return shapes, logical
 
 
 @functools.lru_cache(maxsize=64)
-def _abstract_params(model: Model) -> tuple[dict, dict]:
-    boxed = jax.eval_shape(model._boxed_params, jax.random.key(0))
+def _traced(model: Model) -> tuple[dict, dict, frozenset[str]]:
+    """`model`'s initialisation traced once (nothing allocated): its parameters' shapes
+    and logical axes, and the logical names its activations are given on the way
+    (`recording_names`)."""
+    with recording_names() as activations:
+        boxed = jax.eval_shape(model._boxed_params, jax.random.key(0))
     logical = jax.tree.map(
         tuple,
         nn.get_partition_spec(boxed),
@@ -289,24 +295,17 @@ def _abstract_params(model: Model) -> tuple[dict, dict]:
         )
     logical[key] = stacked(logical[key], shapes[key])
     require_named(shapes, logical, f"{model.name}: ")
-    return shapes, logical
+    return shapes, logical, frozenset(activations)
 
 
-@functools.lru_cache(maxsize=64)
 def _names_of(model: Model) -> frozenset[str]:
-    """Every logical name `model` uses: its parameters', its activations' (recorded
-    while its initialisation is traced), its batch's and its inter-layer activations'."""
-    with recording_names() as activations:
-        jax.eval_shape(model._boxed_params, jax.random.key(0))
-    _, logical = model.abstract_params()
-    params = {a for axes in jax.tree.leaves(logical, is_leaf=_is_axes) for a in axes if a}
+    """Every logical name `model` uses: its parameters', its activations', its batch's
+    and its inter-layer activations'."""
+    _, logical, activations = _traced(model)
+    params = {a for axes in jax.tree.leaves(logical, is_leaf=is_logical_axes) for a in axes if a}
     batch = {a for axes in model.batch_axes.values() for a in axes if a}
     between = {a for a in model.family.activation_axes if a}
-    return frozenset(activations | params | batch | between)
-
-
-def _is_axes(x: object) -> bool:
-    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+    return activations | params | batch | between
 
 
 def param_count(shapes: dict) -> int:

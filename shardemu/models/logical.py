@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from shardemu.errors import ShardingError
+from shardemu.parallel.rules import is_logical_axes
 
 LAYERS = "layers"  # the logical name of a layer stack's leading axis
 
@@ -86,14 +87,14 @@ def stacked(logical: Any, shapes: Any) -> Any:
             return (LAYERS, *axes)
         return axes
 
-    return jax.tree.map(one, logical, shapes, is_leaf=_is_axes)
+    return jax.tree.map(one, logical, shapes, is_leaf=is_logical_axes)
 
 
 def require_named(shapes: Any, logical: Any, what: str = "") -> None:
     """Refuse, in one message, every parameter whose logical names do not match its
     rank (a name per dimension; None for one never split)."""
     flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
-    flat_axes = jax.tree.leaves(logical, is_leaf=_is_axes)
+    flat_axes = jax.tree.leaves(logical, is_leaf=is_logical_axes)
     bad = [
         f"{jax.tree_util.keystr(path, simple=True, separator='/')} {tuple(leaf.shape)} named {axes}"
         for (path, leaf), axes in zip(flat_shapes, flat_axes, strict=True)
@@ -106,7 +107,3 @@ def require_named(shapes: Any, logical: Any, what: str = "") -> None:
             f"split) in nn.with_logical_partitioning / nnx.with_partitioning; a shorter "
             f"spec is not padded, since it cannot say which dimension it leaves out"
         )
-
-
-def _is_axes(x: object) -> bool:
-    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)

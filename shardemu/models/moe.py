@@ -58,7 +58,13 @@ from shardemu.models.family import Family, register
 from shardemu.models.layers import ACT_BSD, ACT_BSD_WHOLE, normal
 from shardemu.models.llama import Attention, Llama, RMSNorm
 from shardemu.models.llama import shaped as llama_shaped
-from shardemu.parallel.rules import active_rules, constrain, logical_to_spec, named
+from shardemu.parallel.rules import (
+    active_rules,
+    axes_tuple,
+    constrain,
+    logical_to_spec,
+    named,
+)
 
 EXPERT_TOKENS = ("expert_batch", "experts", "capacity", "embed")  # at the experts
 BATCH_TOKENS = ("batch", None, "capacity", "embed")  # the same [b, E, C, d], as dispatched
@@ -80,10 +86,10 @@ def exchange(tokens_becd: jax.Array, to_experts: bool) -> jax.Array:
         axes: logical_to_spec(axes, rules, f"activation {axes}", mesh.axis_names)
         for axes in (BATCH_TOKENS, EXPERT_TOKENS)
     }
-    experts = _names(specs[EXPERT_TOKENS][1])
+    experts = axes_tuple(specs[EXPERT_TOKENS][1])
     if not experts:
         return constrain(tokens_becd, dst)
-    batch, expert_batch = _names(specs[BATCH_TOKENS][0]), _names(specs[EXPERT_TOKENS][0])
+    batch, expert_batch = axes_tuple(specs[BATCH_TOKENS][0]), axes_tuple(specs[EXPERT_TOKENS][0])
     if batch != expert_batch + experts:
         raise ShardingError(
             f"expert parallelism over {experts} needs the batch split over "
@@ -96,10 +102,6 @@ def exchange(tokens_becd: jax.Array, to_experts: bool) -> jax.Array:
     return jax.shard_map(
         move, mesh=mesh, in_specs=specs[src], out_specs=specs[dst], check_vma=False
     )(tokens_becd)
-
-
-def _names(axes: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def _kernel(cfg: ModelConfig, shape: tuple[int, ...], axes: tuple[str | None, ...]):

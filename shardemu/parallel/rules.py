@@ -100,7 +100,8 @@ _FIX_HINTS = {
 }
 
 
-def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+def axes_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    """A rule's mesh axes as a tuple: () for None, (axis,) for one."""
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -117,13 +118,13 @@ def validate_rules(
             raise ShardingError(
                 f"rules table maps logical axis {logical!r} twice; keep one entry per name"
             )
-        for axis in _as_tuple(axes):
+        for axis in axes_tuple(axes):
             if mesh_axis_names is not None and axis not in mesh_axis_names:
                 raise ShardingError(
                     f"rule {logical!r} -> {axes!r} names mesh axis {axis!r}, "
                     f"but the mesh has only {tuple(mesh_axis_names)}"
                 )
-        table[logical] = _as_tuple(axes)
+        table[logical] = axes_tuple(axes)
     return table
 
 
@@ -171,7 +172,7 @@ def check_divisible(
 ) -> None:
     """Raise if a sharded dimension is not divisible by its mesh axes' total size."""
     for dim, (size, name, axes) in enumerate(zip(shape, logical_axes, spec, strict=True)):
-        n = math.prod(axis_sizes[a] for a in _as_tuple(axes))
+        n = math.prod(axis_sizes[a] for a in axes_tuple(axes))
         if size % n:
             hint = _FIX_HINTS.get(name or "", f"change the rule for {name!r}")
             raise ShardingError(
@@ -212,7 +213,7 @@ def resolve_specs(
             problems.append(str(err))
         return spec
 
-    specs = jax.tree_util.tree_map_with_path(one, shapes, logical, is_leaf=_is_axes)
+    specs = jax.tree_util.tree_map_with_path(one, shapes, logical, is_leaf=is_logical_axes)
     if len(problems) == 1:
         raise ShardingError(problems[0])
     if problems:
@@ -220,7 +221,8 @@ def resolve_specs(
     return specs
 
 
-def _is_axes(x: object) -> bool:
+def is_logical_axes(x: object) -> bool:
+    """Whether `x` is one tensor's logical axes (a tree leaf of them)."""
     return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
@@ -320,7 +322,7 @@ class ParamRow:
             "shape": list(self.shape),
             "dtype": self.dtype,
             "logical_axes": list(self.logical_axes),
-            "spec": [list(_as_tuple(a)) if isinstance(a, tuple) else a for a in self.spec],
+            "spec": [list(axes_tuple(a)) if isinstance(a, tuple) else a for a in self.spec],
             "bytes_per_device": self.bytes_per_device,
         }
 
@@ -329,7 +331,7 @@ def shard_shape(shape: Sequence[int], spec: PartitionSpec, axis_sizes: Mapping[s
     """The per-device block shape of an evenly sharded array."""
     padded = tuple(spec) + (None,) * (len(shape) - len(spec))
     return tuple(
-        size // math.prod(axis_sizes[a] for a in _as_tuple(axes))
+        size // math.prod(axis_sizes[a] for a in axes_tuple(axes))
         for size, axes in zip(shape, padded, strict=True)
     )
 
@@ -340,7 +342,7 @@ def param_table(
     """Rows for every parameter, in tree order."""
     rows = []
     flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
-    flat_logical = jax.tree.leaves(logical, is_leaf=_is_axes)
+    flat_logical = jax.tree.leaves(logical, is_leaf=is_logical_axes)
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     for (path, leaf), axes, spec in zip(flat_shapes, flat_logical, flat_specs, strict=True):
         block = shard_shape(leaf.shape, spec, axis_sizes)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from shardemu.accounting.ledger import Event, Phase
-from shardemu.parallel.rules import resolve_specs, shard_shape
+from shardemu.parallel.rules import is_logical_axes, resolve_specs, shard_shape
 from shardemu.predict.resident_count import BACKWARD, FORWARD, CountKey, Microbatch
 from shardemu.stages.specs import stage_rules
 
@@ -41,7 +41,7 @@ def expert_share(key: CountKey) -> float:
     total = experts = 0
     flat = zip(
         jax.tree.leaves(shapes[stack]),
-        jax.tree.leaves(logical[stack], is_leaf=lambda x: isinstance(x, tuple)),
+        jax.tree.leaves(logical[stack], is_leaf=is_logical_axes),
         jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)),
         strict=True,
     )

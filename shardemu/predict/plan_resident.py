@@ -32,7 +32,7 @@ from typing import Any
 from shardemu.accounting import flops
 from shardemu.accounting.assemble import assemble
 from shardemu.accounting.ledger import Event, Ledger, Phase
-from shardemu.config import ConfigError, ModelConfig, Parallelism, SparsityConfig, TrainConfig
+from shardemu.config import ModelConfig, Parallelism, SparsityConfig, TrainConfig
 from shardemu.models import Model, as_model, count_params
 from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.rules import Rules, rules_or_default
@@ -45,6 +45,7 @@ from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.plan import Plan
 from shardemu.predict.resident_count import (
+    CountKey,
     Microbatch,
     Recompute,
     counted_microbatch,
@@ -269,24 +270,20 @@ def plan_resident(
     precision, sparsity = train.precision, train.sparsity
     t0 = time.perf_counter()
     model = as_model(model)
-    if train.sequence_parallel and train.seq % par.tensor:
-        raise ConfigError(
-            f"TrainConfig.sequence_parallel splits the sequence over tensor={par.tensor}, "
-            f"which does not divide TrainConfig.seq {train.seq}"
-        )
+    train.check_sequence_split(par.tensor)
     rules = rules_or_default(rules, train.sequence_parallel)  # the run's own default
     hardware = hardware.at_precision(arithmetic(model.cfg, precision))
     lay, sched, key = resident_layout(
         model, par, batch, seq, microbatch_size, schedule, virtual, recompute, precision,
         attention, train.stage_layers, rules,
     )  # fmt: skip
-    model, m = key.model, sched.microbatches
+    model = key.model
     layout = f"{par} microbatch {microbatch_size} {schedule} recompute={recompute}"
     if must_fit:  # nothing compiled for a layout whose least bytes are over the memory
-        bound = zero(expert_parallel(memory_bound(*key), key, par.expert, recompute), train, par)
+        bound = _on_mesh(memory_bound(*key), key, train, par, recompute)
         least = device_bytes(bound, key, recompute, par, lay, sched)
         require_fit({"device": least}, hardware, layout, at_least=True)
-    mb = zero(expert_parallel(counted_microbatch(*key), key, par.expert, recompute), train, par)
+    mb = _on_mesh(counted_microbatch(*key), key, train, par, recompute)
     held = device_bytes(mb, key, recompute, par, lay, sched)
     keep = kept(mb, key, recompute)
     if must_fit:
@@ -310,20 +307,7 @@ def plan_resident(
         "mesh": str(par),
         "devices": par.num_devices,
         "param_count": count_params(model),
-        "batch": batch,
-        "seq": seq,
-        "microbatch_size": microbatch_size,
-        "microbatches": m,
-        "schedule": schedule,
-        "virtual": virtual,
-        "stage_layers": lay.stage_layers(),
-        "recompute": recompute,
-        "precision": precision,
-        "zero": train.zero,
-        "sequence_parallel": train.sequence_parallel,
-        "overlap": overlap.to_json(),
-        "attention": attention,
-        "bubble_fraction": sched.bubble_fraction,
+        **_settings(train, microbatch_size, sched, lay, recompute, overlap, attention),
         "activation_bytes_per_layer": keep.to_json(),
         **_counts(ledger, model, par, batch, seq, prediction.step_time_s, sparsity),
         **prediction.to_json(),
@@ -331,6 +315,43 @@ def plan_resident(
         "elapsed_s": time.perf_counter() - t0,
     }
     return Plan(report, ledger, timeline, prediction)
+
+
+def _settings(
+    train: TrainConfig,
+    microbatch_size: int,
+    sched: Schedule,
+    lay: PipelineLayout,
+    recompute: str,
+    overlap: Overlap,
+    attention: str,
+) -> dict[str, Any]:
+    """A plan's settings in its report, as the schedule and layout took them."""
+    return {
+        "batch": train.batch,
+        "seq": train.seq,
+        "microbatch_size": microbatch_size,
+        "microbatches": sched.microbatches,
+        "schedule": train.schedule,
+        "virtual": train.virtual,
+        "stage_layers": lay.stage_layers(),
+        "recompute": recompute,
+        "precision": train.precision,
+        "zero": train.zero,
+        "sequence_parallel": train.sequence_parallel,
+        "overlap": overlap.to_json(),
+        "attention": attention,
+        "bubble_fraction": sched.bubble_fraction,
+    }
+
+
+def _on_mesh(
+    mb: Microbatch, key: CountKey, train: TrainConfig, par: Parallelism, recompute: str
+) -> Microbatch:
+    """A microbatch counted on one tensor group (or its memory bound), as each device of
+    `par` holds and runs it: its experts split over `expert`, its optimizer state over
+    `replica` under ZeRO."""
+    return zero(expert_parallel(mb, key, par.expert, recompute), train, par)
 
 
 def zero(mb: Microbatch, train: TrainConfig, par: Parallelism) -> Microbatch:

@@ -19,12 +19,17 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from shardemu.accounting import flops
 from shardemu.accounting.count import PROCESS_COUNTER
 from shardemu.accounting.ledger import Event, Ledger
 from shardemu.accounting.sizes import bytes_per_device
+from shardemu.config import ConfigError, PhasedConfig, TrainConfig
+from shardemu.models import Model
 from shardemu.numerics.precision import scale_fields
+from shardemu.parallel.mesh import parallelism_of
+from shardemu.parallel.rules import Rules
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.resident.trainer import Trainer, held_out, loss_terms
@@ -220,3 +225,26 @@ class PhasedEngine(_StagedEngine):
         """The fullest stage's device tier at its high-water: the phase's weights,
         gradients and activations in flight (`Tier`)."""
         return max(t.high_water for t in self.trainer.tiers)
+
+
+def make_engine(
+    model: Model,
+    mesh: Mesh,
+    train_cfg: TrainConfig,
+    phased: PhasedConfig | None,
+    rules: Rules | None,
+) -> Engine:
+    """The engine for these settings: phased when asked, pipelined when the mesh has
+    stages or the step has microbatches, else resident."""
+    if phased:
+        if train_cfg.stage_layers is not None:
+            raise ConfigError(
+                "TrainConfig.stage_layers sets the layers of pipelined stages; a phased run "
+                "spreads its phases evenly over the stages (leave out TrainConfig.stage_layers, "
+                "or the phased settings)"
+            )
+        return PhasedEngine(PhasedTrainer(model, mesh, train_cfg, phased, rules))
+    par = parallelism_of(mesh)
+    if par.pipe > 1 or train_cfg.microbatches > 1:
+        return PipelinedEngine(PipelinedTrainer(model, mesh, train_cfg, rules))
+    return ResidentEngine(Trainer(model, mesh, train_cfg, rules))

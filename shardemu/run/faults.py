@@ -20,10 +20,12 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from shardemu.errors import NonFiniteError
+from shardemu.report.rundir import RunDir
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -84,3 +86,22 @@ def check_finite(record: dict[str, Any], learning_rate: float) -> None:
             f"{learning_rate:g}): lower it or add TrainConfig.warmup_steps; the metrics and "
             f"checkpoints before step {record['step']} are kept"
         )
+
+
+def resume_hint(signum: int, run_path: Path, done: int, checkpointed: bool) -> str:
+    """The one line an interrupted run ends with: where it stopped, how to go on."""
+    how = (
+        f"resume with: shardemu run --resume {run_path}"
+        if checkpointed
+        else f"it had no --checkpoint-every, so shardemu run --resume {run_path} starts over"
+    )
+    return f"{signal.Signals(signum).name}: stopped after {done} steps; {how}"
+
+
+def abort_run(run: RunDir) -> str:
+    """After a second signal (`StopSignals`): the directory of a run that logged no step
+    removed, the lock released; what is kept, in words."""
+    run.discard_if_empty()
+    if not run.path.exists():
+        return f"{run.path} held no step and is removed"
+    return f"{run.path} keeps what was written before it (shardemu run --resume {run.path})"

@@ -16,25 +16,21 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
 
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.data import make_corpus
 from shardemu.errors import CheckpointError, NonFiniteError, RunInterrupted
 from shardemu.models import Model, as_model, param_count
 from shardemu.numerics.precision import arithmetic
-from shardemu.parallel.mesh import mesh_from, parallelism_of
+from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import Rules
-from shardemu.phased.trainer import PhasedTrainer
-from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.predict.costmodel import Timeline
 from shardemu.predict.hardware import Hardware
 from shardemu.report.rundir import RunDir, config_record, default_run_dir, read_metrics
 from shardemu.report.trackers import Trackers, TrackingConfig, open_trackers
-from shardemu.resident.trainer import Trainer
 from shardemu.run.checkpoint import Checkpoints
-from shardemu.run.engine import Engine, PhasedEngine, PipelinedEngine, ResidentEngine
-from shardemu.run.faults import StopSignals, check_finite
+from shardemu.run.engine import make_engine
+from shardemu.run.faults import StopSignals, abort_run, check_finite, resume_hint
 from shardemu.run.loop import StepInfo, training_loop
 from shardemu.run.record import (
     predict_step,
@@ -155,7 +151,7 @@ class Run:
         )
         self.mesh = mesh_from(par, devices)
         self.model = model
-        self.engine = _engine(self.model, self.mesh, train_cfg, phased, rules)
+        self.engine = make_engine(self.model, self.mesh, train_cfg, phased, rules)
         self.phase_plan = self.engine.trainer.plan() if phased else None  # one abstract step
         self.sizes = {
             "param_count": param_count(self.model.abstract_params()[0]),
@@ -205,7 +201,7 @@ class Run:
         step leaves no directory behind, and the trackers and checkpoints always close."""
         trackers: Trackers | None = None
         try:
-            with StopSignals(on_abort=lambda: _abort(run)) as signals:
+            with StopSignals(on_abort=lambda: abort_run(run)) as signals:
                 # the state first: a resume that cannot restore it changes no file
                 state, compile_s, resumed = self._start(resumed, run)
                 for record in resumed.records:
@@ -350,17 +346,8 @@ class Run:
         trackers.log_summary(summary)
         trackers.log_artifacts([run.path / name for name in RUN_FILES])
         if stopped is not None:
-            raise RunInterrupted(_resume_hint(stopped, run.path, done, saved is not None), stopped)
+            raise RunInterrupted(resume_hint(stopped, run.path, done, saved is not None), stopped)
         return RunResult(run.path, [r["loss"] for r in every], summary)
-
-
-def _abort(run: RunDir) -> str:
-    """After a second signal (`StopSignals`): the directory of a run that logged no step
-    removed, the lock released; what is kept, in words."""
-    run.discard_if_empty()
-    if not run.path.exists():
-        return f"{run.path} held no step and is removed"
-    return f"{run.path} keeps what was written before it (shardemu run --resume {run.path})"
 
 
 def _check_host_memory(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
@@ -376,36 +363,3 @@ def _check_host_memory(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
             f"least {floor:,} bytes for one layer's activations, more than this machine's "
             f"{memory:,}; run a smaller batch, or count it with `shardemu plan`"
         )
-
-
-def _resume_hint(signum: int, run_path: Path, done: int, checkpointed: bool) -> str:
-    """The one line an interrupted run ends with: where it stopped, how to go on."""
-    how = (
-        f"resume with: shardemu run --resume {run_path}"
-        if checkpointed
-        else f"it had no --checkpoint-every, so shardemu run --resume {run_path} starts over"
-    )
-    return f"{signal.Signals(signum).name}: stopped after {done} steps; {how}"
-
-
-def _engine(
-    model: Model,
-    mesh: Mesh,
-    train_cfg: TrainConfig,
-    phased: PhasedConfig | None,
-    rules: Rules | None,
-) -> Engine:
-    """The engine for these settings: phased when asked, pipelined when the mesh has
-    stages or the step has microbatches, else resident."""
-    if phased:
-        if train_cfg.stage_layers is not None:
-            raise ConfigError(
-                "TrainConfig.stage_layers sets the layers of pipelined stages; a phased run "
-                "spreads its phases evenly over the stages (leave out TrainConfig.stage_layers, "
-                "or the phased settings)"
-            )
-        return PhasedEngine(PhasedTrainer(model, mesh, train_cfg, phased, rules))
-    par = parallelism_of(mesh)
-    if par.pipe > 1 or train_cfg.microbatches > 1:
-        return PipelinedEngine(PipelinedTrainer(model, mesh, train_cfg, rules))
-    return ResidentEngine(Trainer(model, mesh, train_cfg, rules))
