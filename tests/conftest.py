@@ -120,15 +120,19 @@ def _single_device_reference(model: Model, train: TrainConfig, steps: int) -> di
 
 @pytest.fixture(scope="session")
 def train_and_compare(assert_params_close):
-    """Step `trainer` from (params, opt_state) through the reference's batches, checking
-    every loss, the first step's gradients and the final parameters; returns the last
-    ResidentOutput."""
+    """Step a resident `trainer` through the reference's batches, from (params,
+    opt_state), or from the reference's initial parameters placed on its mesh when
+    none are given, checking every loss, the first step's gradients and the final
+    parameters; returns the last ResidentOutput."""
     import chex
     import numpy as np
 
     from shardemu.data import SyntheticCorpus
 
-    def run(trainer, params, opt_state, reference: dict):
+    def run(trainer, reference: dict, params=None, opt_state=None):
+        if params is None:
+            params = jax.device_put(reference["init"], trainer.param_shardings)
+            opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.opt_shardings)(params)
         model, train = trainer.model, trainer.train
         corpus = SyntheticCorpus(model.cfg.vocab_size, seed=train.seed)
         for step, want in enumerate(reference["losses"]):
@@ -144,3 +148,40 @@ def train_and_compare(assert_params_close):
         return result
 
     return run
+
+
+@pytest.fixture(scope="session")
+def staged_like_reference(assert_params_close):
+    """Step a staged `trainer` (pipelined or phased) from `state` through the
+    reference's batches: every loss, then the final parameters, as one device's."""
+    import numpy as np
+
+    from shardemu.data import SyntheticCorpus
+
+    def run(trainer, state, reference: dict) -> None:
+        model, train = trainer.model, trainer.train
+        corpus = SyntheticCorpus(model.cfg.vocab_size, seed=train.seed)
+        for step, want in enumerate(reference["losses"]):
+            result = trainer.step(state, model.batch(corpus, step, train.batch, train.seq))
+            state = result.state
+            np.testing.assert_allclose(result.loss, want, rtol=1e-5)
+        assert_params_close(trainer.params(state), reference["final"], train.learning_rate)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def xla_training_flops():
+    """XLA's FLOPs of one forward and backward pass of `model` on `batch` sequences of
+    `seq` tokens, compiled over shapes (a scanned layer stack counts its body once)."""
+
+    def count(model: Model, batch: int, seq: int) -> float:
+        shapes, _ = model.abstract_params()
+        inputs = {
+            k: jax.ShapeDtypeStruct(shape, jax.numpy.int32)
+            for k, shape in model.batch_shapes(batch, seq).items()
+        }
+        compiled = jax.jit(jax.value_and_grad(model.loss)).lower(shapes, inputs).compile()
+        return compiled.cost_analysis()["flops"]
+
+    return count

@@ -50,11 +50,9 @@ def test_sharded_equals_single_device(
     if (tensor, replica) == (2, 4):  # sharded random init equals single-device init
         params, opt_state = trainer.init(tiny_train.seed)
         chex.assert_trees_all_equal(jax.device_get(params), reference["init"])
-    else:  # init compiles slowly on 2 cores; place the reference init instead
-        params = jax.device_put(reference["init"], trainer.param_shardings)
-        opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.opt_shardings)(params)
-
-    train_and_compare(trainer, params, opt_state, reference)
+        train_and_compare(trainer, reference, params, opt_state)
+    else:  # init compiles slowly on 2 cores: the reference init placed instead
+        train_and_compare(trainer, reference)
 
 
 def test_sequence_parallel_equals_single_device(
@@ -65,9 +63,7 @@ def test_sequence_parallel_equals_single_device(
     each, and the step still equals one device's."""
     train = dataclasses.replace(tiny_train, sequence_parallel=True)
     trainer = Trainer(tiny_model, make_mesh(tensor=4, replica=2), train)
-    params = jax.device_put(reference["init"], trainer.param_shardings)
-    opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.opt_shardings)(params)
-    train_and_compare(trainer, params, opt_state, reference)
+    train_and_compare(trainer, reference)
 
 
 def test_params_are_sharded_as_the_rules_say(tiny_model, tiny_train):

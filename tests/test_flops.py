@@ -2,8 +2,6 @@
 Narayanan et al.'s closed form, and against XLA's cost analysis of the real forward and
 backward pass, compiled over ShapeDtypeStructs (nothing allocated, nothing run)."""
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 from shardemu.accounting import flops
@@ -30,17 +28,6 @@ WIDE = {
 }
 
 
-def xla_training_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
-    model = Model(cfg)
-    shapes, _ = model.abstract_params()
-    inputs = {
-        k: jax.ShapeDtypeStruct(shape, jnp.int32)
-        for k, shape in model.batch_shapes(batch, seq).items()
-    }
-    compiled = jax.jit(jax.value_and_grad(model.loss)).lower(shapes, inputs).compile()
-    return compiled.cost_analysis()["flops"]
-
-
 @pytest.mark.parametrize("name", ["gpt2-small", "gpt3-1.3b", "gpt3-175b"])
 def test_per_op_count_equals_narayanan_closed_form(name):
     cfg = get_preset(name)
@@ -49,9 +36,9 @@ def test_per_op_count_equals_narayanan_closed_form(name):
 
 
 @pytest.mark.parametrize("family", ["gpt", "bert"])
-def test_analytic_count_agrees_with_xla_within_2_percent(family):
+def test_analytic_count_agrees_with_xla_within_2_percent(family, xla_training_flops):
     cfg, batch, seq = WIDE[family], 2, 128
-    xla = xla_training_flops(cfg, batch, seq)
+    xla = xla_training_flops(Model(cfg), batch, seq)
     analytic = flops.training_step(Model(cfg), batch, seq)
     assert abs(xla - analytic) / analytic < 0.02, (xla, analytic)
 
@@ -62,12 +49,12 @@ def test_recomputation_adds_one_forward_of_the_layers():
     assert extra == model.cfg.num_layers * sum(flops.layer_forward(model, 4, 1024).values())
 
 
-def test_xla_counts_a_scanned_layer_stack_once():
+def test_xla_counts_a_scanned_layer_stack_once(xla_training_flops):
     """A fact the ledger must respect: XLA's cost analysis does not multiply a loop
     body by its trip count, so a 3-layer scan reports the FLOPs of a 1-layer one.
     Per-layer (per-phase) counts therefore come from per-layer compilations."""
     one, three = WIDE["gpt"], WIDE["gpt"].replace(num_layers=3)
-    assert xla_training_flops(three, 2, 128) == pytest.approx(
-        xla_training_flops(one, 2, 128), rel=1e-3
+    assert xla_training_flops(Model(three), 2, 128) == pytest.approx(
+        xla_training_flops(Model(one), 2, 128), rel=1e-3
     )
     assert flops.training_step(Model(three), 2, 128) > 1.5 * flops.training_step(Model(one), 2, 128)

@@ -12,7 +12,6 @@ from cli_helpers import shardemu
 
 from shardemu.accounting import flops
 from shardemu.config import ConfigError, ModelConfig, PhasedConfig, SparsityConfig, TrainConfig
-from shardemu.data import SyntheticCorpus
 from shardemu.errors import ShardingError
 from shardemu.models import Model, custom_model, get_preset
 from shardemu.models.llama import Attention, rotary
@@ -81,18 +80,15 @@ def test_grouped_query_attention_is_multi_head_over_repeated_key_value_heads():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_analytic_count_agrees_with_xla_within_1_percent():
+def test_analytic_count_agrees_with_xla_within_1_percent(xla_training_flops):
     """One wide layer (XLA counts a scanned stack's body once): grouped K/V projections,
     three MLP matrices, the untied head. Wide enough that the matmuls dominate."""
     cfg = ModelConfig(
         "llama-wide", "llama", 8192, 1, 1024, 8, 2816, 256, num_kv_heads=2, rope_theta=5e5
     )
     model = Model(cfg)
-    shapes, _ = model.abstract_params()
-    tokens = {k: jax.ShapeDtypeStruct(s, jnp.int32) for k, s in model.batch_shapes(2, 128).items()}
-    compiled = jax.jit(jax.value_and_grad(model.loss)).lower(shapes, tokens).compile()
     analytic = flops.training_step(model, 2, 128)
-    assert abs(compiled.cost_analysis()["flops"] / analytic - 1) < 0.01
+    assert abs(xla_training_flops(model, 2, 128) / analytic - 1) < 0.01
 
 
 @pytest.fixture(scope="module")
@@ -104,38 +100,25 @@ def reference(single_device_reference):
 def test_tensor_and_replica_sharded_equals_one_device(reference, train_and_compare):
     """tensor=2 splits the 8 query heads and the 4 key/value heads alike."""
     trainer = Trainer(TINY, make_mesh(tensor=2, replica=2, devices=jax.devices()[:4]), TRAIN)
-    params = jax.device_put(reference["init"], trainer.param_shardings)
-    opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.opt_shardings)(params)
-    train_and_compare(trainer, params, opt_state, reference)
+    train_and_compare(trainer, reference)
 
 
 @pytest.mark.slow
-def test_pipelined_equals_one_device(reference, assert_params_close):
+def test_pipelined_equals_one_device(reference, staged_like_reference):
     """1F1B over pipe=2 with tensor=2: the embedding on the first stage, the untied head
     on the last."""
     train = TrainConfig(batch=TRAIN.batch, seq=TRAIN.seq, seed=0, microbatches=2)
     trainer = PipelinedTrainer(TINY, make_mesh(2, 2, 1, devices=jax.devices()[:4]), train)
-    train_like_reference(trainer, trainer.place(reference["init"]), reference, assert_params_close)
-
-
-def train_like_reference(trainer, state, reference, assert_params_close):
-    """Step a staged `trainer` (pipelined or phased) from `state` through the reference's
-    batches: every loss, then the final parameters, as one device's."""
-    corpus = SyntheticCorpus(TINY.cfg.vocab_size, seed=0)
-    for step, want in enumerate(reference["losses"]):
-        result = trainer.step(state, TINY.batch(corpus, step, TRAIN.batch, TRAIN.seq))
-        state = result.state
-        np.testing.assert_allclose(result.loss, want, rtol=1e-5)
-    assert_params_close(trainer.params(state), reference["final"], TRAIN.learning_rate)
+    staged_like_reference(trainer, trainer.place(reference["init"]), reference)
 
 
 @pytest.mark.slow
-def test_phased_with_rts_equals_one_device(reference, assert_params_close):
+def test_phased_with_rts_equals_one_device(reference, staged_like_reference):
     """Two phases on tensor=2 x replica=2, each replica storing half of every weight
     (rts 2) and gathering the rest before its phase runs; the update in the host tier."""
     mesh = make_mesh(tensor=2, replica=2, devices=jax.devices()[:4])
     trainer = PhasedTrainer(TINY, mesh, TRAIN, PhasedConfig(phases=2, rts=2))
-    train_like_reference(trainer, trainer.init(reference["init"]), reference, assert_params_close)
+    staged_like_reference(trainer, trainer.init(reference["init"]), reference)
 
 
 def test_settings_a_family_cannot_honour_are_refused():

@@ -9,13 +9,11 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
 import shardemu
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
-from shardemu.data import SyntheticCorpus
 from shardemu.errors import ShardingError
 from shardemu.parallel.mesh import make_mesh
 
@@ -118,34 +116,20 @@ def test_resident_tensor_and_replica_equal_one_device(reference, train_and_compa
     """Its own rules split heads and the MLP over `tensor`, the batch over `replica`; its
     `shardemu.constrain` calls resolve through the same rules."""
     mesh = make_mesh(tensor=2, replica=2, devices=jax.devices()[:4])
-    trainer = shardemu.Trainer(MODEL, mesh, TRAIN, RULES)
-    params = jax.device_put(reference["init"], trainer.param_shardings)
-    opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.opt_shardings)(params)
-    train_and_compare(trainer, params, opt_state, reference)
+    train_and_compare(shardemu.Trainer(MODEL, mesh, TRAIN, RULES), reference)
 
 
-def _staged_like_reference(trainer, state, reference, assert_params_close):
-    corpus = SyntheticCorpus(CFG.vocab_size, seed=0)
-    for step, want in enumerate(reference["losses"]):
-        result = trainer.step(state, MODEL.batch(corpus, step, TRAIN.batch, TRAIN.seq))
-        state = result.state
-        np.testing.assert_allclose(result.loss, want, rtol=1e-5)
-    assert_params_close(trainer.params(state), reference["final"], TRAIN.learning_rate)
-
-
-def test_pipelined_equals_one_device(reference, assert_params_close):
+def test_pipelined_equals_one_device(reference, staged_like_reference):
     train = dataclasses.replace(TRAIN, microbatches=2)
     mesh = make_mesh(pipe=2, tensor=2, devices=jax.devices()[:4])
     trainer = shardemu.PipelinedTrainer(MODEL, mesh, train, RULES)
-    _staged_like_reference(
-        trainer, trainer.place(reference["init"]), reference, assert_params_close
-    )
+    staged_like_reference(trainer, trainer.place(reference["init"]), reference)
 
 
-def test_phased_with_rts_equals_one_device(reference, assert_params_close):
+def test_phased_with_rts_equals_one_device(reference, staged_like_reference):
     mesh = make_mesh(tensor=2, replica=2, devices=jax.devices()[:4])
     trainer = shardemu.PhasedTrainer(MODEL, mesh, TRAIN, PhasedConfig(phases=2, rts=2), RULES)
-    _staged_like_reference(trainer, trainer.init(reference["init"]), reference, assert_params_close)
+    staged_like_reference(trainer, trainer.init(reference["init"]), reference)
 
 
 def test_planned_and_searched_with_its_rules():
@@ -249,10 +233,7 @@ def test_an_nnx_layer_trains_sharded_equal_to_one_device(single_device_reference
         )  # fmt: skip
         reference = single_device_reference(model, TRAIN, STEPS)
         mesh = make_mesh(tensor=2, replica=2, devices=jax.devices()[:4])
-        trainer = shardemu.Trainer(model, mesh, TRAIN, RULES)
-        params = jax.device_put(reference["init"], trainer.param_shardings)
-        opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.opt_shardings)(params)
-        train_and_compare(trainer, params, opt_state, reference)
+        train_and_compare(shardemu.Trainer(model, mesh, TRAIN, RULES), reference)
 
 
 def test_an_nnx_module_is_read_the_same_way():
