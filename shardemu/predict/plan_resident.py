@@ -59,6 +59,7 @@ from shardemu.predict.sparse import (
     scale_compute,
     sparse_report,
 )
+from shardemu.predict.zero import zero
 
 
 def _scaled(e: Event, factor: float, replica: int, **changes: Any) -> Event:
@@ -352,17 +353,6 @@ def _on_mesh(
     `par` holds and runs it: its experts split over `expert`, its optimizer state over
     `replica` under ZeRO."""
     return zero(expert_parallel(mb, key, par.expert, recompute), train, par)
-
-
-def zero(mb: Microbatch, train: TrainConfig, par: Parallelism) -> Microbatch:
-    """`mb` under ZeRO stage 1 (`TrainConfig.zero`): the optimizer state, the FP32
-    master weights with it, split over `replica` (Rajbhandari et al. 2020, P_os: K Psi /
-    N_d of the 2 Psi + 2 Psi + K Psi), and its updated weights all-gathered."""
-    if not train.zero or par.replica == 1:
-        return mb
-    r = par.replica
-    opt = (round(mb.opt_bytes[0] / r), round(mb.opt_bytes[1] / r))
-    return dataclasses.replace(mb, opt_bytes=opt, zero=r)
 
 
 def _counts(

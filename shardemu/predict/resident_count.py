@@ -50,7 +50,7 @@ class Microbatch:
     included under mixed precision), and of a layer's input (what a pipeline stage
     sends the next). Under expert parallelism (`expert_parallel.py`) `expert_bytes`
     is the part of `layer_bytes` that is a layer's experts, whose gradients reduce over
-    `replica` alone. With ZeRO stage 1 over `zero` replicas (`plan_resident.zero`) the
+    `replica` alone. With ZeRO stage 1 over `zero` replicas (`predict/zero.py`) the
     optimizer state is 1/zero of it a device, and the updated weights are all-gathered."""
 
     pieces: dict[str, list[Event]]

@@ -1,0 +1,25 @@
+"""ZeRO stage 1 in a resident plan (`TrainConfig.zero`; Rajbhandari et al. 2020, P_os).
+
+The microbatch is counted with the optimizer state whole on its tensor group; ZeRO
+splits that state (the FP32 master weights with it) over `replica`, and each stage
+all-gathers its updated weights after its update (`plan_resident._StepEvents.after`).
+The resident engine runs the same layout for real (`resident/trainer.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardemu.config import Parallelism, TrainConfig
+from shardemu.predict.resident_count import Microbatch
+
+
+def zero(mb: Microbatch, train: TrainConfig, par: Parallelism) -> Microbatch:
+    """`mb` under ZeRO stage 1 (`TrainConfig.zero`): the optimizer state, the FP32
+    master weights with it, split over `replica` (Rajbhandari et al. 2020, P_os: K Psi /
+    N_d of the 2 Psi + 2 Psi + K Psi), and its updated weights all-gathered."""
+    if not train.zero or par.replica == 1:
+        return mb
+    r = par.replica
+    opt = (round(mb.opt_bytes[0] / r), round(mb.opt_bytes[1] / r))
+    return dataclasses.replace(mb, opt_bytes=opt, zero=r)
