@@ -10,6 +10,7 @@ from cli_helpers import shardemu
 
 from shardemu import Parallelism, describe, get_preset
 from shardemu.report.rundir import read_metrics
+from shardemu.run.record import read_ledger
 
 DEMO_STEPS = 5
 
@@ -88,8 +89,8 @@ def test_phased_run_agrees_with_resident_and_records_the_ledger(demo):
     trace = json.loads((phased / "trace.json").read_text())["traceEvents"]
     assert any(e["ph"] == "X" and e["cat"] == "h2d" for e in trace)
     assert "predicted_step_s" in (phased / "summary.md").read_text()
-    ledger = json.loads((phased / "ledger.json").read_text())
-    h2d = sum(e["bytes"] for e in ledger if e["step"] == 0 and e["kind"] == "h2d")
+    ledger = read_ledger(phased)
+    h2d = sum(e.bytes for e in ledger if e.step == 0 and e.kind == "h2d")
     assert h2d == a[0]["bytes_h2d"] > 0
 
 
@@ -116,12 +117,11 @@ def test_pipelined_run_agrees_with_single_device(demo, tmp_path):
     assert [s["shared_params"] > 0 for s in plan] == [i in (0, pipe - 1) for i in range(pipe)]
     # both runs write their own ledger: compute on every stage and sends over pipe; the
     # resident step's gradients and update, with its collectives
-    ledger = json.loads((tmp_path / "p" / "ledger.json").read_text())
-    assert {e["stage"] for e in ledger if e["kind"] == "compute"} == set(range(pipe))
-    sent = sum(e["bytes"] for e in ledger if e["step"] == 0 and e["axis"] == "pipe")
+    ledger = read_ledger(tmp_path / "p")
+    assert {e.stage for e in ledger if e.kind == "compute"} == set(range(pipe))
+    sent = sum(e.bytes for e in ledger if e.step == 0 and e.axis == "pipe")
     assert sent == a[0]["pipe_bytes"] == a[0]["bytes_collective"]["pipe"]
-    single_ledger = json.loads((root / "one-device" / "ledger.json").read_text())
-    assert {e["phase"]["kind"] for e in single_ledger} == {"step", "update"}
+    assert {e.phase.kind for e in read_ledger(root / "one-device")} == {"step", "update"}
 
 
 @pytest.mark.parametrize(

@@ -9,17 +9,15 @@ names its `op` and `group` size, and its bytes are those its devices send
 (`collectives.py`); a broadcast's or reduce's bytes are what each link of the SwarmX tree
 carries (one copy; `devices` is the number of systems); a compute event names the tier
 it ran in (`on`) and how many of its FLOPs recompute a forward pass (`recompute_flops`).
-Per-step totals are what `metrics.jsonl` reports; the event list is what `ledger.json` holds.
+Per-step totals are what `metrics.jsonl` reports; the event list is what `ledger.json`
+holds (`ledger_file.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 Kind = Literal["h2d", "d2h", "collective", "compute", "broadcast", "reduce"]
@@ -100,9 +98,6 @@ class Phase:
         elif self.kind == "update":
             name += "-shared"
         return name if self.micro is None else f"{name}@{self.micro}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": str(self), **dataclasses.asdict(self)}
 
 
 @dataclass(frozen=True)
@@ -186,16 +181,3 @@ class Ledger:
     def step_totals(self, step: int) -> dict[str, Any]:
         """`totals` of one step's events."""
         return totals(self.step(step))
-
-    def to_json(self) -> list[dict[str, Any]]:
-        """The events, each phase as its fields plus its readable `name`."""
-        return [{**dataclasses.asdict(e), "phase": e.phase.to_json()} for e in self.events]
-
-    def write(self, path: str | Path, before: list[dict[str, Any]] = ()) -> None:
-        """ledger.json: `before` (earlier steps' events as JSON, from a resumed run's
-        previous ledger.json) and then these events; written whole to a temporary file
-        and renamed over the old one, so a kill mid-write leaves the previous ledger."""
-        path = Path(path)
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text(json.dumps([*before, *self.to_json()]) + "\n")
-        partial.replace(path)

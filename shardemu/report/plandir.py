@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from shardemu.accounting.ledger_file import write_ledger
 from shardemu.predict.plan import Plan
 from shardemu.report.rundir import RunDir
 from shardemu.report.trackers import TrackingConfig, open_trackers
@@ -57,7 +58,7 @@ def write_plan_dir(out: Path, plan: Plan, tracking: TrackingConfig | None = None
     run = RunDir(out, command="plan")
     trackers = open_trackers(tracking, run)
     try:
-        ledger.write(out / "ledger.json")
+        write_ledger(out / "ledger.json", ledger.events)
         if timeline is not None:
             title = f"{report['model']} on {report['mesh']}, {report['hardware']}"
             report.update(write_views(timeline, out, title))

@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 
 from jax.sharding import Mesh
 
+from shardemu.accounting.ledger import Event
+from shardemu.accounting.ledger_file import read_events
 from shardemu.config import ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.config.files import read_text
 from shardemu.errors import CheckpointError
@@ -30,10 +32,9 @@ from shardemu.report.views import write_views
 from shardemu.run.engine import Engine
 
 
-def read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
+def read_ledger(run_dir: str | Path) -> list[Event]:
     """A run directory's ledger.json events (none if the run never finished one)."""
-    path = Path(run_dir) / "ledger.json"
-    return json.loads(path.read_text()) if path.exists() else []
+    return read_events(Path(run_dir) / "ledger.json")
 
 
 class RunSettings(NamedTuple):

@@ -17,6 +17,8 @@ from typing import Any
 
 import jax
 
+from shardemu.accounting.ledger import Event
+from shardemu.accounting.ledger_file import write_ledger
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.data import make_corpus
 from shardemu.errors import CheckpointError, NonFiniteError, RunInterrupted
@@ -59,7 +61,7 @@ class Resumed:
     source: Checkpoints | None = None
     start: int = 0
     records: list[dict[str, Any]] = field(default_factory=list)
-    ledger: list[dict[str, Any]] = field(default_factory=list)
+    ledger: list[Event] = field(default_factory=list)
     run_dir: Path | None = None
 
 
@@ -254,7 +256,7 @@ class Run:
             resumed,
             start=start,
             records=[r for r in resumed.records if r["step"] < start],
-            ledger=[e for e in resumed.ledger if e["step"] < start],
+            ledger=[e for e in resumed.ledger if e.step < start],
         )
         return state, compile_s, resumed
 
@@ -284,7 +286,9 @@ class Run:
                 """The state, and the ledger so far: a run killed later resumes with
                 every step's events, as it does with every step's metrics."""
                 saved.save(info.step + 1, info.result.state, self.layout)
-                self.engine.ledger.write(run.path / "ledger.json", resumed.ledger)
+                write_ledger(
+                    run.path / "ledger.json", [*resumed.ledger, *self.engine.ledger.events]
+                )
 
             loop.add_hook(checkpoint, every=self.checkpoint_every)  # type: ignore[arg-type]
         state, records = loop.run(state, self.train_cfg.steps, resumed.start, signals.requested)
@@ -336,7 +340,7 @@ class Run:
             self.sizes,
         )
         summary["status"] = "completed" if stopped is None else f"interrupted at step {done}"
-        self.engine.ledger.write(run.path / "ledger.json", resumed.ledger)
+        write_ledger(run.path / "ledger.json", [*resumed.ledger, *self.engine.ledger.events])
         predictor = self._predictor()
         if predictor is not None and records:
             timeline, report = predictor(done - 1)

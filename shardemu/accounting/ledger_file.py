@@ -1,0 +1,153 @@
+"""ledger.json, compact: each distinct piece of work once, and runs that place it.
+
+A step's ledger repeats itself: a plan places the events of one counted microbatch (or
+pass) in every slot of its schedule (`assemble.py`), and a run's steps do the same work
+step after step. GPT-3 175B planned on an IPU-POD256 places 760k events; written one
+dict per event that was a 157 MB file, and most of a plan's time went into writing it.
+
+So the file holds `pieces`, every distinct event with its step, stage and microbatch
+left out, and `runs`, each `[step, micro, stage, first, count]`: pieces `first` to
+`first + count - 1` happened in that order at that step, microbatch (null outside a
+pipeline) and pipeline stage. `read_events` expands it to the events it was written
+from (equal, field for field), and `event_json` gives one event's dict, the form of
+the earlier format (a plain list of them), which the reader still accepts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from shardemu.accounting.ledger import Event, Phase
+from shardemu.errors import ShardemuError
+
+FORMAT = "shardemu-ledger"
+VERSION = 2
+# an event's fields other than the three a run places it by
+_BODY = tuple(f for f in Event.__dataclass_fields__ if f not in ("step", "phase", "stage"))
+
+
+class LedgerFileError(ShardemuError, ValueError):
+    """A ledger.json that is not one shardemu wrote."""
+
+
+def phase_json(phase: Phase) -> dict[str, Any]:
+    layers = list(phase.layers) if phase.layers is not None else None
+    return {
+        "name": str(phase),
+        "kind": phase.kind,
+        "index": phase.index,
+        "layers": layers,
+        "micro": phase.micro,
+    }
+
+
+def event_json(event: Event) -> dict[str, Any]:
+    """One event as a dict: its fields, its phase's fields and readable `name`."""
+    out: dict[str, Any] = {"step": event.step, "phase": phase_json(event.phase)}
+    out.update((f, getattr(event, f)) for f in _BODY)
+    out["stage"] = event.stage
+    out["matmuls"] = [list(m) for m in event.matmuls]
+    return out
+
+
+def _piece_json(event: Event) -> dict[str, Any]:
+    """An event without where it was placed: no step, stage or microbatch."""
+    phase = phase_json(event.phase)
+    del phase["name"], phase["micro"]
+    body = {f: getattr(event, f) for f in _BODY}
+    body["matmuls"] = [list(m) for m in event.matmuls]
+    return {"phase": phase, **body}
+
+
+def _body_key(event: Event) -> tuple[Any, ...]:
+    phase = event.phase
+    return (phase.kind, phase.index, phase.layers, *(getattr(event, f) for f in _BODY))
+
+
+def encode(events: Iterable[Event]) -> dict[str, Any]:
+    """The compact form of `events`, in order. An event placed from another
+    (`Event.placed`) is matched to its piece by that origin, once per origin; any other
+    by its fields."""
+    pieces: list[Event] = []
+    by_key: dict[tuple[Any, ...], int] = {}
+    by_origin: dict[int, int] = {}
+    runs: list[list[Any]] = []
+    for e in events:
+        origin = e.__dict__.get("_origin")
+        index = by_origin.get(id(origin)) if origin is not None else None
+        if index is None:
+            key = _body_key(e)
+            index = by_key.get(key)
+            if index is None:
+                index = by_key[key] = len(pieces)
+                pieces.append(e)
+            if origin is not None:
+                by_origin[id(origin)] = index
+        where = (e.step, e.phase.micro, e.stage)
+        last = runs[-1] if runs else None
+        if last is not None and tuple(last[:3]) == where and last[3] + last[4] == index:
+            last[4] += 1
+        else:
+            runs.append([*where, index, 1])
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "pieces": [_piece_json(p) for p in pieces],
+        "runs": runs,
+    }
+
+
+def write_ledger(path: str | Path, events: Iterable[Event]) -> None:
+    """`path`, written whole to a temporary file and renamed over the old one, so a
+    kill mid-write leaves the previous ledger."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(encode(events), separators=(",", ":")) + "\n")
+    partial.replace(path)
+
+
+def _event(step: int, micro: int | None, stage: int, piece: dict[str, Any]) -> Event:
+    p = piece["phase"]
+    layers = tuple(p["layers"]) if p["layers"] is not None else None
+    phase = Phase(p["kind"], p["index"], layers, micro)
+    body = {f: piece[f] for f in _BODY}
+    body["matmuls"] = tuple((float(f), int(b)) for f, b in piece["matmuls"])
+    return Event(step=step, phase=phase, stage=stage, **body)
+
+
+def _from_event_json(row: dict[str, Any]) -> Event:
+    """An event of the earlier format (one dict per event)."""
+    return _event(row["step"], row["phase"]["micro"], row["stage"], row)
+
+
+def decode(doc: Any) -> list[Event]:
+    """The events a ledger.json's contents hold, in order (either format)."""
+    if isinstance(doc, list):
+        return [_from_event_json(row) for row in doc]
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise LedgerFileError("not a shardemu ledger (no 'format': 'shardemu-ledger')")
+    if doc.get("version") != VERSION:
+        raise LedgerFileError(
+            f"ledger format version {doc.get('version')!r}; this shardemu reads {VERSION}"
+        )
+    pieces = doc["pieces"]
+    events: list[Event] = []
+    for step, micro, stage, first, count in doc["runs"]:
+        events += [_event(step, micro, stage, pieces[i]) for i in range(first, first + count)]
+    return events
+
+
+def read_events(path: str | Path) -> list[Event]:
+    """The events of the ledger.json at `path`; none if there is no such file."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    try:
+        return decode(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError) as e:
+        if isinstance(e, LedgerFileError):
+            raise LedgerFileError(f"{path}: {e}") from None
+        raise LedgerFileError(f"{path}: not a shardemu ledger ({type(e).__name__}: {e})") from e
