@@ -272,6 +272,36 @@ def test_a_pipelined_plan_without_a_microbatch_size_picks_the_fastest(tmp_path, 
                     PhasedConfig(), microbatch_size="auto")  # fmt: skip
 
 
+def test_a_phased_choice_plans_fewer_sizes_and_chooses_as_planning_every_size_does():
+    """`plan_phased(microbatch_size="auto")` screens each size by a dry run for memory
+    alone and a least step, and plans only the sizes that could win: its choice is the
+    fastest that fits of every size planned whole (on a device where all fit, and on
+    one where only the smallest does), each screen's bytes are the plan's, and each
+    least step is below the plan's step (a true bound)."""
+    from shardemu.models import Model, get_preset
+    from shardemu.predict.plan_phased import _screen, plan_phased
+
+    gpt, par = Model(get_preset("gpt-tiny")), Parallelism(pipe=2, replica=2)
+    train, phased = TrainConfig(batch=8, seq=16), PhasedConfig(phases=2)
+    roomy = PROFILES["ipu-pod16"]
+    whole = {b: plan_phased(gpt, par, train, phased, None, roomy, b).report for b in (1, 2, 4)}
+    least = whole[1]["memory_per_device"]["device"]["bytes"]
+    assert whole[2]["memory_per_device"]["device"]["bytes"] > least
+    small = dataclasses.replace(roomy, name="small", device_memory_gb=(least + 0.5) / 1e9)
+    for hw, fitting, passed_over in ((roomy, {1, 2, 4}, "least step"), (small, {1}, "fit")):
+        for b, report in whole.items():
+            screen = _screen(gpt, par, train, phased, None, hw, b)
+            assert screen.device_bytes == report["memory_per_device"]["device"]["bytes"]
+            assert screen.fits == (b in fitting)
+            assert screen.least_step_s <= report["step_time_s"]
+        auto = plan_phased(gpt, par, train, phased, None, hw, "auto").report
+        choice = auto["microbatch_choice"]
+        assert choice["chosen"] == min(fitting, key=lambda b: (whole[b]["step_time_s"], b))
+        assert auto["step_time_s"] == whole[choice["chosen"]]["step_time_s"]
+        assert len(choice["step_time_s"]) < 3 and set(choice["device_bytes"]) == {"1", "2", "4"}
+        assert all(passed_over in why for why in choice["not_planned"].values())
+
+
 @pytest.mark.slow
 def test_phased_passes_accumulate_one_counted_pass():
     """A batch of 8 as 4 pipelined passes of 1 sequence per replica: 4 times one pass's

@@ -181,10 +181,12 @@ def _plan_tracking(args: argparse.Namespace, hardware: Hardware | None) -> Track
 
 def _say_microbatch(choice: dict[str, Any]) -> None:
     """On stderr: the microbatch size a pipelined plan chose, since none was given."""
-    tried = ", ".join(choice["step_time_s"])
+    sizes = ", ".join(choice["device_bytes"])
+    planned = len(choice["step_time_s"])
     console.print(
-        f"--microbatch-size {choice['chosen']} (not given: of {tried} sequences per "
-        f"microbatch, {choice['rule']}; pass --microbatch-size to choose)",
+        f"--microbatch-size {choice['chosen']} (not given: of {sizes} sequences per "
+        f"microbatch, {choice['rule']}, {planned} planned whole; pass --microbatch-size "
+        f"to choose)",
         highlight=False, markup=False,
     )  # fmt: skip
 

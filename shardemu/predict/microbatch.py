@@ -1,16 +1,36 @@
-"""The microbatch size of a pipelined plan the user did not give one: planned for each
-candidate, the fastest that fits. One microbatch would leave a pipeline of p stages
-idle (p-1)/p of the step (GPipe, Huang et al. 2019, section 2.2), so it is not a
-default to fall back on silently."""
+"""The microbatch size of a pipelined plan the user did not give one: the fastest that
+fits. One microbatch would leave a pipeline of p stages idle (p-1)/p of the step
+(GPipe, Huang et al. 2019, section 2.2), so it is not a default to fall back on
+silently.
+
+Planning a size whole counts its pieces (seconds each, at GPT-3's size); a planner that
+can `screen` a size cheaply (its memory from a dry run that compiles almost nothing, and
+a step no plan at that size beats) lets the choice plan fewer: a size that does not fit
+is not planned while another fits, and sizes are planned in order of their least step
+until the fastest planned beats every bound left. The choice is the one planning every
+size would make, since each bound is a true lower bound (tested against the whole
+search).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from shardemu.config import ConfigError, Parallelism
 
 Plan = Callable[[int], tuple[dict[str, Any], Any]]  # size -> (report, anything else)
+
+
+@dataclass(frozen=True)
+class Screen:
+    """A size judged without planning it: its device bytes, whether they fit, and a
+    step time no plan at this size is faster than."""
+
+    device_bytes: int
+    fits: bool
+    least_step_s: float
 
 
 def microbatch_candidates(per_replica: int) -> list[int]:
@@ -20,38 +40,85 @@ def microbatch_candidates(per_replica: int) -> list[int]:
     return sorted(sizes | {per_replica})
 
 
-def choose_microbatch(batch: int, par: Parallelism, plan: Plan) -> tuple[dict[str, Any], Any]:
-    """`plan(size)` for each candidate; the fastest predicted step whose device memory
-    fits (the least memory when none fits). Sizes a plan refuses (interleaved 1F1B
-    needs microbatches in multiples of pipe) are skipped. The chosen report gets
-    `microbatch_choice`: the size, the rule, and every candidate's step and memory."""
+def _key(report: dict) -> tuple:
+    """Fitting first, then the faster; when none fits, the smaller."""
+    mem = report["memory_per_device"]["device"]
+    return (not mem["fits"], report["step_time_s"] if mem["fits"] else mem["bytes"])
+
+
+def choose_microbatch(
+    batch: int, par: Parallelism, plan: Plan, screen: Callable[[int], Screen] | None = None
+) -> tuple[dict[str, Any], Any]:
+    """`plan(size)` for the candidates `screen` does not rule out (all of them without
+    one); the fastest predicted step whose device memory fits (the least memory when
+    none fits). Sizes a planner refuses (interleaved 1F1B needs microbatches in
+    multiples of pipe) are skipped. The chosen report gets `microbatch_choice`: the
+    size, the rule, the step of every size planned, the device bytes of every size,
+    and why any size was not planned."""
     if batch % par.data:
         raise ConfigError(
             f"TrainConfig.batch {batch} is not divisible by replica * expert = {par.data}"
         )
-    best, tried, refused = None, {}, None
-
-    def key(report: dict) -> tuple:  # fitting first, then the faster; else the smaller
-        mem = report["memory_per_device"]["device"]
-        return (not mem["fits"], report["step_time_s"] if mem["fits"] else mem["bytes"])
-
-    for size in microbatch_candidates(batch // par.data):
+    sizes, screens, refused = microbatch_candidates(batch // par.data), {}, None
+    if screen is not None:
+        for size in sizes:
+            try:
+                screens[size] = screen(size)
+            except ConfigError as err:
+                refused = err
+        if not screens:  # every size was refused: the last refusal says why
+            raise refused  # type: ignore[misc]
+        sizes = _order(list(screens), screens)
+    best, tried, not_planned = None, {}, {}
+    for size in sizes:
+        if best is not None and size in screens:
+            reason = _passed_over(screens[size], best[0][0])
+            if reason:
+                not_planned[str(size)] = reason
+                continue
         try:
             planned = plan(size)
         except ConfigError as err:
             refused = err
             continue
         tried[str(size)] = planned[0]
-        if best is None or key(planned[0]) < key(best[0][0]):
+        if best is None or (_key(planned[0]), size) < (_key(best[0][0]), best[1]):
             best = (planned, size)
     if best is None:  # every size was refused: the last refusal says why
         raise refused  # type: ignore[misc]
     (report, rest), size = best
     fits = report["memory_per_device"]["device"]["fits"]
+    device = {str(s): c.device_bytes for s, c in sorted(screens.items())}
     report["microbatch_choice"] = {
         "chosen": size,
         "rule": "the fastest that fits" if fits else "none fits: the least memory",
         "step_time_s": {k: r["step_time_s"] for k, r in tried.items()},
-        "device_bytes": {k: r["memory_per_device"]["device"]["bytes"] for k, r in tried.items()},
+        "device_bytes": device
+        | {k: r["memory_per_device"]["device"]["bytes"] for k, r in tried.items()},
+        "not_planned": not_planned,
     }
     return report, rest
+
+
+def _passed_over(screen: Screen, best: dict[str, Any]) -> str:
+    """Why a size need not be planned after `best` was, or "" when it must be."""
+    if not best["memory_per_device"]["device"]["fits"]:
+        return "does not fit, and needs more device memory than the size chosen"
+    if not screen.fits:
+        return f"does not fit: {screen.device_bytes:,} device bytes"
+    if screen.least_step_s > best["step_time_s"]:
+        return f"its least step, {screen.least_step_s:.4g} s, is slower than the chosen one"
+    return ""
+
+
+def _order(sizes: list[int], screens: dict[int, Screen]) -> list[int]:
+    """The sizes to plan in turn: those that fit by their least step (ties: the smaller
+    first, as planning every size in order would choose); when none fits, the one of
+    least memory alone (the choice then), the rest after it to be passed over."""
+    fitting = sorted(
+        (s for s in sizes if screens[s].fits), key=lambda s: (screens[s].least_step_s, s)
+    )
+    if fitting:
+        return fitting + [s for s in sizes if not screens[s].fits]
+    least = min(sizes, key=lambda s: (screens[s].device_bytes, s))
+    return [least] + [s for s in sizes if s != least]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections import defaultdict
 from typing import Any, Literal
 
 import jax
@@ -29,11 +30,12 @@ from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.phased import planner
 from shardemu.phased.planner import PhasePlan
 from shardemu.phased.trainer import PhasedTrainer
-from shardemu.predict.costmodel import predict, require_fit
+from shardemu.predict.costmodel import duration, predict, require_fit, stream_of
 from shardemu.predict.hardware import Hardware
-from shardemu.predict.microbatch import choose_microbatch
+from shardemu.predict.microbatch import Screen, choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.plan import Plan, require_no_experts
+from shardemu.predict.roofline import least_step_seconds
 from shardemu.predict.sparse import model_flops_sparse, sparse_compute, sparse_report
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default
@@ -95,7 +97,11 @@ def plan_phased(
             )
             return planned.report, planned
 
-        _, planned = choose_microbatch(train_cfg.batch, par, candidate)
+        def screen(size: int) -> Screen:
+            return _screen(model, par, train_cfg, phased, rules, hardware, size)
+
+        dense = train_cfg.sparsity is None  # sparse layers can beat the dense peak
+        _, planned = choose_microbatch(train_cfg.batch, par, candidate, screen if dense else None)
     else:
         planned = _counted(
             model,
@@ -182,6 +188,34 @@ def _counted(
             for (stage, stream), busy in sorted(timeline.stream_totals().items())
         }
     return Plan(report, ledger, timeline, prediction, plan)
+
+
+def _screen(
+    model: Model,
+    par: Parallelism,
+    train_cfg: TrainConfig,
+    phased: PhasedConfig,
+    rules: Rules | None,
+    hardware: Hardware,
+    microbatch_size: int,
+) -> Screen:
+    """A dense step at `microbatch_size` judged by a dry run for memory alone: its
+    device bytes, and a step it cannot beat: its model FLOPs at the profile's rate
+    (`roofline.least_step_seconds`), or the busiest stream's transfers (each stage's
+    streams run their events one after another, `costmodel.build_timeline`, and the
+    counted step moves the same bytes)."""
+    hardware, model, _, pass_cfg, sched = _setting(model, par, train_cfg, hardware, microbatch_size)
+    plan, events = _one_pass(model, par, pass_cfg, phased, rules, counting=False)
+    step = list(events) if sched is None else repeat_passes(list(events), sched)
+    busy: dict[tuple[int, str], float] = defaultdict(float)
+    for e in step:
+        busy[(e.stage, stream_of(e))] += duration(e, hardware, par)
+    compute = least_step_seconds(
+        flops.training_step(model, train_cfg.batch, train_cfg.seq), par.num_devices, hardware
+    )
+    device = _memory(plan, sched, phased)["device"]
+    fits = device <= hardware.device_memory_bytes
+    return Screen(device, fits, max([compute, *busy.values()]))
 
 
 def check_fit(
