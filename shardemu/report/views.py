@@ -35,6 +35,9 @@ _COLOURS = {
 }
 
 
+_WIDTH_INCHES, _DPI = 12, 110  # timeline.png: 1,320 pixels wide
+
+
 def lanes(timeline: Timeline) -> list[tuple[int, str]]:
     """(stage, stream) pairs in display order: stages in order, compute first."""
 
@@ -112,28 +115,30 @@ def write_trace(timeline: Timeline, path: str | Path) -> Path:
     return path
 
 
-def merged_bars(timeline: Timeline) -> dict[tuple[int, str, str], list[tuple[float, float]]]:
+def merged_bars(
+    timeline: Timeline, gap: float = 0.0
+) -> dict[tuple[int, str, str], list[tuple[float, float]]]:
     """The spans as bars, per (stage, stream, phase kind): (start, end) in seconds, with
-    spans that touch or overlap merged into one bar (a pipeline's back-to-back
-    microbatches become one). What `plot_timeline` draws; sorting makes it
-    n log n in the spans."""
+    spans that touch, overlap or lie within `gap` seconds of each other merged into one
+    bar (a pipeline's back-to-back microbatches become one). What `plot_timeline` draws;
+    sorting makes it n log n in the spans."""
+    import numpy as np
+
     by_lane: dict[tuple[int, str, str], list[tuple[float, float]]] = {}
     for span in timeline.spans:
         if span.duration > 0:
             by_lane.setdefault((span.stage, span.stream, span.phase.kind), []).append(
                 (span.start, span.end)
             )
-    touch = 1e-9 * max(timeline.step_time_s, 1e-30)  # float noise between adjacent spans
+    touch = max(gap, 1e-9 * max(timeline.step_time_s, 1e-30))  # 1e-9: float noise
     bars = {}
     for lane, intervals in by_lane.items():
-        intervals.sort()
-        merged = [list(intervals[0])]
-        for start, end in intervals[1:]:
-            if start <= merged[-1][1] + touch:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        bars[lane] = [(a, b) for a, b in merged]
+        spans = np.asarray(intervals)
+        spans = spans[np.argsort(spans[:, 0], kind="stable")]
+        reach = np.maximum.accumulate(spans[:, 1])  # the furthest end so far
+        first = np.flatnonzero(np.r_[True, spans[1:, 0] > reach[:-1] + touch])
+        last = np.r_[first[1:] - 1, len(spans) - 1]
+        bars[lane] = list(zip(spans[first, 0].tolist(), reach[last].tolist(), strict=True))
     return bars
 
 
@@ -150,10 +155,13 @@ def plot_timeline(timeline: Timeline, path: str | Path, title: str) -> Path:
 
     rows = lanes(timeline)
     index = {lane: i for i, lane in enumerate(rows)}
-    fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 1.6))
+    fig, ax = plt.subplots(figsize=(_WIDTH_INCHES, 0.35 * len(rows) + 1.6))
     kinds_seen: dict[str, str] = {}
     boxes, colours = [], []
-    for (stage, stream, kind), bars in merged_bars(timeline).items():
+    # a gap narrower than a pixel of the figure is not drawn: a plan of 100k spans a
+    # lane draws a bar per pixel at most
+    pixel = timeline.step_time_s / (_WIDTH_INCHES * _DPI)
+    for (stage, stream, kind), bars in merged_bars(timeline, gap=pixel).items():
         colour = _COLOURS.get(kind, "#cccccc")
         kinds_seen.setdefault(kind, colour)
         ms = np.asarray(bars) * 1e3
@@ -187,7 +195,7 @@ def save_figure(fig: Any, path: Path, copy_to: Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=_DPI)
     plt.close(fig)
     if copy_to is not None:
         copy_to.mkdir(parents=True, exist_ok=True)
