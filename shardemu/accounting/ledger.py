@@ -83,12 +83,13 @@ class Phase:
     def at(self, micro: int) -> Phase:
         """The same phase for microbatch `micro`, made once per microbatch and kept on
         this phase (outside its fields): a search places millions of events."""
-        try:
-            return self.__dict__["_at"][micro]
-        except KeyError:  # not `dataclasses.replace`, which reads the fields each call
-            made = self.__dict__.setdefault("_at", {})
+        made = self.__dict__.get("_at")
+        if made is None:
+            made = self.__dict__["_at"] = {}
+        phase = made.get(micro)
+        if phase is None:  # not `dataclasses.replace`, which reads the fields each call
             phase = made[micro] = Phase(self.kind, self.index, self.layers, micro)
-            return phase
+        return phase
 
     def __str__(self) -> str:
         """The readable name: fwd3, bwd-embed, update-shared, fwd@5 (microbatch 5)."""

@@ -131,15 +131,22 @@ def merged_bars(
                 (span.start, span.end)
             )
     touch = max(gap, 1e-9 * max(timeline.step_time_s, 1e-30))  # 1e-9: float noise
-    bars = {}
-    for lane, intervals in by_lane.items():
-        spans = np.asarray(intervals)
-        spans = spans[np.argsort(spans[:, 0], kind="stable")]
-        reach = np.maximum.accumulate(spans[:, 1])  # the furthest end so far
-        first = np.flatnonzero(np.r_[True, spans[1:, 0] > reach[:-1] + touch])
-        last = np.r_[first[1:] - 1, len(spans) - 1]
-        bars[lane] = list(zip(spans[first, 0].tolist(), reach[last].tolist(), strict=True))
-    return bars
+    return {
+        lane: [(a, b) for a, b in _merge(np.asarray(spans), touch).tolist()]
+        for lane, spans in by_lane.items()
+    }
+
+
+def _merge(spans: Any, touch: float) -> Any:
+    """(start, end) rows merged where one starts within `touch` of the furthest end
+    before it, in start order: an (n, 2) array of bars separated by gaps."""
+    import numpy as np
+
+    spans = spans[np.argsort(spans[:, 0], kind="stable")]
+    reach = np.maximum.accumulate(spans[:, 1])  # the furthest end so far
+    first = np.flatnonzero(np.r_[True, spans[1:, 0] > reach[:-1] + touch])
+    last = np.r_[first[1:] - 1, len(spans) - 1]
+    return np.stack([spans[first, 0], reach[last]], axis=1)
 
 
 def plot_timeline(timeline: Timeline, path: str | Path, title: str) -> Path:
@@ -158,13 +165,15 @@ def plot_timeline(timeline: Timeline, path: str | Path, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(_WIDTH_INCHES, 0.35 * len(rows) + 1.6))
     kinds_seen: dict[str, str] = {}
     boxes, colours = [], []
-    # a gap narrower than a pixel of the figure is not drawn: a plan of 100k spans a
-    # lane draws a bar per pixel at most
-    pixel = timeline.step_time_s / (_WIDTH_INCHES * _DPI)
+    # drawn to the figure's pixels: each bar covers the pixel columns it touches (one
+    # at least, so none vanishes), and a lane draws at most one bar per column
+    pixel = timeline.step_time_s / (_WIDTH_INCHES * _DPI) or 1.0
     for (stage, stream, kind), bars in merged_bars(timeline, gap=pixel).items():
         colour = _COLOURS.get(kind, "#cccccc")
         kinds_seen.setdefault(kind, colour)
-        ms = np.asarray(bars) * 1e3
+        columns = np.floor(np.asarray(bars) / pixel)
+        columns[:, 1] = np.maximum(columns[:, 1] + 1, columns[:, 0] + 1)
+        ms = _merge(columns, 0.0) * pixel * 1e3
         y = index[(stage, stream)]
         # each bar a rectangle: (start, y - 0.4), (end, y - 0.4), (end, y + 0.4), (start, y + 0.4)
         x = np.stack([ms[:, 0], ms[:, 1], ms[:, 1], ms[:, 0]], axis=1)
