@@ -2,7 +2,7 @@
 
 A step's ledger repeats itself: a plan places the events of one counted microbatch (or
 pass) in every slot of its schedule (`assemble.py`), and a run's steps do the same work
-step after step. GPT-3 175B planned on an IPU-POD256 places 760k events; written one
+step after step. GPT-3 175B planned on an IPU-POD256 places 379k events; written one
 dict per event that was a 157 MB file, and most of a plan's time went into writing it.
 
 So the file holds `pieces`, every distinct event with its step, stage and microbatch
