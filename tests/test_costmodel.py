@@ -281,14 +281,14 @@ def test_a_phased_choice_plans_fewer_sizes_and_chooses_as_planning_every_size_do
     from shardemu.models import Model, get_preset
     from shardemu.predict.plan_phased import _screen, plan_phased
 
-    gpt, par = Model(get_preset("gpt-tiny")), Parallelism(pipe=2, replica=2)
-    train, phased = TrainConfig(batch=8, seq=16), PhasedConfig(phases=2)
+    gpt, par = Model(get_preset("gpt-tiny")), Parallelism(tensor=2)
+    train, phased = TrainConfig(batch=2, seq=64), PhasedConfig(phases=2)
     roomy = PROFILES["ipu-pod16"]
-    whole = {b: plan_phased(gpt, par, train, phased, None, roomy, b).report for b in (1, 2, 4)}
+    whole = {b: plan_phased(gpt, par, train, phased, None, roomy, b).report for b in (1, 2)}
     least = whole[1]["memory_per_device"]["device"]["bytes"]
     assert whole[2]["memory_per_device"]["device"]["bytes"] > least
     small = dataclasses.replace(roomy, name="small", device_memory_gb=(least + 0.5) / 1e9)
-    for hw, fitting, passed_over in ((roomy, {1, 2, 4}, "least step"), (small, {1}, "fit")):
+    for hw, fitting, passed_over in ((roomy, {1, 2}, "least step"), (small, {1}, "fit")):
         for b, report in whole.items():
             screen = _screen(gpt, par, train, phased, None, hw, b)
             assert screen.device_bytes == report["memory_per_device"]["device"]["bytes"]
@@ -298,7 +298,7 @@ def test_a_phased_choice_plans_fewer_sizes_and_chooses_as_planning_every_size_do
         choice = auto["microbatch_choice"]
         assert choice["chosen"] == min(fitting, key=lambda b: (whole[b]["step_time_s"], b))
         assert auto["step_time_s"] == whole[choice["chosen"]]["step_time_s"]
-        assert len(choice["step_time_s"]) < 3 and set(choice["device_bytes"]) == {"1", "2", "4"}
+        assert len(choice["step_time_s"]) == 1 and set(choice["device_bytes"]) == {"1", "2"}
         assert all(passed_over in why for why in choice["not_planned"].values())
 
 
