@@ -14,12 +14,18 @@ sharded runs alike (subprocesses started by the tests inherit both):
   bytes to a hand count (test_roofline.py) compile with XLA's default fusion, as a
   user's process does.
 
+Python's cyclic garbage collector runs less often (its first generation collected every
+50,000 allocations, not 700): tracing allocates millions of short-lived objects, and
+test_llama.py with test_moe.py took 42.3 s with the default thresholds, 38.9 s with
+these (one process). Nothing a test checks depends on when garbage is collected.
+
 A persistent compilation cache in a fresh temporary folder, shared by the pytest-xdist
 workers, lets identical programs compile once per session: a phased piece is compiled to
 be counted (over shapes) and again to run (over arrays), to the same HLO, and test files
 share the steps they both run.
 """
 
+import gc
 import os
 import tempfile
 
@@ -27,6 +33,8 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 ).strip()
+
+gc.set_threshold(50_000, 50, 1000)
 
 import jax  # noqa: E402
 
