@@ -68,7 +68,7 @@ def validation_rows() -> list[dict]:
 def readme_rows() -> list[dict]:
     rows = []
     for argv in readme_plans():
-        large = "gpt3-175b" in argv and "--hardware" in argv or "25600" in argv
+        large = ("gpt3-175b" in argv and "--hardware" in argv) or "25600" in argv
         with tempfile.TemporaryDirectory() as tmp:
             wall, rc, last = timed(["-m", "shardemu", *_out_in(argv, tmp)])
         target = LARGE_TARGET_S if large else ROW_TARGET_S

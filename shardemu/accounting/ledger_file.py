@@ -46,11 +46,8 @@ def phase_json(phase: Phase) -> dict[str, Any]:
 
 def event_json(event: Event) -> dict[str, Any]:
     """One event as a dict: its fields, its phase's fields and readable `name`."""
-    out: dict[str, Any] = {"step": event.step, "phase": phase_json(event.phase)}
-    out.update((f, getattr(event, f)) for f in _BODY)
-    out["stage"] = event.stage
-    out["matmuls"] = [list(m) for m in event.matmuls]
-    return out
+    return {"step": event.step, **_piece_json(event), "phase": phase_json(event.phase),
+            "stage": event.stage}  # fmt: skip
 
 
 def _piece_json(event: Event) -> dict[str, Any]:
@@ -147,7 +144,7 @@ def read_events(path: str | Path) -> list[Event]:
         return []
     try:
         return decode(json.loads(path.read_text()))
+    except LedgerFileError as e:
+        raise LedgerFileError(f"{path}: {e}") from None
     except (ValueError, KeyError, TypeError) as e:
-        if isinstance(e, LedgerFileError):
-            raise LedgerFileError(f"{path}: {e}") from None
         raise LedgerFileError(f"{path}: not a shardemu ledger ({type(e).__name__}: {e})") from e

@@ -68,7 +68,7 @@ def choose_microbatch(
                 refused = err
         if not screens:  # every size was refused: the last refusal says why
             raise refused  # type: ignore[misc]
-        sizes = _order(list(screens), screens)
+        sizes = _order(screens)
     best, tried, not_planned = None, {}, {}
     for size in sizes:
         if best is not None and size in screens:
@@ -111,14 +111,14 @@ def _passed_over(screen: Screen, best: dict[str, Any]) -> str:
     return ""
 
 
-def _order(sizes: list[int], screens: dict[int, Screen]) -> list[int]:
+def _order(screens: dict[int, Screen]) -> list[int]:
     """The sizes to plan in turn: those that fit by their least step (ties: the smaller
     first, as planning every size in order would choose); when none fits, the one of
     least memory alone (the choice then), the rest after it to be passed over."""
     fitting = sorted(
-        (s for s in sizes if screens[s].fits), key=lambda s: (screens[s].least_step_s, s)
+        (s for s in screens if screens[s].fits), key=lambda s: (screens[s].least_step_s, s)
     )
     if fitting:
-        return fitting + [s for s in sizes if not screens[s].fits]
-    least = min(sizes, key=lambda s: (screens[s].device_bytes, s))
-    return [least] + [s for s in sizes if s != least]
+        return fitting + [s for s in screens if not screens[s].fits]
+    least = min(screens, key=lambda s: (screens[s].device_bytes, s))
+    return [least] + [s for s in screens if s != least]

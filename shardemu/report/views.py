@@ -172,7 +172,7 @@ def plot_timeline(timeline: Timeline, path: str | Path, title: str) -> Path:
         colour = _COLOURS.get(kind, "#cccccc")
         kinds_seen.setdefault(kind, colour)
         columns = np.floor(np.asarray(bars) / pixel)
-        columns[:, 1] = np.maximum(columns[:, 1] + 1, columns[:, 0] + 1)
+        columns[:, 1] += 1  # through the column its end lies in
         ms = _merge(columns, 0.0) * pixel * 1e3
         y = index[(stage, stream)]
         # each bar a rectangle: (start, y - 0.4), (end, y - 0.4), (end, y + 0.4), (start, y + 0.4)
