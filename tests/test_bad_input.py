@@ -172,7 +172,8 @@ CLI_ROWS = [
         "tensor=8,replica=512", "--batch", "512"], "tensor x replica = 4096 virtual devices"),
     row("demo-steps-0", ["demo", "--steps", "0"], "steps must be a positive integer, got 0"),
     # search
-    row("search-precision", [*SEARCH, "--precision", "fp8"], "--precision takes a comma-separated"),
+    row("search-precision", [*SEARCH, "--precision", "fp64"],
+        "--precision takes a comma-separated"),
     row("bucket-mb-0", [*A100, "--bucket-mb", "0"], "--bucket-mb must be a finite number > 0, got"
         " 0"),
     row("bucket-mb-nan", [*SEARCH, "--bucket-mb", "nan"], "--bucket-mb must be a finite number > 0,"

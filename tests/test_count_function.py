@@ -109,7 +109,7 @@ def test_predict_ledger_takes_the_precision_it_is_told(mesh):
     assert bf16.tokens_per_s == pytest.approx(M / bf16.step_time_s)
     with pytest.raises(TypeError, match="precision"):
         shardemu.predict_ledger(ledger, a100, mesh=mesh)
-    with pytest.raises(ConfigError, match="'fp64' is not one of fp32, bf16, fp16-mixed"):
+    with pytest.raises(ConfigError, match="'fp64' is not one of fp32, bf16, fp16-mixed, fp8"):
         shardemu.predict_ledger(ledger, a100, precision="fp64", mesh=mesh)
 
 

@@ -155,7 +155,8 @@ def test_planned_and_searched_with_its_rules():
 
 def test_settings_it_cannot_honour_are_refused():
     """A module that makes its parameters in FP32 whatever `param_dtype` says is refused
-    under bf16 (it would train and be counted in FP32); a config naming another family;
+    under bf16 (it would train and be counted in FP32), and one whose matmuls ignore
+    `fp8_matmuls` under fp8 (it would be a BF16 run); a config naming another family;
     a kernel named with fewer names than dimensions, with the whole message."""
 
     class Stubborn(nn.Module):
@@ -176,6 +177,9 @@ def test_settings_it_cannot_honour_are_refused():
         ConfigError, match=r"mini-lm .*precision 'bf16' keeps .* bfloat16.*: stack/w \(float32\)"
     ):
         shardemu.Trainer(shardemu.Model(CFG, fp32_only), mesh, bf16, RULES)
+    fp8 = dataclasses.replace(TRAIN, precision="fp8")  # its Dense layers ignore fp8_matmuls
+    with pytest.raises(ConfigError, match=r"mini-lm .*precision 'fp8' .* computes none in FP8"):
+        shardemu.Trainer(MODEL, mesh, fp8, RULES)
     with pytest.raises(ConfigError, match="ModelConfig.family is 'gpt' but the family given"):
         shardemu.Model(CFG.replace(family="gpt"), MINI)
     with pytest.raises(ConfigError, match=r"module \(Block\) has no embed or head method"):

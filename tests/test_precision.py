@@ -29,6 +29,9 @@ from shardemu.predict.profiles import PROFILES
 from shardemu.resident.trainer import Trainer
 
 STEPS = 3
+# FP8 against BF16 on gpt-tiny, tensor=2 x replica=2. Measured over 5 steps: losses
+# within 0.11%, gradient norms within 0.81% (models/fp8.py). Stated: 0.5% and 3%.
+LOSS_RTOL, NORM_RTOL = 5e-3, 3e-2
 
 
 def mesh(**axes):
@@ -142,6 +145,22 @@ def test_bf16_resident_equals_the_reference(references):
     check_against(ref, metrics, jax.device_get(opt_state.master))
     rounded = jax.tree.map(lambda m: m.astype(jnp.bfloat16), opt_state.master)
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), params, rounded))
+
+
+@pytest.mark.slow
+def test_an_fp8_run_stays_within_the_stated_tolerance_of_bf16(references):
+    """gpt-tiny in FP8 on tensor=2 x replica=2 against the single-device BF16 reference:
+    BF16 weights (the FP32 masters rounded), losses and gradient norms within the
+    stated tolerance; its FP8 casts change the numbers (not a BF16 run renamed)."""
+    ref = references("bf16")
+    trainer = Trainer(Model(get_preset("gpt-tiny")), mesh(tensor=2, replica=2), train_cfg("fp8"))
+    metrics, opt_state, params = run_resident(trainer, ref["model"])
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    losses, norms = np.array(metrics).T
+    np.testing.assert_allclose(losses, ref["losses"], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(norms, ref["norms"], rtol=NORM_RTOL)
+    assert np.abs(losses / ref["losses"] - 1).max() > 1e-5
+    assert len(losses) == STEPS
 
 
 @pytest.mark.slow
@@ -272,12 +291,13 @@ def test_hardware_peaks_per_precision():
     with pytest.raises(HardwareError, match="fp32_tflops must be a finite positive"):
         Hardware("x", 10.0, 1, 1, 1, 1, 1, 1, fp32_tflops=-1.0)
     with pytest.raises(HardwareError, match="precisions must be a non-empty list"):
-        Hardware("x", 10.0, 1, 1, 1, 1, 1, 1, precisions=("fp8",))
+        Hardware("x", 10.0, 1, 1, 1, 1, 1, 1, precisions=("int8",))
 
 
 def test_precision_errors(capsys):
     with pytest.raises(
-        ConfigError, match="TrainConfig.precision must be one of fp32, bf16, fp16-mixed, got 'fp64'"
+        ConfigError,
+        match="TrainConfig.precision must be one of fp32, bf16, fp16-mixed, fp8, got 'fp64'",
     ):
         TrainConfig(precision="fp64")
     with pytest.raises(

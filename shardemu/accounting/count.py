@@ -272,7 +272,7 @@ def piece_events(
             recompute_flops=recompute * n,
             stage=stage,
             run_flops=counted.flops_per_device,
-            matmuls=tuple((m.flops, m.bytes) for m in matmuls),
+            matmuls=tuple((m.flops, m.bytes, m.fp8) for m in matmuls),
             memory_bytes=memory,
         )
     ]

@@ -117,10 +117,10 @@ class Event:
     recompute_flops: float = 0.0
     stage: int = 0  # the pipeline stage whose devices did it (the sender, for a p2p)
     # a device computation's roofline (`predict/roofline.py`), per device and per run of
-    # its compiled piece: the piece's FLOPs, its matmuls as (FLOPs, bytes) and the bytes
-    # its other kernels move; `flops / devices / run_flops` runs
+    # its compiled piece: the piece's FLOPs, its matmuls as (FLOPs, bytes, on FP8
+    # operands) and the bytes its other kernels move; `flops / devices / run_flops` runs
     run_flops: float = 0.0
-    matmuls: tuple[tuple[float, int], ...] = ()
+    matmuls: tuple[tuple[float, int, bool], ...] = ()
     memory_bytes: int = 0
 
     def placed(self, micro: int, stage: int) -> Event:

@@ -111,7 +111,10 @@ def _event(step: int, micro: int | None, stage: int, piece: dict[str, Any]) -> E
     layers = tuple(p["layers"]) if p["layers"] is not None else None
     phase = Phase(p["kind"], p["index"], layers, micro)
     body = {f: piece[f] for f in _BODY}
-    body["matmuls"] = tuple((float(f), int(b)) for f, b in piece["matmuls"])
+    # (FLOPs, bytes, FP8); a file written before FP8 existed has no third entry
+    body["matmuls"] = tuple(
+        (float(m[0]), int(m[1]), bool(m[2:3] and m[2])) for m in piece["matmuls"]
+    )
     return Event(step=step, phase=phase, stage=stage, **body)
 
 

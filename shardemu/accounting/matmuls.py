@@ -18,7 +18,8 @@ analysis counts "bytes accessed", but without the data movement that XLA's CPU b
 adds and an accelerator's kernels fold in: fusions of only dtype converts, copies,
 transposes and broadcasts (the CPU's 16-to-32-bit widening and layout changes; a GPU's
 GEMM reads either layout), and the matmuls, counted above. Widened elements count at the
-compute dtype's width. Checked against XLA on an H100 (`benchmarks/gpu_calibration.py`,
+compute dtype's width, and an FP8 array the backend widened (`--precision fp8`) at 1
+byte. Checked against XLA on an H100 (`benchmarks/gpu_calibration.py`,
 `docs/results.md`): GPT layers of width 768 to 8192 are timed within 19% by the roofline
 with these bytes.
 
@@ -102,6 +103,9 @@ _MOVES = {
     "iota",
 }
 
+# what an FP8 GEMM's epilogue does to its product: scale by scalars and cast
+_EPILOGUE = _MOVES | {"multiply", "divide"}
+
 Instr = tuple[str, str, str, str]  # name, shape, opcode, the rest of the line
 
 
@@ -126,10 +130,12 @@ def _operands(rest: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Matmul:
-    """One dot per device: its FLOPs and the bytes of its two operands and output."""
+    """One dot per device: its FLOPs, the bytes of its two operands and output, and
+    whether both operands are FP8 (then they count 1 byte per element)."""
 
     flops: float
     bytes: int
+    fp8: bool = False
 
 
 def _dims(text: str) -> tuple[int, ...]:
@@ -173,7 +179,8 @@ class Kernels:
         self.computations = _parse(hlo_text)
         self.shapes = {n: shape for body in self.computations.values() for n, shape, _, _ in body}
         self.width = itemsize or max(_DTYPE_BYTES.values())
-        self.dots = _dots(self.computations, self.shapes)
+        self.origins = _Origins(self.computations)
+        self.dots = _dots(self.computations, self.shapes, self.origins)
 
     def read(self, fused_attention: bool = False) -> tuple[tuple[Matmul, ...], int]:
         """The matmuls and the bytes the other kernels move; with `fused_attention`,
@@ -181,15 +188,19 @@ class Kernels:
 
         def moved(d: _Dot) -> int:  # its arrays' bytes, less its scores' when fused
             dropped = d.scores if fused_attention else None
-            return sum(_bytes(x, self.width) for i, x in enumerate(d.arrays) if i != dropped)
+            width = lambda i: 1 if d.fp8 and i < 2 else self.width  # noqa: E731
+            return sum(_bytes(x, width(i)) for i, x in enumerate(d.arrays) if i != dropped)
 
         scores = frozenset(
             squeezed(_dims(_ARRAY.search(d.arrays[d.scores]).group(2)))  # type: ignore[union-attr]
             for d in self.dots
             if fused_attention and d.scores is not None
         )
-        memory = _memory_bytes(self.computations, self.shapes, self.width, scores)
-        return tuple(Matmul(d.flops, moved(d)) for d in self.dots), memory
+        scaled = frozenset(d.kernel for d in self.dots if d.fp8)
+        memory = _memory_bytes(
+            self.computations, self.shapes, self.width, scores, self.origins, scaled
+        )
+        return tuple(Matmul(d.flops, moved(d), d.fp8) for d in self.dots), memory
 
 
 def kernels(
@@ -204,22 +215,71 @@ class _Dot:
     flops: float
     arrays: tuple[str, str, str]  # the shapes of its operands and output
     scores: int | None  # an attention core's: which of `arrays` is [.., s, s]
+    fp8: bool  # both operands FP8 (`_Origins.fp8`)
+    kernel: str  # the top-level instruction that computes it (it, or its fusion)
 
 
-def _dots(computations: dict[str, list[Instr]], shapes: dict[str, str]) -> list[_Dot]:
+class _Origins:
+    """Where a dot's operands come from. XLA's CPU backend converts FP8 operands to
+    FP32 before a dot (`models/fp8.py`), in the dot's computation or in a fusion before
+    it; an accelerator multiplies them as FP8. An operand is FP8 when, through data
+    movement (`_MOVES`) and fused computations' parameters, it comes from an FP8 array
+    or from a fusion that makes one."""
+
+    def __init__(self, computations: dict[str, list[Instr]]) -> None:
+        self.defs = {i[0]: i for body in computations.values() for i in body}
+        self.computations = computations
+        self.caller: dict[str, Instr] = {}  # a fused computation's fusion instruction
+        for body in computations.values():
+            for instr in body:
+                if instr[2] == "fusion" and (callee := _CALLED.search(instr[3])):
+                    self.caller[callee.group(1)] = instr
+        self.owner = {i[0]: comp for comp, body in computations.items() for i in body}
+
+    def fp8(self, name: str, depth: int = 0) -> bool:
+        instr = self.defs.get(name)
+        if instr is None or depth > 32:
+            return False
+        _, shape, op, rest = instr
+        if "f8e" in shape:
+            return True
+        if op == "parameter":
+            caller = self.caller.get(self.owner[name])
+            index = int(rest.split(")")[0])
+            operands = _operands(caller[3]) if caller else []
+            return index < len(operands) and self.fp8(operands[index], depth + 1)
+        if op == "fusion":
+            callee = _CALLED.search(rest)
+            inside = self.computations.get(callee.group(1) if callee else "", [])
+            return any("f8e" in s for _, s, _, _ in inside)
+        operands = _operands(rest)
+        return op in _MOVES and bool(operands) and self.fp8(operands[0], depth + 1)
+
+    def kernel(self, name: str) -> str:
+        """The top-level instruction that computes `name`: it, or the fusion it is in."""
+        caller = self.caller.get(self.owner[name])
+        return name if caller is None else self.kernel(caller[0])
+
+
+def _dots(
+    computations: dict[str, list[Instr]], shapes: dict[str, str], origins: _Origins
+) -> list[_Dot]:
     """Every dot in the module (loop bodies once, as cost analysis counts them)."""
     out = []
     for body in computations.values():
-        for _, shape, op, rest in body:
+        for dot, shape, op, rest in body:
             if op != "dot":
                 continue
-            lhs, rhs = (shapes[o] for o in _operands(rest)[:2])
+            names = _operands(rest)[:2]
+            lhs, rhs = (shapes[o] for o in names)
             contracting = _CONTRACTING.search(rest)
             lhs_dims = _dims(_ARRAY.search(lhs).group(2))  # type: ignore[union-attr]
             axes = _dims(contracting.group(1)) if contracting else ()
             out_elements = math.prod(_dims(_ARRAY.search(shape).group(2)))  # type: ignore[union-attr]
             flops = 2.0 * out_elements * math.prod(lhs_dims[a] for a in axes)
-            out.append(_Dot(flops, (lhs, rhs, shape), _scores(rest, (lhs, rhs, shape))))
+            arrays = (lhs, rhs, shape)
+            fp8 = all(origins.fp8(o) for o in names)
+            out.append(_Dot(flops, arrays, _scores(rest, arrays), fp8, origins.kernel(dot)))
     return out
 
 
@@ -244,15 +304,25 @@ def _memory_bytes(
     shapes: dict[str, str],
     itemsize: int,
     skip: frozenset[tuple[int, ...]],
+    origins: _Origins,
+    fp8_products: frozenset[str] = frozenset(),
 ) -> int:
     """Bytes the module's kernels other than matmuls read and write (see the module
-    docstring), elements at most `itemsize` wide, arrays of the dims in `skip` left out."""
+    docstring), elements at most `itemsize` wide (1 byte for an FP8 array the backend
+    widened: `_Origins.fp8`), arrays of the dims in `skip` left out. A kernel that only
+    scales an FP8 matmul's product (`fp8_products`) by scalars and casts it is the
+    matmul's epilogue on an accelerator (cuBLASLt applies FP8 scale factors in the
+    GEMM: `cublasLtMatmul`'s A, B and D scale pointers), so it moves nothing here."""
+
+    def size(name: str) -> int:
+        return _bytes(shapes[name], 1 if origins.fp8(name) else itemsize, skip)
+
     called = {c for body in computations.values() for i in body for c in _CALLED.findall(i[3])}
     total = 0
     for comp, body in computations.items():
         if comp in called:  # fused computations and reducers: inside a kernel
             continue
-        for _, shape, op, rest in body:
+        for name, _, op, rest in body:
             if op in _FREE:
                 continue
             if op == "fusion":
@@ -261,7 +331,8 @@ def _memory_bytes(
                 fused = {o for _, _, o, _ in inside}
                 if "dot" in fused or fused <= _MOVES:
                     continue
-            total += _bytes(shape, itemsize, skip) + sum(
-                _bytes(shapes[o], itemsize, skip) for o in _operands(rest) if o in shapes
-            )
+                arrays = [o for o in _operands(rest) if o in shapes and "[]" not in shapes[o]]
+                if fused <= _EPILOGUE and arrays and set(arrays) <= fp8_products:
+                    continue
+            total += size(name) + sum(size(o) for o in _operands(rest) if o in shapes)
     return total

@@ -30,6 +30,8 @@ class ModelConfig:
     gelu_approximate: bool = True  # GPT-2 uses the tanh form; BERT the exact erf form
     init_std: float = 0.02
     param_dtype: str = "float32"
+    # the layers' matmuls on FP8 operands (`models/fp8.py`; set by `--precision fp8`)
+    fp8_matmuls: bool = False
     # BERT: positions per sequence its masked-LM head predicts (`predictions`); 0: 15%
     max_predictions: int = 0
     # key/value heads of grouped-query attention (Ainslie et al. 2023); 0: num_heads
@@ -84,6 +86,14 @@ class ModelConfig:
             raise ConfigError(
                 f"ModelConfig.param_dtype must be float32, bfloat16 or float16, "
                 f"got {self.param_dtype!r}"
+            )
+        if self.fp8_matmuls not in (False, True) or (
+            self.fp8_matmuls and self.param_dtype == "float32"
+        ):
+            raise ConfigError(
+                f"ModelConfig.fp8_matmuls={self.fp8_matmuls!r} with param_dtype "
+                f"{self.param_dtype}: FP8 matmuls (a bool) go with 16-bit weights, as "
+                f"`--precision fp8` sets them"
             )
 
     def _check_experts(self) -> None:

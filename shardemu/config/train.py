@@ -22,7 +22,7 @@ from shardemu.errors import ConfigError
 OptimizerName = Literal["adamw", "lamb"]
 ScheduleName = Literal["gpipe", "1f1b", "interleaved"]  # parallel/schedules.py
 Dataset = Literal["synthetic", "stdlib"]  # data.CORPORA
-Precision = Literal["fp32", "bf16", "fp16-mixed"]  # numerics/precision.py
+Precision = Literal["fp32", "bf16", "fp16-mixed", "fp8"]  # numerics/precision.py
 SparseMode = Literal["static", "dynamic"]
 Regrow = Literal["random", "gradient"]
 Distribution = Literal["uniform", "erk"]
@@ -144,7 +144,9 @@ class TrainConfig:
         "fp32",
         "--precision",
         "fp32; or 16-bit weights, activations and gradients with FP32 master weights "
-        "and optimizer state: bf16, fp16-mixed (with dynamic loss scaling)",
+        "and optimizer state: bf16, fp16-mixed (with dynamic loss scaling); fp8: bf16 "
+        "with the layers' matmuls on FP8 operands (E4M3 forward, E5M2 gradients, "
+        "per-tensor current scaling)",
     )  # numerics/precision.py
     sequence_parallel: bool = setting(
         False,

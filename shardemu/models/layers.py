@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from shardemu.config import ModelConfig
+from shardemu.models import fp8
 from shardemu.parallel.rules import constrain
 
 Init = Callable[..., jax.Array]
@@ -68,6 +69,8 @@ def dense(
         kernel_init=kernel_init,
         bias_init=bias_init,
         param_dtype=jnp.dtype(cfg.param_dtype),
+        # FP8 operands (`--precision fp8`): Flax calls the class for the product
+        dot_general_cls=(lambda: fp8.dot_general) if cfg.fp8_matmuls else None,
         name=name,
     )
 
@@ -133,7 +136,8 @@ class SelfAttention(nn.Module):
         kernel_dchk = jnp.stack([w for w, _ in weights], axis=1)
         bias_chk = jnp.stack([b for _, b in weights])
         x_bsd, kernel_dchk, bias_chk = nn.dtypes.promote_dtype(x_bsd, kernel_dchk, bias_chk)
-        qkv_bschk = jnp.einsum("bsd,dchk->bschk", x_bsd, kernel_dchk) + bias_chk
+        qkv_bschk = fp8.einsum("bsd,dchk->bschk", x_bsd, kernel_dchk, cfg.fp8_matmuls)
+        qkv_bschk = qkv_bschk + bias_chk
         qkv_bschk = constrain(qkv_bschk, ("batch", "sequence", None, "heads", "head_dim"))
         q_bshk, k_bshk, v_bshk = (qkv_bschk[:, :, i] for i in range(3))
         scores_bhqk = jnp.einsum("bqhk,bshk->bhqs", q_bshk, k_bshk) / jnp.sqrt(cfg.head_dim)

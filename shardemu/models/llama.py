@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from shardemu.config import ModelConfig
+from shardemu.models import fp8
 from shardemu.models.family import Family, register
 from shardemu.models.layers import ACT_BSD, ACT_BSD_WHOLE, ACT_BSF, ACT_BSHK, layer_stack, normal
 from shardemu.parallel.rules import constrain
@@ -98,9 +99,10 @@ class Attention(nn.Module):
         wv = self.param("v_proj", *_kernel(cfg, (d, groups, k), kv_axes, std))
         wo = self.param("o_proj", *_kernel(cfg, (heads, k, d), ("heads", "head_dim", "embed"), std))
         x_bsd, wq, wk, wv, wo = nn.dtypes.promote_dtype(x_bsd, wq, wk, wv, wo)
-        q_bshk = rotary(jnp.einsum("bsd,dhk->bshk", x_bsd, wq), cfg.rope_theta)
-        k_bsgk = rotary(jnp.einsum("bsd,dgk->bsgk", x_bsd, wk), cfg.rope_theta)
-        v_bsgk = jnp.einsum("bsd,dgk->bsgk", x_bsd, wv)
+        fp8_on = cfg.fp8_matmuls
+        q_bshk = rotary(fp8.einsum("bsd,dhk->bshk", x_bsd, wq, fp8_on), cfg.rope_theta)
+        k_bsgk = rotary(fp8.einsum("bsd,dgk->bsgk", x_bsd, wk, fp8_on), cfg.rope_theta)
+        v_bsgk = fp8.einsum("bsd,dgk->bsgk", x_bsd, wv, fp8_on)
         q_bshk = constrain(q_bshk, ACT_BSHK)
         kv_axes_act = ("batch", "sequence", "kv_heads", "head_dim")
         k_bsgk, v_bsgk = constrain(k_bsgk, kv_axes_act), constrain(v_bsgk, kv_axes_act)
@@ -111,7 +113,7 @@ class Attention(nn.Module):
         # softmax in float32, then back to the activations' type (mixed precision)
         probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v_bsgk.dtype)
         ctx_bshk = jnp.einsum("bgrqs,bsgk->bqgrk", probs, v_bsgk).reshape(b, s, heads, k)
-        out_bsd = jnp.einsum("bshk,hkd->bsd", constrain(ctx_bshk, ACT_BSHK), wo)
+        out_bsd = fp8.einsum("bshk,hkd->bsd", constrain(ctx_bshk, ACT_BSHK), wo, fp8_on)
         return constrain(out_bsd, ACT_BSD)
 
 
@@ -130,8 +132,10 @@ class SwiGLU(nn.Module):
         x_bsd, gate, up, down = nn.dtypes.promote_dtype(
             constrain(x_bsd, ACT_BSD_WHOLE), gate, up, down
         )
-        h_bsf = nn.silu(x_bsd @ gate) * (x_bsd @ up)
-        return constrain(constrain(h_bsf, ACT_BSF) @ down, ACT_BSD)
+        on = cfg.fp8_matmuls
+        h_bsf = nn.silu(fp8.einsum("bsd,df->bsf", x_bsd, gate, on))
+        h_bsf = h_bsf * fp8.einsum("bsd,df->bsf", x_bsd, up, on)
+        return constrain(fp8.einsum("bsf,fd->bsd", constrain(h_bsf, ACT_BSF), down, on), ACT_BSD)
 
 
 class LlamaBlock(nn.Module):

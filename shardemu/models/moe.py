@@ -53,7 +53,7 @@ import numpy as np
 
 from shardemu.config import ModelConfig
 from shardemu.errors import ShardingError
-from shardemu.models import causal_lm
+from shardemu.models import causal_lm, fp8
 from shardemu.models.family import Family, register
 from shardemu.models.layers import ACT_BSD, ACT_BSD_WHOLE, normal
 from shardemu.models.llama import Attention, Llama, RMSNorm
@@ -163,10 +163,11 @@ class Experts(nn.Module):
         padded = jnp.concatenate([x_bsd, jnp.zeros((b, 1, d), x_bsd.dtype)], axis=1)
         dispatched = jnp.take_along_axis(padded, slot_token[:, :slots, None], axis=1)
         tokens = exchange(dispatched.reshape(b, e, capacity, d), to_experts=True)
-        h = jax.nn.silu(jnp.einsum("becd,edf->becf", tokens, w1))
-        h = h * jnp.einsum("becd,edf->becf", tokens, w3)
+        on = cfg.fp8_matmuls  # one scale over all experts' weights (`models/fp8.py`)
+        h = jax.nn.silu(fp8.einsum("becd,edf->becf", tokens, w1, on))
+        h = h * fp8.einsum("becd,edf->becf", tokens, w3, on)
         h = constrain(h, ("expert_batch", "experts", "capacity", "mlp"))
-        out = exchange(jnp.einsum("becf,efd->becd", h, w2), to_experts=False)
+        out = exchange(fp8.einsum("becf,efd->becd", h, w2, on), to_experts=False)
         out = out.reshape(b, slots, d)
         out = jnp.concatenate([out, jnp.zeros((b, 1, d), out.dtype)], axis=1)
         picked = jnp.take_along_axis(out, slot_bsk.reshape(b, -1, 1), axis=1)

@@ -14,6 +14,11 @@ with half the bytes streamed, gathered and reduced.
   (Micikevicius et al. 2018, section 3.2) with PyTorch's `GradScaler` defaults: start at
   2**16, halve on a step whose gradients are not finite (and skip that step's update),
   double after 2000 finite steps in a row.
+- `fp8`: `bf16`, with each layer's matmuls on FP8 operands (`models/fp8.py`: E4M3
+  forward, E5M2 gradients, per-tensor current scaling), as Transformer Engine runs them
+  with BF16 weights and FP32 master weights (Megatron-LM's `--fp8-format hybrid`). The
+  attention core, the router and the output head stay in BF16, as TE's defaults keep
+  them. No loss scaling: each gradient tensor is scaled on its own.
 
 Softmax and LayerNorm statistics run in FP32 whatever the precision (`models/layers.py`;
 flax's LayerNorm computes its statistics in FP32), as do the losses (`models/gpt.py`,
@@ -25,6 +30,7 @@ Engines see one transformation (`with_master_weights`) and one update
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -36,7 +42,7 @@ from shardemu.errors import ConfigError
 from shardemu.models import Model
 from shardemu.parallel.rules import path_str
 
-COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16-mixed": "float16"}
+COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16-mixed": "float16", "fp8": "bfloat16"}
 INITIAL_SCALE = 2.0**16  # torch.amp.GradScaler(init_scale=2.**16)
 GROWTH_INTERVAL = 2000  # GradScaler(growth_interval=2000); growth 2.0, backoff 0.5
 
@@ -57,6 +63,8 @@ def arithmetic(cfg: ModelConfig, precision: str) -> str:
     16-bit `param_dtype` (pure 16-bit training, no master weights), that width's."""
     if precision != "fp32":
         return precision
+    if cfg.fp8_matmuls:
+        return "fp8"
     return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16-mixed"}[cfg.param_dtype]
 
 
@@ -66,7 +74,7 @@ def compute_model(model: Model, precision: str) -> Model:
     either way. A model whose parameters are not made in its `param_dtype` is refused:
     counted or trained, it would be another precision than the one asked for."""
     if precision != "fp32":
-        model = model.replace(param_dtype=COMPUTE_DTYPES[precision])
+        model = model.replace(param_dtype=COMPUTE_DTYPES[precision], fp8_matmuls=precision == "fp8")
     want = jnp.dtype(model.cfg.param_dtype)
     shapes = model.abstract_params()[0]
     ignored = [
@@ -74,6 +82,14 @@ def compute_model(model: Model, precision: str) -> Model:
         for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]
         if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != want
     ]
+    if precision == "fp8" and not _computes_in_fp8(model):
+        raise ConfigError(
+            f"{model.name} (family {model.family.name!r}): precision 'fp8' runs the layers' "
+            f"matmuls on FP8 operands, but its module computes none in FP8 (it ignores "
+            f"ModelConfig.fp8_matmuls); compute its projections with "
+            f"shardemu.models.fp8.einsum(spec, x, w, cfg.fp8_matmuls), or pass "
+            f"dot_general_cls=lambda: fp8.dot_general to its nn.DenseGeneral layers"
+        )
     if ignored:
         more = ", ..." if len(ignored) > 4 else ""
         raise ConfigError(
@@ -83,6 +99,13 @@ def compute_model(model: Model, precision: str) -> Model:
             f"pass param_dtype=jnp.dtype(cfg.param_dtype) to each of its Flax layers"
         )
     return model
+
+
+@functools.lru_cache(maxsize=16)
+def _computes_in_fp8(model: Model) -> bool:
+    """Whether `model`'s forward pass (its initialisation's, traced, nothing
+    allocated) casts anything to E4M3."""
+    return "f8_e4m3fn" in str(jax.make_jaxpr(model.init_params)(jax.random.key(0)))
 
 
 def as_compute(params: Any, model: Model) -> Any:

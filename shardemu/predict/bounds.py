@@ -54,7 +54,7 @@ class Bounds:
     def least_step(self, precision: str) -> float:
         """No layout in `precision` is faster (`roofline.least_step_seconds`)."""
         hw = self.hardware.at_precision(arithmetic(self.model.cfg, precision))
-        return least_step_seconds(self.model_flops, self.devices, hw)
+        return least_step_seconds(self.model_flops, self.devices, hw, precision == "fp8")
 
     def rate_classes(self) -> list[tuple[str, ...]]:
         """The space's precisions grouped by compute rate (the same least step),

@@ -66,8 +66,12 @@ class Hardware:
     # FP32 matmul peak per device, TFLOP/s (`--precision fp32`); None: a profile that
     # does not tell them apart, whose FP32 runs at peak_tflops
     fp32_tflops: float | None = None
-    # the `--precision` modes the device computes in (IPUs have no bfloat16, TPUs no fp16)
-    precisions: tuple[str, ...] = PRECISIONS
+    # the `--precision` modes the device computes in (IPUs have no bfloat16, TPUs no
+    # fp16; `fp8` only with `fp8_tflops`)
+    precisions: tuple[str, ...] = ("fp32", "bf16", "fp16-mixed")
+    # FP8 matmul peak per device, TFLOP/s: the rate of a matmul on FP8 operands
+    # (`--precision fp8`; `roofline.py`); None: a device without FP8 tensor cores
+    fp8_tflops: float | None = None
     # the roofline (`roofline.py`): device memory bandwidth per device, GB/s (None: time
     # computations as FLOPs at peak x efficiency), the fraction of it kernels achieve,
     # and the fixed cost of one matmul kernel
@@ -110,6 +114,7 @@ class Hardware:
             ("memoryx_gbps", "no limit"),
             ("memory_gbps", "no roofline"),
             ("fp32_tflops", "FP32 at peak_tflops"),
+            ("fp8_tflops", "no FP8"),
         ):
             value = getattr(self, key)
             if value is not None and not (_real(value) and value > 0):
@@ -127,6 +132,12 @@ class Hardware:
             raise HardwareError(
                 f"hardware {self.name!r}: precisions must be a non-empty list of "
                 f"{', '.join(PRECISIONS)}, got {list(self.precisions)!r}"
+            )
+        if ("fp8" in self.precisions) != (self.fp8_tflops is not None):
+            raise HardwareError(
+                f"hardware {self.name!r}: precisions {list(self.precisions)!r} and "
+                f"fp8_tflops = {self.fp8_tflops!r} disagree; a device computes in fp8 "
+                f"exactly when it has an FP8 matmul peak (give both, or neither)"
             )
         for key in ("efficiency", "memory_efficiency"):
             value = getattr(self, key)
@@ -180,7 +191,9 @@ class Hardware:
 
     def at_precision(self, precision: str) -> Hardware:
         """This profile computing in `precision`: `peak_tflops` is that precision's
-        peak (FP32's for `fp32`), so step times and utilisation follow from it."""
+        peak (FP32's for `fp32`), so step times and utilisation follow from it. Under
+        `fp8` it stays the 16-bit peak (the attention core, the head and the other
+        kernels run in BF16); matmuls on FP8 operands run at `fp8_tflops`."""
         if precision not in self.precisions:
             raise HardwareError(
                 f"hardware {self.name!r} does not compute in TrainConfig.precision {precision}; it "

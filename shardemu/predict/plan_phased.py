@@ -211,7 +211,10 @@ def _screen(
     for e in step:
         busy[(e.stage, stream_of(e))] += duration(e, hardware, par)
     compute = least_step_seconds(
-        flops.training_step(model, train_cfg.batch, train_cfg.seq), par.num_devices, hardware
+        flops.training_step(model, train_cfg.batch, train_cfg.seq),
+        par.num_devices,
+        hardware,
+        train_cfg.precision == "fp8",
     )
     device = _memory(plan, sched, phased)["device"]
     fits = device <= hardware.device_memory_bytes

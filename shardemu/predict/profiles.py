@@ -76,14 +76,17 @@ def _gpu(
     pcie: float,
     ib: float,
     desc: str,
+    fp8: float | None = None,
 ) -> Hardware:
     """An NVIDIA GPU: `tflops` BF16/FP16 dense; FP32 matmuls run on the tensor cores as
     TF32 (`tf32`), as XLA's default precision and cuBLAS's TF32 mode do on Ampere and
-    Hopper."""
+    Hopper; `fp8` dense FP8 (Hopper and later; `--precision fp8`)."""
     return Hardware(
         name=name,
         peak_tflops=tflops,
         fp32_tflops=tf32,
+        fp8_tflops=fp8,
+        precisions=("fp32", "bf16", "fp16-mixed") + (("fp8",) if fp8 else ()),
         device_memory_gb=hbm_gb,
         host_memory_gb=128.0,  # DGX A100: 1 TB (2 TB option) / 8 GPUs; DGX H100: 2 TB / 8
         host_link_gbps=pcie,
@@ -98,12 +101,19 @@ def _gpu(
 
 
 def _tpu(
-    name: str, tflops: float, hbm_gb: float, hbm_gbps: float, host_gb: float, ici: float
+    name: str,
+    tflops: float,
+    hbm_gb: float,
+    hbm_gbps: float,
+    host_gb: float,
+    ici: float,
+    chips_per_host: int = 4,
+    torus: str = "3D",
 ) -> Hardware:
-    """A TPU chip, 4 per host; `ici` GB/s per direction inside and across hosts (one 3D
-    torus); the host link (16 GB/s, PCIe) is our estimate. The MXU multiplies bfloat16:
-    FP32 matmuls take three bfloat16 passes (XLA's `HIGH` precision, bf16_3x), so a
-    third of the peak (our estimate), and there is no FP16 arithmetic."""
+    """A TPU chip, `chips_per_host` per host; `ici` GB/s per direction inside and across
+    hosts (one torus); the host link (16 GB/s, PCIe) is our estimate. The MXU multiplies
+    bfloat16: FP32 matmuls take three bfloat16 passes (XLA's `HIGH` precision, bf16_3x),
+    so a third of the peak (our estimate), and there is no FP16 or FP8 arithmetic."""
     return Hardware(
         name=name,
         peak_tflops=tflops,
@@ -114,9 +124,9 @@ def _tpu(
         host_link_gbps=16.0,
         intra_node_gbps=ici,
         inter_node_gbps=ici,
-        devices_per_node=4,
+        devices_per_node=chips_per_host,
         host_tflops=1.0,
-        description=f"Google TPU {name.split('-')[1]} (3D torus ICI)",
+        description=f"Google TPU {name.split('-')[1]} ({torus} torus ICI)",
         memory_gbps=hbm_gbps,
         **MEASURED_ON_H100,
     )
@@ -192,7 +202,7 @@ PROFILES: dict[str, Hardware] = {
         "NVIDIA A100 80GB, DGX A100 nodes, HDR IB",
     ),
     # NVIDIA H100 datasheet: SXM5 989 TFLOP/s BF16 dense, 494.5 TF32 dense (989 with
-    # sparsity); 80 GB HBM3 at 3.35 TB/s; NVLink 4: 900 GB/s
+    # sparsity), 1979 FP8 dense (3958 with sparsity); 80 GB HBM3 at 3.35 TB/s; NVLink 4: 900 GB/s
     # per GPU (450 per direction); PCIe Gen5 x16: 64 GB/s per direction. DGX H100: 8 GPUs,
     # 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
     "h100-sxm": _gpu(
@@ -205,11 +215,12 @@ PROFILES: dict[str, Hardware] = {
         64.0,
         50.0,
         "NVIDIA H100 SXM5, DGX H100 nodes, NDR IB",
+        fp8=1979.0,
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (2024): the H100 SXM's compute (989 TFLOP/s
-    # BF16 dense, 494.5 TF32 dense) with 141 GB of HBM3e at 4.8 TB/s; NVLink 4 at 900 GB/s
-    # per GPU (450 per direction), PCIe Gen5 x16; DGX H200: 8 GPUs, 8 x 400 Gb/s NDR
-    # InfiniBand = 50 GB/s per GPU.
+    # BF16 dense, 494.5 TF32 dense, 1979 FP8 dense) with 141 GB of HBM3e at 4.8 TB/s;
+    # NVLink 4 at 900 GB/s per GPU (450 per direction), PCIe Gen5 x16; DGX H200: 8 GPUs,
+    # 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
     "h200-sxm": _gpu(
         "h200-sxm",
         989.0,
@@ -220,6 +231,26 @@ PROFILES: dict[str, Hardware] = {
         64.0,
         50.0,
         "NVIDIA H200 SXM, DGX H200 nodes, NDR IB",
+        fp8=1979.0,
+    ),
+    # NVIDIA B200 in an HGX / DGX B200 at 1000 W (NVIDIA Blackwell architecture technical
+    # brief, as tabulated at glennklockwood.com/garden/processors/B200): 2250 TFLOP/s
+    # BF16 dense, 1100 TF32 dense, 4500 FP8 dense (twice each with 2:4 sparsity). DGX B200
+    # datasheet: 1,440 GB of HBM3e for 8 GPUs (180 GB each) at 8 TB/s per GPU; NVLink 5
+    # at 1.8 TB/s per GPU (900 GB/s per direction); 8 x 400 Gb/s ConnectX-7 = 50 GB/s
+    # per GPU; the host link is PCIe Gen5 x16 (64 GB/s per direction) as on DGX H100.
+    # The roofline's efficiency and per-matmul latency are the H100's (unmeasured here).
+    "b200": _gpu(
+        "b200",
+        2250.0,
+        1100.0,
+        180.0,
+        8000.0,
+        900.0,
+        64.0,
+        50.0,
+        "NVIDIA B200 (HGX/DGX B200, 1000 W), NDR IB",
+        fp8=4500.0,
     ),
     # Google Cloud TPU docs, "TPU v4": 275 TFLOP/s BF16 per chip, 32 GiB HBM2 at
     # 1200 GB/s, 4096 chips per pod with 1.1 PB/s of all-reduce bandwidth per pod: 269 GB/s
@@ -234,6 +265,18 @@ PROFILES: dict[str, Hardware] = {
     # (the 2x2x1 slice is one host) with 448 GB of RAM; the host link is our estimate.
     "tpu-v5p": _tpu(
         "tpu-v5p", tflops=459.0, hbm_gb=95.0, hbm_gbps=2765.0, host_gb=112.0, ici=600.0
+    ),
+    # Google Cloud TPU docs, "TPU v5e": 197 TFLOP/s BF16 per chip, 16 GB HBM2 at 819
+    # GB/s, 400 GB/s bidirectional ICI per chip (200 per direction), 8 chips and 512 GiB
+    # of DRAM per host (64 GiB a chip), 256 chips per pod in a 2D torus.
+    "tpu-v5e": _tpu(
+        "tpu-v5e", 197.0, 16.0, 819.0, 512 * 1.073741824 / 8, 200.0, chips_per_host=8, torus="2D"
+    ),
+    # Google Cloud TPU docs, "TPU v6e" (Trillium): 918 TFLOP/s BF16 per chip, 32 GB HBM
+    # at 1638 GB/s, 800 GB/s bidirectional ICI per chip (400 per direction), 8 chips and
+    # 1536 GiB of DRAM per host (192 GiB a chip), 256 chips per pod in a 2D torus.
+    "tpu-v6e": _tpu(
+        "tpu-v6e", 918.0, 32.0, 1638.0, 1536 * 1.073741824 / 8, 400.0, chips_per_host=8, torus="2D"
     ),
 }
 

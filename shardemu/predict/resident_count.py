@@ -286,13 +286,13 @@ def counted_microbatch(
     if fused_attention:  # Q K^T per device: it reads Q and K, writes nothing to memory
         scores = flops.layer_forward(model, microbatch_size, seq)["attn_scores"]
         q_k = 2 * microbatch_size * seq * model.cfg.embed_dim // tensor
-        kernel = (scores / tensor, q_k * jnp.dtype(model.cfg.param_dtype).itemsize)
+        kernel = (scores / tensor, q_k * jnp.dtype(model.cfg.param_dtype).itemsize, False)
         mb = _add_backward_flops(mb, scores, kernel)
     return mb
 
 
 def _add_backward_flops(
-    mb: Microbatch, extra: float, kernel: tuple[float, int] | None = None
+    mb: Microbatch, extra: float, kernel: tuple[float, int, bool] | None = None
 ) -> Microbatch:
     """`mb` with each layer's backward computing `extra` FLOPs (over its tensor group)
     more, all of them recomputation: as one more matmul `kernel` (FLOPs and bytes per

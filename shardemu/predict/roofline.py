@@ -5,9 +5,10 @@ FLOPs at the compute rate and its bytes at the memory bandwidth. Per run of a pi
 
 - each matmul XLA emitted (`accounting/matmuls.py`) takes
   max(FLOPs / (peak x efficiency), bytes / (memory_gbps x memory_efficiency))
-  + matmul_latency_us: the latency is the efficiency curve of small matmuls (a fixed
-  cost per kernel: launch, tile prologue, a last partial wave), which dominates below
-  about 10^10 FLOPs on an H100;
+  + matmul_latency_us (its peak `fp8_tflops` when it multiplies FP8 operands): the
+  latency is the efficiency curve of small matmuls (a fixed cost per kernel: launch,
+  tile prologue, a last partial wave), which dominates below about 10^10 FLOPs on an
+  H100;
 - the piece's other kernels (softmax, layer norm, GELU, the optimizer's update) take
   max(their FLOPs / (peak x efficiency), their bytes / bandwidth): memory-bound wherever
   they are, as they almost always are.
@@ -26,32 +27,43 @@ from __future__ import annotations
 import functools
 
 from shardemu.accounting.ledger import Event
+from shardemu.errors import HardwareError
 from shardemu.predict.hardware import GB, Hardware
 
 
 @functools.lru_cache(maxsize=4096)  # a step repeats a few pieces thousands of times
 def run_seconds(
-    run_flops: float, matmuls: tuple[tuple[float, int], ...], memory_bytes: int, hw: Hardware
+    run_flops: float, matmuls: tuple[tuple[float, int, bool], ...], memory_bytes: int, hw: Hardware
 ) -> float:
     """Seconds of one run of a piece on one device (see the module docstring)."""
     rate = hw.peak_tflops * hw.efficiency * 1e12
+    fp8_flops = sum(f for f, _, fp8 in matmuls if fp8)
+    if fp8_flops and hw.fp8_tflops is None:
+        raise HardwareError(
+            f"hardware {hw.name!r} has no FP8 matmul peak (fp8_tflops), but the program "
+            f"multiplies FP8 operands; give the profile fp8_tflops, or plan another precision"
+        )
+    fp8_rate = (hw.fp8_tflops or hw.peak_tflops) * hw.efficiency * 1e12
     if hw.memory_gbps is None:
-        return run_flops / rate
+        return (run_flops - fp8_flops) / rate + fp8_flops / fp8_rate
     bandwidth = hw.memory_gbps * hw.memory_efficiency * GB
     latency = hw.matmul_latency_us * 1e-6
-    seconds = sum(max(f / rate, b / bandwidth) + latency for f, b in matmuls)
-    rest = max(run_flops - sum(f for f, _ in matmuls), 0.0)
+    seconds = sum(
+        max(f / (fp8_rate if fp8 else rate), b / bandwidth) + latency for f, b, fp8 in matmuls
+    )
+    rest = max(run_flops - sum(f for f, _, _ in matmuls), 0.0)
     return seconds + max(rest / rate, memory_bytes / bandwidth)
 
 
-def least_step_seconds(flops: float, devices: int, hw: Hardware) -> float:
+def least_step_seconds(flops: float, devices: int, hw: Hardware, fp8: bool = False) -> float:
     """No step that computes `flops` FLOPs over `devices` devices of `hw` is faster:
     each run of a piece takes at least its FLOPs at peak x efficiency (`run_seconds`:
-    each matmul's term, and the rest's, is at least its FLOPs at that rate), a stage's
-    computations run one after another on its compute stream
-    (`costmodel.build_timeline`), and some stage computes at least the average share.
-    So no layout's utilisation exceeds the efficiency."""
-    return flops / (devices * hw.peak_tflops * hw.efficiency * 1e12)
+    each matmul's term, and the rest's, is at least its FLOPs at that rate; with `fp8`,
+    the faster of the 16-bit and FP8 peaks), a stage's computations run one after
+    another on its compute stream (`costmodel.build_timeline`), and some stage computes
+    at least the average share. So no layout's utilisation exceeds the efficiency."""
+    peak = max(hw.peak_tflops, hw.fp8_tflops or 0.0) if fp8 else hw.peak_tflops
+    return flops / (devices * peak * hw.efficiency * 1e12)
 
 
 def compute_seconds(event: Event, hw: Hardware) -> float:
