@@ -30,8 +30,9 @@ STEPS = 3
 SEQ = 16
 # largest relative loss difference accepted: float32 sums in another order drift by
 # ~1e-7 a step (the demo's sharded vs one-device run); 16-bit ones by ~1e-5
-# (tests/test_precision.py), with room for three steps
-TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp16-mixed": 1e-3}
+# (tests/test_precision.py), with room for three steps; FP8 as BF16 (its amax is the
+# whole tensor's: gpt-tiny on tensor=2 x replica=2 drifted 3.4e-4 in 5 steps)
+TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp16-mixed": 1e-3, "fp8": 1e-3}
 
 
 def scaled_down(model_cfg: ModelConfig, c: Candidate) -> tuple[ModelConfig, Parallelism]:
