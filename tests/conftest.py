@@ -25,6 +25,7 @@ be counted (over shapes) and again to run (over arrays), to the same HLO, and te
 share the steps they both run.
 """
 
+import functools
 import gc
 import os
 import tempfile
@@ -98,6 +99,7 @@ def single_device_reference():
     return _single_device_reference
 
 
+@functools.cache  # test files on one worker share it; callers only read it
 def _single_device_reference(model: Model, train: TrainConfig, steps: int) -> dict:
     """The witness every engine is compared with: plain `jax.jit` on the default device,
     no shardings, no Trainer, whole batch at once. Returns the initial parameters, the

@@ -27,30 +27,13 @@ from dataclasses import dataclass
 import numpy as np
 from jax.sharding import Mesh
 
-_DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
-}
+from shardemu.accounting.hlo import ARRAY, CALLED, DTYPE_BYTES, operands, parse
+
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTR = re.compile(
     r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>" + "|".join(_OPS) + r")(?:-start)?\((?P<rest>.*)$"
 )
-_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_NAME = re.compile(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _PROMOTED = re.compile(r"to_apply=%[\w.\-]*_promoted\b")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _MESH = re.compile(
@@ -74,9 +57,9 @@ class Collective:
 
 def _array_bytes(shape: str) -> list[int]:
     return [
-        _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-        for dtype, dims in _ARRAY.findall(shape)
-        if dtype in _DTYPE_BYTES
+        DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+        for dtype, dims in ARRAY.findall(shape)
+        if dtype in DTYPE_BYTES
     ]
 
 
@@ -126,9 +109,35 @@ def _sent(op: str, n: int, buffer: int) -> float:
     return factor * (n - 1) / n * buffer
 
 
+def _scattered(hlo_text: str) -> frozenset[str]:
+    """All-reduces that XLA's CPU pipeline emitted for a reduce-scatter: some user takes
+    a dynamic slice of 1/n of the reduced buffer (a `dynamic-slice`, or a fusion with
+    one), where a GPU or TPU pipeline emits the reduce-scatter itself (sequence
+    parallelism's, Korthikanti et al. 2022). Other users that read the whole reduced
+    buffer (the layer norms' parameter gradients) are the CPU partitioner's choice."""
+    computations = parse(hlo_text)
+    elements = lambda shape: sum(  # noqa: E731
+        math.prod(int(d) for d in dims.split(",") if d) for _, dims in ARRAY.findall(shape)
+    )
+    out = set()
+    for body in computations.values():
+        reduced = {name: shape for name, shape, op, _ in body if op == "all-reduce"}
+        for _, shape, op, rest in body:
+            if op == "fusion" and (callee := CALLED.search(rest)):
+                slices = any(o == "dynamic-slice" for _, _, o, _ in computations.get(callee[1], []))
+            else:
+                slices = op == "dynamic-slice"
+            for name in operands(rest) if slices else ():
+                if name in reduced and elements(shape) < elements(reduced[name]):
+                    out.add(name)
+    return frozenset(out)
+
+
 def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
-    """Every collective in an optimized HLO module compiled over `mesh`."""
+    """Every collective in an optimized HLO module compiled over `mesh` (the CPU's
+    all-reduce-then-slice counted as the reduce-scatter it stands for: `_scattered`)."""
     found = []
+    scattered = _scattered(hlo_text)
     for line in hlo_text.splitlines():
         m = _INSTR.search(line)
         if not m:
@@ -137,7 +146,10 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
         sizes, groups = _array_bytes(m.group("shape")), _groups(rest, mesh.size)
         if _PROMOTED.search(rest):  # bfloat16 in the program, f32 on the CPU backend
             sizes = [size // 2 for size in sizes]
-        if op == "reduce-scatter":  # the result is 1/n of the buffer it reduced
+        name = _NAME.match(line)
+        if op == "all-reduce" and "-start(" not in line and name and name[1] in scattered:
+            op, buffer = "reduce-scatter", sum(sizes)  # the whole buffer is its input
+        elif op == "reduce-scatter":  # the result is 1/n of the buffer it reduced
             buffer = sum(sizes) * len(groups[0])
         else:  # an async start's shape pairs operand and result: take the larger
             buffer = max(sizes) if "-start(" in line else sum(sizes)

@@ -47,16 +47,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from shardemu.accounting.collectives import _DTYPE_BYTES
+from shardemu.accounting.hlo import ARRAY, CALLED, DTYPE_BYTES, Instr, operands, parse
 
-_INSTR = re.compile(
-    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\w+\[[\d,]*\]\S*)\s+([\w\-]+)\((.*)$"
-)
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALLED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
-_OPERAND = re.compile(r"%([\w.\-]+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
-_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _BATCH = re.compile(r"lhs_batch_dims=\{([\d,]*)\}")
 _RHS_BATCH = re.compile(r"rhs_batch_dims=\{([\d,]*)\}")
 # instructions that move no bytes of their own (or whose bytes are counted elsewhere:
@@ -106,27 +99,6 @@ _MOVES = {
 # what an FP8 GEMM's epilogue does to its product: scale by scalars and cast
 _EPILOGUE = _MOVES | {"multiply", "divide"}
 
-Instr = tuple[str, str, str, str]  # name, shape, opcode, the rest of the line
-
-
-def _parse(hlo_text: str) -> dict[str, list[Instr]]:
-    """The module's computations by name, each its instructions."""
-    computations: dict[str, list[Instr]] = {}
-    current: list[Instr] | None = None
-    for line in hlo_text.splitlines():
-        stripped = line.strip()
-        if (m := _COMPUTATION.match(stripped)) and "=" not in stripped.split("(")[0]:
-            current = computations.setdefault(m.group(1), [])
-        elif stripped == "}":
-            current = None
-        elif current is not None and (m := _INSTR.match(line)):
-            current.append(m.groups())  # type: ignore[arg-type]
-    return computations
-
-
-def _operands(rest: str) -> list[str]:
-    return _OPERAND.findall(rest.split(")")[0])
-
 
 @dataclass(frozen=True)
 class Matmul:
@@ -157,8 +129,8 @@ def _bytes(shape: str, itemsize: int, skip: frozenset[tuple[int, ...]] = frozens
     """Bytes of the arrays in `shape`, elements at most `itemsize` wide, leaving out
     arrays whose dimensions (leading 1s dropped) are in `skip`."""
     return sum(
-        math.prod(_dims(dims)) * min(_DTYPE_BYTES.get(dtype, 4), itemsize)
-        for dtype, dims in _ARRAY.findall(shape)
+        math.prod(_dims(dims)) * min(DTYPE_BYTES.get(dtype, 4), itemsize)
+        for dtype, dims in ARRAY.findall(shape)
         if squeezed(_dims(dims)) not in skip
     )
 
@@ -176,9 +148,9 @@ class Kernels:
     def __init__(self, hlo_text: str, itemsize: int | None = None) -> None:
         """`itemsize`: bytes per element of the program's compute dtype; elements the
         backend widened beyond it count at it (None: as the HLO says)."""
-        self.computations = _parse(hlo_text)
+        self.computations = parse(hlo_text)
         self.shapes = {n: shape for body in self.computations.values() for n, shape, _, _ in body}
-        self.width = itemsize or max(_DTYPE_BYTES.values())
+        self.width = itemsize or max(DTYPE_BYTES.values())
         self.origins = _Origins(self.computations)
         self.dots = _dots(self.computations, self.shapes, self.origins)
 
@@ -192,7 +164,7 @@ class Kernels:
             return sum(_bytes(x, width(i)) for i, x in enumerate(d.arrays) if i != dropped)
 
         scores = frozenset(
-            squeezed(_dims(_ARRAY.search(d.arrays[d.scores]).group(2)))  # type: ignore[union-attr]
+            squeezed(_dims(ARRAY.search(d.arrays[d.scores]).group(2)))  # type: ignore[union-attr]
             for d in self.dots
             if fused_attention and d.scores is not None
         )
@@ -232,7 +204,7 @@ class _Origins:
         self.caller: dict[str, Instr] = {}  # a fused computation's fusion instruction
         for body in computations.values():
             for instr in body:
-                if instr[2] == "fusion" and (callee := _CALLED.search(instr[3])):
+                if instr[2] == "fusion" and (callee := CALLED.search(instr[3])):
                     self.caller[callee.group(1)] = instr
         self.owner = {i[0]: comp for comp, body in computations.items() for i in body}
 
@@ -246,14 +218,14 @@ class _Origins:
         if op == "parameter":
             caller = self.caller.get(self.owner[name])
             index = int(rest.split(")")[0])
-            operands = _operands(caller[3]) if caller else []
-            return index < len(operands) and self.fp8(operands[index], depth + 1)
+            args = operands(caller[3]) if caller else []
+            return index < len(args) and self.fp8(args[index], depth + 1)
         if op == "fusion":
-            callee = _CALLED.search(rest)
+            callee = CALLED.search(rest)
             inside = self.computations.get(callee.group(1) if callee else "", [])
             return any("f8e" in s for _, s, _, _ in inside)
-        operands = _operands(rest)
-        return op in _MOVES and bool(operands) and self.fp8(operands[0], depth + 1)
+        args = operands(rest)
+        return op in _MOVES and bool(args) and self.fp8(args[0], depth + 1)
 
     def kernel(self, name: str) -> str:
         """The top-level instruction that computes `name`: it, or the fusion it is in."""
@@ -270,12 +242,12 @@ def _dots(
         for dot, shape, op, rest in body:
             if op != "dot":
                 continue
-            names = _operands(rest)[:2]
+            names = operands(rest)[:2]
             lhs, rhs = (shapes[o] for o in names)
             contracting = _CONTRACTING.search(rest)
-            lhs_dims = _dims(_ARRAY.search(lhs).group(2))  # type: ignore[union-attr]
+            lhs_dims = _dims(ARRAY.search(lhs).group(2))  # type: ignore[union-attr]
             axes = _dims(contracting.group(1)) if contracting else ()
-            out_elements = math.prod(_dims(_ARRAY.search(shape).group(2)))  # type: ignore[union-attr]
+            out_elements = math.prod(_dims(ARRAY.search(shape).group(2)))  # type: ignore[union-attr]
             flops = 2.0 * out_elements * math.prod(lhs_dims[a] for a in axes)
             arrays = (lhs, rhs, shape)
             fp8 = all(origins.fp8(o) for o in names)
@@ -291,7 +263,7 @@ def _scores(rest: str, arrays: tuple[str, str, str]) -> int | None:
         return None
     batches = (_dims(lhs_batch.group(1)), _dims(rhs_batch.group(1)), None)
     for index, (shape, batch) in enumerate(zip(arrays, batches, strict=True)):
-        dims = _dims(_ARRAY.search(shape).group(2))  # type: ignore[union-attr]
+        dims = _dims(ARRAY.search(shape).group(2))  # type: ignore[union-attr]
         rank = len(dims)
         free = [dims[i] for i in range(rank) if i not in (batch or range(rank - 2))]
         if len(free) == 2 and free[0] == free[1]:
@@ -317,7 +289,7 @@ def _memory_bytes(
     def size(name: str) -> int:
         return _bytes(shapes[name], 1 if origins.fp8(name) else itemsize, skip)
 
-    called = {c for body in computations.values() for i in body for c in _CALLED.findall(i[3])}
+    called = {c for body in computations.values() for i in body for c in CALLED.findall(i[3])}
     total = 0
     for comp, body in computations.items():
         if comp in called:  # fused computations and reducers: inside a kernel
@@ -326,13 +298,13 @@ def _memory_bytes(
             if op in _FREE:
                 continue
             if op == "fusion":
-                callee = _CALLED.search(rest)
+                callee = CALLED.search(rest)
                 inside = computations.get(callee.group(1) if callee else "", [])
                 fused = {o for _, _, o, _ in inside}
                 if "dot" in fused or fused <= _MOVES:
                     continue
-                arrays = [o for o in _operands(rest) if o in shapes and "[]" not in shapes[o]]
+                arrays = [o for o in operands(rest) if o in shapes and "[]" not in shapes[o]]
                 if fused <= _EPILOGUE and arrays and set(arrays) <= fp8_products:
                     continue
-            total += size(name) + sum(size(o) for o in _operands(rest) if o in shapes)
+            total += size(name) + sum(size(o) for o in operands(rest) if o in shapes)
     return total
