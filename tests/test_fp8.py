@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from test_precision import train_cfg
 
 from shardemu.accounting.count import Counter
-from shardemu.accounting.ledger import Event, Phase
+from shardemu.accounting.ledger import Event, Matmul, Phase
 from shardemu.cli import main
 from shardemu.errors import HardwareError
 from shardemu.models import Model, fp8, get_preset
@@ -84,7 +84,7 @@ def test_an_fp8_plan_times_each_layer_matmul_at_the_fp8_peak(capsys, tmp_path):
     m = make_mesh(devices=jax.devices()[:1])
     (step,) = [e for e in Trainer(model, m, train_cfg("fp8")).step_events(Counter(), 0)
                if e.phase.kind == "step"]  # fmt: skip
-    fp8_dots = [q for *_, q in step.matmuls]
+    fp8_dots = [m.fp8 for m in step.matmuls]
     layers = model.cfg.num_layers
     assert (sum(fp8_dots), len(fp8_dots) - sum(fp8_dots)) == (12 * layers, 6 * layers + 3)
     argv = ["plan", "--model", "gpt-tiny", "--hardware", "a100-80gb", "--precision", "fp8"]
@@ -99,13 +99,13 @@ def test_the_roofline_runs_fp8_matmuls_at_the_fp8_peak():
     TFLOP/s), a BF16 one of 1e12 (at 989 x 0.73), each plus 13.5 us, and 1e9 FLOPs
     over 3.35e9 bytes of other kernels (memory-bound at 3350 x 0.83 GB/s)."""
     h100 = PROFILES["h100-sxm"]
-    matmuls = ((2e12, 10**6, True), (1e12, 10**6, False))
+    matmuls = (Matmul(2e12, 10**6, True), Matmul(1e12, 10**6))
     seconds = run_seconds(3e12 + 1e9, matmuls, 3_350_000_000, h100)
     by_hand = 2e12 / 1979e12 / 0.73 + 1e12 / 989e12 / 0.73 + 2 * 13.5e-6 + 1e-3 / 0.83
     assert seconds == pytest.approx(by_hand, rel=1e-12)
     event = Event(0, Phase("forward", 0), "compute", "activations", flops=1.0, run_flops=1.0,
-                  matmuls=((1.0, 1, True),))  # fmt: skip
-    assert event.matmuls[0][2]
+                  matmuls=(Matmul(1.0, 1, True),))  # fmt: skip
+    assert event.matmuls[0].fp8
     with pytest.raises(HardwareError, match="'a100-80gb' has no FP8 matmul peak"):
         run_seconds(2e12, matmuls[:1], 0, PROFILES["a100-80gb"])
     bound = least_step_seconds(3e12, 1, h100, fp8=True)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from shardemu.accounting.assemble import repeat_passes
-from shardemu.accounting.ledger import Event, Phase
+from shardemu.accounting.ledger import Event, Matmul, Phase
 from shardemu.accounting.ledger_file import (
     LedgerFileError,
     encode,
@@ -26,7 +26,8 @@ def one_pass(stages: int) -> list[Event]:
         layers = (2 * s, 2 * s + 2)
         events += [
             Event(0, Phase("forward", s, layers), "compute", "", flops=3.5, stage=s,
-                  run_flops=1.5, matmuls=((1.0, 8, False), (0.5, 4, True)), memory_bytes=12),
+                  run_flops=1.5, matmuls=(Matmul(1.0, 8), Matmul(0.5, 4, True, True)),
+                  memory_bytes=12),
             Event(0, Phase("forward", s, layers), "collective", "activations", bytes=7,
                   axis="tensor", devices=2, op="all-reduce", group=2, stage=s),
             Event(0, Phase("backward", s, layers), "compute", "", flops=7.0,

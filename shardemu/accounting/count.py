@@ -22,8 +22,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from shardemu.accounting.collectives import Collective, collectives
-from shardemu.accounting.ledger import Carries, Event, Phase, Where
-from shardemu.accounting.matmuls import Kernels, Matmul, compute_itemsize
+from shardemu.accounting.ledger import Carries, Event, Matmul, Phase, Where
+from shardemu.accounting.matmuls import Kernels, compute_itemsize
 
 
 def abstract(tree: Any) -> Any:
@@ -272,7 +272,7 @@ def piece_events(
             recompute_flops=recompute * n,
             stage=stage,
             run_flops=counted.flops_per_device,
-            matmuls=tuple((m.flops, m.bytes, m.fp8) for m in matmuls),
+            matmuls=matmuls,
             memory_bytes=memory,
         )
     ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 Kind = Literal["h2d", "d2h", "collective", "compute", "broadcast", "reduce"]
 Carries = Literal["weights", "gradients", "activations", "optimizer_state", ""]
@@ -101,6 +101,17 @@ class Phase:
         return name if self.micro is None else f"{name}@{self.micro}"
 
 
+class Matmul(NamedTuple):
+    """One matmul kernel per device and run of its compiled piece (`matmuls.py`): its
+    FLOPs, the bytes of its operands and output, whether both operands are FP8, and
+    whether it is an attention core's batched product (its [s, s] scores)."""
+
+    flops: float
+    bytes: int
+    fp8: bool = False
+    attention: bool = False
+
+
 @dataclass(frozen=True)
 class Event:
     step: int
@@ -117,10 +128,10 @@ class Event:
     recompute_flops: float = 0.0
     stage: int = 0  # the pipeline stage whose devices did it (the sender, for a p2p)
     # a device computation's roofline (`predict/roofline.py`), per device and per run of
-    # its compiled piece: the piece's FLOPs, its matmuls as (FLOPs, bytes, on FP8
-    # operands) and the bytes its other kernels move; `flops / devices / run_flops` runs
+    # its compiled piece: the piece's FLOPs, its matmuls and the bytes its other kernels
+    # move; `flops / devices / run_flops` runs
     run_flops: float = 0.0
-    matmuls: tuple[tuple[float, int, bool], ...] = ()
+    matmuls: tuple[Matmul, ...] = ()
     memory_bytes: int = 0
 
     def placed(self, micro: int, stage: int) -> Event:

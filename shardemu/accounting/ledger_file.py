@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from shardemu.accounting.ledger import Event, Phase
+from shardemu.accounting.ledger import Event, Matmul, Phase
 from shardemu.errors import ShardemuError
 
 FORMAT = "shardemu-ledger"
@@ -111,9 +111,9 @@ def _event(step: int, micro: int | None, stage: int, piece: dict[str, Any]) -> E
     layers = tuple(p["layers"]) if p["layers"] is not None else None
     phase = Phase(p["kind"], p["index"], layers, micro)
     body = {f: piece[f] for f in _BODY}
-    # (FLOPs, bytes, FP8); a file written before FP8 existed has no third entry
+    # [FLOPs, bytes, FP8, attention]; a file written before FP8 has only the first two
     body["matmuls"] = tuple(
-        (float(m[0]), int(m[1]), bool(m[2:3] and m[2])) for m in piece["matmuls"]
+        Matmul(float(m[0]), int(m[1]), *(bool(x) for x in m[2:4])) for m in piece["matmuls"]
     )
     return Event(step=step, phase=phase, stage=stage, **body)
 

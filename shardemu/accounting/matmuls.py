@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from shardemu.accounting.hlo import ARRAY, CALLED, DTYPE_BYTES, Instr, operands, parse
+from shardemu.accounting.ledger import Matmul
 
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _BATCH = re.compile(r"lhs_batch_dims=\{([\d,]*)\}")
@@ -98,16 +99,6 @@ _MOVES = {
 
 # what an FP8 GEMM's epilogue does to its product: scale by scalars and cast
 _EPILOGUE = _MOVES | {"multiply", "divide"}
-
-
-@dataclass(frozen=True)
-class Matmul:
-    """One dot per device: its FLOPs, the bytes of its two operands and output, and
-    whether both operands are FP8 (then they count 1 byte per element)."""
-
-    flops: float
-    bytes: int
-    fp8: bool = False
 
 
 def _dims(text: str) -> tuple[int, ...]:
@@ -172,7 +163,9 @@ class Kernels:
         memory = _memory_bytes(
             self.computations, self.shapes, self.width, scores, self.origins, scaled
         )
-        return tuple(Matmul(d.flops, moved(d), d.fp8) for d in self.dots), memory
+        return tuple(
+            Matmul(d.flops, moved(d), d.fp8, d.scores is not None) for d in self.dots
+        ), memory
 
 
 def kernels(

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 
 from shardemu.accounting import flops
 from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
-from shardemu.accounting.ledger import Event, Ledger, Phase
+from shardemu.accounting.ledger import Event, Ledger, Matmul, Phase
 from shardemu.accounting.matmuls import squeezed
 from shardemu.accounting.sizes import bytes_per_device
 from shardemu.config import Parallelism, PhasedConfig, TrainConfig
@@ -286,14 +286,14 @@ def counted_microbatch(
     if fused_attention:  # Q K^T per device: it reads Q and K, writes nothing to memory
         scores = flops.layer_forward(model, microbatch_size, seq)["attn_scores"]
         q_k = 2 * microbatch_size * seq * model.cfg.embed_dim // tensor
-        kernel = (scores / tensor, q_k * jnp.dtype(model.cfg.param_dtype).itemsize, False)
+        kernel = Matmul(
+            scores / tensor, q_k * jnp.dtype(model.cfg.param_dtype).itemsize, False, True
+        )
         mb = _add_backward_flops(mb, scores, kernel)
     return mb
 
 
-def _add_backward_flops(
-    mb: Microbatch, extra: float, kernel: tuple[float, int, bool] | None = None
-) -> Microbatch:
+def _add_backward_flops(mb: Microbatch, extra: float, kernel: Matmul | None = None) -> Microbatch:
     """`mb` with each layer's backward computing `extra` FLOPs (over its tensor group)
     more, all of them recomputation: as one more matmul `kernel` (FLOPs and bytes per
     device) in each run of the piece, or else as more runs of the whole piece."""
@@ -304,7 +304,7 @@ def _add_backward_flops(
     )
     if kernel is not None:
         added = dataclasses.replace(
-            added, run_flops=compute.run_flops + kernel[0], matmuls=(*compute.matmuls, kernel)
+            added, run_flops=compute.run_flops + kernel.flops, matmuls=(*compute.matmuls, kernel)
         )
     pieces = {**mb.pieces, "backward": [added if e is compute else e for e in backward]}
     return dataclasses.replace(mb, pieces=pieces)

@@ -26,18 +26,18 @@ from __future__ import annotations
 
 import functools
 
-from shardemu.accounting.ledger import Event
+from shardemu.accounting.ledger import Event, Matmul
 from shardemu.errors import HardwareError
 from shardemu.predict.hardware import GB, Hardware
 
 
 @functools.lru_cache(maxsize=4096)  # a step repeats a few pieces thousands of times
 def run_seconds(
-    run_flops: float, matmuls: tuple[tuple[float, int, bool], ...], memory_bytes: int, hw: Hardware
+    run_flops: float, matmuls: tuple[Matmul, ...], memory_bytes: int, hw: Hardware
 ) -> float:
     """Seconds of one run of a piece on one device (see the module docstring)."""
     rate = hw.peak_tflops * hw.efficiency * 1e12
-    fp8_flops = sum(f for f, _, fp8 in matmuls if fp8)
+    fp8_flops = sum(m.flops for m in matmuls if m.fp8)
     if fp8_flops and hw.fp8_tflops is None:
         raise HardwareError(
             f"hardware {hw.name!r} has no FP8 matmul peak (fp8_tflops), but the program "
@@ -49,9 +49,9 @@ def run_seconds(
     bandwidth = hw.memory_gbps * hw.memory_efficiency * GB
     latency = hw.matmul_latency_us * 1e-6
     seconds = sum(
-        max(f / (fp8_rate if fp8 else rate), b / bandwidth) + latency for f, b, fp8 in matmuls
+        max(m.flops / (fp8_rate if m.fp8 else rate), m.bytes / bandwidth) + latency for m in matmuls
     )
-    rest = max(run_flops - sum(f for f, _, _ in matmuls), 0.0)
+    rest = max(run_flops - sum(m.flops for m in matmuls), 0.0)
     return seconds + max(rest / rate, memory_bytes / bandwidth)
 
 
