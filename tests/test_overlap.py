@@ -5,9 +5,11 @@ the options say they should.
 The toy hardware is test_costmodel's: 1 TFLOP/s, 2 GB/s inside a 2-device node, 1 GB/s
 across nodes; every event is on one device."""
 
+import dataclasses
+
 import pytest
 
-from shardemu.accounting.ledger import Event, Phase
+from shardemu.accounting.ledger import Event, Matmul, Phase
 from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.models import get_preset
 from shardemu.predict.costmodel import build_timeline
@@ -122,7 +124,7 @@ def test_bucketed_reduction_hides_all_but_its_tail(plans):
         < end["breakdown"]["exposed_communication_s"]
     )
     assert bucketed["overlap"] == {"grad_reduce": "bucketed", "bucket_mb": 0.01,
-                                   "pipe_sends": "async"}  # fmt: skip
+                                   "pipe_sends": "async", "tp_overlap": "none"}  # fmt: skip
 
 
 def test_blocking_sends_cost_time(plans):
@@ -135,8 +137,65 @@ def test_blocking_sends_cost_time(plans):
         ({"grad_reduce": "later"}, "Overlap.grad_reduce"),
         ({"pipe_sends": "never"}, "Overlap.pipe_sends"),
         ({"bucket_mb": 0}, "Overlap.bucket_mb"),
+        ({"tp_overlap": "always"}, "Overlap.tp_overlap"),
     ],
 )
 def test_bad_overlap_settings(settings, names):
     with pytest.raises(ConfigError, match=names):
         Overlap(**settings)
+
+
+def tensor_collective(op: str, seconds: float, n: int = 4) -> Event:
+    """An all-gather or reduce-scatter of a forward piece over a 4-device tensor group
+    inside one node (2 GB/s): `seconds` long, bytes summed over its n devices."""
+    return Event(0, F0, "collective", "", bytes=int(seconds * 2 * GB * n), axis="tensor",
+                 devices=n, op=op, group=n)  # fmt: skip
+
+
+def test_chunked_tensor_collectives_hide_behind_their_pieces_projections():
+    """A layer piece (a 1 s attention core and G s of projections), then its all-gather
+    and reduce-scatter of 1.5 s each over tensor=4. Unhidden: 1 + G + 3 s. Chunked, each
+    exposes max(0, C - G' 3/4) of the projections G' it still has, and uses up what it
+    hid times 4/3:
+    G = 2: the all-gather hides all (1.5 <= 1.5) and uses up 2 s; the reduce-scatter
+    none: 3 + 1.5 = 4.5 s. G = 4: both hide (1.5 of 3, then 1.5 of the 1.5 left): 5 s.
+    G = 1: the all-gather hides 0.75 s, the reduce-scatter none: 2 + 0.75 + 1.5 s."""
+    par, hw = Parallelism(tensor=4), dataclasses.replace(HW, devices_per_node=4)
+    for projections, chunked in ((2.0, 4.5), (4.0, 5.0), (1.0, 4.25)):
+        core = 1.0
+        layer = Event(0, F0, "compute", "", flops=(core + projections) * 1e12,
+                      run_flops=(core + projections) * 1e12,
+                      matmuls=(Matmul(projections * 1e12, 0),
+                               Matmul(core * 1e12, 0, attention=True)))  # fmt: skip
+        events = [layer, tensor_collective("all-gather", 1.5),
+                  tensor_collective("reduce-scatter", 1.5)]  # fmt: skip
+        plain = build_timeline(events, hw, par).step_time_s
+        hidden = build_timeline(events, hw, par, Overlap(tp_overlap="chunked")).step_time_s
+        assert plain == pytest.approx(core + projections + 3.0)
+        assert hidden == pytest.approx(chunked)
+
+
+def test_a_sequence_parallel_plan_hides_its_tensor_collectives_when_chunked():
+    """gpt-tiny on tensor=2 with sequence parallelism: the same ledger either way, less
+    exposed communication when chunked, and never less than nothing; without sequence
+    parallelism, or in a phased plan, chunked is refused."""
+    from shardemu.config import PhasedConfig
+    from shardemu.predict.plan_phased import plan_phased
+    from shardemu.predict.plan_resident import plan_resident
+
+    par, hw = Parallelism(tensor=2), PROFILES["h100-sxm"]
+    sp = TrainConfig(batch=4, seq=16, sequence_parallel=True)
+    none, chunked = (
+        plan_resident(get_preset("gpt-tiny"), par, sp, 2, hw, overlap=Overlap(tp_overlap=o))
+        for o in ("none", "chunked")
+    )
+    assert none.report["bytes_collective"] == chunked.report["bytes_collective"]
+    exposed = [p.report["breakdown"]["exposed_communication_s"] for p in (none, chunked)]
+    assert 0 <= exposed[1] < exposed[0]
+    assert chunked.report["step_time_s"] < none.report["step_time_s"]
+    with pytest.raises(ConfigError, match="add --sequence-parallel, or use --tp-overlap none"):
+        plan_resident(get_preset("gpt-tiny"), par, TrainConfig(batch=4, seq=16), 2, hw,
+                      overlap=Overlap(tp_overlap="chunked"))  # fmt: skip
+    with pytest.raises(ConfigError, match="--tp-overlap chunked is for resident plans"):
+        plan_phased(get_preset("gpt-tiny"), par, TrainConfig(batch=4, seq=16), PhasedConfig(),
+                    hardware=hw, overlap=Overlap(tp_overlap="chunked"))  # fmt: skip

@@ -58,8 +58,8 @@ from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism
 from shardemu.errors import CapacityError
 from shardemu.predict.hardware import GB, Hardware
-from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
-from shardemu.predict.roofline import compute_seconds
+from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap, exposed_chunked
+from shardemu.predict.roofline import compute_seconds, projection_seconds
 
 BREAKDOWN = (
     "compute_s",
@@ -168,12 +168,16 @@ def build_timeline(
     reductions: dict[int, float] = {}  # gradient reductions, per stage
     shared_in: dict[int, float] = defaultdict(float)  # the shared weights, per stage
     timing: dict[int, tuple[str, float]] = {}  # by origin (`Event.placed`): stream, seconds
+    hiding: dict[int, float] = {}  # per stage: matmul seconds left to hide collectives behind
+    projections: dict[int, float] = {}  # by origin: a computation's projection seconds
     for i, e in enumerate(events):
         origin = e.__dict__.get("_origin", e)  # what `e` was placed from (`Event.placed`)
         known = timing.get(id(origin))
         if known is None:
             known = timing[id(origin)] = (stream_of(e), duration(e, hw, par))
         stream, seconds = known
+        if overlap.tp_overlap == "chunked":
+            seconds = _chunked(e, origin, seconds, hw, overlap, hiding, projections)
         ready = stream_free[(e.stage, stream)]
         reduction = e.kind == "collective" and e.axis != "pipe" and e.carries == "gradients"
         if e.kind == "compute":
@@ -213,6 +217,31 @@ def build_timeline(
     timeline = Timeline(spans, step)
     timeline.critical_stage, timeline.breakdown = _breakdown(spans, step)
     return timeline
+
+
+def _chunked(
+    e: Event,
+    origin: Event,
+    seconds: float,
+    hw: Hardware,
+    overlap: Overlap,
+    hiding: dict[int, float],
+    projections: dict[int, float],
+) -> float:
+    """`e`'s seconds under `tp_overlap="chunked"` (`overlap.py`): a device computation
+    sets its stage's matmul time to hide behind; each of its hidden collectives, in
+    order, takes what is left of it."""
+    if e.kind == "compute" and e.on == "device":
+        if id(origin) not in projections:
+            projections[id(origin)] = projection_seconds(e, hw)
+        hiding[e.stage] = projections[id(origin)]
+        return seconds
+    if not overlap.hides(e):
+        return seconds
+    budget = hiding.get(e.stage, 0.0)
+    exposed = exposed_chunked(seconds, budget, e.group)
+    hiding[e.stage] = max(0.0, budget - (seconds - exposed) * e.group / max(e.group - 1, 1))
+    return exposed
 
 
 def _breakdown(spans: list[Span], step: float) -> tuple[int, dict[str, float]]:

@@ -21,11 +21,21 @@ option of `plan` (and of `search`), with the default a modern system uses:
   `overlap_p2p_comm`). `blocking`: the sender waits too, as Megatron-LM's 2021
   `p2p_communication._communicate` did (`batch_isend_irecv`, then `wait()` on every
   request before returning).
-- Tensor-parallel collectives are always exposed: each all-reduce produces the input of
-  the next computation (Shoeybi et al. 2019, "Megatron-LM", §3: the f and g operators sit
-  on the critical path), and the IPU is bulk-synchronous (compute, then exchange). This
-  is not an option: hiding them needs kernels that split a matmul around its
-  communication, which no counted piece here has.
+- `tp_overlap` (resident plans): `none` (default, as Megatron-Core's
+  `tp_comm_overlap=False`): each tensor-parallel collective produces the input of the
+  next computation (Shoeybi et al. 2019, "Megatron-LM", §3: the f and g operators sit on
+  the critical path), as on the bulk-synchronous IPU. `chunked`: Megatron-Core's
+  `--tp-comm-overlap` with Transformer Engine's userbuffers (Wang et al. 2022, "Overlap
+  Communication with Dependent Computation via Decomposition", ASPLOS '23): a
+  sequence-parallel layer's all-gather before a column-parallel matmul, and its
+  reduce-scatter after a row-parallel one, split into `tensor` chunks moved around the
+  ring while the matmul computes the chunk already there. For a collective of C seconds
+  over n devices beside matmuls of G seconds: n-1 steps of C/(n-1) against n matmul
+  chunks of G/n, so max(n G/n, (n-1) C/(n-1) + G/n) in all and
+  `exposed_chunked(C, G, n)` = max(0, C - G (n-1)/n) exposed. G is the matmul time of
+  the piece the collective belongs to (its projections; the attention core is not split
+  this way), shared by the piece's collectives in program order. It needs sequence
+  parallelism (Megatron-Core refuses `--tp-comm-overlap` without it).
 """
 
 from __future__ import annotations
@@ -33,11 +43,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from shardemu.accounting.ledger import Event
 from shardemu.config.checks import require_choice, require_finite
 from shardemu.config.flags import choices_of, setting
 
 GradReduce = Literal["bucketed", "end"]
 PipeSends = Literal["async", "blocking"]
+TpOverlap = Literal["none", "chunked"]
 GRAD_REDUCE = choices_of(GradReduce)
 PIPE_SENDS = choices_of(PipeSends)
 # At most this many buckets per pipeline chunk: the exposed tail of a bucketed reduction
@@ -62,10 +74,17 @@ class Overlap:
     pipe_sends: PipeSends = setting(
         "async", "--pipe-sends", "pipeline sends overlap the sender's next computation, or block it"
     )
+    tp_overlap: TpOverlap = setting(
+        "none",
+        "--tp-overlap",
+        "resident plans with --sequence-parallel: hide tensor all-gathers and reduce-scatters "
+        "behind their matmuls in chunks (Megatron-Core --tp-comm-overlap), or not",
+    )
 
     def __post_init__(self) -> None:
         require_choice(self, "grad_reduce", GradReduce)
         require_choice(self, "pipe_sends", PipeSends)
+        require_choice(self, "tp_overlap", TpOverlap)
         require_finite("Overlap", True, bucket_mb=self.bucket_mb)
 
     def buckets(self, grad_bytes_per_device: float) -> int:
@@ -78,7 +97,26 @@ class Overlap:
             "grad_reduce": self.grad_reduce,
             "bucket_mb": self.bucket_mb,
             "pipe_sends": self.pipe_sends,
+            "tp_overlap": self.tp_overlap,
         }
+
+    def hides(self, event: Event) -> bool:
+        """Whether `tp_overlap` hides `event` behind its piece's matmuls: a
+        sequence-parallel layer's all-gather or reduce-scatter over `tensor`."""
+        return (
+            self.tp_overlap == "chunked"
+            and event.kind == "collective"
+            and event.axis == "tensor"
+            and event.op in ("all-gather", "reduce-scatter")
+            and event.carries != "gradients"  # a piece's own, not a data-parallel reduction
+        )
+
+
+def exposed_chunked(comm_s: float, matmul_s: float, n: int) -> float:
+    """Seconds of a collective of `comm_s` over `n` devices left exposed when it is
+    split into chunks behind matmuls of `matmul_s` (module docstring): max(0, C - G
+    (n-1)/n)."""
+    return max(0.0, comm_s - matmul_s * (n - 1) / n)
 
 
 DEFAULT_OVERLAP = Overlap()

@@ -82,6 +82,11 @@ def plan_phased(
     t0 = time.perf_counter()
     model = as_model(model)
     require_no_experts(par)
+    if overlap.tp_overlap != "none":
+        raise ConfigError(
+            f"--tp-overlap {overlap.tp_overlap} is for resident plans: a phased step "
+            f"computes, then exchanges (bulk-synchronous); use --tp-overlap none"
+        )
     if train_cfg.zero:
         raise ConfigError(
             f"TrainConfig.zero={train_cfg.zero} plans a resident step; a phased plan shards "

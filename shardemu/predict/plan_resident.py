@@ -32,7 +32,7 @@ from typing import Any
 from shardemu.accounting import flops
 from shardemu.accounting.assemble import assemble
 from shardemu.accounting.ledger import Event, Ledger, Phase
-from shardemu.config import ModelConfig, Parallelism, SparsityConfig, TrainConfig
+from shardemu.config import ConfigError, ModelConfig, Parallelism, SparsityConfig, TrainConfig
 from shardemu.models import Model, as_model, count_params
 from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.rules import Rules, rules_or_default
@@ -272,6 +272,12 @@ def plan_resident(
     t0 = time.perf_counter()
     model = as_model(model)
     train.check_sequence_split(par.tensor)
+    if overlap.tp_overlap == "chunked" and not train.sequence_parallel:
+        raise ConfigError(
+            "--tp-overlap chunked hides the all-gathers and reduce-scatters of "
+            "sequence-parallel layers (Megatron-Core refuses --tp-comm-overlap without "
+            "--sequence-parallel); add --sequence-parallel, or use --tp-overlap none"
+        )
     rules = rules_or_default(rules, train.sequence_parallel)  # the run's own default
     hardware = hardware.at_precision(arithmetic(model.cfg, precision))
     lay, sched, key = resident_layout(

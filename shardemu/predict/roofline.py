@@ -66,6 +66,18 @@ def least_step_seconds(flops: float, devices: int, hw: Hardware, fp8: bool = Fal
     return flops / (devices * peak * hw.efficiency * 1e12)
 
 
+def projection_seconds(event: Event, hw: Hardware) -> float:
+    """Seconds of a device computation event's matmuls other than attention cores (its
+    runs times each matmul's roofline term): what a chunked tensor-parallel collective
+    hides behind (`overlap.exposed_chunked`)."""
+    if event.run_flops <= 0:
+        return 0.0
+    runs = event.flops / max(event.devices, 1) / event.run_flops
+    matmuls = tuple(m for m in event.matmuls if not m.attention)
+    flops = sum(m.flops for m in matmuls)
+    return runs * run_seconds(flops, matmuls, 0, hw)
+
+
 def compute_seconds(event: Event, hw: Hardware) -> float:
     """Seconds of a device computation event: its runs (the FLOPs it holds, which
     schedules, repeats and sparsity scale, over one run's) times one run's roofline."""
