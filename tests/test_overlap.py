@@ -193,9 +193,9 @@ def test_a_sequence_parallel_plan_hides_its_tensor_collectives_when_chunked():
     exposed = [p.report["breakdown"]["exposed_communication_s"] for p in (none, chunked)]
     assert 0 <= exposed[1] < exposed[0]
     assert chunked.report["step_time_s"] < none.report["step_time_s"]
-    with pytest.raises(ConfigError, match="add --sequence-parallel, or use --tp-overlap none"):
+    with pytest.raises(ConfigError, match="TrainConfig.sequence_parallel, or Overlap.tp_overlap"):
         plan_resident(get_preset("gpt-tiny"), par, TrainConfig(batch=4, seq=16), 2, hw,
                       overlap=Overlap(tp_overlap="chunked"))  # fmt: skip
-    with pytest.raises(ConfigError, match="--tp-overlap chunked is for resident plans"):
+    with pytest.raises(ConfigError, match="Overlap.tp_overlap chunked is for resident plans"):
         plan_phased(get_preset("gpt-tiny"), par, TrainConfig(batch=4, seq=16), PhasedConfig(),
                     hardware=hw, overlap=Overlap(tp_overlap="chunked"))  # fmt: skip

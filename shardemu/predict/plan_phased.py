@@ -84,8 +84,8 @@ def plan_phased(
     require_no_experts(par)
     if overlap.tp_overlap != "none":
         raise ConfigError(
-            f"--tp-overlap {overlap.tp_overlap} is for resident plans: a phased step "
-            f"computes, then exchanges (bulk-synchronous); use --tp-overlap none"
+            f"Overlap.tp_overlap {overlap.tp_overlap} is for resident plans: a phased step "
+            f"computes, then exchanges (bulk-synchronous); use Overlap.tp_overlap none"
         )
     if train_cfg.zero:
         raise ConfigError(

@@ -274,9 +274,10 @@ def plan_resident(
     train.check_sequence_split(par.tensor)
     if overlap.tp_overlap == "chunked" and not train.sequence_parallel:
         raise ConfigError(
-            "--tp-overlap chunked hides the all-gathers and reduce-scatters of "
-            "sequence-parallel layers (Megatron-Core refuses --tp-comm-overlap without "
-            "--sequence-parallel); add --sequence-parallel, or use --tp-overlap none"
+            "Overlap.tp_overlap chunked hides the all-gathers and reduce-scatters of "
+            "sequence-parallel layers (Megatron-Core refuses its tp_comm_overlap without "
+            "sequence parallelism); set TrainConfig.sequence_parallel, or "
+            "Overlap.tp_overlap none"
         )
     rules = rules_or_default(rules, train.sequence_parallel)  # the run's own default
     hardware = hardware.at_precision(arithmetic(model.cfg, precision))
