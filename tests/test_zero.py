@@ -1,8 +1,10 @@
-"""ZeRO stage 1 (`TrainConfig.zero`): the optimizer state and FP32 master weights split
-over `replica` (Rajbhandari et al. 2020, P_os), on the resident engine and in resident
-plans: equal to one device, the state a device holds halved, the updated weights
-all-gathered in the ledger as the hand formula says, and a plan's memory Rajbhandari's
-2 Psi + 2 Psi + 12 Psi / N_d."""
+"""ZeRO (`TrainConfig.zero`) over `replica` (Rajbhandari et al. 2020). Stage 1, the
+optimizer state and FP32 master weights split (P_os), on the resident engine and in
+resident plans: equal to one device, the state a device holds halved, the updated
+weights all-gathered in the ledger as the hand formula says, and a plan's memory
+Rajbhandari's 2 Psi + 2 Psi + 12 Psi / N_d. Stages 2 (+ gradients, P_os+g) and 3 (+
+weights, P_os+g+p: FSDP) on the resident engine: equal to one device, the gradients
+reduce-scattered, the weights stored split and all-gathered."""
 
 import dataclasses
 
@@ -67,9 +69,39 @@ def test_a_plan_holds_rajbhandaris_memory():
     assert sum(e.bytes for e in gathered) == pytest.approx(2 * psi * 3 / 4 * 4, rel=0.01)
 
 
+@pytest.mark.slow
+def test_zero_2_and_3_equal_one_device_and_reduce_scatter_the_gradients(
+    reference, train_and_compare
+):
+    """tensor 2 x replica 2. Stage 2: the gradients' reduction over replica is a
+    reduce-scatter: of the ring's (2 - 1) / 2 of the FP32 gradients a device sends (the
+    hand formula), XLA's CPU pipeline sends at least 90% so (the rest it reshards with an
+    all-to-all or reduces whole), and all of it is about half an all-reduce's 2 (2 - 1) /
+    2. Stage 3: also each device's weights halved, and all-gathered over replica."""
+    mesh = make_mesh(tensor=2, replica=2, devices=jax.devices()[:4])
+    weights = None
+    for stage in (2, 3):
+        trainer = Trainer(TINY, mesh, dataclasses.replace(TRAIN, zero=stage))
+        train_and_compare(trainer, reference)
+        held = bytes_per_device(with_shardings(trainer.param_shapes, trainer.param_shardings))
+        weights = weights or held  # stage 2 stores them whole
+        events = trainer.step_events(Counter(), 0)
+        over = {op: sum(e.bytes for e in events if e.axis == "replica" and e.op == op)
+                for op in ("reduce-scatter", "all-reduce", "all-to-all", "all-gather")}  # fmt: skip
+        ring = (2 - 1) / 2 * weights * 4  # each of 4 devices, its gradients once
+        assert 0.9 * ring <= over["reduce-scatter"] <= ring, over
+        assert over["reduce-scatter"] + over["all-reduce"] + over["all-to-all"] < 0.55 * 2 * ring
+        assert over["all-gather"] > 0
+        if stage == 3:
+            assert held == pytest.approx(weights / 2, rel=1e-3)
+
+
 def test_what_zero_does_not_cover_is_refused():
-    with pytest.raises(ConfigError, match="TrainConfig.zero must be 0 or 1, got 2"):
-        TrainConfig(zero=2)
+    with pytest.raises(ConfigError, match="TrainConfig.zero must be 0, 1, 2 or 3, got 4"):
+        TrainConfig(zero=4)
+    with pytest.raises(ConfigError, match="plans model ZeRO stage 1 only"):
+        shardemu.plan(TINY.cfg, Parallelism(replica=2), dataclasses.replace(TRAIN, zero=3),
+                      shardemu.get_hardware("a100-80gb"))  # fmt: skip
     with pytest.raises(ConfigError, match="ZeRO runs on the resident engine, not the pipelined"):
         PipelinedTrainer(TINY, make_mesh(pipe=2, devices=jax.devices()[:2]), TRAIN)
     with pytest.raises(ConfigError, match="rts_opt"):

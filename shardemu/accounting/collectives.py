@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,7 @@ _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-
 _INSTR = re.compile(
     r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>" + "|".join(_OPS) + r")(?:-start)?\((?P<rest>.*)$"
 )
+_INDEX = re.compile(r"index=(\d+)")
 _NAME = re.compile(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _PROMOTED = re.compile(r"to_apply=%[\w.\-]*_promoted\b")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
@@ -109,35 +111,67 @@ def _sent(op: str, n: int, buffer: int) -> float:
     return factor * (n - 1) / n * buffer
 
 
-def _scattered(hlo_text: str) -> frozenset[str]:
-    """All-reduces that XLA's CPU pipeline emitted for a reduce-scatter: some user takes
-    a dynamic slice of 1/n of the reduced buffer (a `dynamic-slice`, or a fusion with
-    one), where a GPU or TPU pipeline emits the reduce-scatter itself (sequence
-    parallelism's, Korthikanti et al. 2022). Other users that read the whole reduced
-    buffer (the layer norms' parameter gradients) are the CPU partitioner's choice."""
+def _scattered(hlo_text: str, mesh_size: int) -> dict[str, frozenset[int]]:
+    """All-reduces (by name, the indices of their tuple elements) that XLA's CPU
+    pipeline emitted for a reduce-scatter: a user takes a dynamic slice of 1/n of the
+    reduced buffer (n the all-reduce's group; the SPMD partitioner's per-device slice,
+    alone or in a fusion), directly or through its tuple element, where a GPU or TPU
+    pipeline emits the reduce-scatter itself (sequence parallelism's, Korthikanti et
+    al. 2022; ZeRO-2's gradients, Rajbhandari et al. 2020). Other users that read the
+    whole reduced buffer (the layer norms' parameter gradients) are the CPU
+    partitioner's choice."""
     computations = parse(hlo_text)
-    elements = lambda shape: sum(  # noqa: E731
-        math.prod(int(d) for d in dims.split(",") if d) for _, dims in ARRAY.findall(shape)
-    )
-    out = set()
+    out: dict[str, set[int]] = defaultdict(set)
     for body in computations.values():
-        reduced = {name: shape for name, shape, op, _ in body if op == "all-reduce"}
+        group: dict[str, int] = {}  # an all-reduce -> its group size
+        reduced: dict[str, tuple[str, int]] = {}  # an array -> (its all-reduce, element)
+        for name, shape, op, rest in body:
+            args = operands(rest)
+            if op == "all-reduce":
+                group[name] = len(_groups(rest, mesh_size)[0])
+                if not shape.startswith("("):
+                    reduced[name] = (name, 0)
+            elif op == "get-tuple-element" and args and args[0] in group:
+                reduced[name] = (args[0], int(_INDEX.search(rest)[1]))  # type: ignore[index]
+        shapes = {name: shape for name, shape, _, _ in body}
         for _, shape, op, rest in body:
-            if op == "fusion" and (callee := CALLED.search(rest)):
-                slices = any(o == "dynamic-slice" for _, _, o, _ in computations.get(callee[1], []))
-            else:
-                slices = op == "dynamic-slice"
-            for name in operands(rest) if slices else ():
-                if name in reduced and elements(shape) < elements(reduced[name]):
-                    out.add(name)
-    return frozenset(out)
+            args = operands(rest)
+            callee = computations.get(c[1], []) if (c := CALLED.search(rest)) else []
+            for position, arg in enumerate(args):
+                if arg not in reduced:
+                    continue
+                n = group[reduced[arg][0]]
+                direct = op == "dynamic-slice" and position == 0
+                if (direct and _elements(shape) * n == _elements(shapes[arg])) or (
+                    op == "fusion" and _slices_param(callee, position, n)
+                ):
+                    out[reduced[arg][0]].add(reduced[arg][1])
+    return {name: frozenset(indices) for name, indices in out.items()}
+
+
+def _slices_param(callee: list, index: int, n: int) -> bool:
+    """Whether a fused computation takes a dynamic slice of 1/n of its parameter `index`."""
+    param = next(
+        (x for x, _, op, r in callee if op == "parameter" and r.startswith(f"{index})")), None
+    )
+    shapes = {name: shape for name, shape, _, _ in callee}
+    return param is not None and any(
+        op == "dynamic-slice"
+        and operands(rest)[:1] == [param]
+        and _elements(shape) * n == _elements(shapes[param])
+        for _, shape, op, rest in callee
+    )
+
+
+def _elements(shape: str) -> int:
+    return sum(math.prod(int(d) for d in dims.split(",") if d) for _, dims in ARRAY.findall(shape))
 
 
 def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
     """Every collective in an optimized HLO module compiled over `mesh` (the CPU's
     all-reduce-then-slice counted as the reduce-scatter it stands for: `_scattered`)."""
     found = []
-    scattered = _scattered(hlo_text)
+    scattered = _scattered(hlo_text, mesh.size)
     for line in hlo_text.splitlines():
         m = _INSTR.search(line)
         if not m:
@@ -147,9 +181,17 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
         if _PROMOTED.search(rest):  # bfloat16 in the program, f32 on the CPU backend
             sizes = [size // 2 for size in sizes]
         name = _NAME.match(line)
-        if op == "all-reduce" and "-start(" not in line and name and name[1] in scattered:
-            op, buffer = "reduce-scatter", sum(sizes)  # the whole buffer is its input
-        elif op == "reduce-scatter":  # the result is 1/n of the buffer it reduced
+        parts = scattered.get(name[1], frozenset()) if name and "-start(" not in line else ()
+        if op == "all-reduce" and parts:  # the sliced elements' whole buffers are its input
+            n = len(groups[0])
+            for op_, part in (("reduce-scatter", parts), ("all-reduce", None)):
+                buffer = sum(s for i, s in enumerate(sizes) if (i in parts) == (part is not None))
+                if buffer:
+                    found.append(
+                        Collective(op_, _axes(groups, mesh), n, buffer, _sent(op_, n, buffer))
+                    )
+            continue
+        if op == "reduce-scatter":  # the result is 1/n of the buffer it reduced
             buffer = sum(sizes) * len(groups[0])
         else:  # an async start's shape pairs operand and result: take the larger
             buffer = max(sizes) if "-start(" in line else sum(sizes)

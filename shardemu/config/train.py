@@ -157,8 +157,9 @@ class TrainConfig:
     zero: int = setting(
         0,
         "--zero",
-        "ZeRO stage (Rajbhandari et al. 2020): 1 shards the optimizer state and FP32 "
-        "master weights over replica (resident runs and plans)",
+        "ZeRO stage (Rajbhandari et al. 2020) over replica: 1 shards the optimizer state "
+        "and FP32 master weights, 2 also the gradients (reduce-scatter), 3 also the "
+        "weights (FSDP: all-gathered where used); resident runs (plans: 1)",
     )
 
     def __post_init__(self) -> None:
@@ -192,11 +193,10 @@ class TrainConfig:
                     f"TrainConfig.{name} {getattr(self, name)} is more than the optimizer's "
                     f"int32 step count holds ({MAX_STEPS:,}); use fewer"
                 )
-        if self.zero not in (0, 1):
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise ConfigError(
-                f"TrainConfig.zero must be 0 or 1, got {self.zero!r}: stage 1 shards the "
-                f"optimizer state over replica; stages 2 (gradients) and 3 (parameters) "
-                f"are not built yet"
+                f"TrainConfig.zero must be 0, 1, 2 or 3, got {self.zero!r}: the ZeRO stage "
+                f"(1 the optimizer state, 2 and the gradients, 3 and the weights)"
             )
         if self.batch * self.seq > MAX_TOKENS_PER_STEP:
             raise ConfigError(

@@ -59,7 +59,7 @@ from shardemu.predict.sparse import (
     scale_compute,
     sparse_report,
 )
-from shardemu.predict.zero import zero
+from shardemu.predict.zero import require_planned_stage, zero
 
 
 def _scaled(e: Event, factor: float, replica: int, **changes: Any) -> Event:
@@ -272,6 +272,7 @@ def plan_resident(
     t0 = time.perf_counter()
     model = as_model(model)
     train.check_sequence_split(par.tensor)
+    require_planned_stage(train)
     if overlap.tp_overlap == "chunked" and not train.sequence_parallel:
         raise ConfigError(
             "Overlap.tp_overlap chunked hides the all-gathers and reduce-scatters of "

@@ -1,4 +1,4 @@
-"""ZeRO stage 1 in a resident plan (`TrainConfig.zero`; Rajbhandari et al. 2020, P_os).
+"""ZeRO in a resident plan: stage 1 (`TrainConfig.zero`; Rajbhandari et al. 2020, P_os).
 
 The microbatch is counted with the optimizer state whole on its tensor group; ZeRO
 splits that state (the FP32 master weights with it) over `replica`, and each stage
@@ -10,8 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardemu.config import Parallelism, TrainConfig
+from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.predict.resident_count import Microbatch
+
+
+def require_planned_stage(train: TrainConfig) -> None:
+    """Plans model ZeRO stage 1; stages 2 and 3 run for real but are refused here."""
+    if train.zero > 1:
+        raise ConfigError(
+            f"TrainConfig.zero={train.zero}: plans model ZeRO stage 1 only; stages 2 and 3 "
+            f"run on the resident engine (their ledgers count the reduce-scatters and "
+            f"all-gathers), but are not planned yet"
+        )
 
 
 def zero(mb: Microbatch, train: TrainConfig, par: Parallelism) -> Microbatch:

@@ -109,6 +109,9 @@ class Trainer:
             self.param_shapes, self.param_logical, self.rules, axis_sizes
         )
         self.param_shardings = named_shardings(mesh, self.param_specs)
+        self._zero_shardings = self._optimizer_param_shardings(axis_sizes)
+        if train.zero == 3 and self._zero_shardings is not None:  # FSDP: weights stored split
+            self.param_shardings = self._zero_shardings
 
         tx = make_optimizer(train, self.param_shapes, self.param_logical)
         self.tx = sparse_optimizer(
@@ -120,7 +123,6 @@ class Trainer:
             axis_sizes,
         )
         replicated = NamedSharding(mesh, PartitionSpec())
-        self._zero_shardings = self._optimizer_param_shardings(axis_sizes)
         self.opt_shardings = opt_state_shardings(
             self.tx,
             jax.eval_shape(self.tx.init, self.param_shapes),
@@ -138,12 +140,14 @@ class Trainer:
         self._eval: Any = None  # the jitted held-out loss, made on first use
 
     def _optimizer_param_shardings(self, axis_sizes: dict[str, int]) -> Any:
-        """With ZeRO stage 1, how the optimizer's copies of the parameters (Adam's
-        moments, the FP32 master weights) are sharded: as the parameters and also over
-        `replica`, on each one's largest dimension that the axis divides (Rajbhandari et
-        al. 2020, P_os: each replica updates its share, then the parameters are
-        all-gathered, in their own dtype: `_update`); a tensor no dimension of which it
-        divides stays whole. None without ZeRO: as the parameters."""
+        """With ZeRO, how the optimizer's copies of the parameters (Adam's moments, the
+        FP32 master weights) are sharded: as the parameters and also over `replica`, on
+        each one's largest dimension that the axis divides (Rajbhandari et al. 2020,
+        P_os: each replica updates its share, then the parameters are all-gathered, in
+        their own dtype: `_update`); a tensor no dimension of which it divides stays
+        whole. Stage 2 reduce-scatters the gradients into the same shares (P_os+g:
+        `_step_fn`), stage 3 also stores the weights so (P_os+g+p, FSDP: XLA all-gathers
+        each where a layer uses it). None without ZeRO: as the parameters."""
         if not self.train.zero or axis_sizes["replica"] == 1:
             return None
         specs = tree_store_specs(
@@ -210,6 +214,8 @@ class Trainer:
         scale = loss_scale(opt_state)
         loss, grads = self._grads(params, batch, scale)
         loss, grads = loss / scale, unscale(grads, opt_state)
+        if self.train.zero >= 2 and self._zero_shardings is not None:  # each its share
+            grads = jax.lax.with_sharding_constraint(grads, self._zero_shardings)
         if isinstance(opt_state, SparseState):  # a sparse model's gradient: clipped, reported
             grads = apply_masks(grads, opt_state.masks)
         params, opt_state = self._update(grads, opt_state, params)
@@ -281,20 +287,23 @@ class Trainer:
         params, opt_state, batch = self.abstract_inputs()
         r = self._replicated
         context = (self.model.cfg, self._program_settings, self.rules)
+        grad_shardings = self.param_shardings  # ZeRO-2 and 3: each replica's share
+        if self.train.zero >= 2 and self._zero_shardings is not None:
+            grad_shardings = self._zero_shardings
         with unrolled_layers():
             grads = self._count(
                 counter,
                 "step-grads",
                 self._grads,
                 (params, batch),
-                (r, self.param_shardings),
+                (r, grad_shardings),
                 context,
             )
             update = self._count(
                 counter,
                 "step-update",
                 self._update,
-                (params, opt_state, params),
+                (with_shardings(self.param_shapes, grad_shardings), opt_state, params),
                 (self.param_shardings, self.opt_shardings),
                 context,
             )
