@@ -51,22 +51,30 @@ def test_zero_1_equals_one_device_with_half_the_state(reference, train_and_compa
     assert not [e for e in plain.step_events(Counter(), 0) if e.op == "all-gather"]
 
 
-def test_a_plan_holds_rajbhandaris_memory():
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_plan_holds_rajbhandaris_memory(stage):
     """bf16 with FP32 Adam (K = 12 bytes a parameter), one microbatch a replica, on 4
-    replicas: weights 2 Psi, gradients 2 Psi, optimizer state 12 Psi / 4, and the
-    layers' activations (the report's), within 1%; the updated weights' all-gather
-    over replica, 2 Psi (4 - 1) / 4 a device."""
+    replicas (Rajbhandari et al. 2020, Table 1): weights 2 Psi, gradients 2 Psi (stage 2:
+    2 Psi / 4), optimizer state 12 Psi / 4, and the layers' activations (the report's),
+    within 1%; the updated weights' all-gather over replica, 2 Psi (4 - 1) / 4 a device;
+    the gradients' reduction an all-reduce of 2 (4 - 1) / 4 of them a device (stage 2: a
+    reduce-scatter of (4 - 1) / 4)."""
     model = custom_model("gpt", 4, 256, 4, 1024, 128)
     psi = shardemu.param_count(Model(model).abstract_params()[0])
-    train = TrainConfig(batch=4, seq=128, precision="bf16", zero=1)
+    train = TrainConfig(batch=4, seq=128, precision="bf16", zero=stage)
     hw = shardemu.get_hardware("a100-80gb")
     planned = shardemu.plan(model, Parallelism(replica=4), train, hw, recompute="full")
     r = planned.report
     activations = r["activation_bytes_per_layer"]["target"] * model.num_layers
     held = r["memory_per_device"]["device"]["bytes"] - activations
-    assert held == pytest.approx(2 * psi + 2 * psi + 12 * psi / 4, rel=0.01)
+    grads = 2 * psi / (4 if stage == 2 else 1)
+    assert held == pytest.approx(2 * psi + grads + 12 * psi / 4, rel=0.01)
     gathered = [e for e in planned.ledger.events if e.op == "all-gather"]
     assert sum(e.bytes for e in gathered) == pytest.approx(2 * psi * 3 / 4 * 4, rel=0.01)
+    op, factor = ("reduce-scatter", 1) if stage == 2 else ("all-reduce", 2)
+    reduced = [e for e in planned.ledger.events if e.axis == "replica" and e.carries == "gradients"]
+    assert {e.op for e in reduced} == {op}
+    assert sum(e.bytes for e in reduced) == pytest.approx(factor * 2 * psi * 3 / 4 * 4, rel=0.01)
 
 
 @pytest.mark.slow
@@ -99,7 +107,7 @@ def test_zero_2_and_3_equal_one_device_and_reduce_scatter_the_gradients(
 def test_what_zero_does_not_cover_is_refused():
     with pytest.raises(ConfigError, match="TrainConfig.zero must be 0, 1, 2 or 3, got 4"):
         TrainConfig(zero=4)
-    with pytest.raises(ConfigError, match="plans model ZeRO stage 1 only"):
+    with pytest.raises(ConfigError, match="plans model ZeRO stages 1 and 2"):
         shardemu.plan(TINY.cfg, Parallelism(replica=2), dataclasses.replace(TRAIN, zero=3),
                       shardemu.get_hardware("a100-80gb"))  # fmt: skip
     with pytest.raises(ConfigError, match="ZeRO runs on the resident engine, not the pipelined"):

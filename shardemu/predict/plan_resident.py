@@ -124,8 +124,10 @@ class _StepEvents:
     ) -> list[Event]:
         """The ring all-reduce of `grad_bytes` per device over the data-parallel groups
         (replica, and expert: the experts' `expert_bytes` of them over replica alone):
-        each device sends 2 (n-1)/n of them (Thakur et al. 2005)."""
+        each device sends 2 (n-1)/n of them (Thakur et al. 2005); under ZeRO stage 2 the
+        ring reduce-scatter, (n-1)/n."""
         r, ep, t = self.par.replica, self.par.expert, self.par.tensor
+        op, factor = ("reduce-scatter", 1) if self.mb.zero_stage >= 2 else ("all-reduce", 2)
         parts = [("replica+expert" if ep > 1 else "replica", r * ep, grad_bytes - expert_bytes)]
         if expert_bytes:
             parts.append(("replica", r, expert_bytes))
@@ -135,10 +137,10 @@ class _StepEvents:
                 tag,
                 "collective",
                 "gradients",
-                bytes=round(2 * (n - 1) / n * size * r * ep * t),
+                bytes=round(factor * (n - 1) / n * size * r * ep * t),
                 axis=axis,
                 devices=r * ep * t,
-                op="all-reduce",
+                op=op,
                 group=n,
                 stage=stage,
             )
@@ -227,7 +229,7 @@ class _StepEvents:
         return out
 
     def all_gather(self, weights: int, replicas: int, tag: Phase, stage: int) -> Event:
-        """ZeRO stage 1's all-gather of the updated `weights` (bytes per device, in
+        """ZeRO's all-gather of the updated `weights` (bytes per device, in
         their own dtype, as Megatron-LM's distributed optimizer gathers them) over
         `replica`: each device sends (n-1)/n of them (ring)."""
         devices = self.par.data * self.par.tensor

@@ -50,8 +50,9 @@ class Microbatch:
     included under mixed precision), and of a layer's input (what a pipeline stage
     sends the next). Under expert parallelism (`expert_parallel.py`) `expert_bytes`
     is the part of `layer_bytes` that is a layer's experts, whose gradients reduce over
-    `replica` alone. With ZeRO stage 1 over `zero` replicas (`predict/zero.py`) the
-    optimizer state is 1/zero of it a device, and the updated weights are all-gathered."""
+    `replica` alone. With ZeRO over `zero` replicas (`predict/zero.py`) the optimizer
+    state is 1/zero of it a device, and the updated weights are all-gathered; with
+    `zero_stage` 2 the gradients are reduce-scattered and 1/zero of them held."""
 
     pieces: dict[str, list[Event]]
     layer_bytes: int
@@ -61,6 +62,7 @@ class Microbatch:
     act_bytes: int
     expert_bytes: int = 0
     zero: int = 1
+    zero_stage: int = 0
 
 
 def count_microbatch(

@@ -68,11 +68,15 @@ def _stage_bytes(
     where it holds them): weights, gradients and optimizer state, and what its layers
     keep (`keep` a layer) for the `held` microbatches in flight at its peak
     (`Schedule.peak_activations`). Gradients are the weights' dtype, summed over
-    microbatches in FP32 (`numerics/precision.py`)."""
+    microbatches in FP32 (`numerics/precision.py`); under ZeRO stage 2, a replica's
+    share of them (`zero.py`), but for an accumulation buffer, reduce-scattered once
+    full (as the resident engine and Megatron-LM's distributed optimizer do)."""
     weights = mb.layer_bytes * layers + (mb.shared_bytes if shared else 0)
     optimizer = mb.opt_bytes[0] * layers + (mb.opt_bytes[1] if shared else 0)
     itemsize = jnp.dtype(model.cfg.param_dtype).itemsize
     grads = weights if microbatches == 1 else weights * 4 // itemsize
+    if mb.zero_stage >= 2 and microbatches == 1:
+        grads = round(grads / mb.zero)
     return weights + grads + optimizer + round(held * layers * keep)
 
 

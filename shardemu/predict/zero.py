@@ -1,8 +1,10 @@
-"""ZeRO in a resident plan: stage 1 (`TrainConfig.zero`; Rajbhandari et al. 2020, P_os).
+"""ZeRO in a resident plan: stages 1 and 2 (`TrainConfig.zero`; Rajbhandari et al. 2020).
 
 The microbatch is counted with the optimizer state whole on its tensor group; ZeRO
 splits that state (the FP32 master weights with it) over `replica`, and each stage
-all-gathers its updated weights after its update (`plan_resident._StepEvents.after`).
+all-gathers its updated weights after its update (`plan_resident._StepEvents.after`);
+stage 2 reduce-scatters the gradients instead of all-reducing them
+(`plan_resident._StepEvents.all_reduce`).
 The resident engine runs the same layout for real (`resident/trainer.py`).
 """
 
@@ -15,21 +17,23 @@ from shardemu.predict.resident_count import Microbatch
 
 
 def require_planned_stage(train: TrainConfig) -> None:
-    """Plans model ZeRO stage 1; stages 2 and 3 run for real but are refused here."""
-    if train.zero > 1:
+    """Plans model ZeRO stages 1 and 2; stage 3 runs for real but is refused here."""
+    if train.zero > 2:
         raise ConfigError(
-            f"TrainConfig.zero={train.zero}: plans model ZeRO stage 1 only; stages 2 and 3 "
-            f"run on the resident engine (their ledgers count the reduce-scatters and "
-            f"all-gathers), but are not planned yet"
+            f"TrainConfig.zero={train.zero}: plans model ZeRO stages 1 and 2; stage 3 runs "
+            f"on the resident engine (its ledger counts the all-gathers and "
+            f"reduce-scatters), but is not planned yet"
         )
 
 
 def zero(mb: Microbatch, train: TrainConfig, par: Parallelism) -> Microbatch:
-    """`mb` under ZeRO stage 1 (`TrainConfig.zero`): the optimizer state, the FP32
-    master weights with it, split over `replica` (Rajbhandari et al. 2020, P_os: K Psi /
-    N_d of the 2 Psi + 2 Psi + K Psi), and its updated weights all-gathered."""
+    """`mb` under ZeRO (`TrainConfig.zero`) over `replica` (Rajbhandari et al. 2020,
+    Table 1): stage 1 (P_os) splits the optimizer state, the FP32 master weights with
+    it (K Psi / N_d of the 2 Psi + 2 Psi + K Psi), and all-gathers the updated weights;
+    stage 2 (P_os+g) also reduce-scatters the gradients into each replica's share
+    (2 Psi / N_d of them held: `resident_memory._stage_bytes`)."""
     if not train.zero or par.replica == 1:
         return mb
     r = par.replica
     opt = (round(mb.opt_bytes[0] / r), round(mb.opt_bytes[1] / r))
-    return dataclasses.replace(mb, opt_bytes=opt, zero=r)
+    return dataclasses.replace(mb, opt_bytes=opt, zero=r, zero_stage=train.zero)
