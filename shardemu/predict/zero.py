@@ -2,9 +2,9 @@
 
 The microbatch is counted with the optimizer state whole on its tensor group; ZeRO
 splits that state (the FP32 master weights with it) over `replica`, and each stage
-all-gathers its updated weights after its update (`plan_resident._StepEvents.after`);
+all-gathers its updated weights after its update (`resident_step._StepEvents.after`);
 stage 2 reduce-scatters the gradients instead of all-reducing them
-(`plan_resident._StepEvents.all_reduce`).
+(`resident_step._StepEvents.all_reduce`).
 The resident engine runs the same layout for real (`resident/trainer.py`).
 """
 

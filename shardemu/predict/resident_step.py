@@ -1,0 +1,209 @@
+"""A resident step's events, assembled from one counted microbatch (`plan_resident.py`).
+
+Each F or B slot of the schedule is its chunk's layers' events (one layer's counted
+pieces scaled to the chunk), the first and last virtual stages add the embedding and
+head, and activations (or their gradients) cross to the neighbouring stage point to
+point over `pipe`. The gradients reduce over the data-parallel axes in buckets during
+the last backward or after it (`overlap.py`), each stage runs its optimizer update, and
+ZeRO adds its collectives (`zero.py`). Every event is scaled to the stage's r * t
+devices (replicas do identical work).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from shardemu.accounting.assemble import assemble
+from shardemu.accounting.ledger import Event, Phase
+from shardemu.config import Parallelism
+from shardemu.parallel.schedules import Schedule, Slot
+from shardemu.pipelined.layout import PipelineLayout
+from shardemu.predict.overlap import Overlap
+from shardemu.predict.resident_count import Microbatch
+
+
+def _scaled(e: Event, factor: float, replica: int, **changes: Any) -> Event:
+    """`e` repeated `factor` times (layers of a chunk) on `replica` times the devices."""
+    return dataclasses.replace(
+        e,
+        flops=e.flops * factor * replica,
+        recompute_flops=e.recompute_flops * factor * replica,
+        bytes=round(e.bytes * factor * replica),
+        devices=e.devices * replica,
+        **changes,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _phase(kind: str, index: int, layers: tuple[int, int]) -> Phase:
+    """One phase object per phase, shared by every plan in the process, so that the
+    phases it makes for each microbatch (`Phase.at`) are made once: a search assembles
+    hundreds of steps of the same phases."""
+    return Phase(kind, index, layers)  # type: ignore[arg-type]
+
+
+def step_events(
+    mb: Microbatch, sched: Schedule, lay: PipelineLayout, par: Parallelism, overlap: Overlap
+) -> list[Event]:
+    """The step's ledger: the schedule's slots (each virtual stage runs `lay`'s layers),
+    then each stage's gradient all-reduce (after its last backward, or only the shared
+    weights' there when the layers' reduce in buckets during their last backward:
+    `overlap.py`) and optimizer updates."""
+    step = _StepEvents(mb, sched, lay, par, overlap)
+    return assemble(sched, step.slot_events, after=step.after())
+
+
+class _StepEvents:
+    """A resident step's events, slot by slot (`slot_events`) and after the slots."""
+
+    def __init__(
+        self,
+        mb: Microbatch,
+        sched: Schedule,
+        lay: PipelineLayout,
+        par: Parallelism,
+        overlap: Overlap,
+    ) -> None:
+        self.mb, self.sched, self.lay, self.par, self.overlap = mb, sched, lay, par, overlap
+        self.bucketed = overlap.grad_reduce == "bucketed" and par.data > 1
+        self.last_backward: dict[int, int] = {}  # virtual stage -> time of its last backward
+        self.last_b: dict[int, Slot] = {}  # stage -> its last backward
+        for sl in sched.in_order:
+            if sl.kind == "B":
+                self.last_backward[sched.virtual_stage(sl)] = sl.time
+                self.last_b[sl.stage] = sl
+        # one list per (F or B, virtual stage, reduce); `assemble` sets the microbatch
+        self.chunk_events = functools.cache(self._chunk_events)
+
+    def phase(self, kind: str, vs: int, micro: int | None = None) -> Phase:
+        tag = _phase(kind, vs, self.lay.slices[vs])
+        return tag if micro is None else tag.at(micro)
+
+    def all_reduce(
+        self, grad_bytes: int, tag: Phase, stage: int = 0, expert_bytes: int = 0
+    ) -> list[Event]:
+        """The ring all-reduce of `grad_bytes` per device over the data-parallel groups
+        (replica, and expert: the experts' `expert_bytes` of them over replica alone):
+        each device sends 2 (n-1)/n of them (Thakur et al. 2005); under ZeRO stage 2 the
+        ring reduce-scatter, (n-1)/n."""
+        r, ep, t = self.par.replica, self.par.expert, self.par.tensor
+        op, factor = ("reduce-scatter", 1) if self.mb.zero_stage >= 2 else ("all-reduce", 2)
+        parts = [("replica+expert" if ep > 1 else "replica", r * ep, grad_bytes - expert_bytes)]
+        if expert_bytes:
+            parts.append(("replica", r, expert_bytes))
+        return [
+            Event(
+                0,
+                tag,
+                "collective",
+                "gradients",
+                bytes=round(factor * (n - 1) / n * size * r * ep * t),
+                axis=axis,
+                devices=r * ep * t,
+                op=op,
+                group=n,
+                stage=stage,
+            )
+            for axis, n, size in parts
+            if n > 1 and size
+        ]
+
+    def layers(self, kind: str, tag: Phase, reduce: bool) -> list[Event]:
+        """A chunk's layers' forward or backward; with `reduce`, the backward in
+        `buckets` equal parts, each followed by the all-reduce of its gradients."""
+        mb, r = self.mb, self.par.data
+        piece = mb.pieces["forward" if kind == "F" else "backward"]
+        n = self.lay.layers_of(tag.index)
+        if not reduce:
+            return [_scaled(e, n, r, phase=tag) for e in piece]
+        grads, experts, out = mb.layer_bytes * n, mb.expert_bytes * n, []
+        buckets = self.overlap.buckets(grads)
+        part = [_scaled(e, n / buckets, r, phase=tag) for e in piece]
+        share = lambda total, i: total * (i + 1) // buckets - total * i // buckets  # noqa: E731
+        for i in range(buckets):
+            out += [*part, *self.all_reduce(share(grads, i), tag, 0, share(experts, i))]
+        return out
+
+    def _chunk_events(self, kind: str, vs: int, reduce: bool = False) -> list[Event]:
+        """Virtual stage `vs`'s F or B slot: its pieces, and its output sent on to the
+        next virtual stage over `pipe`."""
+        last_vs, r, t = self.lay.last, self.par.data, self.par.tensor
+        if kind == "F":
+            names = (
+                (["embed"] if vs == 0 else []) + ["forward"] + (["head"] if vs == last_vs else [])
+            )
+            tag, to = self.phase("forward", vs), vs + 1
+        else:
+            names = ["backward"] + (["embed-backward"] if vs == 0 else [])
+            tag, to = self.phase("backward", vs), vs - 1
+        events = [
+            e
+            for name in names
+            for e in (
+                self.layers(kind, tag, reduce)
+                if name in ("forward", "backward")
+                else [_scaled(e, 1, r, phase=tag) for e in self.mb.pieces[name]]
+            )
+        ]
+        if 0 <= to <= last_vs and self.par.pipe > 1:  # to the next virtual stage, as its input
+            carries = "activations" if kind == "F" else "gradients"
+            events.append(
+                Event(
+                    0,
+                    self.phase(tag.kind, to),
+                    "collective",
+                    carries,
+                    bytes=self.mb.act_bytes * r * t,
+                    axis="pipe",
+                    devices=r * t,
+                    op="collective-permute",
+                    group=2,
+                )
+            )
+        return events
+
+    def slot_events(self, slot: Slot) -> list[Event]:
+        vs = self.sched.virtual_stage(slot)
+        reduce = self.bucketed and slot.kind == "B" and slot.time == self.last_backward[vs]
+        return self.chunk_events(slot.kind, vs, reduce)
+
+    def after(self) -> list[Event]:
+        """After the slots, each stage: its gradients' all-reduce (the shared weights'
+        alone when the layers' went in buckets) and its optimizer updates."""
+        mb, sched, r, out = self.mb, self.sched, self.par.data, []
+        for s, n in enumerate(self.lay.stage_layers()):
+            shared = s in (0, self.par.pipe - 1)
+            layers = 0 if self.bucketed else n
+            grads = mb.layer_bytes * layers + (mb.shared_bytes if shared else 0)
+            if r > 1 and grads:
+                last = self.last_b[s]
+                tag = self.phase("backward", sched.virtual_stage(last), last.microbatch)
+                out += self.all_reduce(grads, tag, s, mb.expert_bytes * layers)
+            update = Phase("update", s)
+            out += [_scaled(e, n, r, phase=update, stage=s) for e in mb.pieces["update0"]]
+            if shared:
+                out += [_scaled(e, 1, r, phase=update, stage=s) for e in mb.pieces["update-shared"]]
+            if mb.zero > 1:  # each replica updated its share: the weights all-gathered
+                weights = mb.layer_bytes * n + (mb.shared_bytes if shared else 0)
+                out.append(self.all_gather(weights, mb.zero, update, s))
+        return out
+
+    def all_gather(self, weights: int, replicas: int, tag: Phase, stage: int) -> Event:
+        """ZeRO's all-gather of the updated `weights` (bytes per device, in
+        their own dtype, as Megatron-LM's distributed optimizer gathers them) over
+        `replica`: each device sends (n-1)/n of them (ring)."""
+        devices = self.par.data * self.par.tensor
+        return Event(
+            0,
+            tag,
+            "collective",
+            "weights",
+            bytes=round((replicas - 1) / replicas * weights * devices),
+            axis="replica",
+            devices=devices,
+            op="all-gather",
+            group=replicas,
+            stage=stage,
+        )
