@@ -159,7 +159,7 @@ class TrainConfig:
         "--zero",
         "ZeRO stage (Rajbhandari et al. 2020) over replica: 1 shards the optimizer state "
         "and FP32 master weights, 2 also the gradients (reduce-scatter), 3 also the "
-        "weights (FSDP: all-gathered where used); resident runs (plans: 1 and 2)",
+        "weights (FSDP: all-gathered where used); resident runs and plans",
     )
 
     def __post_init__(self) -> None:

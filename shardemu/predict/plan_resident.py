@@ -58,7 +58,7 @@ from shardemu.predict.sparse import (
     scale_compute,
     sparse_report,
 )
-from shardemu.predict.zero import require_planned_stage, zero
+from shardemu.predict.zero import zero
 
 
 def plan_resident(
@@ -88,7 +88,6 @@ def plan_resident(
     t0 = time.perf_counter()
     model = as_model(model)
     train.check_sequence_split(par.tensor)
-    require_planned_stage(train)
     if overlap.tp_overlap == "chunked" and not train.sequence_parallel:
         raise ConfigError(
             "Overlap.tp_overlap chunked hides the all-gathers and reduce-scatters of "

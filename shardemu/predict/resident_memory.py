@@ -17,6 +17,7 @@ from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.pipelined.layout import PipelineLayout, pipeline_layout
 from shardemu.predict.activations import layer_bytes
 from shardemu.predict.layouts import ATTENTION
+from shardemu.predict.overlap import MAX_BUCKETS
 from shardemu.predict.resident_count import (
     CountKey,
     Microbatch,
@@ -68,15 +69,24 @@ def _stage_bytes(
     where it holds them): weights, gradients and optimizer state, and what its layers
     keep (`keep` a layer) for the `held` microbatches in flight at its peak
     (`Schedule.peak_activations`). Gradients are the weights' dtype, summed over
-    microbatches in FP32 (`numerics/precision.py`); under ZeRO stage 2, a replica's
-    share of them (`zero.py`), but for an accumulation buffer, reduce-scattered once
-    full (as the resident engine and Megatron-LM's distributed optimizer do)."""
+    microbatches in FP32 (`numerics/precision.py`). Under ZeRO (`zero.py`) stage 2, a
+    replica's share of them, but for an accumulation buffer, reduce-scattered once full
+    (as the resident engine and Megatron-LM's distributed optimizer do); stage 3 splits
+    the layers' weights too, and their gradients, reduce-scattered every microbatch
+    (FSDP), and holds two layers gathered whole (the one computing, the one prefetched:
+    `resident_step._StepEvents.gathered`); the shared weights stay whole."""
     weights = mb.layer_bytes * layers + (mb.shared_bytes if shared else 0)
     optimizer = mb.opt_bytes[0] * layers + (mb.opt_bytes[1] if shared else 0)
     itemsize = jnp.dtype(model.cfg.param_dtype).itemsize
     grads = weights if microbatches == 1 else weights * 4 // itemsize
     if mb.zero_stage >= 2 and microbatches == 1:
         grads = round(grads / mb.zero)
+    if mb.zero_stage == 3 and mb.zero > 1 and layers:
+        split = 1 - 1 / mb.zero  # of the layers' weights, and of their accumulated gradients
+        if microbatches > 1:
+            grads -= round(mb.layer_bytes * layers * 4 // itemsize * split)
+        per_part = -(-layers // min(layers, MAX_BUCKETS))  # layers gathered at a time
+        weights += 2 * mb.layer_bytes * per_part - round(mb.layer_bytes * layers * split)
     return weights + grads + optimizer + round(held * layers * keep)
 
 

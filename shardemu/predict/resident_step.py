@@ -20,7 +20,7 @@ from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism
 from shardemu.parallel.schedules import Schedule, Slot
 from shardemu.pipelined.layout import PipelineLayout
-from shardemu.predict.overlap import Overlap
+from shardemu.predict.overlap import MAX_BUCKETS, Overlap
 from shardemu.predict.resident_count import Microbatch
 
 
@@ -68,6 +68,7 @@ class _StepEvents:
     ) -> None:
         self.mb, self.sched, self.lay, self.par, self.overlap = mb, sched, lay, par, overlap
         self.bucketed = overlap.grad_reduce == "bucketed" and par.data > 1
+        self.fsdp = mb.zero_stage == 3 and mb.zero > 1  # ZeRO-3: layers gathered, reduced
         self.last_backward: dict[int, int] = {}  # virtual stage -> time of its last backward
         self.last_b: dict[int, Slot] = {}  # stage -> its last backward
         for sl in sched.in_order:
@@ -116,6 +117,8 @@ class _StepEvents:
         mb, r = self.mb, self.par.data
         piece = mb.pieces["forward" if kind == "F" else "backward"]
         n = self.lay.layers_of(tag.index)
+        if self.fsdp:
+            return self.gathered(kind, tag, piece, n)
         if not reduce:
             return [_scaled(e, n, r, phase=tag) for e in piece]
         grads, experts, out = mb.layer_bytes * n, mb.expert_bytes * n, []
@@ -124,6 +127,25 @@ class _StepEvents:
         share = lambda total, i: total * (i + 1) // buckets - total * i // buckets  # noqa: E731
         for i in range(buckets):
             out += [*part, *self.all_reduce(share(grads, i), tag, 0, share(experts, i))]
+        return out
+
+    def gathered(self, kind: str, tag: Phase, piece: list[Event], n: int) -> list[Event]:
+        """ZeRO stage 3 (FSDP: Zhao et al. 2023, "PyTorch FSDP", §3.3-3.4; Rajbhandari et
+        al. 2020, P_os+g+p) of a chunk's n layers: in `parts` parts (a layer each, at
+        most MAX_BUCKETS), each part's weights all-gathered over `replica` one part ahead
+        of its computation (FSDP's forward and backward prefetch), gathered again for
+        the backward (freed after the forward), and its backward's gradients
+        reduce-scattered after it, every microbatch."""
+        mb, r, parts = self.mb, self.par.data, min(n, MAX_BUCKETS)
+        part = [_scaled(e, n / parts, r, phase=tag) for e in piece]
+        share = lambda total, i: total * (i + 1) // parts - total * i // parts  # noqa: E731
+        weights, experts = mb.layer_bytes * n, mb.expert_bytes * n
+        gathers = [self.all_gather(share(weights, i), mb.zero, tag, 0) for i in range(parts)]
+        out = gathers[:1]
+        for i in range(parts):
+            out += gathers[i + 1 : i + 2] + part
+            if kind == "B":
+                out += self.all_reduce(share(weights, i), tag, 0, share(experts, i))
         return out
 
     def _chunk_events(self, kind: str, vs: int, reduce: bool = False) -> list[Event]:
@@ -175,7 +197,7 @@ class _StepEvents:
         mb, sched, r, out = self.mb, self.sched, self.par.data, []
         for s, n in enumerate(self.lay.stage_layers()):
             shared = s in (0, self.par.pipe - 1)
-            layers = 0 if self.bucketed else n
+            layers = 0 if self.bucketed or self.fsdp else n
             grads = mb.layer_bytes * layers + (mb.shared_bytes if shared else 0)
             if r > 1 and grads:
                 last = self.last_b[s]
@@ -186,14 +208,17 @@ class _StepEvents:
             if shared:
                 out += [_scaled(e, 1, r, phase=update, stage=s) for e in mb.pieces["update-shared"]]
             if mb.zero > 1:  # each replica updated its share: the weights all-gathered
-                weights = mb.layer_bytes * n + (mb.shared_bytes if shared else 0)
-                out.append(self.all_gather(weights, mb.zero, update, s))
+                # (under ZeRO-3 the layers' stay split, gathered where they are used)
+                weights = mb.layer_bytes * (0 if self.fsdp else n)
+                weights += mb.shared_bytes if shared else 0
+                if weights:
+                    out.append(self.all_gather(weights, mb.zero, update, s))
         return out
 
     def all_gather(self, weights: int, replicas: int, tag: Phase, stage: int) -> Event:
-        """ZeRO's all-gather of the updated `weights` (bytes per device, in
-        their own dtype, as Megatron-LM's distributed optimizer gathers them) over
-        `replica`: each device sends (n-1)/n of them (ring)."""
+        """ZeRO's all-gather of `weights` (bytes per device, in their own dtype, as
+        Megatron-LM's distributed optimizer and FSDP gather them) over `replica`: each
+        device sends (n-1)/n of them (ring)."""
         devices = self.par.data * self.par.tensor
         return Event(
             0,

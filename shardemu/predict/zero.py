@@ -1,10 +1,12 @@
-"""ZeRO in a resident plan: stages 1 and 2 (`TrainConfig.zero`; Rajbhandari et al. 2020).
+"""ZeRO in a resident plan: stages 1, 2 and 3 (`TrainConfig.zero`; Rajbhandari et al. 2020).
 
 The microbatch is counted with the optimizer state whole on its tensor group; ZeRO
 splits that state (the FP32 master weights with it) over `replica`, and each stage
 all-gathers its updated weights after its update (`resident_step._StepEvents.after`);
 stage 2 reduce-scatters the gradients instead of all-reducing them
-(`resident_step._StepEvents.all_reduce`).
+(`resident_step._StepEvents.all_reduce`); stage 3 gathers each layer's weights where it
+is used and reduce-scatters its gradients every microbatch
+(`resident_step._StepEvents.gathered`).
 The resident engine runs the same layout for real (`resident/trainer.py`).
 """
 
@@ -12,18 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardemu.config import ConfigError, Parallelism, TrainConfig
+from shardemu.config import Parallelism, TrainConfig
 from shardemu.predict.resident_count import Microbatch
-
-
-def require_planned_stage(train: TrainConfig) -> None:
-    """Plans model ZeRO stages 1 and 2; stage 3 runs for real but is refused here."""
-    if train.zero > 2:
-        raise ConfigError(
-            f"TrainConfig.zero={train.zero}: plans model ZeRO stages 1 and 2; stage 3 runs "
-            f"on the resident engine (its ledger counts the all-gathers and "
-            f"reduce-scatters), but is not planned yet"
-        )
 
 
 def zero(mb: Microbatch, train: TrainConfig, par: Parallelism) -> Microbatch:
@@ -31,7 +23,9 @@ def zero(mb: Microbatch, train: TrainConfig, par: Parallelism) -> Microbatch:
     Table 1): stage 1 (P_os) splits the optimizer state, the FP32 master weights with
     it (K Psi / N_d of the 2 Psi + 2 Psi + K Psi), and all-gathers the updated weights;
     stage 2 (P_os+g) also reduce-scatters the gradients into each replica's share
-    (2 Psi / N_d of them held: `resident_memory._stage_bytes`)."""
+    (2 Psi / N_d of them held: `resident_memory._stage_bytes`); stage 3 (P_os+g+p,
+    FSDP) also splits the layers' weights, gathered one layer ahead of their use
+    (`resident_step._StepEvents.gathered`)."""
     if not train.zero or par.replica == 1:
         return mb
     r = par.replica
