@@ -104,6 +104,45 @@ def test_tensor_and_replica_sharded_equals_one_device(reference, train_and_compa
 
 
 @pytest.mark.slow
+def test_todays_layouts_together_stay_within_fp8s_tolerance_and_are_planned(reference):
+    """FP8 matmuls, ZeRO stage 3 and sequence parallelism at once on tensor=2 x
+    replica=2, from the FP32 reference's initial weights rounded to BF16: every loss
+    within FP8's stated tolerance (test_precision.py: 0.5%) of that one FP32 device. The
+    same layout planned on an H100 with the tensor collectives chunked: FP8 dots,
+    gradients reduce-scattered and layers gathered over replica, tensor all-gathers and
+    reduce-scatters, and less device memory than the plain BF16 layout."""
+    from test_precision import LOSS_RTOL
+
+    from shardemu.data import SyntheticCorpus
+    from shardemu.numerics.precision import as_compute
+    from shardemu.predict.overlap import Overlap
+    from shardemu.predict.plan_resident import plan_resident
+    from shardemu.predict.profiles import PROFILES
+
+    today = TrainConfig(batch=8, seq=16, seed=0, precision="fp8", zero=3, sequence_parallel=True)
+    mesh = make_mesh(tensor=2, replica=2, devices=jax.devices()[:4])
+    trainer = Trainer(TINY, mesh, today)
+    params = jax.device_put(as_compute(reference["init"], trainer.model), trainer.param_shardings)
+    opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.opt_shardings)(params)
+    corpus, metrics = SyntheticCorpus(TINY.cfg.vocab_size, seed=0), []
+    for step in range(STEPS):
+        out = trainer.step(params, opt_state, TINY.batch(corpus, step, 8, 16))
+        params, opt_state = out.params, out.opt_state
+        metrics.append(float(out.loss))
+    np.testing.assert_allclose(metrics, reference["losses"], rtol=LOSS_RTOL)
+    par, hw = trainer.par, PROFILES["h100-sxm"]
+    planned = plan_resident(TINY, par, today, 4, hw, overlap=Overlap(tp_overlap="chunked"))
+    events = planned.ledger.events
+    ops = {(e.op, e.axis) for e in events if e.kind == "collective"}
+    assert {("reduce-scatter", "replica"), ("all-gather", "replica")} <= ops
+    assert {("reduce-scatter", "tensor"), ("all-gather", "tensor")} <= ops
+    assert any(m.fp8 for e in events if e.kind == "compute" for m in e.matmuls)
+    plain = plan_resident(TINY, par, TrainConfig(batch=8, seq=16, precision="bf16"), 4, hw)
+    memory = [p.report["memory_per_device"]["device"]["bytes"] for p in (planned, plain)]
+    assert memory[0] < memory[1]
+
+
+@pytest.mark.slow
 def test_pipelined_equals_one_device(reference, staged_like_reference):
     """1F1B over pipe=2 with tensor=2: the embedding on the first stage, the untied head
     on the last."""

@@ -115,7 +115,8 @@ def _scattered(hlo_text: str, mesh_size: int) -> dict[str, frozenset[int]]:
     """All-reduces (by name, the indices of their tuple elements) that XLA's CPU
     pipeline emitted for a reduce-scatter: a user takes a dynamic slice of 1/n of the
     reduced buffer (n the all-reduce's group; the SPMD partitioner's per-device slice,
-    alone or in a fusion), directly or through its tuple element, where a GPU or TPU
+    alone or in a fusion), directly, through its tuple element or through a convert
+    back from the f32 the CPU reduces 16-bit buffers in, where a GPU or TPU
     pipeline emits the reduce-scatter itself (sequence parallelism's, Korthikanti et
     al. 2022; ZeRO-2's gradients, Rajbhandari et al. 2020). Other users that read the
     whole reduced buffer (the layer norms' parameter gradients) are the CPU
@@ -133,6 +134,8 @@ def _scattered(hlo_text: str, mesh_size: int) -> dict[str, frozenset[int]]:
                     reduced[name] = (name, 0)
             elif op == "get-tuple-element" and args and args[0] in group:
                 reduced[name] = (args[0], int(_INDEX.search(rest)[1]))  # type: ignore[index]
+            elif len(args) == 1 and args[0] in reduced and _converts(op, rest, computations):
+                reduced[name] = reduced[args[0]]  # the CPU's f32 reduction cast back
         shapes = {name: shape for name, shape, _, _ in body}
         for _, shape, op, rest in body:
             args = operands(rest)
@@ -149,16 +152,29 @@ def _scattered(hlo_text: str, mesh_size: int) -> dict[str, frozenset[int]]:
     return {name: frozenset(indices) for name, indices in out.items()}
 
 
+def _converts(op: str, rest: str, computations: dict) -> bool:
+    """Whether an instruction only converts, copies or reshapes its operand."""
+    moves = {"convert", "bitcast", "copy", "reshape", "parameter"}
+    if op == "fusion" and (callee := CALLED.search(rest)):
+        return {o for _, _, o, _ in computations.get(callee[1], [])} <= moves
+    return op in moves
+
+
 def _slices_param(callee: list, index: int, n: int) -> bool:
-    """Whether a fused computation takes a dynamic slice of 1/n of its parameter `index`."""
+    """Whether a fused computation takes a dynamic slice of 1/n of its parameter `index`
+    (of it, or of an elementwise result of its shape: a scale or a residual add fused
+    before the slice)."""
     param = next(
         (x for x, _, op, r in callee if op == "parameter" and r.startswith(f"{index})")), None
     )
     shapes = {name: shape for name, shape, _, _ in callee}
-    return param is not None and any(
+    if param is None:
+        return False
+    whole = _elements(shapes[param])
+    return any(
         op == "dynamic-slice"
-        and operands(rest)[:1] == [param]
-        and _elements(shape) * n == _elements(shapes[param])
+        and _elements(shapes.get(operands(rest)[0], "")) == whole
+        and _elements(shape) * n == whole
         for _, shape, op, rest in callee
     )
 
