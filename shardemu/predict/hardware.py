@@ -122,23 +122,7 @@ class Hardware:
                     f"hardware {self.name!r}: {key} must be a finite positive number (or "
                     f"left out: {left_out}), got {value!r}"
                 )
-        if not isinstance(self.precisions, list | tuple):  # a string would split in letters
-            raise HardwareError(
-                f'hardware {self.name!r}: precisions must be a list such as ["bf16"], got '
-                f"{self.precisions!r}"
-            )
-        object.__setattr__(self, "precisions", tuple(self.precisions))  # a list from a file
-        if not self.precisions or any(p not in PRECISIONS for p in self.precisions):
-            raise HardwareError(
-                f"hardware {self.name!r}: precisions must be a non-empty list of "
-                f"{', '.join(PRECISIONS)}, got {list(self.precisions)!r}"
-            )
-        if ("fp8" in self.precisions) != (self.fp8_tflops is not None):
-            raise HardwareError(
-                f"hardware {self.name!r}: precisions {list(self.precisions)!r} and "
-                f"fp8_tflops = {self.fp8_tflops!r} disagree; a device computes in fp8 "
-                f"exactly when it has an FP8 matmul peak (give both, or neither)"
-            )
+        self._check_precisions()
         for key in ("efficiency", "memory_efficiency"):
             value = getattr(self, key)
             if not (_real(value) and 0 < value <= 1):
@@ -164,6 +148,26 @@ class Hardware:
                     f"hardware {self.name!r}: block_sparse_speed entries are [block, speed] "
                     f"with block in {BLOCK_SIZES} and speed in (0, 1], got {list(pair)!r}"
                 )
+
+    def _check_precisions(self) -> None:
+        """`precisions` a non-empty list of known precisions, `fp8` with its peak."""
+        if not isinstance(self.precisions, list | tuple):  # a string would split in letters
+            raise HardwareError(
+                f'hardware {self.name!r}: precisions must be a list such as ["bf16"], got '
+                f"{self.precisions!r}"
+            )
+        object.__setattr__(self, "precisions", tuple(self.precisions))  # a list from a file
+        if not self.precisions or any(p not in PRECISIONS for p in self.precisions):
+            raise HardwareError(
+                f"hardware {self.name!r}: precisions must be a non-empty list of "
+                f"{', '.join(PRECISIONS)}, got {list(self.precisions)!r}"
+            )
+        if ("fp8" in self.precisions) != (self.fp8_tflops is not None):
+            raise HardwareError(
+                f"hardware {self.name!r}: precisions {list(self.precisions)!r} and "
+                f"fp8_tflops = {self.fp8_tflops!r} disagree; a device computes in fp8 "
+                f"exactly when it has an FP8 matmul peak (give both, or neither)"
+            )
 
     def sparse_time(self, density: float, block: int) -> float:
         """The time of a block-sparse matmul at `density` with `block`-sized blocks, as a
