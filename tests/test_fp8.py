@@ -114,10 +114,10 @@ def test_the_roofline_runs_fp8_matmuls_at_the_fp8_peak():
 
 
 def test_fp8_profiles_and_their_refusals():
-    """H100 and H200 1979 TFLOP/s FP8 dense, B200 4500 (datasheets); A100 and the TPUs
+    """H100 and H200 1979 TFLOP/s FP8 dense, B200 4500, GB200 5000 (datasheets); A100 and the TPUs
     list no fp8. A profile naming fp8 without its peak (or the other way) is refused."""
     assert {n: p.fp8_tflops for n, p in PROFILES.items() if "fp8" in p.precisions} == {
-        "h100-sxm": 1979.0, "h200-sxm": 1979.0, "b200": 4500.0,
+        "h100-sxm": 1979.0, "h200-sxm": 1979.0, "b200": 4500.0, "gb200-nvl72": 5000.0,
     }  # fmt: skip
     assert PROFILES["h100-sxm"].at_precision("fp8").peak_tflops == 989.0  # the 16-bit kernels
     plain = Hardware("x", 10.0, 1, 1, 1, 1, 1, 1)

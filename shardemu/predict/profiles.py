@@ -252,6 +252,31 @@ PROFILES: dict[str, Hardware] = {
         "NVIDIA B200 (HGX/DGX B200, 1000 W), NDR IB",
         fp8=4500.0,
     ),
+    # NVIDIA GB200 NVL72 (NVIDIA's GB200 NVL72 page: 72 Blackwell GPUs and 36 Grace CPUs
+    # a rack, one NVLink domain of 130 TB/s, 13.4 TB of HBM3e at 576 TB/s; the Blackwell
+    # architecture technical brief's GB200 figures at 1200 W, as tabulated at
+    # glennklockwood.com/garden/processors/B200): 2500 TFLOP/s BF16 dense, 1250 TF32
+    # dense, 5000 FP8 dense a GPU; 186 GB of HBM3e at 8 TB/s a GPU; NVLink 5 at 1.8 TB/s a
+    # GPU (900 per direction) to all 72 GPUs of the rack (one node here); each Grace's
+    # 480 GB of LPDDR5X serves its two GPUs over NVLink-C2C at 900 GB/s (450 per
+    # direction); between racks 400 Gb/s InfiniBand a GPU (50 GB/s). The roofline's
+    # efficiency and per-matmul latency are the H100's (unmeasured here).
+    "gb200-nvl72": dataclasses.replace(
+        _gpu(
+            "gb200-nvl72",
+            2500.0,
+            1250.0,
+            186.0,
+            8000.0,
+            900.0,
+            450.0,
+            50.0,
+            "NVIDIA GB200 NVL72: 72 Blackwell GPUs a rack in one NVLink domain",
+            fp8=5000.0,
+        ),
+        devices_per_node=72,
+        host_memory_gb=240.0,
+    ),
     # Google Cloud TPU docs, "TPU v4": 275 TFLOP/s BF16 per chip, 32 GiB HBM2 at
     # 1200 GB/s, 4096 chips per pod with 1.1 PB/s of all-reduce bandwidth per pod: 269 GB/s
     # per chip, our per-direction collective bandwidth. Host link (PCIe) and host memory
