@@ -429,8 +429,9 @@ def test_resuming_a_directory_that_is_not_there_creates_nothing(tmp_path):
 
 def test_a_plan_that_does_not_fit_exits_4_naming_the_tier_and_what_to_change(tmp_path):
     """gpt-tiny on a 1 MB device: the plan is written and printed, then one line says
-    which tier, by how much and what would shrink it (not the settings already given),
-    exit status 4; --allow-overflow plans it with a warning and exit status 0."""
+    which tier, by how much and what would shrink it (not the settings already given; a
+    higher ZeRO stage where there are replicas), exit status 4; --allow-overflow plans it
+    with a warning and exit status 0."""
     tiny = tmp_path / "tiny.json"
     tiny.write_text('{"base": "a100-80gb", "name": "a100-1mb", "device_memory_gb": 0.001}')
     plan = ["plan", "--model", "gpt-tiny", "--hardware", str(tiny), "--recompute", "full",
@@ -442,7 +443,9 @@ def test_a_plan_that_does_not_fit_exits_4_naming_the_tier_and_what_to_change(tmp
     assert line.startswith("error: gpt-tiny on pipe=1,tensor=1,replica=1 does not fit a100-1mb")
     assert "its device tier holds" in line and "GB over the 0.001 GB it has" in line
     assert "--recompute full" not in line and "--allow-overflow" in line
-    assert "a smaller --microbatch-size" in line
+    assert "a smaller --microbatch-size" in line and "--zero" not in line  # one replica
+    replicas = shardemu(*plan, "--mesh", "replica=2", "--zero", "2", "--json")
+    assert replicas.returncode == 4 and ", --zero 3 (ZeRO: the optimizer" in replicas.stderr
     anyway = shardemu(*plan, "--json", "--allow-overflow")
     assert anyway.returncode == 0 and anyway.stderr.startswith("warning: gpt-tiny"), anyway.stderr
 

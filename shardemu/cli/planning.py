@@ -20,7 +20,7 @@ from shardemu.cli.settings import (
     sparsity_config,
     tracking_config,
 )
-from shardemu.config import ConfigError, PhasedConfig, TrainConfig
+from shardemu.config import ConfigError, Parallelism, PhasedConfig, TrainConfig
 from shardemu.devices import MAX_VIRTUAL_DEVICES, use_virtual_devices
 from shardemu.errors import CapacityError
 from shardemu.models import Model
@@ -121,11 +121,11 @@ def _say_if_it_does_not_fit(args: argparse.Namespace, planned: Plan, phased: Any
         )
         return
     raise CapacityError(
-        f"{what}; {_changes(args, phased)}, or give --allow-overflow to plan it anyway"
+        f"{what}; {_changes(args, phased, report)}, or give --allow-overflow to plan it anyway"
     )
 
 
-def _changes(args: argparse.Namespace, phased: Any) -> str:
+def _changes(args: argparse.Namespace, phased: Any, report: dict[str, Any]) -> str:
     """The layout changes that shrink a plan's memory, less those already made."""
     if phased is not None:
         options = [
@@ -138,6 +138,10 @@ def _changes(args: argparse.Namespace, phased: Any) -> str:
         options = [
             "--recompute full" if args.recompute != "full" else None,
             "a smaller --microbatch-size" if micro is None or micro > 1 else None,
+            f"--zero {' or '.join(map(str, range(args.zero + 1, 4)))} (ZeRO: the optimizer "
+            f"state, then the gradients, then the weights split over the replicas)"
+            if args.zero < 3 and Parallelism.parse(report["mesh"]).replica > 1
+            else None,
             "more tensor or pipe devices in --mesh",
             "--phased (weights in the host tier)",
         ]
