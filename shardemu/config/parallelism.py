@@ -14,23 +14,25 @@ class Parallelism:
     `tensor` shards, `replica` data-parallel replicas, and `expert` expert-parallel
     groups: a mixture of experts' experts split over them, and the batch too, as
     data parallelism (GShard, Lepikhin et al. 2020, Section 3.2; DeepSpeed-MoE and
-    Megatron-Core carve expert parallelism out of data parallelism alike).
-    Devices used = pipe*tensor*replica*expert."""
+    Megatron-Core carve expert parallelism out of data parallelism alike), and
+    `context` context-parallel groups: each sequence split over them (`parallel/rules.py`).
+    Devices used = pipe*tensor*replica*expert*context."""
 
     pipe: int = 1
     tensor: int = 1
     replica: int = 1
     expert: int = 1
+    context: int = 1
 
     def __post_init__(self) -> None:
         require_positive(
             "Parallelism", pipe=self.pipe, tensor=self.tensor, replica=self.replica,
-            expert=self.expert,
+            expert=self.expert, context=self.context,
         )  # fmt: skip
 
     @property
     def num_devices(self) -> int:
-        return self.pipe * self.tensor * self.replica * self.expert
+        return self.pipe * self.tensor * self.replica * self.expert * self.context
 
     @property
     def data(self) -> int:
@@ -40,20 +42,21 @@ class Parallelism:
     def axis_sizes(self) -> dict[str, int]:
         return {
             "pipe": self.pipe, "tensor": self.tensor, "replica": self.replica,
-            "expert": self.expert,
+            "expert": self.expert, "context": self.context,
         }  # fmt: skip
 
     @classmethod
     def parse(cls, text: str) -> Parallelism:
-        """Parse `pipe=P,tensor=T,replica=R,expert=E` (any subset; missing axes are 1)."""
+        """Parse `pipe=P,tensor=T,replica=R,expert=E,context=C` (any subset; missing axes
+        are 1)."""
         sizes: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
             key = key.strip()
-            if not sep or key not in ("pipe", "tensor", "replica", "expert"):
+            if not sep or key not in ("pipe", "tensor", "replica", "expert", "context"):
                 raise ConfigError(
                     f"bad mesh item {part!r} in {text!r}; expected "
-                    f"pipe=P,tensor=T,replica=R[,expert=E]"
+                    f"pipe=P,tensor=T,replica=R[,expert=E][,context=C]"
                 )
             if key in sizes:
                 raise ConfigError(f"mesh axis {key!r} given twice in {text!r}")
@@ -67,4 +70,5 @@ class Parallelism:
 
     def __str__(self) -> str:
         text = f"pipe={self.pipe},tensor={self.tensor},replica={self.replica}"
-        return text + (f",expert={self.expert}" if self.expert > 1 else "")
+        text += f",expert={self.expert}" if self.expert > 1 else ""
+        return text + (f",context={self.context}" if self.context > 1 else "")

@@ -244,7 +244,13 @@ class TrainConfig:
                 f"TrainConfig.seq {self.seq} exceeds {model.name}'s {model.max_positions} "
                 f"positions; use TrainConfig.seq <= {model.max_positions}"
             )
-        self.check_sequence_split(parallelism.tensor)
+        self.check_sequence_split(parallelism.tensor, parallelism.context)
+        if self.seq % parallelism.context:
+            raise ConfigError(
+                f"TrainConfig.seq {self.seq} is not divisible by context={parallelism.context} "
+                f"(context parallelism splits every sequence over it); use a multiple of "
+                f"{parallelism.context}"
+            )
         data = parallelism.data  # replica x expert: the batch is split over both
         if self.batch % data:
             raise ConfigError(
@@ -259,14 +265,16 @@ class TrainConfig:
                 f"{self.grad_accum} = {split}; use a multiple of {split}"
             )
 
-    def check_sequence_split(self, tensor: int) -> None:
-        """Refuse sequence parallelism over a `tensor` size that does not divide `seq`."""
-        if self.sequence_parallel and self.seq % tensor:
+    def check_sequence_split(self, tensor: int, context: int = 1) -> None:
+        """Refuse sequence parallelism over a `tensor` size (times `context`, which splits
+        the sequence too) that does not divide `seq`."""
+        if self.sequence_parallel and self.seq % (tensor * context):
+            over = f"tensor={tensor}" if context == 1 else f"tensor x context={tensor * context}"
             raise ConfigError(
                 f"TrainConfig.sequence_parallel splits the sequence over "
-                f"tensor={tensor}, which does not divide TrainConfig.seq "
+                f"{over}, which does not divide TrainConfig.seq "
                 f"{self.seq}; use a TrainConfig.seq that is a multiple of "
-                f"{tensor}, or leave sequence parallelism off"
+                f"{tensor * context}, or leave sequence parallelism off"
             )
 
     @property

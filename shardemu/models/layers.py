@@ -28,6 +28,9 @@ ACT_BSD = ("batch", "residual_sequence", "embed")
 # the whole sequence, as a column-parallel matmul takes its input
 ACT_BSD_WHOLE = ("batch", "sequence", "embed")
 ACT_BSHK = ("batch", "sequence", "heads", "head_dim")
+# keys and values over the whole sequence: under context parallelism each device's
+# queries attend to every position, so they are all-gathered (`parallel/rules.py`)
+KV_BSHK = ("batch", None, "heads", "head_dim")
 ACT_BSF = ("batch", "sequence", "mlp")
 
 
@@ -140,6 +143,7 @@ class SelfAttention(nn.Module):
         qkv_bschk = qkv_bschk + bias_chk
         qkv_bschk = constrain(qkv_bschk, ("batch", "sequence", None, "heads", "head_dim"))
         q_bshk, k_bshk, v_bshk = (qkv_bschk[:, :, i] for i in range(3))
+        k_bshk, v_bshk = constrain(k_bshk, KV_BSHK), constrain(v_bshk, KV_BSHK)
         scores_bhqk = jnp.einsum("bqhk,bshk->bhqs", q_bshk, k_bshk) / jnp.sqrt(cfg.head_dim)
         scores_bhqk = jnp.where(mask_bqk[:, None], scores_bhqk, jnp.finfo(scores_bhqk.dtype).min)
         # softmax in float32, then back to the activations' type (mixed precision)

@@ -104,7 +104,7 @@ class Attention(nn.Module):
         k_bsgk = rotary(fp8.einsum("bsd,dgk->bsgk", x_bsd, wk, fp8_on), cfg.rope_theta)
         v_bsgk = fp8.einsum("bsd,dgk->bsgk", x_bsd, wv, fp8_on)
         q_bshk = constrain(q_bshk, ACT_BSHK)
-        kv_axes_act = ("batch", "sequence", "kv_heads", "head_dim")
+        kv_axes_act = ("batch", None, "kv_heads", "head_dim")  # the whole sequence (KV_BSHK)
         k_bsgk, v_bsgk = constrain(k_bsgk, kv_axes_act), constrain(v_bsgk, kv_axes_act)
         b, s = q_bshk.shape[:2]
         q_bsgrk = q_bshk.reshape(b, s, groups, heads // groups, k)  # head j: group j // r

@@ -47,7 +47,9 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 LogicalAxes = tuple[str | None, ...]
 
 
-def megatron_rules(sequence_parallel: bool = False, expert_parallel: bool = False) -> Rules:
+def megatron_rules(
+    sequence_parallel: bool = False, expert_parallel: bool = False, context_parallel: bool = False
+) -> Rules:
     """Megatron-style tensor parallelism over `tensor`, data parallelism over `replica`.
 
     With `expert_parallel`, a mixture of experts' experts are split over `expert`, and
@@ -60,15 +62,26 @@ def megatron_rules(sequence_parallel: bool = False, expert_parallel: bool = Fals
     Transformer Models", Section 4.2.2) do: each all-reduce over `tensor` becomes a
     reduce-scatter and an all-gather of the same bytes, and that work and its
     activations are no longer repeated on every tensor device.
+
+    With `context_parallel`, every sequence is split over `context` (its residual
+    stream too, and over `tensor` beside it under sequence parallelism): each device
+    holds its share of the queries and all-gathers the keys and values of the whole
+    sequence before attention (the attention layers name their keys' and values'
+    sequence None), as Llama 3's all-gather context parallelism does (Dubey et al.
+    2024, §3.3.2). XLA's computation is the whole masked score matrix either way, so
+    each device's share of it is equal, the balance Llama 3 and Megatron-LM get from
+    two chunks a rank under causal masking.
     """
+    sequence = "context" if context_parallel else None
+    residual = ("context", "tensor") if context_parallel else "tensor"
     return (
         ("batch", ("replica", "expert") if expert_parallel else "replica"),
         ("expert_batch", "replica"),
         ("experts", "expert" if expert_parallel else None),
         ("capacity", None),
-        ("sequence", None),
+        ("sequence", sequence),
         ("predictions", None),
-        ("residual_sequence", "tensor" if sequence_parallel else None),
+        ("residual_sequence", residual if sequence_parallel else sequence),
         ("embed", None),
         ("embed_out", None),
         ("heads", "tensor"),
@@ -83,10 +96,15 @@ def megatron_rules(sequence_parallel: bool = False, expert_parallel: bool = Fals
     )
 
 
-def rules_or_default(rules: Rules | None, sequence_parallel: bool, experts: int = 1) -> Rules:
+def rules_or_default(
+    rules: Rules | None, sequence_parallel: bool, experts: int = 1, context: int = 1
+) -> Rules:
     """`rules` as given, or the default table with the run's sequence parallelism and,
-    on a mesh of `experts` > 1 expert-parallel groups, expert parallelism."""
-    return megatron_rules(sequence_parallel, experts > 1) if rules is None else rules
+    on a mesh of `experts` > 1 expert-parallel groups, expert parallelism, and of
+    `context` > 1 context-parallel groups, context parallelism."""
+    if rules is not None:
+        return rules
+    return megatron_rules(sequence_parallel, experts > 1, context > 1)
 
 
 # What to suggest when a dimension does not divide, by logical name.

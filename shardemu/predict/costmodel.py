@@ -125,14 +125,16 @@ def stream_of(event: Event) -> str:
 @functools.lru_cache(maxsize=1024)  # asked once per collective a timeline places
 def axis_span(axis: str, par: Parallelism) -> int:
     """How many consecutive devices a group along `axis` (e.g. "replica+tensor")
-    spans, in the mesh's (pipe, replica, expert, tensor) layout."""
+    spans, in the mesh's (pipe, replica, expert, context, tensor) layout."""
     names = set(axis.split("+"))
     if "pipe" in names:
         return par.num_devices
     if "replica" in names:
-        return par.replica * par.expert * par.tensor
+        return par.replica * par.expert * par.context * par.tensor
     if "expert" in names:
-        return par.expert * par.tensor
+        return par.expert * par.context * par.tensor
+    if "context" in names:
+        return par.context * par.tensor
     return par.tensor
 
 

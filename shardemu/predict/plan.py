@@ -51,6 +51,16 @@ class Plan:
         return self.report
 
 
+def require_no_context(par: Parallelism) -> None:
+    """Plans count a stage's pieces on its tensor group, without `context`: refuse a
+    plan of a mesh with context > 1 rather than plan it as if the axis were not there."""
+    if par.context > 1:
+        raise ConfigError(
+            f"mesh {par}: plans of context parallelism (context > 1) are not built yet; "
+            f"it runs on the resident engine (shardemu run, shardemu.Trainer)"
+        )
+
+
 def require_no_experts(par: Parallelism) -> None:
     """The phased planner counts a stage's pieces without the `expert` axis (the
     resident planner adds it: `expert_parallel.py`): refuse a phased plan of a mesh

@@ -34,7 +34,7 @@ from shardemu.predict.costmodel import duration, predict, require_fit, stream_of
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import Screen, choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
-from shardemu.predict.plan import Plan, require_no_experts
+from shardemu.predict.plan import Plan, require_no_context, require_no_experts
 from shardemu.predict.roofline import least_step_seconds
 from shardemu.predict.sparse import model_flops_sparse, sparse_compute, sparse_report
 
@@ -82,6 +82,7 @@ def plan_phased(
     t0 = time.perf_counter()
     model = as_model(model)
     require_no_experts(par)
+    require_no_context(par)
     if overlap.tp_overlap != "none":
         raise ConfigError(
             f"Overlap.tp_overlap {overlap.tp_overlap} is for resident plans: a phased step "

@@ -41,7 +41,7 @@ from shardemu.predict.expert_parallel import expert_parallel
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
-from shardemu.predict.plan import Plan
+from shardemu.predict.plan import Plan, require_no_context
 from shardemu.predict.resident_count import (
     CountKey,
     Microbatch,
@@ -88,6 +88,7 @@ def plan_resident(
     t0 = time.perf_counter()
     model = as_model(model)
     train.check_sequence_split(par.tensor)
+    require_no_context(par)
     if overlap.tp_overlap == "chunked" and not train.sequence_parallel:
         raise ConfigError(
             "Overlap.tp_overlap chunked hides the all-gathers and reduce-scatters of "

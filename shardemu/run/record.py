@@ -104,7 +104,9 @@ def run_config(
         "engine": engine.name,
         "rules": [
             [name, axes]
-            for name, axes in rules_or_default(rules, train_cfg.sequence_parallel, par.expert)
+            for name, axes in rules_or_default(
+                rules, train_cfg.sequence_parallel, par.expert, par.context
+            )
         ],
         "param_count": sizes["param_count"],
         "param_bytes": param_bytes(shapes),

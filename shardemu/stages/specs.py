@@ -24,13 +24,15 @@ AXIS_LABELS = {RTS: "replica"}  # the ledger names the rts sub-axis as the user'
 def stage_meshes(mesh: Mesh, rts: int) -> list[Mesh]:
     """One mesh per pipeline stage, over that stage's devices, with `replica` split
     into (replica / rts, rts); neighbouring replicas share a weight's rts shards. The
-    pipelined and phased engines split no experts: a mesh with `expert` > 1 is refused."""
-    if mesh.shape.get("expert", 1) > 1:
-        raise ConfigError(
-            f"the pipelined and phased engines run expert = 1 (got expert="
-            f"{mesh.shape['expert']}); expert parallelism runs on the resident engine "
-            f"(shardemu.Trainer), or fold the expert devices into `replica`"
-        )
+    pipelined and phased engines split no experts and no sequences: a mesh with `expert`
+    or `context` > 1 is refused."""
+    for axis, what in (("expert", "expert"), ("context", "context")):
+        if mesh.shape.get(axis, 1) > 1:
+            raise ConfigError(
+                f"the pipelined and phased engines run {axis} = 1 (got {axis}="
+                f"{mesh.shape[axis]}); {what} parallelism runs on the resident engine "
+                f"(shardemu.Trainer), or fold the {axis} devices into `replica`"
+            )
     _, replica, tensor = (mesh.shape[a] for a in ("pipe", "replica", "tensor"))
     grid = mesh.devices  # (pipe, replica, expert = 1, tensor): see mesh.py
     return [

@@ -1,0 +1,74 @@
+"""Context parallelism (`Parallelism.context`, `megatron_rules(context_parallel=True)`):
+every sequence split over `context`, each device's queries attending to keys and values
+all-gathered over it (Llama 3's all-gather context parallelism). Runs on the resident
+engine equal one device; the ledger holds the keys' and values' all-gathers and their
+gradients' reduce-scatters with the ring's bytes; what is not built says so."""
+
+import jax
+import pytest
+
+from shardemu.accounting.count import Counter
+from shardemu.config import ConfigError, Parallelism, PhasedConfig, TrainConfig
+from shardemu.models import Model, get_preset
+from shardemu.parallel.mesh import make_mesh
+from shardemu.phased.trainer import PhasedTrainer
+from shardemu.predict.planning import plan
+from shardemu.predict.profiles import PROFILES
+from shardemu.resident.trainer import Trainer
+
+TRAIN = TrainConfig(batch=8, seq=16, seed=0)
+STEPS = 3
+
+
+def test_the_mesh_and_its_text_name_the_context_axis():
+    par = Parallelism.parse("context=2,tensor=2")
+    assert (par.context, par.num_devices, str(par)) == (2, 4, "pipe=1,tensor=2,replica=1,context=2")
+    mesh = make_mesh(tensor=2, context=2, devices=jax.devices()[:4])
+    assert mesh.axis_names == ("pipe", "replica", "expert", "context", "tensor")
+    assert make_mesh(tensor=2, devices=jax.devices()[:2]).axis_names == (
+        "pipe", "replica", "expert", "tensor",
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "axes", "sequence_parallel"),
+    [("gpt-tiny", {"context": 2}, False), ("llama-tiny", {"context": 2, "tensor": 2}, True)],
+)
+def test_context_parallel_equals_one_device(
+    name, axes, sequence_parallel, single_device_reference, train_and_compare
+):
+    """gpt-tiny over context=2, and llama-tiny (grouped-query attention) over context=2
+    x tensor=2 with sequence parallelism (the residual stream split over both): every
+    loss, the first gradients and the final weights as one device's."""
+    model = Model(get_preset(name))
+    reference = single_device_reference(model, TRAIN, STEPS)
+    devices = jax.devices()[: Parallelism(**axes).num_devices]
+    train = TrainConfig(batch=8, seq=16, seed=0, sequence_parallel=sequence_parallel)
+    trainer = Trainer(model, make_mesh(**axes, devices=devices), train)
+    train_and_compare(trainer, reference)
+    if name == "gpt-tiny":  # the keys' and values' collectives, by the ring's formula
+        events = trainer.step_events(Counter(), 0)
+        sent = {
+            op: sum(e.bytes for e in events if e.axis == "context" and e.op == op)
+            for op in ("all-gather", "reduce-scatter")
+        }
+        cfg = model.cfg  # K and V [b, s, d] in FP32 a layer: 2 devices each send (2-1)/2
+        kv = 2 * TRAIN.batch * TRAIN.seq * cfg.embed_dim * 4 * cfg.num_layers
+        assert sent == {"all-gather": 2 * kv // 2, "reduce-scatter": 2 * kv // 2}
+
+
+def test_what_context_parallelism_does_not_cover_is_refused():
+    """A sequence the context (and, with sequence parallelism, tensor) size does not
+    divide; plans; the phased and pipelined engines."""
+    model = Model(get_preset("gpt-tiny"))
+    with pytest.raises(ConfigError, match="TrainConfig.seq 16 is not divisible by context=3"):
+        TRAIN.check_fits(model.cfg, Parallelism(context=3))
+    sp = TrainConfig(batch=8, seq=12, sequence_parallel=True)
+    with pytest.raises(ConfigError, match="over tensor x context=8, which does not divide"):
+        sp.check_fits(model.cfg, Parallelism(tensor=4, context=2))
+    with pytest.raises(ConfigError, match="plans of context parallelism"):
+        plan(model.cfg, Parallelism(context=2), TRAIN, PROFILES["h100-sxm"])
+    mesh = make_mesh(replica=2, context=2, devices=jax.devices()[:4])
+    with pytest.raises(ConfigError, match="run context = 1 \\(got context=2\\)"):
+        PhasedTrainer(model, mesh, TRAIN, PhasedConfig())
