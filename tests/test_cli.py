@@ -55,6 +55,7 @@ def test_sharded_and_single_device_runs_agree(demo):
         "tensor": 2,
         "replica": 4,
         "expert": 1,
+        "context": 1,
     }
     assert config["param_count"] > 0 and config["param_bytes"] == 4 * config["param_count"]
     assert {"jax", "flax", "optax"} <= set(config["versions"])

@@ -110,7 +110,7 @@ def test_todays_layouts_together_stay_within_fp8s_tolerance_and_are_planned(refe
     within FP8's stated tolerance (test_precision.py: 0.5%) of that one FP32 device. The
     same layout planned on an H100 with the tensor collectives chunked: FP8 dots,
     gradients reduce-scattered and layers gathered over replica, tensor all-gathers and
-    reduce-scatters, and less device memory than the plain BF16 layout."""
+    reduce-scatters (each stage's memory is test_zero.py's)."""
     from test_precision import LOSS_RTOL
 
     from shardemu.data import SyntheticCorpus
@@ -137,9 +137,6 @@ def test_todays_layouts_together_stay_within_fp8s_tolerance_and_are_planned(refe
     assert {("reduce-scatter", "replica"), ("all-gather", "replica")} <= ops
     assert {("reduce-scatter", "tensor"), ("all-gather", "tensor")} <= ops
     assert any(m.fp8 for e in events if e.kind == "compute" for m in e.matmuls)
-    plain = plan_resident(TINY, par, TrainConfig(batch=8, seq=16, precision="bf16"), 4, hw)
-    memory = [p.report["memory_per_device"]["device"]["bytes"] for p in (planned, plain)]
-    assert memory[0] < memory[1]
 
 
 @pytest.mark.slow
