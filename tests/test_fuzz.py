@@ -48,7 +48,7 @@ def answered(done, root: Path, out: Path, before: dict[str, int]) -> None:
 
 
 @settings(
-    max_examples=14, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     command=st.sampled_from(["plan", "describe"]),
@@ -69,7 +69,7 @@ def test_random_flags_are_planned_or_one_clear_error(tmp_path, command, model, f
 
 
 @settings(
-    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     content=st.one_of(st.binary(max_size=200), st.text(max_size=200).map(str.encode)),
