@@ -20,6 +20,11 @@ experts (`models/moe.py`) keeps its router's FP32 probabilities, the tokens disp
 to each expert's E x C slots, the experts' gated MLP tensors over those slots, and the
 experts' outputs (the combine's backward weighs them by the gates).
 
+With FP8 matmuls (`--precision fp8`, `models/fp8.py`) the inputs of the projections
+are kept as their FP8 casts, one byte an element, as Transformer Engine keeps them for
+the backward (the QKV, output projection, MLP and second matmul inputs: 7 sbh bytes a
+GPT layer less); the attention core, the layer norms and the activation stay 16-bit.
+
 This is the second witness beside the CPU compile's count (`resident_count.py`, which
 keeps what XLA's CPU fusions keep: 2.9x this for GPT-3 1.3B at tensor 4): the analytic
 sum equals Korthikanti's closed forms (Table 2) exactly for their layer, and a resident
@@ -62,37 +67,38 @@ def saved_tensors(
     kv = seq * batch * cfg.kv_heads * cfg.head_dim
     scores = cfg.num_heads * seq * seq * batch
     p = itemsize
+    q = 1 if cfg.fp8_matmuls else itemsize  # a projection's input, kept as its FP8 cast
     out = [
         Saved("layer norm 1 input", sbh, p, split=False),
-        Saved("QKV input", sbh, p, split=False),
+        Saved("QKV input", sbh, q, split=False),
         Saved("Q", sbh, p, split=True),
         Saved("K", kv, p, split=True),
         Saved("softmax output", scores, p, split=True, core=True),
         Saved("V", kv, p, split=True),
-        Saved("projection input", sbh, p, split=True),
+        Saved("projection input", sbh, q, split=True),
         Saved("layer norm 2 input", sbh, p, split=False),
-        Saved("MLP input", sbh, p, split=False),
+        Saved("MLP input", sbh, q, split=False),
     ]
     if cfg.num_experts:  # a mixture of experts: the MLP runs on E x C slots a sequence
         slots = batch * cfg.num_experts * cfg.capacity(seq)
         out += [
             Saved("router probabilities", seq * batch * cfg.num_experts, 4, split=False),
-            Saved("dispatched tokens", slots * cfg.embed_dim, p, split=False),
+            Saved("dispatched tokens", slots * cfg.embed_dim, q, split=False),
             Saved("gate output", slots * cfg.mlp_dim, p, split=True),
             Saved("up output", slots * cfg.mlp_dim, p, split=True),
-            Saved("down input", slots * cfg.mlp_dim, p, split=True),
+            Saved("down input", slots * cfg.mlp_dim, q, split=True),
             Saved("expert outputs", slots * cfg.embed_dim, p, split=False),
         ]
     elif model.family.gated_mlp:
         out += [
             Saved("gate output", sbf, p, split=True),
             Saved("up output", sbf, p, split=True),
-            Saved("down input", sbf, p, split=True),
+            Saved("down input", sbf, q, split=True),
         ]
     else:
         out += [
             Saved("activation input", sbf, p, split=True),
-            Saved("second matmul input", sbf, p, split=True),
+            Saved("second matmul input", sbf, q, split=True),
         ]
     if dropout:
         out += [
