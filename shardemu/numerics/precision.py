@@ -17,8 +17,8 @@ with half the bytes streamed, gathered and reduced.
 - `fp8`: `bf16`, with each layer's matmuls on FP8 operands (`models/fp8.py`: E4M3
   forward, E5M2 gradients, per-tensor current scaling), as Transformer Engine runs them
   with BF16 weights and FP32 master weights (Megatron-LM's `--fp8-format hybrid`). The
-  attention core, the router and the output head stay in BF16, as TE's defaults keep
-  them. No loss scaling: each gradient tensor is scaled on its own.
+  attention core, a mixture's router and the logits' matmul stay in BF16, as TE's
+  defaults keep them. No loss scaling: each gradient tensor is scaled on its own.
 
 Softmax and LayerNorm statistics run in FP32 whatever the precision (`models/layers.py`;
 flax's LayerNorm computes its statistics in FP32), as do the losses (`models/gpt.py`,
