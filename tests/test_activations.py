@@ -29,8 +29,9 @@ def test_a_gpt_layer_tensor_by_tensor_is_korthikantis_table_2(name):
 
 def test_without_dropout_and_with_a_gated_mlp():
     """shardemu's layers have no dropout: 32 sbh + 2 a s^2 b at 16 bits (Table 2 less
-    the three masks and the dropout's output); 7 sbh less in FP8. Llama's gated MLP keeps three [s, b, f]
-    tensors for GPT's two, and grouped-query attention K and V at G / A of the width."""
+    the three masks and the dropout's output); 7 sbh less in FP8. Llama's gated MLP
+    keeps three [s, b, f] tensors for GPT's two, and grouped-query attention K and V at
+    G / A of the width."""
     gpt = Model(get_preset("gpt3-1.3b"))
     cfg, s, b = gpt.cfg, 1024, 2
     sbh, scores = s * b * cfg.embed_dim, cfg.num_heads * s * s * b

@@ -224,3 +224,27 @@ def test_a_layout_whose_full_step_has_no_schedule_is_refused_not_fatal(searched)
     assert refused and all("interleaved" in r.label and r.par.pipe == 2 for r in refused)
     assert all("microbatches divisible by stages" in r.reason for r in refused)
     assert got.top and all("interleaved" not in r.label or r.par.pipe != 2 for r in got.top)
+
+
+def test_zero_stages_are_searched_and_found_as_their_plans(searched):
+    """The same space at ZeRO stages 0 and 3 (`Space.zero_stages`): every layout of
+    several replicas once more at stage 3 (no new count: ZeRO changes no microbatch),
+    each fitting one's step time and device bytes those of its whole plan, and none
+    holding more than its stage-0 twin."""
+    space = dataclasses.replace(SPACE, zero_stages=(0, 3))
+    result = search(TINY, HW, DEVICES, BATCH, SEQ, space, top=3)
+    staged = {r.label: r for r in result.candidates if r.candidate and r.candidate.zero == 3}
+    plain = {r.label: r for r in searched.candidates}
+    assert staged and all(r.par.replica > 1 for r in staged.values())
+    assert len(result.candidates) == len(searched.candidates) + len(staged)
+    for label, row in staged.items():
+        twin = plain[label.replace(" zero=3", "")]
+        if not row.fits:
+            continue
+        c = row.candidate
+        train = c.train_config(BATCH, SEQ)
+        report = plan_resident(TINY, c.par, train, c.microbatch_size, HW, c.recompute).report
+        assert row.step_time_s == pytest.approx(report["step_time_s"], rel=1e-9)
+        assert row.device_bytes == report["memory_per_device"]["device"]["bytes"]
+        assert not twin.fits or row.device_bytes <= twin.device_bytes
+    assert sum(r.fits for r in result.candidates) > sum(r.fits for r in searched.candidates)

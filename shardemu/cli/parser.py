@@ -111,6 +111,12 @@ def search_args(p: argparse.ArgumentParser) -> None:
         metavar="P[,P...]",
         help="precisions to search (default: every one the profile computes in)",
     )
+    p.add_argument(
+        "--zero-stages",
+        default="0",
+        metavar="S[,S...]",
+        help="ZeRO stages to search resident layouts of several replicas at (0-3; default 0)",
+    )
     search_space_args(p)
     p.add_argument("--top", type=int, default=5, help="layouts to plan whole and print")
     p.add_argument("--out", default=None, help="output folder (default runs/search-<model>-<time>)")

@@ -87,6 +87,7 @@ class Bounds:
                     c.precision,
                     self.space.attention,  # type: ignore[arg-type]
                     self.rules,
+                    c.zero,
                 )
             except ConfigError:
                 self._least_bytes[c] = None

@@ -43,6 +43,7 @@ class Candidate:
     schedule: str = "1f1b"
     virtual: int = 1
     recompute: str = "full"  # resident
+    zero: int = 0  # resident: the ZeRO stage over replica
     rts: int = 1  # phased
     activations: str = "recompute"  # phased
     optimizer_on: str = "host"  # phased
@@ -58,6 +59,7 @@ class Candidate:
         if self.mode == "resident":
             sched = self.schedule if self.virtual == 1 else f"{self.schedule}x{self.virtual}"
             how = f"{sched} recompute={self.recompute}"
+            how += f" zero={self.zero}" if self.zero else ""
         else:
             how = f"phased rts={self.rts} {self.activations} optimizer={self.optimizer_on}"
             how += "" if self.prefetch else " no-prefetch"
@@ -71,6 +73,7 @@ class Candidate:
             precision=self.precision,
             schedule=self.schedule,
             virtual=self.virtual,
+            zero=self.zero,
         )
 
     def phased_config(self, device_memory: int | None) -> PhasedConfig | None:
@@ -92,7 +95,7 @@ class Candidate:
         drop = (
             ("rts", "activations", "optimizer_on", "prefetch")
             if self.mode == "resident"
-            else ("schedule", "virtual", "recompute")
+            else ("schedule", "virtual", "recompute", "zero")
         )
         return {k: v for k, v in out.items() if k not in drop}
 
@@ -110,6 +113,8 @@ class Space:
     max_tensor: int = setting(8, "--max-tensor", "largest tensor axis")
     max_microbatch: int = setting(8, "--max-microbatch", "largest microbatch size")
     overlap: Overlap = DEFAULT_OVERLAP  # not searched: how the training system overlaps
+    # the ZeRO stages resident layouts over several replicas are searched at (`zero.py`)
+    zero_stages: tuple[int, ...] = (0,)
     # resident layouts' attention core (plan_resident); `shardemu plan` takes it too
     attention: Attention = setting(
         "materialized",
@@ -122,6 +127,11 @@ class Space:
         require_choice(self, "modes", Modes)
         require_choice(self, "attention", Attention)
         require_positive("Space", max_tensor=self.max_tensor, max_microbatch=self.max_microbatch)
+        if not self.zero_stages or any(s not in (0, 1, 2, 3) for s in self.zero_stages):
+            raise ConfigError(
+                f"Space.zero_stages must be a non-empty list of 0, 1, 2 and 3 (ZeRO stages), "
+                f"got {list(self.zero_stages)!r}"
+            )
 
 
 def _divisors(n: int) -> list[int]:
@@ -152,18 +162,23 @@ def meshes(model_cfg: ModelConfig, devices: int, batch: int, max_tensor: int) ->
     return out
 
 
-def resident_settings(par: Parallelism, layers: int) -> Iterator[dict[str, Any]]:
+def resident_settings(
+    par: Parallelism, layers: int, zero_stages: tuple[int, ...] = (0,)
+) -> Iterator[dict[str, Any]]:
     schedules = [("1f1b", 1)]
     if par.pipe > 1 and layers % (par.pipe * INTERLEAVED_CHUNKS) == 0:
         schedules.append(("interleaved", INTERLEAVED_CHUNKS))
+    stages = sorted(set(zero_stages)) if par.replica > 1 else [0]  # one replica: no ZeRO
     for schedule, virtual in schedules:
         for recompute in ("none", "selective", "full"):
-            yield {
-                "mode": "resident",
-                "schedule": schedule,
-                "virtual": virtual,
-                "recompute": recompute,
-            }
+            for stage in stages:
+                yield {
+                    "mode": "resident",
+                    "schedule": schedule,
+                    "virtual": virtual,
+                    "recompute": recompute,
+                    "zero": stage,
+                }
 
 
 def phased_settings(par: Parallelism) -> Iterator[dict[str, Any]]:

@@ -176,7 +176,7 @@ def _on_mesh(
     """A microbatch counted on one tensor group (or its memory bound), as each device of
     `par` holds and runs it: its experts split over `expert`, its optimizer state over
     `replica` under ZeRO."""
-    return zero(expert_parallel(mb, key, par.expert, recompute), train, par)
+    return zero(expert_parallel(mb, key, par.expert, recompute), train.zero, par)
 
 
 def _counts(

@@ -26,6 +26,7 @@ from shardemu.predict.resident_count import (
     memory_bound,
     selective_keep,
 )
+from shardemu.predict.zero import zero
 
 
 @dataclass(frozen=True)
@@ -163,10 +164,11 @@ def device_bytes_at_least(
     precision: str = "fp32",
     attention: str = "materialized",
     rules: Rules | None = None,
+    zero_stage: int = 0,
 ) -> int:
-    """At most the device bytes per device `plan_resident` finds for this layout, with
-    nothing compiled (`memory_bound`): a search counts no microbatch that none of its
-    layouts could fit."""
+    """At most the device bytes per device `plan_resident` finds for this layout (under
+    ZeRO stage `zero_stage`), with nothing compiled (`memory_bound`): a search counts
+    no microbatch that none of its layouts could fit."""
     lay, sched, key = resident_layout(
         model,
         par,
@@ -181,4 +183,5 @@ def device_bytes_at_least(
         None,
         rules,
     )
-    return device_bytes(memory_bound(*key), key, recompute, par, lay, sched)
+    bound = zero(memory_bound(*key), zero_stage, par)
+    return device_bytes(bound, key, recompute, par, lay, sched)

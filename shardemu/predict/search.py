@@ -170,7 +170,7 @@ class Searcher(Bounds):
             Candidate(**base, **s)
             for mode in modes
             for s in (
-                resident_settings(par, self.model.cfg.num_layers)
+                resident_settings(par, self.model.cfg.num_layers, self.space.zero_stages)
                 if mode == "resident"
                 else phased_settings(par)
             )

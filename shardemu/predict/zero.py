@@ -14,20 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardemu.config import Parallelism, TrainConfig
+from shardemu.config import Parallelism
 from shardemu.predict.resident_count import Microbatch
 
 
-def zero(mb: Microbatch, train: TrainConfig, par: Parallelism) -> Microbatch:
-    """`mb` under ZeRO (`TrainConfig.zero`) over `replica` (Rajbhandari et al. 2020,
+def zero(mb: Microbatch, stage: int, par: Parallelism) -> Microbatch:
+    """`mb` under ZeRO stage `stage` (`TrainConfig.zero`) over `replica` (Rajbhandari et al. 2020,
     Table 1): stage 1 (P_os) splits the optimizer state, the FP32 master weights with
     it (K Psi / N_d of the 2 Psi + 2 Psi + K Psi), and all-gathers the updated weights;
     stage 2 (P_os+g) also reduce-scatters the gradients into each replica's share
     (2 Psi / N_d of them held: `resident_memory._stage_bytes`); stage 3 (P_os+g+p,
     FSDP) also splits the layers' weights, gathered one layer ahead of their use
     (`resident_step._StepEvents.gathered`)."""
-    if not train.zero or par.replica == 1:
+    if not stage or par.replica == 1:
         return mb
     r = par.replica
     opt = (round(mb.opt_bytes[0] / r), round(mb.opt_bytes[1] / r))
-    return dataclasses.replace(mb, opt_bytes=opt, zero=r, zero_stage=train.zero)
+    return dataclasses.replace(mb, opt_bytes=opt, zero=r, zero_stage=stage)
