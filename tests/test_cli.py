@@ -156,6 +156,7 @@ def test_plan_and_describe_phased_count_without_weights():
 DERIVED_DEFAULTS = {
     ("run", "sparsity"), ("plan", "sparsity"),  # None: dense; SparsityConfig's is 0.9
     ("search", "precision"),  # None: every precision the hardware profile has
+    ("search", "zero_stages"),  # "0": the text of Space.zero_stages's (0,)
     ("demo", "steps"),  # the demo's own length
 }  # fmt: skip
 
