@@ -91,8 +91,7 @@ def search_space(args: argparse.Namespace, profile_precisions: tuple[str, ...]) 
     parts = [s.strip() for s in args.zero_stages.split(",") if s.strip()]
     if not parts or any(s not in ("0", "1", "2", "3") for s in parts):
         raise ConfigError(
-            f"--zero-stages takes a comma-separated list of 0, 1, 2 and 3, got "
-            f"{args.zero_stages!r}"
+            f"--zero-stages takes a comma-separated list of 0, 1, 2 and 3, got {args.zero_stages!r}"
         )
     stages = tuple(int(s) for s in parts)
     return from_args(
