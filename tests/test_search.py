@@ -248,3 +248,21 @@ def test_zero_stages_are_searched_and_found_as_their_plans(searched):
         assert row.device_bytes == report["memory_per_device"]["device"]["bytes"]
         assert not twin.fits or row.device_bytes <= twin.device_bytes
     assert sum(r.fits for r in result.candidates) > sum(r.fits for r in searched.candidates)
+
+
+def test_sequence_parallelism_and_chunked_overlap_reach_every_resident_plan():
+    """`Space.sequence_parallel` puts sequence parallelism into each resident layout's
+    training settings, and its rules into the counts and memory bounds the search
+    makes for it; chunked tensor overlap without it is refused, naming both."""
+    from shardemu.parallel.rules import megatron_rules
+    from shardemu.predict.overlap import Overlap
+
+    space = dataclasses.replace(
+        SPACE, sequence_parallel=True, overlap=Overlap(tp_overlap="chunked")
+    )
+    s = Searcher(Model(TINY), HW, DEVICES, BATCH, SEQ, space)
+    (c, *_) = s.candidates(Parallelism(1, 2, 2), ("resident",), "bf16", 1)
+    assert s.train_config(c, 2).sequence_parallel
+    assert s.count_of(c).rules == megatron_rules(sequence_parallel=True)
+    with pytest.raises(ConfigError, match="search with Space.sequence_parallel, or Overlap"):
+        dataclasses.replace(SPACE, overlap=Overlap(tp_overlap="chunked"))

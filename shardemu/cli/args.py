@@ -164,7 +164,7 @@ def attention_arg(p: argparse.ArgumentParser) -> None:
 
 def search_space_args(p: argparse.ArgumentParser) -> None:
     """What a search enumerates (`Space`), beside its --precision list."""
-    add_flags(p, Space, ("modes", "max_tensor", "max_microbatch"))
+    add_flags(p, Space, ("modes", "max_tensor", "max_microbatch", "sequence_parallel"))
     overlap_args(p)
     attention_arg(p)
 

@@ -217,7 +217,7 @@ def cmd_search(args: argparse.Namespace) -> None:
     check = None
     if not args.no_verify:
         console.print(f"verifying {result.best.label} scaled down against one device")
-        check = verify(model_cfg, result.best_candidate, out / "verify")
+        check = verify(model_cfg, result.best_candidate, out / "verify", space.sequence_parallel)
     data = result.to_json() | ({"verification": check} if check is not None else {})
     (out / "search.json").write_text(json.dumps(data, indent=2))
     plot_pareto(result, out / "pareto.png")

@@ -14,7 +14,7 @@ from shardemu.accounting import flops
 from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.models import Model, count_params
 from shardemu.numerics.precision import arithmetic, compute_model
-from shardemu.parallel.rules import Rules
+from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import STATE_BYTES_PER_PARAM, Candidate, Mode, Space
 from shardemu.predict.resident_memory import device_bytes_at_least
@@ -86,7 +86,7 @@ class Bounds:
                     c.recompute,
                     c.precision,
                     self.space.attention,  # type: ignore[arg-type]
-                    self.rules,
+                    rules_or_default(self.rules, self.space.sequence_parallel),
                     c.zero,
                 )
             except ConfigError:

@@ -115,6 +115,12 @@ class Space:
     overlap: Overlap = DEFAULT_OVERLAP  # not searched: how the training system overlaps
     # the ZeRO stages resident layouts over several replicas are searched at (`zero.py`)
     zero_stages: tuple[int, ...] = (0,)
+    sequence_parallel: bool = setting(
+        False,
+        "--sequence-parallel",
+        "resident layouts with sequence parallelism (Korthikanti et al. 2022), which "
+        "--tp-overlap chunked needs",
+    )
     # resident layouts' attention core (plan_resident); `shardemu plan` takes it too
     attention: Attention = setting(
         "materialized",
@@ -127,6 +133,11 @@ class Space:
         require_choice(self, "modes", Modes)
         require_choice(self, "attention", Attention)
         require_positive("Space", max_tensor=self.max_tensor, max_microbatch=self.max_microbatch)
+        if self.overlap.tp_overlap == "chunked" and not self.sequence_parallel:
+            raise ConfigError(
+                "Overlap.tp_overlap chunked hides sequence-parallel layers' collectives; "
+                "search with Space.sequence_parallel, or Overlap.tp_overlap none"
+            )
         if not self.zero_stages or any(s not in (0, 1, 2, 3) for s in self.zero_stages):
             raise ConfigError(
                 f"Space.zero_stages must be a non-empty list of 0, 1, 2 and 3 (ZeRO stages), "

@@ -66,7 +66,7 @@ from collections.abc import Callable, Iterator
 from shardemu.config import ConfigError, ModelConfig, Parallelism, TrainConfig
 from shardemu.errors import CapacityError
 from shardemu.models import Model, as_model
-from shardemu.parallel.rules import Rules
+from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.parallel.schedules import make_schedule
 from shardemu.predict.ahead import CountsAhead
 from shardemu.predict.bounds import Bounds
@@ -115,8 +115,12 @@ class Searcher(Bounds):
         ).prediction  # type: ignore[return-value]
 
     def train_config(self, c: Candidate, microbatches: int) -> TrainConfig:
-        """`c`'s training settings with `microbatches` microbatches (or passes)."""
-        return c.train_config(c.microbatch_size * c.replica * microbatches, self.seq)
+        """`c`'s training settings with `microbatches` microbatches (or passes), and the
+        space's sequence parallelism for a resident one."""
+        train = c.train_config(c.microbatch_size * c.replica * microbatches, self.seq)
+        if c.mode == "resident" and self.space.sequence_parallel:
+            train = dataclasses.replace(train, sequence_parallel=True)
+        return train
 
     def count_of(self, c: Candidate) -> CountKey:
         """The microbatch count resident candidate `c`'s plans use."""
@@ -128,7 +132,7 @@ class Searcher(Bounds):
             c.recompute,
             c.precision,
             self.space.attention,
-            self.rules,
+            rules_or_default(self.rules, self.space.sequence_parallel),
         )
 
     def screen(self, c: Candidate) -> SearchRow:

@@ -10,7 +10,9 @@ device), one layer per pipeline chunk, a vocabulary of 64 per tensor device. Rep
 are capped at `VERIFY_REPLICAS` (data parallelism adds a gradient all-reduce, which two
 replicas exercise) so the run fits one laptop. Both runs take the
 same microbatches in the same precision: the sharded run must equal the one-device run
-up to the reordering of sums (`TOLERANCE`).
+up to the reordering of sums (`TOLERANCE`). A resident layout keeps its ZeRO stage where
+it runs on one stage (the pipelined engine runs no ZeRO) and the search's sequence
+parallelism.
 """
 
 from __future__ import annotations
@@ -82,14 +84,19 @@ def _settings(c: Candidate, par: Parallelism) -> tuple[TrainConfig, PhasedConfig
     return train, None
 
 
-def verify(model_cfg: ModelConfig, c: Candidate, out: Path) -> dict[str, Any]:
-    """Train `c`'s scaled-down layout and one device for `STEPS` steps (run directories
-    under `out`); the losses, their largest relative difference and whether it is
-    within `TOLERANCE`."""
+def verify(
+    model_cfg: ModelConfig, c: Candidate, out: Path, sequence_parallel: bool = False
+) -> dict[str, Any]:
+    """Train `c`'s scaled-down layout (with `sequence_parallel`, as the search planned
+    it) and one device for `STEPS` steps (run directories under `out`); the losses,
+    their largest relative difference and whether it is within `TOLERANCE`."""
     from shardemu.run.runner import train
 
     tiny, par = scaled_down(model_cfg, c)
     train_cfg, phased = _settings(c, par)
+    if c.mode == "resident":
+        zero = c.zero if c.pipe == 1 else 0
+        train_cfg = dataclasses.replace(train_cfg, zero=zero, sequence_parallel=sequence_parallel)
     sharded = train(
         tiny,
         par,
