@@ -87,10 +87,13 @@ class _StepEvents:
     ) -> list[Event]:
         """The ring all-reduce of `grad_bytes` per device over the data-parallel groups
         (replica, and expert: the experts' `expert_bytes` of them over replica alone):
-        each device sends 2 (n-1)/n of them (Thakur et al. 2005); under ZeRO stage 2 the
-        ring reduce-scatter, (n-1)/n."""
+        each device sends 2 (n-1)/n of them (Thakur et al. 2005). Under ZeRO the ring
+        reduce-scatter, (n-1)/n: each replica needs only its share's sum. At stage 1 too,
+        as Megatron-LM's distributed optimizer reduce-scatters the gradients into its
+        whole buffer and all-gathers the updated weights (Rajbhandari et al. 2020, §7.2.1:
+        P_os moves what data parallelism's all-reduce moves)."""
         r, ep, t = self.par.replica, self.par.expert, self.par.tensor
-        op, factor = ("reduce-scatter", 1) if self.mb.zero_stage >= 2 else ("all-reduce", 2)
+        op, factor = ("reduce-scatter", 1) if self.mb.zero_stage >= 1 else ("all-reduce", 2)
         parts = [("replica+expert" if ep > 1 else "replica", r * ep, grad_bytes - expert_bytes)]
         if expert_bytes:
             parts.append(("replica", r, expert_bytes))

@@ -1,10 +1,11 @@
 """ZeRO in a resident plan: stages 1, 2 and 3 (`TrainConfig.zero`; Rajbhandari et al. 2020).
 
 The microbatch is counted with the optimizer state whole on its tensor group; ZeRO
-splits that state (the FP32 master weights with it) over `replica`, and each stage
-all-gathers its updated weights after its update (`resident_step._StepEvents.after`);
-stage 2 reduce-scatters the gradients instead of all-reducing them
-(`resident_step._StepEvents.all_reduce`); stage 3 gathers each layer's weights where it
+splits that state (the FP32 master weights with it) over `replica`, reduce-scatters the
+gradients instead of all-reducing them (`resident_step._StepEvents.all_reduce`), and
+each stage all-gathers its updated weights after its update
+(`resident_step._StepEvents.after`); stage 2 holds only a replica's share of the
+gradients; stage 3 gathers each layer's weights where it
 is used and reduce-scatters its gradients every microbatch
 (`resident_step._StepEvents.gathered`).
 The resident engine runs the same layout for real (`resident/trainer.py`).
@@ -19,11 +20,12 @@ from shardemu.predict.resident_count import Microbatch
 
 
 def zero(mb: Microbatch, stage: int, par: Parallelism) -> Microbatch:
-    """`mb` under ZeRO stage `stage` (`TrainConfig.zero`) over `replica` (Rajbhandari et al. 2020,
-    Table 1): stage 1 (P_os) splits the optimizer state, the FP32 master weights with
-    it (K Psi / N_d of the 2 Psi + 2 Psi + K Psi), and all-gathers the updated weights;
-    stage 2 (P_os+g) also reduce-scatters the gradients into each replica's share
-    (2 Psi / N_d of them held: `resident_memory._stage_bytes`); stage 3 (P_os+g+p,
+    """`mb` under ZeRO stage `stage` (`TrainConfig.zero`) over `replica` (Rajbhandari et
+    al. 2020, Table 1): stage 1 (P_os) splits the optimizer state, the FP32 master
+    weights with it (K Psi / N_d of the 2 Psi + 2 Psi + K Psi), reduce-scatters the
+    gradients and all-gathers the updated weights (Megatron-LM's distributed
+    optimizer); stage 2 (P_os+g) also holds only each replica's share of the gradients
+    (2 Psi / N_d of them: `resident_memory._stage_bytes`); stage 3 (P_os+g+p,
     FSDP) also splits the layers' weights, gathered one layer ahead of their use
     (`resident_step._StepEvents.gathered`)."""
     if not stage or par.replica == 1:
