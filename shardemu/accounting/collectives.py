@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 from jax.sharding import Mesh
 
-from shardemu.accounting.hlo import ARRAY, CALLED, DTYPE_BYTES, operands, parse
+from shardemu.accounting.hlo import ARRAY, CALLED, DTYPE_BYTES, Instr, operands, parse
 
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTR = re.compile(
@@ -111,7 +111,7 @@ def _sent(op: str, n: int, buffer: int) -> float:
     return factor * (n - 1) / n * buffer
 
 
-def _scattered(hlo_text: str, mesh_size: int) -> dict[str, frozenset[int]]:
+def _scattered(computations: dict[str, list[Instr]], mesh_size: int) -> dict[str, frozenset[int]]:
     """All-reduces (by name, the indices of their tuple elements) that XLA's CPU
     pipeline emitted for a reduce-scatter: a user takes a dynamic slice of 1/n of the
     reduced buffer (n the all-reduce's group; the SPMD partitioner's per-device slice,
@@ -121,7 +121,6 @@ def _scattered(hlo_text: str, mesh_size: int) -> dict[str, frozenset[int]]:
     al. 2022; ZeRO-2's gradients, Rajbhandari et al. 2020). Other users that read the
     whole reduced buffer (the layer norms' parameter gradients) are the CPU
     partitioner's choice."""
-    computations = parse(hlo_text)
     out: dict[str, set[int]] = defaultdict(set)
     for body in computations.values():
         group: dict[str, int] = {}  # an all-reduce -> its group size
@@ -183,11 +182,14 @@ def _elements(shape: str) -> int:
     return sum(math.prod(int(d) for d in dims.split(",") if d) for _, dims in ARRAY.findall(shape))
 
 
-def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
+def collectives(
+    hlo_text: str, mesh: Mesh, computations: dict[str, list[Instr]] | None = None
+) -> list[Collective]:
     """Every collective in an optimized HLO module compiled over `mesh` (the CPU's
-    all-reduce-then-slice counted as the reduce-scatter it stands for: `_scattered`)."""
+    all-reduce-then-slice counted as the reduce-scatter it stands for: `_scattered`);
+    `computations`: the module already parsed (`hlo.parse`), when a caller has it."""
     found = []
-    scattered = _scattered(hlo_text, mesh.size)
+    scattered = _scattered(computations or parse(hlo_text), mesh.size)
     for line in hlo_text.splitlines():
         m = _INSTR.search(line)
         if not m:

@@ -142,7 +142,7 @@ class Counter:
         self._counted[key] = Counted(
             float(compiled.cost_analysis().get("flops", 0.0)),
             mesh.size,
-            tuple(collectives(text, mesh)),
+            tuple(collectives(text, mesh, module.computations)),
             compiled.output_shardings,
             *module.read(),
             module.read(fused_attention=True),

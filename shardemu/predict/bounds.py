@@ -48,6 +48,8 @@ class Bounds:
         two = self.model.replace(num_layers=2)
         self.layer_params = count_params(two) - count_params(two.replace(num_layers=1))
         self.model_flops = flops.training_step(self.model, self.batch, self.seq)
+        # the rules a resident layout's counts and bounds use (`plan_resident`'s default)
+        self.resident_rules = rules_or_default(self.rules, self.space.sequence_parallel)
         self.faster: list[SearchRow] = []  # the fitting rows of faster precisions
         self._least_bytes: dict[Candidate, int | None] = {}
 
@@ -86,7 +88,7 @@ class Bounds:
                     c.recompute,
                     c.precision,
                     self.space.attention,  # type: ignore[arg-type]
-                    rules_or_default(self.rules, self.space.sequence_parallel),
+                    self.resident_rules,
                     c.zero,
                 )
             except ConfigError:

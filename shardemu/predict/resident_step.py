@@ -55,6 +55,11 @@ def step_events(
     return assemble(sched, step.slot_events, after=step.after())
 
 
+def _share(total: int, i: int, parts: int) -> int:
+    """Part `i` of `total` bytes split into `parts` whole parts that add up to it."""
+    return total * (i + 1) // parts - total * i // parts
+
+
 class _StepEvents:
     """A resident step's events, slot by slot (`slot_events`) and after the slots."""
 
@@ -127,9 +132,9 @@ class _StepEvents:
         grads, experts, out = mb.layer_bytes * n, mb.expert_bytes * n, []
         buckets = self.overlap.buckets(grads)
         part = [_scaled(e, n / buckets, r, phase=tag) for e in piece]
-        share = lambda total, i: total * (i + 1) // buckets - total * i // buckets  # noqa: E731
         for i in range(buckets):
-            out += [*part, *self.all_reduce(share(grads, i), tag, 0, share(experts, i))]
+            shares = _share(grads, i, buckets), _share(experts, i, buckets)
+            out += [*part, *self.all_reduce(shares[0], tag, 0, shares[1])]
         return out
 
     def gathered(self, kind: str, tag: Phase, piece: list[Event], n: int) -> list[Event]:
@@ -141,14 +146,14 @@ class _StepEvents:
         reduce-scattered after it, every microbatch."""
         mb, r, parts = self.mb, self.par.data, min(n, MAX_BUCKETS)
         part = [_scaled(e, n / parts, r, phase=tag) for e in piece]
-        share = lambda total, i: total * (i + 1) // parts - total * i // parts  # noqa: E731
         weights, experts = mb.layer_bytes * n, mb.expert_bytes * n
-        gathers = [self.all_gather(share(weights, i), mb.zero, tag, 0) for i in range(parts)]
+        shares = [_share(weights, i, parts) for i in range(parts)]
+        gathers = [self.all_gather(w, mb.zero, tag, 0) for w in shares]
         out = gathers[:1]
         for i in range(parts):
             out += gathers[i + 1 : i + 2] + part
             if kind == "B":
-                out += self.all_reduce(share(weights, i), tag, 0, share(experts, i))
+                out += self.all_reduce(shares[i], tag, 0, _share(experts, i, parts))
         return out
 
     def _chunk_events(self, kind: str, vs: int, reduce: bool = False) -> list[Event]:
@@ -195,8 +200,9 @@ class _StepEvents:
         return self.chunk_events(slot.kind, vs, reduce)
 
     def after(self) -> list[Event]:
-        """After the slots, each stage: its gradients' all-reduce (the shared weights'
-        alone when the layers' went in buckets) and its optimizer updates."""
+        """After the slots, each stage: its gradients' reduction (the shared weights'
+        alone when the layers' went in buckets, or in FSDP's parts) and its optimizer
+        updates, and under ZeRO the updated weights' all-gather."""
         mb, sched, r, out = self.mb, self.sched, self.par.data, []
         for s, n in enumerate(self.lay.stage_layers()):
             shared = s in (0, self.par.pipe - 1)

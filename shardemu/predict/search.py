@@ -66,7 +66,7 @@ from collections.abc import Callable, Iterator
 from shardemu.config import ConfigError, ModelConfig, Parallelism, TrainConfig
 from shardemu.errors import CapacityError
 from shardemu.models import Model, as_model
-from shardemu.parallel.rules import Rules, rules_or_default
+from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import make_schedule
 from shardemu.predict.ahead import CountsAhead
 from shardemu.predict.bounds import Bounds
@@ -132,7 +132,7 @@ class Searcher(Bounds):
             c.recompute,
             c.precision,
             self.space.attention,
-            rules_or_default(self.rules, self.space.sequence_parallel),
+            self.resident_rules,
         )
 
     def screen(self, c: Candidate) -> SearchRow:

@@ -110,6 +110,8 @@ class Trainer:
         )
         self.param_shardings = named_shardings(mesh, self.param_specs)
         self._zero_shardings = self._optimizer_param_shardings(axis_sizes)
+        # ZeRO-2 and 3: each replica's share of the gradients (None: as the parameters)
+        self._grad_zero = self._zero_shardings if train.zero >= 2 else None
         if train.zero == 3 and self._zero_shardings is not None:  # FSDP: weights stored split
             self.param_shardings = self._zero_shardings
 
@@ -214,8 +216,8 @@ class Trainer:
         scale = loss_scale(opt_state)
         loss, grads = self._grads(params, batch, scale)
         loss, grads = loss / scale, unscale(grads, opt_state)
-        if self.train.zero >= 2 and self._zero_shardings is not None:  # each its share
-            grads = jax.lax.with_sharding_constraint(grads, self._zero_shardings)
+        if self._grad_zero is not None:  # each replica's share
+            grads = jax.lax.with_sharding_constraint(grads, self._grad_zero)
         if isinstance(opt_state, SparseState):  # a sparse model's gradient: clipped, reported
             grads = apply_masks(grads, opt_state.masks)
         params, opt_state = self._update(grads, opt_state, params)
@@ -287,9 +289,7 @@ class Trainer:
         params, opt_state, batch = self.abstract_inputs()
         r = self._replicated
         context = (self.model.cfg, self._program_settings, self.rules)
-        grad_shardings = self.param_shardings  # ZeRO-2 and 3: each replica's share
-        if self.train.zero >= 2 and self._zero_shardings is not None:
-            grad_shardings = self._zero_shardings
+        grad_shardings = self._grad_zero or self.param_shardings
         with unrolled_layers():
             grads = self._count(
                 counter,
