@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any, Literal
 
 import jax
@@ -212,10 +212,14 @@ def _screen(
     counted step moves the same bytes)."""
     hardware, model, _, pass_cfg, sched = _setting(model, par, train_cfg, hardware, microbatch_size)
     plan, events = _one_pass(model, par, pass_cfg, phased, rules, counting=False)
-    step = list(events) if sched is None else repeat_passes(list(events), sched)
+    # each event of the pass as often as the step repeats it (`repeat_passes`: a stage's
+    # forward and backward parts once per slot of their kind), not placed one by one
+    slots = Counter((s.kind, s.stage) for s in sched.slots) if sched is not None else None
     busy: dict[tuple[int, str], float] = defaultdict(float)
-    for e in step:
-        busy[(e.stage, stream_of(e))] += duration(e, hardware, par)
+    for e in events:
+        part = e.phase.part
+        times = 1 if slots is None or part in ("once", "update") else slots[(part, e.stage)]
+        busy[(e.stage, stream_of(e))] += duration(e, hardware, par) * times
     compute = least_step_seconds(
         flops.training_step(model, train_cfg.batch, train_cfg.seq),
         par.num_devices,

@@ -36,10 +36,11 @@ from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.parallel.schedules import Schedule
 from shardemu.pipelined.layout import PipelineLayout
+from shardemu.predict.ahead import CountsAhead
 from shardemu.predict.costmodel import predict, require_fit
 from shardemu.predict.expert_parallel import expert_parallel
 from shardemu.predict.hardware import Hardware
-from shardemu.predict.microbatch import choose_microbatch
+from shardemu.predict.microbatch import choose_microbatch, microbatch_candidates
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.plan import Plan, require_no_context
 from shardemu.predict.resident_count import (
@@ -60,6 +61,9 @@ from shardemu.predict.sparse import (
 )
 from shardemu.predict.zero import zero
 
+DEFAULT_RECOMPUTE: Recompute = "full"
+DEFAULT_ATTENTION = "materialized"
+
 
 def plan_resident(
     model: Model | ModelConfig,
@@ -67,9 +71,9 @@ def plan_resident(
     train: TrainConfig,
     microbatch_size: int,
     hardware: Hardware,
-    recompute: Recompute = "full",
+    recompute: Recompute = DEFAULT_RECOMPUTE,
     overlap: Overlap = DEFAULT_OVERLAP,
-    attention: str = "materialized",
+    attention: str = DEFAULT_ATTENTION,
     must_fit: bool = False,
     rules: Rules | None = None,
 ) -> Plan:
@@ -213,11 +217,36 @@ def plan_resident_auto(
     **settings: Any,
 ) -> Plan:
     """`plan_resident` at the microbatch size `choose_microbatch` picks for this layout;
-    the report says so under `microbatch_choice`."""
+    the report says so under `microbatch_choice`. Every candidate size's count is made
+    ahead in two background threads (`ahead.py`: XLA compiles one size while JAX traces
+    another), so the choice waits on its counts less than planning them in turn."""
+    keys = _count_keys(as_model(model), par, train, settings)
 
     def plan(size: int) -> tuple[dict[str, Any], Any]:
+        if size in keys:
+            ahead.ready(keys[size])
         planned = plan_resident(model, par, train, size, hardware, **settings)
         return planned.report, planned
 
-    _, planned = choose_microbatch(train.batch, par, plan)
+    with CountsAhead(counted_microbatch, [(key,) for key in keys.values()]) as ahead:
+        _, planned = choose_microbatch(train.batch, par, plan)
     return planned
+
+
+def _count_keys(model: Model, par: Parallelism, train: TrainConfig, settings: dict) -> dict:
+    """The count each candidate microbatch size's plan uses, by size; none for a size
+    whose layout is refused (its plan says why)."""
+    if train.batch % par.data:
+        return {}  # `choose_microbatch` says why
+    rules = rules_or_default(settings.get("rules"), train.sequence_parallel)
+    keys = {}
+    for size in microbatch_candidates(train.batch // par.data):
+        try:
+            _, _, keys[size] = resident_layout(
+                model, par, train.batch, train.seq, size, train.schedule, train.virtual,
+                settings.get("recompute", DEFAULT_RECOMPUTE), train.precision,
+                settings.get("attention", DEFAULT_ATTENTION), train.stage_layers, rules,
+            )  # fmt: skip
+        except ConfigError:
+            continue
+    return keys
