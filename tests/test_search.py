@@ -59,7 +59,9 @@ def brute_force(precision: str = "bf16", hw=HW) -> dict[str, dict]:
                 train = TrainConfig(
                     batch=BATCH, seq=SEQ, schedule=schedule, virtual=v, precision=precision
                 )
-                report = plan_resident(TINY, Parallelism(p, t, r), train, b, hw, rec).report
+                report = plan_resident(
+                    TINY, Parallelism(p, t, r), train, b, hw, rec, extrapolate=False
+                ).report
             except ConfigError:  # interleaved with microbatches pipe does not divide
                 continue
             name = f"{schedule}x{v}" if v > 1 else schedule

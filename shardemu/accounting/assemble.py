@@ -12,10 +12,12 @@ events tagged with its microbatch and its stage, then the events at the step's e
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-from shardemu.accounting.ledger import Event, Part
+from shardemu.accounting.ledger import Event, Ledger, Part, totals
+from shardemu.accounting.ledger_file import encode_placed
 from shardemu.parallel.schedules import Schedule, Slot
 
 
@@ -33,6 +35,76 @@ def assemble(
     return step + list(after)
 
 
+class AssembledLedger(Ledger):
+    """The ledger `assemble` makes, assembled when its events are first read: a plan
+    whose prediction comes from shorter steps (`predict/periodic.py`) places its whole
+    step's events only for a caller that reads them, and `compact` writes its
+    ledger.json without placing them."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        slot_events: Callable[[Slot], Sequence[Event]],
+        before: Iterable[Event] = (),
+        after: Iterable[Event] = (),
+    ) -> None:
+        self._schedule, self._slot_events = schedule, slot_events
+        self._before, self._after = list(before), list(after)
+        self._events: list[Event] | None = None
+
+    @property
+    def events(self) -> list[Event]:  # type: ignore[override]
+        if self._events is None:
+            self._events = assemble(self._schedule, self._slot_events, self._before, self._after)
+        return self._events
+
+    def step_totals(self, step: int) -> dict[str, Any]:
+        """`Ledger.step_totals`, each slot's events totalled once per list of them
+        (`summed`), not placed."""
+        return self.summed(lambda events: totals(e for e in events if e.step == step))
+
+    def summed(self, fn: Callable[[Sequence[Event]], Any]) -> Any:
+        """The sum of `fn` (a number, or a dict of numbers or of such dicts) over the
+        step's events, which `fn` adds up: over the placed events once read, else each
+        slot's list once, times the slots that place it."""
+        if self._events is not None:
+            return fn(self._events)
+        slots = [self._slot_events(s) for s in self._schedule.in_order]
+        times = Counter(id(events) for events in slots)
+        lists = {id(events): events for events in slots}
+        out = _plus(fn(self._before), fn(self._after))
+        for key, events in lists.items():
+            out = _plus(out, fn(events), times[key])
+        return out
+
+    def compact(self) -> dict[str, Any]:
+        """ledger.json's document of these events (`ledger_file.encode`)."""
+        slots = self._schedule.in_order
+        placed = ((self._slot_events(s), s.microbatch, s.stage) for s in slots)
+        return encode_placed(self._before, placed, self._after)
+
+
+def repeat_passes(events: list[Event], schedule: Schedule) -> list[Event]:
+    """A step of `schedule.microbatches` passes from one pass's events: each stage's
+    forward and backward parts repeated in the schedule's slots (the stages work on
+    different passes at once, as pipeline stages work on microbatches: the IPU's
+    pipelined phased execution), the shared-weight fetch before, the updates after,
+    once each."""
+    return passes_ledger(events, schedule).events
+
+
+def passes_ledger(events: list[Event], schedule: Schedule) -> AssembledLedger:
+    """`repeat_passes`, assembled when its events are first read."""
+    parts = split_by_part(events)
+    stages = range(schedule.stages)
+    return AssembledLedger(
+        schedule,
+        lambda slot: parts[(slot.kind, slot.stage)],
+        before=[e for s in stages for e in parts[("once", s)]],
+        after=[e for s in stages for e in parts[("update", s)]],
+    )
+
+
 def split_by_part(events: Iterable[Event]) -> dict[tuple[Part, int], list[Event]]:
     """One pass's events by (part of the schedule, stage): what happens once per step,
     in a forward slot, in a backward slot, or in the updates at the end."""
@@ -42,17 +114,8 @@ def split_by_part(events: Iterable[Event]) -> dict[tuple[Part, int], list[Event]
     return parts
 
 
-def repeat_passes(events: list[Event], schedule: Schedule) -> list[Event]:
-    """A step of `schedule.microbatches` passes from one pass's events: each stage's
-    forward and backward parts repeated in the schedule's slots (the stages work on
-    different passes at once, as pipeline stages work on microbatches: the IPU's
-    pipelined phased execution), the shared-weight fetch before, the updates after,
-    once each."""
-    parts = split_by_part(events)
-    stages = range(schedule.stages)
-    return assemble(
-        schedule,
-        lambda slot: parts[(slot.kind, slot.stage)],
-        before=[e for s in stages for e in parts[("once", s)]],
-        after=[e for s in stages for e in parts[("update", s)]],
-    )
+def _plus(a: Any, b: Any, times: int = 1) -> Any:
+    """a + times * b, for numbers or (nested) dicts of them key by key."""
+    if isinstance(b, dict):
+        return {k: _plus(a.get(k, 0), b.get(k, 0), times) for k in {**a, **b}}
+    return a + times * b

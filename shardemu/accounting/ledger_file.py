@@ -16,7 +16,7 @@ the earlier format (a plain list of them), which the reader still accepts.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,45 +64,102 @@ def _body_key(event: Event) -> tuple[Any, ...]:
     return (phase.kind, phase.index, phase.layers, *(getattr(event, f) for f in _BODY))
 
 
+class _Encoder:
+    """The pieces and runs of a compact ledger, built event by event or, for the
+    events `Event.placed` makes of one list at a microbatch and stage, list by list."""
+
+    def __init__(self) -> None:
+        self.pieces: list[Event] = []
+        self.by_key: dict[tuple[Any, ...], int] = {}
+        self.by_origin: dict[int, int] = {}
+        self.by_list: dict[int, tuple[Sequence[Event], list[tuple[int, int]]]] = {}
+        self.runs: list[list[Any]] = []
+
+    def index(self, e: Event, origin: Event | None) -> int:
+        """`e`'s piece: matched by its origin once per origin, else by its fields."""
+        index = self.by_origin.get(id(origin)) if origin is not None else None
+        if index is None:
+            key = _body_key(e)
+            index = self.by_key.get(key)
+            if index is None:
+                index = self.by_key[key] = len(self.pieces)
+                self.pieces.append(e)
+            if origin is not None:
+                self.by_origin[id(origin)] = index
+        return index
+
+    def run(self, where: tuple[Any, ...], first: int, count: int) -> None:
+        last = self.runs[-1] if self.runs else None
+        if last is not None and tuple(last[:3]) == where and last[3] + last[4] == first:
+            last[4] += count
+        else:
+            self.runs.append([*where, first, count])
+
+    def event(self, e: Event) -> None:
+        self.run((e.step, e.phase.micro, e.stage), self.index(e, e.__dict__.get("_origin")), 1)
+
+    def placed(self, events: Sequence[Event], micro: int, stage: int) -> None:
+        """The events `e.placed(micro, stage)` of `events` (each its own origin): their
+        pieces found once per list (kept, so that its id stays its own), as runs."""
+        known = self.by_list.get(id(events))
+        if known is None:
+            segments: list[tuple[int, int]] = []
+            for e in events:
+                i = self.index(e, e)
+                if segments and sum(segments[-1]) == i:
+                    segments[-1] = (segments[-1][0], segments[-1][1] + 1)
+                else:
+                    segments.append((i, 1))
+            known = self.by_list[id(events)] = (events, segments)
+        for first, count in known[1]:  # a list's events are of one step
+            self.run((events[0].step, micro, stage), first, count)
+
+    def doc(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "pieces": [_piece_json(p) for p in self.pieces],
+            "runs": self.runs,
+        }
+
+
 def encode(events: Iterable[Event]) -> dict[str, Any]:
     """The compact form of `events`, in order. An event placed from another
     (`Event.placed`) is matched to its piece by that origin, once per origin; any other
     by its fields."""
-    pieces: list[Event] = []
-    by_key: dict[tuple[Any, ...], int] = {}
-    by_origin: dict[int, int] = {}
-    runs: list[list[Any]] = []
+    encoder = _Encoder()
     for e in events:
-        origin = e.__dict__.get("_origin")
-        index = by_origin.get(id(origin)) if origin is not None else None
-        if index is None:
-            key = _body_key(e)
-            index = by_key.get(key)
-            if index is None:
-                index = by_key[key] = len(pieces)
-                pieces.append(e)
-            if origin is not None:
-                by_origin[id(origin)] = index
-        where = (e.step, e.phase.micro, e.stage)
-        last = runs[-1] if runs else None
-        if last is not None and tuple(last[:3]) == where and last[3] + last[4] == index:
-            last[4] += 1
-        else:
-            runs.append([*where, index, 1])
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "pieces": [_piece_json(p) for p in pieces],
-        "runs": runs,
-    }
+        encoder.event(e)
+    return encoder.doc()
 
 
-def write_ledger(path: str | Path, events: Iterable[Event]) -> None:
-    """`path`, written whole to a temporary file and renamed over the old one, so a
-    kill mid-write leaves the previous ledger."""
+def encode_placed(
+    before: Iterable[Event],
+    placed: Iterable[tuple[Sequence[Event], int, int]],
+    after: Iterable[Event],
+) -> dict[str, Any]:
+    """`encode` of `before`, then each (events, micro, stage) of `placed` as
+    `Event.placed(micro, stage)` would place its events, then `after`: the same
+    document, without placing a step's events one by one (`assemble.AssembledLedger`)."""
+    encoder = _Encoder()
+    for e in before:
+        encoder.event(e)
+    for events, micro, stage in placed:
+        if events:
+            encoder.placed(events, micro, stage)
+    for e in after:
+        encoder.event(e)
+    return encoder.doc()
+
+
+def write_ledger(path: str | Path, events: Iterable[Event] | dict[str, Any]) -> None:
+    """`path`, holding `events` (or a document `encode` made of them), written whole to
+    a temporary file and renamed over the old one, so a kill mid-write leaves the
+    previous ledger."""
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(encode(events), separators=(",", ":")) + "\n")
+    doc = events if isinstance(events, dict) else encode(events)
+    partial.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
     partial.replace(path)
 
 

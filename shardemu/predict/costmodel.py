@@ -246,16 +246,29 @@ def _chunked(
     return exposed
 
 
-def _breakdown(spans: list[Span], step: float) -> tuple[int, dict[str, float]]:
-    """Compute time of the busiest stage, and its idle time by what it waited for: a
-    sweep over the stage's span boundaries with a count of active spans per kind."""
+def compute_busy(spans: list[Span]) -> dict[int, float]:
+    """Compute seconds per stage, stages in the order they first compute."""
     busy: dict[int, float] = defaultdict(float)
     for s in spans:
         if s.stream == "compute":
             busy[s.stage] += s.duration
+    return busy
+
+
+def _breakdown(spans: list[Span], step: float) -> tuple[int, dict[str, float]]:
+    """The busiest stage, and its `stage_breakdown`."""
+    busy = compute_busy(spans)
     stage = max(busy, key=busy.get, default=0)
+    return stage, stage_breakdown(spans, step, stage, busy.get(stage, 0.0))
+
+
+def stage_breakdown(
+    spans: list[Span], step: float, stage: int, compute_s: float
+) -> dict[str, float]:
+    """A stage's compute time, and its idle time by what it waited for: a sweep over
+    the stage's span boundaries with a count of active spans per kind."""
     out = dict.fromkeys(BREAKDOWN, 0.0)
-    out["compute_s"] = busy.get(stage, 0.0)
+    out["compute_s"] = compute_s
     edges: list[tuple[float, int, str]] = [(0.0, 0, ""), (step, 0, "")]
     for s in spans:
         if s.stage == stage and s.duration > 0:
@@ -270,7 +283,7 @@ def _breakdown(spans: list[Span], step: float) -> tuple[int, dict[str, float]]:
             continue
         key = next((k for prefix, k in _EXPOSED if active[prefix] > 0), "pipeline_bubble_s")
         out[key] += t_next - t
-    return stage, out
+    return out
 
 
 @dataclass(frozen=True)
@@ -329,20 +342,42 @@ def predict(
     """The timeline of one step on `hw`, and its `Prediction` (`memory`: bytes per
     device by tier, checked against the profile's capacities)."""
     timeline = build_timeline(events, hw, par, overlap)
-    step = timeline.step_time_s
+    return timeline, prediction_of(
+        timeline.step_time_s,
+        timeline.breakdown,
+        timeline.critical_stage,
+        hw,
+        par,
+        model_flops,
+        tokens,
+        memory,
+    )
+
+
+def prediction_of(
+    step: float,
+    breakdown: dict[str, float],
+    critical_stage: int,
+    hw: Hardware,
+    par: Parallelism,
+    model_flops: float,
+    tokens: int,
+    memory: dict[str, int] | None,
+) -> Prediction:
+    """The `Prediction` of a step of `step` seconds on `hw` (`memory`: bytes per
+    device by tier, checked against the profile's capacities)."""
     capacity = capacities(hw)
-    prediction = Prediction(
+    return Prediction(
         hardware=hw.name,
         step_time_s=step,
-        breakdown=timeline.breakdown,
-        critical_stage=timeline.critical_stage,
+        breakdown=breakdown,
+        critical_stage=critical_stage,
         utilisation=model_flops / (par.num_devices * hw.peak_tflops * 1e12 * step) if step else 0.0,
         tokens_per_s=tokens / step if step else 0.0,
         memory_per_device=None
         if memory is None
         else {tier: TierUse(used, capacity[tier]) for tier, used in memory.items()},
     )
-    return timeline, prediction
 
 
 def capacities(hw: Hardware) -> dict[str, int]:

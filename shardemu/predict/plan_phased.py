@@ -18,7 +18,7 @@ from typing import Any, Literal
 import jax
 
 from shardemu.accounting import flops
-from shardemu.accounting.assemble import repeat_passes
+from shardemu.accounting.assemble import passes_ledger, repeat_passes
 from shardemu.accounting.ledger import Event, Ledger
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.errors import CapacityError
@@ -30,10 +30,18 @@ from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.phased import planner
 from shardemu.phased.planner import PhasePlan
 from shardemu.phased.trainer import PhasedTrainer
-from shardemu.predict.costmodel import duration, predict, require_fit, stream_of
+from shardemu.predict.costmodel import (
+    Prediction,
+    Timeline,
+    duration,
+    predict,
+    require_fit,
+    stream_of,
+)
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import Screen, choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
+from shardemu.predict.periodic import extrapolated, period_report, periodic_prediction, short_steps
 from shardemu.predict.plan import Plan, require_no_context, require_no_experts
 from shardemu.predict.roofline import least_step_seconds
 from shardemu.predict.sparse import model_flops_sparse, sparse_compute, sparse_report
@@ -65,6 +73,7 @@ def plan_phased(
     microbatch_size: int | Literal["auto"] | None = None,
     overlap: Overlap = DEFAULT_OVERLAP,
     must_fit: bool = False,
+    extrapolate: bool = True,
 ) -> Plan:
     """Count one phased step in abstract mode (its report is the JSON `shardemu plan
     --json` prints); write nothing.
@@ -77,8 +86,9 @@ def plan_phased(
     `"auto"` plans each candidate size on `hardware` and keeps the fastest that fits
     (`predict/microbatch.py`), reported under `microbatch_choice`. With `must_fit`
     and `hardware`, a step over a memory tier raises `CapacityError` before it is
-    assembled and timed. Needs `plan_devices(par)` JAX devices (virtual CPU devices
-    will do)."""
+    assembled and timed. A long pipelined step is timed from two short ones
+    (`periodic.py`), unless `extrapolate` is False. Needs `plan_devices(par)` JAX
+    devices (virtual CPU devices will do)."""
     t0 = time.perf_counter()
     model = as_model(model)
     require_no_experts(par)
@@ -99,8 +109,9 @@ def plan_phased(
 
         def candidate(size: int) -> tuple[dict[str, Any], Plan]:
             planned = _counted(
-                model, par, train_cfg, phased, rules, hardware, size, overlap, must_fit
-            )
+                model, par, train_cfg, phased, rules, hardware, size, overlap, must_fit,
+                extrapolate,
+            )  # fmt: skip
             return planned.report, planned
 
         def screen(size: int) -> Screen:
@@ -119,6 +130,7 @@ def plan_phased(
             microbatch_size,
             overlap,
             must_fit,
+            extrapolate,
         )
     planned.report["elapsed_s"] = time.perf_counter() - t0
     return planned
@@ -134,6 +146,7 @@ def _counted(
     microbatch_size: int | None,
     overlap: Overlap,
     must_fit: bool = False,
+    extrapolate: bool = True,
 ) -> Plan:
     """`plan_phased`'s work at one microbatch size: the report, the step's ledger and
     (with `hardware`) its timeline."""
@@ -147,7 +160,7 @@ def _counted(
     memory = _memory(plan, sched, phased)
     if phased.weight_streaming and hardware is not None:
         _check_activations_fit(memory["device"], hardware, pass_cfg, par, phased)
-    ledger = Ledger(list(events) if sched is None else repeat_passes(events, sched))
+    ledger = Ledger(list(events)) if sched is None else passes_ledger(events, sched)
     totals = ledger.step_totals(0)
     analytic = flops.training_step(model, train_cfg.batch, train_cfg.seq)
     shapes, _ = model.abstract_params()
@@ -173,27 +186,55 @@ def _counted(
         report["vocab_padded_from"] = given_vocab
     timeline = prediction = None
     if hardware is not None:
-        tokens = train_cfg.tokens
-        events, sparse = ledger.events, train_cfg.sparsity
-        if sparse is not None:
-            events = sparse_compute(events, hardware, model, train_cfg.seq, sparse)
-        timeline, prediction = predict(
-            events,
-            hardware,
-            par,
-            totals["model_flops"],
-            tokens,
-            report["memory_per_device"],
-            overlap,
-        )
-        report["overlap"] = {"pipe_sends": overlap.pipe_sends}  # phases are the buckets
-        report.update(prediction.to_json() | sparse_report(hardware, sparse))
-        report |= model_flops_sparse(model, tokens, totals["model_flops"], sparse)
-        report["stream_busy_s"] = {
-            f"stage{stage}/{stream}": busy
-            for (stage, stream), busy in sorted(timeline.stream_totals().items())
-        }
+        timeline, prediction = _predicted(events, ledger, sched, hardware, par, train_cfg, model,
+                                          totals["model_flops"], report, overlap,
+                                          extrapolate)  # fmt: skip
     return Plan(report, ledger, timeline, prediction, plan)
+
+
+def _predicted(
+    events: list[Event],
+    ledger: Ledger,
+    sched: Schedule | None,
+    hardware: Hardware,
+    par: Parallelism,
+    train_cfg: TrainConfig,
+    model: Model,
+    model_flops: float,
+    report: dict[str, Any],
+    overlap: Overlap,
+    extrapolate: bool,
+) -> tuple[Timeline, Prediction]:
+    """A counted step's timeline and prediction on `hardware`, their numbers added to
+    `report`: the whole step's, or a long one's from two shorter steps (`periodic.py`)."""
+    tokens, sparse, memory = train_cfg.tokens, train_cfg.sparsity, report["memory_per_device"]
+
+    def timed(step: list[Event]) -> list[Event]:
+        return (
+            step if sparse is None else sparse_compute(step, hardware, model, train_cfg.seq, sparse)
+        )
+
+    ms = short_steps(sched) if sched is not None and extrapolate else None
+    if ms is None:
+        timeline, prediction = predict(
+            timed(ledger.events), hardware, par, model_flops, tokens, memory, overlap
+        )
+        busy = timeline.stream_totals()
+    else:
+        m = sched.microbatches  # type: ignore[union-attr]
+        steps = [timed(repeat_passes(events, make_schedule("1f1b", par.pipe, k))) for k in ms]
+        short, timeline, prediction = periodic_prediction(
+            steps, ms, m, hardware, par, model_flops, tokens, memory, overlap
+        )
+        busy = extrapolated(short.stream_totals(), timeline.stream_totals(), ms, m)
+        report["period"] = period_report(ms, m)
+    report["overlap"] = {"pipe_sends": overlap.pipe_sends}  # phases are the buckets
+    report.update(prediction.to_json() | sparse_report(hardware, sparse))
+    report |= model_flops_sparse(model, tokens, model_flops, sparse)
+    report["stream_busy_s"] = {
+        f"stage{stage}/{stream}": seconds for (stage, stream), seconds in sorted(busy.items())
+    }
+    return timeline, prediction
 
 
 def _screen(

@@ -26,22 +26,25 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from shardemu.accounting import flops
-from shardemu.accounting.ledger import Ledger
+from shardemu.accounting.assemble import AssembledLedger
+from shardemu.accounting.ledger import Event, Ledger
 from shardemu.config import ConfigError, ModelConfig, Parallelism, SparsityConfig, TrainConfig
 from shardemu.models import Model, as_model, count_params
 from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.rules import Rules, rules_or_default
-from shardemu.parallel.schedules import Schedule
+from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.pipelined.layout import PipelineLayout
 from shardemu.predict.ahead import CountsAhead
-from shardemu.predict.costmodel import predict, require_fit
+from shardemu.predict.costmodel import Prediction, Timeline, predict, require_fit
 from shardemu.predict.expert_parallel import expert_parallel
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch, microbatch_candidates
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
+from shardemu.predict.periodic import period_report, periodic_prediction, short_steps
 from shardemu.predict.plan import Plan, require_no_context
 from shardemu.predict.resident_count import (
     CountKey,
@@ -52,7 +55,7 @@ from shardemu.predict.resident_count import (
     selective,
 )
 from shardemu.predict.resident_memory import device_bytes, kept, resident_layout
-from shardemu.predict.resident_step import step_events
+from shardemu.predict.resident_step import step_events, step_ledger
 from shardemu.predict.sparse import (
     layer_factor,
     model_flops_sparse,
@@ -76,6 +79,7 @@ def plan_resident(
     attention: str = DEFAULT_ATTENTION,
     must_fit: bool = False,
     rules: Rules | None = None,
+    extrapolate: bool = True,
 ) -> Plan:
     """Predict a resident (pipelined) step of `train`'s batch, schedule, precision,
     sparsity and stage layers (each stage's layers, as `pipeline_layout` splits them) on
@@ -85,8 +89,9 @@ def plan_resident(
     device memory raises `CapacityError` before its step is assembled and timed, and
     before its microbatch is counted where its least bytes (`memory_bound`) are over
     already. Parameters and activations are sharded by `rules` (Megatron-LM's
-    tensor parallelism by default). Needs `par.tensor` JAX devices (one stage's tensor
-    group)."""
+    tensor parallelism by default). A long periodic step is predicted from two short
+    ones (`periodic.py`), unless `extrapolate` is False. Needs `par.tensor` JAX devices
+    (one stage's tensor group)."""
     batch, seq, schedule, virtual = train.batch, train.seq, train.schedule, train.virtual
     precision, sparsity = train.precision, train.sparsity
     t0 = time.perf_counter()
@@ -119,18 +124,13 @@ def plan_resident(
         require_fit({"device": held}, hardware, layout)
     if recompute == "selective":
         mb = selective(mb, key)
-    ledger = Ledger(step_events(mb, sched, lay, par, overlap))
-    timed = ledger.events
+    timed = mb
     if sparsity is not None:  # the layers' matmuls at the hardware's block-sparse speed
         factor = layer_factor(hardware, model, seq, sparsity)
         layers = {k: scale_compute(mb.pieces[k], factor) for k in ("forward", "backward")}
-        timed = step_events(
-            dataclasses.replace(mb, pieces={**mb.pieces, **layers}), sched, lay, par, overlap
-        )
-    model_flops = ledger.step_totals(0)["model_flops"]
-    timeline, prediction = predict(
-        timed, hardware, par, model_flops, batch * seq, {"device": held}, overlap
-    )
+        timed = dataclasses.replace(mb, pieces={**mb.pieces, **layers})
+    step = _Step(sched, lay, par, overlap, hardware, {"device": held}, batch * seq)
+    ledger, totals, timeline, prediction = step.predicted(mb, timed, extrapolate)
     report = {
         "model": model.name,
         "mesh": str(par),
@@ -138,9 +138,10 @@ def plan_resident(
         "param_count": count_params(model),
         **_settings(train, microbatch_size, sched, lay, recompute, overlap, attention),
         "activation_bytes_per_layer": keep.to_json(),
-        **_counts(ledger, model, par, batch, seq, prediction.step_time_s, sparsity),
+        **_counts(totals, model, par, batch, seq, prediction.step_time_s, sparsity),
         **prediction.to_json(),
         **sparse_report(hardware, sparsity),
+        **({"period": step.period} if step.period else {}),
         "elapsed_s": time.perf_counter() - t0,
     }
     return Plan(report, ledger, timeline, prediction)
@@ -183,8 +184,67 @@ def _on_mesh(
     return zero(expert_parallel(mb, key, par.expert, recompute), train.zero, par)
 
 
+@dataclasses.dataclass
+class _Step:
+    """A layout's step on the hardware, from its counted microbatch."""
+
+    sched: Schedule
+    lay: PipelineLayout
+    par: Parallelism
+    overlap: Overlap
+    hardware: Hardware
+    memory: dict[str, int]
+    tokens: int
+    period: dict[str, Any] | None = None  # set when predicted from shorter steps
+
+    def predicted(
+        self, mb: Microbatch, timed: Microbatch, extrapolate: bool
+    ) -> tuple[Ledger, dict[str, Any], Timeline, Prediction]:
+        """The step's ledger of `mb`'s events, its totals (`_totals`), and the timeline
+        and prediction of `timed`'s: the whole step's, or with `extrapolate` a long
+        periodic step's from two short ones (`periodic.py`)."""
+        sched, lay, par, overlap = self.sched, self.lay, self.par, self.overlap
+        ledger = step_ledger(mb, sched, lay, par, overlap)
+        totals = _totals(ledger)
+        ms = short_steps(sched) if extrapolate else None
+        if ms is None:
+            events = ledger.events if timed is mb else step_events(timed, *self._how(sched))
+            timeline, prediction = predict(
+                events, self.hardware, par, totals["model_flops"], self.tokens, self.memory,
+                overlap,
+            )  # fmt: skip
+            return ledger, totals, timeline, prediction
+        m = sched.microbatches
+        shorts = [make_schedule(sched.name, sched.stages, k, sched.virtual) for k in ms]
+        _, timeline, prediction = periodic_prediction(
+            [step_events(timed, *self._how(s)) for s in shorts], ms, m, self.hardware, par,
+            totals["model_flops"], self.tokens, self.memory, overlap,
+        )  # fmt: skip
+        self.period = period_report(ms, m)
+        return ledger, totals, timeline, prediction
+
+    def _how(self, sched: Schedule) -> tuple[Schedule, PipelineLayout, Parallelism, Overlap]:
+        return sched, self.lay, self.par, self.overlap
+
+
+def _totals(ledger: Ledger) -> dict[str, Any]:
+    """A step's totals (`Ledger.step_totals`) and the FLOPs the hardware executes (less
+    the optimizer update)."""
+
+    def executed(events: Iterable[Event]) -> float:
+        return sum(
+            e.flops for e in events if e.kind == "compute" and e.carries != "optimizer_state"
+        )
+
+    summed = ledger.summed(executed) if isinstance(ledger, AssembledLedger) else None
+    return {
+        **ledger.step_totals(0),
+        "executed_flops": executed(ledger.events) if summed is None else summed,
+    }
+
+
 def _counts(
-    ledger: Ledger,
+    totals: dict[str, Any],
     model: Model,
     par: Parallelism,
     batch: int,
@@ -192,19 +252,16 @@ def _counts(
     step: float,
     sparsity: SparsityConfig | None,
 ) -> dict[str, Any]:
-    """A step's counts in the report: the ledger's totals, the analytic model FLOPs
-    beside them, and what the hardware executes (less the optimizer update)."""
-    totals = ledger.step_totals(0)
+    """A step's counts in the report: its totals (`_totals`), the analytic model FLOPs
+    beside them, and the hardware's TFLOP/s a device."""
     analytic = flops.training_step(model, batch, seq)
-    executed = sum(
-        e.flops for e in ledger.events if e.kind == "compute" and e.carries != "optimizer_state"
-    )
     return {
         **totals,
         "model_flops_analytic": analytic,
         "model_flops_rel_err": totals["model_flops"] / analytic - 1,
-        "executed_flops": executed,
-        "tflops_per_device": executed / par.num_devices / step / 1e12 if step else 0.0,
+        "tflops_per_device": totals["executed_flops"] / par.num_devices / step / 1e12
+        if step
+        else 0.0,
         **model_flops_sparse(model, batch * seq, totals["model_flops"], sparsity),
     }
 

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 from typing import Any
 
-from shardemu.accounting.assemble import assemble
+from shardemu.accounting.assemble import AssembledLedger
 from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism
 from shardemu.parallel.schedules import Schedule, Slot
@@ -51,8 +51,15 @@ def step_events(
     then each stage's gradient all-reduce (after its last backward, or only the shared
     weights' there when the layers' reduce in buckets during their last backward:
     `overlap.py`) and optimizer updates."""
+    return step_ledger(mb, sched, lay, par, overlap).events
+
+
+def step_ledger(
+    mb: Microbatch, sched: Schedule, lay: PipelineLayout, par: Parallelism, overlap: Overlap
+) -> AssembledLedger:
+    """`step_events`, assembled when they are first read."""
     step = _StepEvents(mb, sched, lay, par, overlap)
-    return assemble(sched, step.slot_events, after=step.after())
+    return AssembledLedger(sched, step.slot_events, after=step.after())
 
 
 def _share(total: int, i: int, parts: int) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from shardemu.accounting.assemble import AssembledLedger
 from shardemu.accounting.ledger_file import write_ledger
 from shardemu.predict.plan import Plan
 from shardemu.report.rundir import RunDir
@@ -58,7 +59,9 @@ def write_plan_dir(out: Path, plan: Plan, tracking: TrackingConfig | None = None
     run = RunDir(out, command="plan")
     trackers = open_trackers(tracking, run)
     try:
-        write_ledger(out / "ledger.json", ledger.events)
+        # a plan's step, written from its slots without placing every event
+        compact = ledger.compact() if isinstance(ledger, AssembledLedger) else None
+        write_ledger(out / "ledger.json", ledger.events if compact is None else compact)
         if timeline is not None:
             title = f"{report['model']} on {report['mesh']}, {report['hardware']}"
             report.update(write_views(timeline, out, title))

@@ -1,0 +1,98 @@
+"""A long pipelined step predicted from two short ones, as the search predicts it.
+
+From m = p microbatches on, a 1F1B or interleaved step is its steady state repeated:
+each microbatch more adds the same slots to every stage (Narayanan et al. 2021, section
+2.2: (m + p - 1) slots of a microbatch; interleaved, a bubble of (p - 1) / v slots). Its
+time, each part of its breakdown and its counts are then linear in m, so a plan of
+m > 2p microbatches times the steps of m1 = p and m2 = 2p microbatches and extrapolates
+them (`search.py` judges its layouts by the same rule). Tests hold every number of the
+report to the whole step's (tests/test_periodic.py). The 1T-parameter plan of
+Narayanan et al. places 526k events a step; its two short steps, 66k and 131k.
+
+The whole step's ledger is still the plan's (assembled only where it is read:
+`assemble.AssembledLedger`); its timeline, for trace.json and timeline.png, is the
+2p-microbatch step's, and the report's `period` says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from shardemu.accounting.ledger import Event
+from shardemu.config import Parallelism
+from shardemu.parallel.schedules import Schedule
+from shardemu.predict.costmodel import (
+    Prediction,
+    Timeline,
+    build_timeline,
+    compute_busy,
+    prediction_of,
+    stage_breakdown,
+)
+from shardemu.predict.hardware import Hardware
+from shardemu.predict.overlap import Overlap
+
+PERIODIC = ("1f1b", "interleaved")
+
+
+def short_steps(sched: Schedule) -> tuple[int, int] | None:
+    """The microbatches (m1, m2) = (p, 2p) of the short steps a step of `sched` is
+    predicted from; None where it is not periodic or is not longer than 2p."""
+    p, m = sched.stages, sched.microbatches
+    if sched.name not in PERIODIC or m <= 2 * p:
+        return None
+    return p, 2 * p
+
+
+def extrapolated(a: Any, b: Any, ms: tuple[int, int], m: int) -> Any:
+    """The value at `m` of a quantity linear in the microbatches that is `a` at ms[0]
+    and `b` at ms[1]: numbers, or dicts of them key by key (integers stay exact)."""
+    if isinstance(b, dict):
+        return {k: extrapolated(a.get(k, 0), v, ms, m) for k, v in b.items()}
+    (m1, m2), steps = ms, m - ms[0]
+    if isinstance(a, int) and isinstance(b, int):
+        return a + (2 * steps * (b - a) + (m2 - m1)) // (2 * (m2 - m1))  # rounded
+    return a + steps * (b - a) / (m2 - m1)
+
+
+def periodic_prediction(
+    steps: Sequence[list[Event]],
+    ms: tuple[int, int],
+    m: int,
+    hw: Hardware,
+    par: Parallelism,
+    model_flops: float,
+    tokens: int,
+    memory: dict[str, int] | None,
+    overlap: Overlap,
+) -> tuple[Timeline, Timeline, Prediction]:
+    """The timelines of the steps of ms[0] and ms[1] microbatches (`short_steps`), from
+    their events, and the prediction of the m-microbatch step: the critical stage is
+    the busiest at m, its breakdown each part extrapolated."""
+    short, long = (build_timeline(events, hw, par, overlap) for events in steps)
+    busy = extrapolated(compute_busy(short.spans), compute_busy(long.spans), ms, m)
+    stage = max(busy, key=busy.get, default=0)
+    parts = [
+        stage_breakdown(t.spans, t.step_time_s, stage, b.get(stage, 0.0))
+        for t, b in ((short, compute_busy(short.spans)), (long, compute_busy(long.spans)))
+    ]
+    step = extrapolated(short.step_time_s, long.step_time_s, ms, m)
+    breakdown = extrapolated(*parts, ms, m)
+    prediction = prediction_of(step, breakdown, stage, hw, par, model_flops, tokens, memory)
+    return short, long, prediction
+
+
+def period_report(ms: tuple[int, int], m: int) -> dict[str, Any]:
+    """What the report says of a step predicted from shorter ones."""
+    return {
+        "microbatches": m,
+        "predicted_from": list(ms),
+        "timeline_microbatches": ms[1],
+        "rule": (
+            f"the step time, its breakdown and the counts are linear in the microbatches "
+            f"from {ms[0]} on (a periodic schedule): extrapolated from the steps of "
+            f"{ms[0]} and {ms[1]}; trace.json and timeline.png show the {ms[1]}-microbatch "
+            f"step, ledger.json the whole step"
+        ),
+    }

@@ -1,0 +1,104 @@
+"""A long pipelined plan predicted from two short steps (`predict/periodic.py`) against
+the same plan timed whole: every number of the report within 1e-9, for each periodic
+schedule and the overlap settings that change when a stage waits; and the lazily
+assembled ledger's file and totals against its placed events."""
+
+import math
+
+import pytest
+
+from shardemu.accounting.assemble import AssembledLedger
+from shardemu.accounting.ledger import Ledger
+from shardemu.accounting.ledger_file import encode
+from shardemu.config import Parallelism, PhasedConfig, TrainConfig
+from shardemu.models import custom_model
+from shardemu.predict.overlap import Overlap
+from shardemu.predict.plan_phased import plan_phased
+from shardemu.predict.plan_resident import plan_resident
+from shardemu.predict.profiles import PROFILES
+
+MODEL = custom_model("gpt", 8, 32, 4, 64, 32)
+HW = PROFILES["a100-80gb"]
+# (mesh, schedule, virtual, microbatches a replica, plan settings, train settings): a
+# design over what changes how a stage waits, not their product
+CASES = {
+    "1f1b-bucketed": (Parallelism(pipe=2, replica=2), "1f1b", 1, 7, {}, {}),
+    "interleaved-megatron": (
+        Parallelism(pipe=2, replica=2), "interleaved", 2, 8,
+        {"overlap": Overlap(grad_reduce="end", pipe_sends="blocking")}, {},
+    ),
+    "1f1b-fsdp-selective": (
+        Parallelism(pipe=4, replica=2), "1f1b", 1, 11, {"recompute": "selective"}, {"zero": 3},
+    ),
+    "1f1b-tp-overlap": (
+        Parallelism(pipe=2, tensor=2, replica=2), "1f1b", 1, 6,
+        {"overlap": Overlap(tp_overlap="chunked"), "attention": "fused"},
+        {"sequence_parallel": True, "precision": "bf16"},
+    ),
+}  # fmt: skip
+
+
+def assert_close(a, b, path=""):
+    """Every number of `a` within 1e-9 of `b`'s (relative), the rest equal."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), path
+        for k in a:
+            assert_close(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, float):
+        assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15), (path, a, b)
+    else:
+        assert a == b, (path, a, b)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_plan_from_two_short_steps_equals_the_whole_plan(name):
+    par, schedule, virtual, m, settings, train_settings = CASES[name]
+    train = TrainConfig(
+        batch=m * par.replica, seq=32, schedule=schedule, virtual=virtual, **train_settings
+    )
+    short = plan_resident(MODEL, par, train, 1, HW, **settings)
+    whole = plan_resident(MODEL, par, train, 1, HW, **settings, extrapolate=False)
+    period = short.report.pop("period")
+    assert period["microbatches"] == m and period["predicted_from"][0] == par.pipe
+    assert "period" not in whole.report
+    for report in (short.report, whole.report):
+        del report["elapsed_s"]
+    assert_close(short.report, whole.report)
+    assert short.report["breakdown"]["pipeline_bubble_s"] > 0  # a pipeline that waits
+    # the timeline kept for the views is the longer short step's
+    micro = {s.phase.micro for s in short.timeline.spans if s.phase.micro is not None}
+    assert len(micro) == period["timeline_microbatches"] < m
+    # the whole step's ledger: written from its slots as from its placed events
+    assert isinstance(short.ledger, AssembledLedger)
+    assert short.ledger.compact() == encode(whole.ledger.events)
+    assert short.ledger.events == whole.ledger.events
+
+
+def test_a_phased_plan_of_many_passes_from_two_short_steps_equals_the_whole_plan():
+    """Phased passes pipelined over pipe = 2 (1F1B), 6 passes, on one stage's devices."""
+    par, cfg = Parallelism(pipe=2, replica=2), PhasedConfig(phases=4)
+    train = TrainConfig(batch=12, seq=32)
+    short = plan_phased(MODEL, par, train, cfg, hardware=HW, microbatch_size=1)
+    whole = plan_phased(MODEL, par, train, cfg, hardware=HW, microbatch_size=1, extrapolate=False)
+    assert short.report.pop("period")["microbatches"] == 6
+    for report in (short.report, whole.report):
+        del report["elapsed_s"]
+    assert_close(short.report, whole.report)
+    assert short.ledger.compact() == encode(whole.ledger.events)
+
+
+def test_short_or_unperiodic_steps_are_timed_whole():
+    """GPipe, and a 1F1B step of at most 2p microbatches, are not extrapolated."""
+    par = Parallelism(pipe=2, replica=2)
+    for schedule, m in (("gpipe", 8), ("1f1b", 4)):
+        train = TrainConfig(batch=m * par.replica, seq=32, schedule=schedule)
+        assert "period" not in plan_resident(MODEL, par, train, 1, HW).report
+
+
+def test_an_assembled_ledgers_totals_need_no_placed_events():
+    par = Parallelism(pipe=2, replica=2)
+    train = TrainConfig(batch=16, seq=32, schedule="1f1b")
+    ledger = plan_resident(MODEL, par, train, 1, HW).ledger
+    summed = ledger.step_totals(0)
+    assert ledger._events is None  # totalled slot list by slot list, nothing placed
+    assert_close(summed, Ledger(ledger.events).step_totals(0))
