@@ -341,17 +341,9 @@ def predict(
 ) -> tuple[Timeline, Prediction]:
     """The timeline of one step on `hw`, and its `Prediction` (`memory`: bytes per
     device by tier, checked against the profile's capacities)."""
-    timeline = build_timeline(events, hw, par, overlap)
-    return timeline, prediction_of(
-        timeline.step_time_s,
-        timeline.breakdown,
-        timeline.critical_stage,
-        hw,
-        par,
-        model_flops,
-        tokens,
-        memory,
-    )
+    t = build_timeline(events, hw, par, overlap)
+    step, breakdown, stage = t.step_time_s, t.breakdown, t.critical_stage
+    return t, prediction_of(step, breakdown, stage, hw, par, model_flops, tokens, memory)
 
 
 def prediction_of(

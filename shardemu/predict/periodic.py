@@ -21,7 +21,7 @@ from typing import Any
 
 from shardemu.accounting.ledger import Event
 from shardemu.config import Parallelism
-from shardemu.parallel.schedules import Schedule
+from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.predict.costmodel import (
     Prediction,
     Timeline,
@@ -43,6 +43,11 @@ def short_steps(sched: Schedule) -> tuple[int, int] | None:
     if sched.name not in PERIODIC or m <= 2 * p:
         return None
     return p, 2 * p
+
+
+def shortened(sched: Schedule, microbatches: int) -> Schedule:
+    """`sched`'s schedule over fewer microbatches (`short_steps`)."""
+    return make_schedule(sched.name, sched.stages, microbatches, sched.virtual)
 
 
 def extrapolated(a: Any, b: Any, ms: tuple[int, int], m: int) -> Any:

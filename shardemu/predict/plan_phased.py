@@ -18,7 +18,7 @@ from typing import Any, Literal
 import jax
 
 from shardemu.accounting import flops
-from shardemu.accounting.assemble import passes_ledger, repeat_passes
+from shardemu.accounting.assemble import passes_ledger
 from shardemu.accounting.ledger import Event, Ledger
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.errors import CapacityError
@@ -31,20 +31,16 @@ from shardemu.phased import planner
 from shardemu.phased.planner import PhasePlan
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.predict.costmodel import (
-    Prediction,
-    Timeline,
     duration,
-    predict,
     require_fit,
     stream_of,
 )
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import Screen, choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
-from shardemu.predict.periodic import extrapolated, period_report, periodic_prediction, short_steps
+from shardemu.predict.phased_timing import timed_passes
 from shardemu.predict.plan import Plan, require_no_context, require_no_experts
 from shardemu.predict.roofline import least_step_seconds
-from shardemu.predict.sparse import model_flops_sparse, sparse_compute, sparse_report
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
@@ -186,55 +182,10 @@ def _counted(
         report["vocab_padded_from"] = given_vocab
     timeline = prediction = None
     if hardware is not None:
-        timeline, prediction = _predicted(events, ledger, sched, hardware, par, train_cfg, model,
+        timeline, prediction = timed_passes(events, ledger, sched, hardware, par, train_cfg, model,
                                           totals["model_flops"], report, overlap,
                                           extrapolate)  # fmt: skip
     return Plan(report, ledger, timeline, prediction, plan)
-
-
-def _predicted(
-    events: list[Event],
-    ledger: Ledger,
-    sched: Schedule | None,
-    hardware: Hardware,
-    par: Parallelism,
-    train_cfg: TrainConfig,
-    model: Model,
-    model_flops: float,
-    report: dict[str, Any],
-    overlap: Overlap,
-    extrapolate: bool,
-) -> tuple[Timeline, Prediction]:
-    """A counted step's timeline and prediction on `hardware`, their numbers added to
-    `report`: the whole step's, or a long one's from two shorter steps (`periodic.py`)."""
-    tokens, sparse, memory = train_cfg.tokens, train_cfg.sparsity, report["memory_per_device"]
-
-    def timed(step: list[Event]) -> list[Event]:
-        return (
-            step if sparse is None else sparse_compute(step, hardware, model, train_cfg.seq, sparse)
-        )
-
-    ms = short_steps(sched) if sched is not None and extrapolate else None
-    if ms is None:
-        timeline, prediction = predict(
-            timed(ledger.events), hardware, par, model_flops, tokens, memory, overlap
-        )
-        busy = timeline.stream_totals()
-    else:
-        m = sched.microbatches  # type: ignore[union-attr]
-        steps = [timed(repeat_passes(events, make_schedule("1f1b", par.pipe, k))) for k in ms]
-        short, timeline, prediction = periodic_prediction(
-            steps, ms, m, hardware, par, model_flops, tokens, memory, overlap
-        )
-        busy = extrapolated(short.stream_totals(), timeline.stream_totals(), ms, m)
-        report["period"] = period_report(ms, m)
-    report["overlap"] = {"pipe_sends": overlap.pipe_sends}  # phases are the buckets
-    report.update(prediction.to_json() | sparse_report(hardware, sparse))
-    report |= model_flops_sparse(model, tokens, model_flops, sparse)
-    report["stream_busy_s"] = {
-        f"stage{stage}/{stream}": seconds for (stage, stream), seconds in sorted(busy.items())
-    }
-    return timeline, prediction
 
 
 def _screen(

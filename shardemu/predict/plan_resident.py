@@ -36,15 +36,14 @@ from shardemu.config import ConfigError, ModelConfig, Parallelism, SparsityConfi
 from shardemu.models import Model, as_model, count_params
 from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.rules import Rules, rules_or_default
-from shardemu.parallel.schedules import Schedule, make_schedule
+from shardemu.parallel.schedules import Schedule
 from shardemu.pipelined.layout import PipelineLayout
-from shardemu.predict.ahead import CountsAhead
 from shardemu.predict.costmodel import Prediction, Timeline, predict, require_fit
 from shardemu.predict.expert_parallel import expert_parallel
 from shardemu.predict.hardware import Hardware
-from shardemu.predict.microbatch import choose_microbatch, microbatch_candidates
+from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
-from shardemu.predict.periodic import period_report, periodic_prediction, short_steps
+from shardemu.predict.periodic import period_report, periodic_prediction, short_steps, shortened
 from shardemu.predict.plan import Plan, require_no_context
 from shardemu.predict.resident_count import (
     CountKey,
@@ -64,9 +63,6 @@ from shardemu.predict.sparse import (
 )
 from shardemu.predict.zero import zero
 
-DEFAULT_RECOMPUTE: Recompute = "full"
-DEFAULT_ATTENTION = "materialized"
-
 
 def plan_resident(
     model: Model | ModelConfig,
@@ -74,9 +70,9 @@ def plan_resident(
     train: TrainConfig,
     microbatch_size: int,
     hardware: Hardware,
-    recompute: Recompute = DEFAULT_RECOMPUTE,
+    recompute: Recompute = "full",
     overlap: Overlap = DEFAULT_OVERLAP,
-    attention: str = DEFAULT_ATTENTION,
+    attention: str = "materialized",
     must_fit: bool = False,
     rules: Rules | None = None,
     extrapolate: bool = True,
@@ -215,7 +211,7 @@ class _Step:
             )  # fmt: skip
             return ledger, totals, timeline, prediction
         m = sched.microbatches
-        shorts = [make_schedule(sched.name, sched.stages, k, sched.virtual) for k in ms]
+        shorts = [shortened(sched, k) for k in ms]
         _, timeline, prediction = periodic_prediction(
             [step_events(timed, *self._how(s)) for s in shorts], ms, m, self.hardware, par,
             totals["model_flops"], self.tokens, self.memory, overlap,
@@ -274,36 +270,11 @@ def plan_resident_auto(
     **settings: Any,
 ) -> Plan:
     """`plan_resident` at the microbatch size `choose_microbatch` picks for this layout;
-    the report says so under `microbatch_choice`. Every candidate size's count is made
-    ahead in two background threads (`ahead.py`: XLA compiles one size while JAX traces
-    another), so the choice waits on its counts less than planning them in turn."""
-    keys = _count_keys(as_model(model), par, train, settings)
+    the report says so under `microbatch_choice`."""
 
     def plan(size: int) -> tuple[dict[str, Any], Any]:
-        if size in keys:
-            ahead.ready(keys[size])
         planned = plan_resident(model, par, train, size, hardware, **settings)
         return planned.report, planned
 
-    with CountsAhead(counted_microbatch, [(key,) for key in keys.values()]) as ahead:
-        _, planned = choose_microbatch(train.batch, par, plan)
+    _, planned = choose_microbatch(train.batch, par, plan)
     return planned
-
-
-def _count_keys(model: Model, par: Parallelism, train: TrainConfig, settings: dict) -> dict:
-    """The count each candidate microbatch size's plan uses, by size; none for a size
-    whose layout is refused (its plan says why)."""
-    if train.batch % par.data:
-        return {}  # `choose_microbatch` says why
-    rules = rules_or_default(settings.get("rules"), train.sequence_parallel)
-    keys = {}
-    for size in microbatch_candidates(train.batch // par.data):
-        try:
-            _, _, keys[size] = resident_layout(
-                model, par, train.batch, train.seq, size, train.schedule, train.virtual,
-                settings.get("recompute", DEFAULT_RECOMPUTE), train.precision,
-                settings.get("attention", DEFAULT_ATTENTION), train.stage_layers, rules,
-            )  # fmt: skip
-        except ConfigError:
-            continue
-    return keys
