@@ -88,9 +88,9 @@ def test_a_phased_plan_of_many_passes_from_two_short_steps_equals_the_whole_plan
 
 
 def test_short_or_unperiodic_steps_are_timed_whole():
-    """GPipe, and a 1F1B step of at most 2p microbatches, are not extrapolated."""
+    """GPipe, and a 1F1B step of at most p + 1 microbatches, are not extrapolated."""
     par = Parallelism(pipe=2, replica=2)
-    for schedule, m in (("gpipe", 8), ("1f1b", 4)):
+    for schedule, m in (("gpipe", 8), ("1f1b", 3)):
         train = TrainConfig(batch=m * par.replica, seq=32, schedule=schedule)
         assert "period" not in plan_resident(MODEL, par, train, 1, HW).report
 

@@ -91,6 +91,14 @@ class Phase:
             phase = made[micro] = Phase(self.kind, self.index, self.layers, micro)
         return phase
 
+    def __hash__(self) -> int:
+        """The fields' hash, kept on the phase once made (a timeline keys its waits
+        by phase, millions of times a search)."""
+        known = self.__dict__.get("_hash")
+        if known is None:
+            known = self.__dict__["_hash"] = hash((self.kind, self.index, self.layers, self.micro))
+        return known
+
     def __str__(self) -> str:
         """The readable name: fwd3, bwd-embed, update-shared, fwd@5 (microbatch 5)."""
         name = _SHORT.get(self.kind, self.kind)

@@ -3,15 +3,16 @@
 From m = p microbatches on, a 1F1B or interleaved step is its steady state repeated:
 each microbatch more adds the same slots to every stage (Narayanan et al. 2021, section
 2.2: (m + p - 1) slots of a microbatch; interleaved, a bubble of (p - 1) / v slots). Its
-time, each part of its breakdown and its counts are then linear in m, so a plan of
-m > 2p microbatches times the steps of m1 = p and m2 = 2p microbatches and extrapolates
-them (`search.py` judges its layouts by the same rule). Tests hold every number of the
-report to the whole step's (tests/test_periodic.py). The 1T-parameter plan of
-Narayanan et al. places 526k events a step; its two short steps, 66k and 131k.
+time and each part of its breakdown are then linear in m, so a longer step is timed
+from two short ones, of m1 = p and m2 = p + 1 microbatches (1F1B) or 2p (interleaved:
+microbatches in multiples of p), and extrapolated (`search.py` judges its layouts by
+the same rule, from p and 2p). Tests hold every number of the report to the whole
+step's (tests/test_periodic.py). The 1T-parameter plan of Narayanan et al. places 526k
+events a step; its two short steps, 66k and 131k.
 
 The whole step's ledger is still the plan's (assembled only where it is read:
 `assemble.AssembledLedger`); its timeline, for trace.json and timeline.png, is the
-2p-microbatch step's, and the report's `period` says so.
+longer short step's, and the report's `period` says so.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ PERIODIC = ("1f1b", "interleaved")
 
 
 def short_steps(sched: Schedule) -> tuple[int, int] | None:
-    """The microbatches (m1, m2) = (p, 2p) of the short steps a step of `sched` is
-    predicted from; None where it is not periodic or is not longer than 2p."""
+    """The microbatches (m1, m2) of the short steps a step of `sched` is predicted
+    from: p and p + 1 for 1F1B, p and 2p for the interleaved schedule (its microbatches
+    come in multiples of p); None where it is not periodic or not longer than m2."""
     p, m = sched.stages, sched.microbatches
-    if sched.name not in PERIODIC or m <= 2 * p:
+    if sched.name not in PERIODIC:
         return None
-    return p, 2 * p
+    ms = (p, p + 1) if sched.name == "1f1b" else (p, 2 * p)
+    return ms if m > ms[1] else None
 
 
 def shortened(sched: Schedule, microbatches: int) -> Schedule:
@@ -95,9 +98,9 @@ def period_report(ms: tuple[int, int], m: int) -> dict[str, Any]:
         "predicted_from": list(ms),
         "timeline_microbatches": ms[1],
         "rule": (
-            f"the step time, its breakdown and the counts are linear in the microbatches "
-            f"from {ms[0]} on (a periodic schedule): extrapolated from the steps of "
-            f"{ms[0]} and {ms[1]}; trace.json and timeline.png show the {ms[1]}-microbatch "
-            f"step, ledger.json the whole step"
+            f"from {ms[0]} microbatches on the step is its steady state repeated: its time, "
+            f"breakdown and stream busy times extrapolated from the steps of {ms[0]} and "
+            f"{ms[1]}; trace.json and timeline.png show the {ms[1]}-microbatch step; the "
+            f"counts and ledger.json are the whole step's"
         ),
     }
