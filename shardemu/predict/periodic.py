@@ -6,7 +6,7 @@ each microbatch more adds the same slots to every stage (Narayanan et al. 2021, 
 time and each part of its breakdown are then linear in m, so a longer step is timed
 from two short ones, of m1 = p and m2 = p + 1 microbatches (1F1B) or 2p (interleaved:
 microbatches in multiples of p), and extrapolated (`search.py` judges its layouts by
-the same rule). Tests hold every number of the report to the whole
+the same rule, from p and 2p). Tests hold every number of the report to the whole
 step's (tests/test_periodic.py). The 1T-parameter plan of Narayanan et al. places 526k
 events a step; its two short steps, 66k and 131k.
 
@@ -41,16 +41,11 @@ def short_steps(sched: Schedule) -> tuple[int, int] | None:
     """The microbatches (m1, m2) of the short steps a step of `sched` is predicted
     from: p and p + 1 for 1F1B, p and 2p for the interleaved schedule (its microbatches
     come in multiples of p); None where it is not periodic or not longer than m2."""
+    p, m = sched.stages, sched.microbatches
     if sched.name not in PERIODIC:
         return None
-    ms = short_microbatches(sched.name, sched.stages)
-    return ms if sched.microbatches > ms[1] else None
-
-
-def short_microbatches(schedule: str, p: int) -> tuple[int, int]:
-    """The microbatches of the two short steps a periodic schedule's longer steps are
-    timed from (`short_steps`)."""
-    return (p, p + 1) if schedule == "1f1b" else (p, 2 * p)
+    ms = (p, p + 1) if sched.name == "1f1b" else (p, 2 * p)
+    return ms if m > ms[1] else None
 
 
 def shortened(sched: Schedule, microbatches: int) -> Schedule:

@@ -46,8 +46,7 @@ Prediction: a step of m microbatches (or passes) is the schedule's steady state
 repeated once every stage has started: from m = p microbatches, 1F1B's and the
 interleaved schedule's step times are linear in m (Narayanan et al. 2021, section 2.2:
 (m + p - 1) slots of a microbatch; interleaved, a bubble of (p - 1) / v slots).
-Each layout is planned at m1 = p and m2 = p + 1 microbatches (interleaved: 2p, its
-microbatches in multiples of p; `periodic.short_microbatches`) and its step time
+Each layout is planned at m1 = p and m2 = 2p microbatches and its step time
 extrapolated linearly to m (tests compare it with the full plan: equal to 1e-9; on
 GPT-3 175B's A100 layouts to 5e-13); memory is m2's, the full step's (1F1B holds
 min(m, p) microbatches; the interleaved schedule holds fewer at m = p than from 2p on,
@@ -83,7 +82,6 @@ from shardemu.predict.layouts import (
     resident_settings,
 )
 from shardemu.predict.microbatch import microbatch_candidates
-from shardemu.predict.periodic import short_microbatches
 from shardemu.predict.plan_phased import check_fit
 from shardemu.predict.planning import plan
 from shardemu.predict.resident_count import CountKey, count_key, counted_microbatch
@@ -141,7 +139,7 @@ class Searcher(Bounds):
         """`c` predicted by extrapolating two short steps (module docstring), or planned
         whole when its step is short anyway."""
         m = self.microbatches(c)
-        m1, m2 = short_microbatches(c.schedule, c.pipe)
+        m1, m2 = c.pipe, 2 * c.pipe
         try:
             if c.mode == "resident":  # the full step's schedule, which the short plans
                 make_schedule(c.schedule, c.pipe, m, c.virtual)  # do not build, must exist
@@ -187,8 +185,8 @@ class Searcher(Bounds):
         it does not fit (prune 2) or is refused; None when it fits, its pieces then
         compiling in the background for `screen`."""
         m = self.microbatches(c)
-        # the plan `screen` judges the step's memory by: m passes, or m2
-        train = self.train_config(c, min(m, short_microbatches(c.schedule, c.pipe)[1]))
+        # the plan `screen` judges the step's memory by: m passes, or 2p
+        train = self.train_config(c, min(m, 2 * c.pipe))
         phased = c.phased_config(self.hardware.device_memory_bytes)
         try:
             check_fit(
