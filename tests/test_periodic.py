@@ -3,19 +3,21 @@ the same plan timed whole: every number of the report within 1e-9, for each peri
 schedule and the overlap settings that change when a stage waits; and the lazily
 assembled ledger's file and totals against its placed events."""
 
+import json
 import math
 
 import pytest
 
 from shardemu.accounting.assemble import AssembledLedger
 from shardemu.accounting.ledger import Ledger
-from shardemu.accounting.ledger_file import encode
+from shardemu.accounting.ledger_file import encode, read_events
 from shardemu.config import Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import custom_model
 from shardemu.predict.overlap import Overlap
 from shardemu.predict.plan_phased import plan_phased
 from shardemu.predict.plan_resident import plan_resident
 from shardemu.predict.profiles import PROFILES
+from shardemu.report.plandir import write_plan_dir
 
 MODEL = custom_model("gpt", 8, 32, 4, 64, 32)
 HW = PROFILES["a100-80gb"]
@@ -72,6 +74,21 @@ def test_a_plan_from_two_short_steps_equals_the_whole_plan(name):
     assert isinstance(short.ledger, AssembledLedger)
     assert short.ledger.compact() == encode(whole.ledger.events)
     assert short.ledger.events == whole.ledger.events
+
+
+def test_a_periodic_plans_run_directory_holds_the_whole_step_and_its_window(tmp_path):
+    """`shardemu plan --out`'s files of a step timed from short ones: ledger.json reads
+    back as the whole step's events, trace.json loads and holds the window's spans, and
+    timeline.png is drawn."""
+    par, train = Parallelism(pipe=2, replica=2), TrainConfig(batch=14, seq=32)
+    planned = plan_resident(MODEL, par, train, 1, HW)
+    write_plan_dir(tmp_path, planned)
+    assert read_events(tmp_path / "ledger.json") == planned.ledger.events
+    spans = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+             if e["ph"] == "X"]  # fmt: skip
+    assert len(spans) == sum(s.duration > 0 for s in planned.timeline.spans)
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "config.json").read_text())["period"]["microbatches"] == 7
 
 
 def test_a_phased_plan_of_many_passes_from_two_short_steps_equals_the_whole_plan():
