@@ -223,20 +223,16 @@ class _Step:
         return sched, self.lay, self.par, self.overlap
 
 
-def _totals(ledger: Ledger) -> dict[str, Any]:
+def _totals(ledger: AssembledLedger) -> dict[str, Any]:
     """A step's totals (`Ledger.step_totals`) and the FLOPs the hardware executes (less
-    the optimizer update)."""
+    the optimizer update), each slot's events totalled once (`AssembledLedger.summed`)."""
 
     def executed(events: Iterable[Event]) -> float:
         return sum(
             e.flops for e in events if e.kind == "compute" and e.carries != "optimizer_state"
         )
 
-    summed = ledger.summed(executed) if isinstance(ledger, AssembledLedger) else None
-    return {
-        **ledger.step_totals(0),
-        "executed_flops": executed(ledger.events) if summed is None else summed,
-    }
+    return {**ledger.step_totals(0), "executed_flops": ledger.summed(executed)}
 
 
 def _counts(
