@@ -17,7 +17,7 @@ longer short step's, and the report's `period` says so.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from shardemu.accounting.ledger import Event
@@ -28,6 +28,7 @@ from shardemu.predict.costmodel import (
     Timeline,
     build_timeline,
     compute_busy,
+    predict,
     prediction_of,
     stage_breakdown,
 )
@@ -89,6 +90,34 @@ def periodic_prediction(
     breakdown = extrapolated(*parts, ms, m)
     prediction = prediction_of(step, breakdown, stage, hw, par, model_flops, tokens, memory)
     return short, long, prediction
+
+
+def timed_step(
+    events_of: Callable[[Schedule | None], list[Event]],
+    sched: Schedule | None,
+    extrapolate: bool,
+    hw: Hardware,
+    par: Parallelism,
+    model_flops: float,
+    tokens: int,
+    memory: dict[str, int] | None,
+    overlap: Overlap,
+) -> tuple[Timeline, Prediction, Timeline | None, tuple[int, int] | None]:
+    """A step's timeline and prediction, its events those `events_of(schedule)` gives
+    for `sched` (None: one pass): the whole step's, or with `extrapolate` a long
+    periodic step's from two short ones (`short_steps`); then the shorter step's
+    timeline and the short steps' microbatches (None, None when timed whole)."""
+    ms = short_steps(sched) if extrapolate and sched is not None else None
+    if sched is None or ms is None:
+        timeline, prediction = predict(
+            events_of(sched), hw, par, model_flops, tokens, memory, overlap
+        )
+        return timeline, prediction, None, None
+    steps = [events_of(shortened(sched, k)) for k in ms]
+    short, timeline, prediction = periodic_prediction(
+        steps, ms, sched.microbatches, hw, par, model_flops, tokens, memory, overlap
+    )
+    return timeline, prediction, short, ms
 
 
 def period_report(ms: tuple[int, int], m: int) -> dict[str, Any]:

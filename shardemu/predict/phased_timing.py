@@ -12,16 +12,10 @@ from shardemu.accounting.ledger import Event, Ledger
 from shardemu.config import Parallelism, TrainConfig
 from shardemu.models import Model
 from shardemu.parallel.schedules import Schedule
-from shardemu.predict.costmodel import Prediction, Timeline, predict
+from shardemu.predict.costmodel import Prediction, Timeline
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.overlap import Overlap
-from shardemu.predict.periodic import (
-    extrapolated,
-    period_report,
-    periodic_prediction,
-    short_steps,
-    shortened,
-)
+from shardemu.predict.periodic import extrapolated, period_report, timed_step
 from shardemu.predict.sparse import model_flops_sparse, sparse_compute, sparse_report
 
 
@@ -42,24 +36,19 @@ def timed_passes(
     `report`: the whole step's, or a long one's from two shorter steps (`periodic.py`)."""
     tokens, sparse, memory = train_cfg.tokens, train_cfg.sparsity, report["memory_per_device"]
 
-    def timed(step: list[Event]) -> list[Event]:
+    def events_of(schedule: Schedule | None) -> list[Event]:
+        step = ledger.events if schedule is sched else repeat_passes(events, schedule)
         return (
             step if sparse is None else sparse_compute(step, hardware, model, train_cfg.seq, sparse)
         )
 
-    ms = short_steps(sched) if sched is not None and extrapolate else None
-    if sched is None or ms is None:
-        timeline, prediction = predict(
-            timed(ledger.events), hardware, par, model_flops, tokens, memory, overlap
-        )
-        busy = timeline.stream_totals()
-    else:
-        m = sched.microbatches
-        steps = [timed(repeat_passes(events, shortened(sched, k))) for k in ms]
-        short, timeline, prediction = periodic_prediction(
-            steps, ms, m, hardware, par, model_flops, tokens, memory, overlap
-        )
-        busy = extrapolated(short.stream_totals(), timeline.stream_totals(), ms, m)
+    timeline, prediction, short, ms = timed_step(
+        events_of, sched, extrapolate, hardware, par, model_flops, tokens, memory, overlap
+    )
+    busy = timeline.stream_totals()
+    if ms is not None:  # timed from two short steps, `short` the shorter
+        m = sched.microbatches  # type: ignore[union-attr]
+        busy = extrapolated(short.stream_totals(), busy, ms, m)  # type: ignore[union-attr]
         report["period"] = period_report(ms, m)
     report["overlap"] = {"pipe_sends": overlap.pipe_sends}  # phases are the buckets
     report.update(prediction.to_json() | sparse_report(hardware, sparse))

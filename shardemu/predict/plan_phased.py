@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import jax
@@ -30,11 +31,7 @@ from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.phased import planner
 from shardemu.phased.planner import PhasePlan
 from shardemu.phased.trainer import PhasedTrainer
-from shardemu.predict.costmodel import (
-    duration,
-    require_fit,
-    stream_of,
-)
+from shardemu.predict.costmodel import duration, require_fit, stream_of
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import Screen, choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
@@ -182,9 +179,10 @@ def _counted(
         report["vocab_padded_from"] = given_vocab
     timeline = prediction = None
     if hardware is not None:
-        timeline, prediction = timed_passes(events, ledger, sched, hardware, par, train_cfg, model,
-                                          totals["model_flops"], report, overlap,
-                                          extrapolate)  # fmt: skip
+        timeline, prediction = timed_passes(
+            events, ledger, sched, hardware, par, train_cfg, model, totals["model_flops"],
+            report, overlap, extrapolate,
+        )  # fmt: skip
     return Plan(report, ledger, timeline, prediction, plan)
 
 
@@ -204,14 +202,15 @@ def _screen(
     counted step moves the same bytes)."""
     hardware, model, _, pass_cfg, sched = _setting(model, par, train_cfg, hardware, microbatch_size)
     plan, events = _one_pass(model, par, pass_cfg, phased, rules, counting=False)
-    # each event of the pass as often as the step repeats it (`repeat_passes`: a stage's
-    # forward and backward parts once per slot of their kind), not placed one by one
-    slots = Counter((s.kind, s.stage) for s in sched.slots) if sched is not None else None
-    busy: dict[tuple[int, str], float] = defaultdict(float)
-    for e in events:
-        part = e.phase.part
-        times = 1 if slots is None or part in ("once", "update") else slots[(part, e.stage)]
-        busy[(e.stage, stream_of(e))] += duration(e, hardware, par) * times
+
+    def busy_of(step: Iterable[Event]) -> dict[tuple[int, str], float]:
+        busy: dict[tuple[int, str], float] = defaultdict(float)
+        for e in step:
+            busy[(e.stage, stream_of(e))] += duration(e, hardware, par)
+        return busy
+
+    # each event of the pass as often as the step repeats it, not placed one by one
+    busy = busy_of(events) if sched is None else passes_ledger(list(events), sched).summed(busy_of)
     compute = least_step_seconds(
         flops.training_step(model, train_cfg.batch, train_cfg.seq),
         par.num_devices,

@@ -38,12 +38,12 @@ from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.parallel.schedules import Schedule
 from shardemu.pipelined.layout import PipelineLayout
-from shardemu.predict.costmodel import Prediction, Timeline, predict, require_fit
+from shardemu.predict.costmodel import Prediction, Timeline, require_fit
 from shardemu.predict.expert_parallel import expert_parallel
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
-from shardemu.predict.periodic import period_report, periodic_prediction, short_steps, shortened
+from shardemu.predict.periodic import period_report, timed_step
 from shardemu.predict.plan import Plan, require_no_context
 from shardemu.predict.resident_count import (
     CountKey,
@@ -125,8 +125,9 @@ def plan_resident(
         factor = layer_factor(hardware, model, seq, sparsity)
         layers = {k: scale_compute(mb.pieces[k], factor) for k in ("forward", "backward")}
         timed = dataclasses.replace(mb, pieces={**mb.pieces, **layers})
-    step = _Step(sched, lay, par, overlap, hardware, {"device": held}, batch * seq)
-    ledger, totals, timeline, prediction = step.predicted(mb, timed, extrapolate)
+    ledger, totals, timeline, prediction, ms = _predicted(
+        mb, timed, sched, lay, par, overlap, extrapolate, hardware, {"device": held}, batch * seq
+    )
     report = {
         "model": model.name,
         "mesh": str(par),
@@ -137,7 +138,7 @@ def plan_resident(
         **_counts(totals, model, par, batch, seq, prediction.step_time_s, sparsity),
         **prediction.to_json(),
         **sparse_report(hardware, sparsity),
-        **({"period": step.period} if step.period else {}),
+        **({"period": period_report(ms, sched.microbatches)} if ms else {}),
         "elapsed_s": time.perf_counter() - t0,
     }
     return Plan(report, ledger, timeline, prediction)
@@ -180,47 +181,35 @@ def _on_mesh(
     return zero(expert_parallel(mb, key, par.expert, recompute), train.zero, par)
 
 
-@dataclasses.dataclass
-class _Step:
-    """A layout's step on the hardware, from its counted microbatch."""
+def _predicted(
+    mb: Microbatch,
+    timed: Microbatch,
+    sched: Schedule,
+    lay: PipelineLayout,
+    par: Parallelism,
+    overlap: Overlap,
+    extrapolate: bool,
+    hardware: Hardware,
+    memory: dict[str, int],
+    tokens: int,
+) -> tuple[Ledger, dict[str, Any], Timeline, Prediction, tuple[int, int] | None]:
+    """The step's ledger of `mb`'s events and its totals (`_totals`), and the timeline
+    and prediction of `timed`'s (`periodic.timed_step`): the whole step's, or with
+    `extrapolate` a long periodic step's from two short ones, whose microbatches come
+    last (None: timed whole)."""
+    ledger = step_ledger(mb, sched, lay, par, overlap)
+    totals = _totals(ledger)
 
-    sched: Schedule
-    lay: PipelineLayout
-    par: Parallelism
-    overlap: Overlap
-    hardware: Hardware
-    memory: dict[str, int]
-    tokens: int
-    period: dict[str, Any] | None = None  # set when predicted from shorter steps
+    def events_of(schedule: Schedule | None) -> list[Event]:
+        if schedule is sched and timed is mb:
+            return ledger.events
+        return step_events(timed, schedule, lay, par, overlap)  # type: ignore[arg-type]
 
-    def predicted(
-        self, mb: Microbatch, timed: Microbatch, extrapolate: bool
-    ) -> tuple[Ledger, dict[str, Any], Timeline, Prediction]:
-        """The step's ledger of `mb`'s events, its totals (`_totals`), and the timeline
-        and prediction of `timed`'s: the whole step's, or with `extrapolate` a long
-        periodic step's from two short ones (`periodic.py`)."""
-        sched, lay, par, overlap = self.sched, self.lay, self.par, self.overlap
-        ledger = step_ledger(mb, sched, lay, par, overlap)
-        totals = _totals(ledger)
-        ms = short_steps(sched) if extrapolate else None
-        if ms is None:
-            events = ledger.events if timed is mb else step_events(timed, *self._how(sched))
-            timeline, prediction = predict(
-                events, self.hardware, par, totals["model_flops"], self.tokens, self.memory,
-                overlap,
-            )  # fmt: skip
-            return ledger, totals, timeline, prediction
-        m = sched.microbatches
-        shorts = [shortened(sched, k) for k in ms]
-        _, timeline, prediction = periodic_prediction(
-            [step_events(timed, *self._how(s)) for s in shorts], ms, m, self.hardware, par,
-            totals["model_flops"], self.tokens, self.memory, overlap,
-        )  # fmt: skip
-        self.period = period_report(ms, m)
-        return ledger, totals, timeline, prediction
-
-    def _how(self, sched: Schedule) -> tuple[Schedule, PipelineLayout, Parallelism, Overlap]:
-        return sched, self.lay, self.par, self.overlap
+    timeline, prediction, _, ms = timed_step(
+        events_of, sched, extrapolate, hardware, par, totals["model_flops"], tokens, memory,
+        overlap,
+    )  # fmt: skip
+    return ledger, totals, timeline, prediction, ms
 
 
 def _totals(ledger: AssembledLedger) -> dict[str, Any]:

@@ -26,11 +26,11 @@ def stage_meshes(mesh: Mesh, rts: int) -> list[Mesh]:
     into (replica / rts, rts); neighbouring replicas share a weight's rts shards. The
     pipelined and phased engines split no experts and no sequences: a mesh with `expert`
     or `context` > 1 is refused."""
-    for axis, what in (("expert", "expert"), ("context", "context")):
+    for axis in ("expert", "context"):
         if mesh.shape.get(axis, 1) > 1:
             raise ConfigError(
                 f"the pipelined and phased engines run {axis} = 1 (got {axis}="
-                f"{mesh.shape[axis]}); {what} parallelism runs on the resident engine "
+                f"{mesh.shape[axis]}); {axis} parallelism runs on the resident engine "
                 f"(shardemu.Trainer), or fold the {axis} devices into `replica`"
             )
     _, replica, tensor = (mesh.shape[a] for a in ("pipe", "replica", "tensor"))
