@@ -53,7 +53,7 @@ class Parallelism:
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
             key = key.strip()
-            if not sep or key not in ("pipe", "tensor", "replica", "expert", "context"):
+            if not sep or key not in cls.__dataclass_fields__:  # the axes: pipe, tensor, ...
                 raise ConfigError(
                     f"bad mesh item {part!r} in {text!r}; expected "
                     f"pipe=P,tensor=T,replica=R[,expert=E][,context=C]"
