@@ -43,8 +43,12 @@ from shardemu.devices import use_virtual_devices  # noqa: E402
 
 use_virtual_devices(8)
 # one cache for the whole session: the xdist workers inherit the folder the controller made
-os.environ.setdefault("SHARDEMU_TEST_XLA_CACHE", tempfile.mkdtemp(prefix="shardemu-xla-"))
-jax.config.update("jax_compilation_cache_dir", os.environ["SHARDEMU_TEST_XLA_CACHE"])
+# (set as JAX's own environment variables, so that the `shardemu` processes the tests
+# start share the cache too)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="shardemu-xla-"))
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 assert len(jax.devices()) == 8  # start the backend now: no command can change the count

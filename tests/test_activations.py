@@ -48,6 +48,12 @@ def test_without_dropout_and_with_a_gated_mlp():
     assert layer_bytes(llama, b, s, 2) == want
     names = [t.name for t in saved_tensors(llama, b, s, 2)]
     assert "gate output" in names and "activation input" not in names
+    # 8 key/value heads on tensor 16: replicated, K and V whole on every device, with
+    # sequence parallelism too; everything else as when they split
+    for sp in (False, True):
+        split = layer_bytes(llama, b, s, 2, 16, sp)
+        replicated = layer_bytes(llama, b, s, 2, 16, sp, kv_split=False)
+        assert replicated - split == pytest.approx(2 * 2 * kv * (1 - 1 / 16))
 
 
 def test_a_resident_plan_reports_both_witnesses_and_holds_the_targets():

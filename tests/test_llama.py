@@ -16,6 +16,7 @@ from shardemu.errors import ShardingError
 from shardemu.models import Model, custom_model, get_preset
 from shardemu.models.llama import Attention, rotary
 from shardemu.parallel.mesh import make_mesh
+from shardemu.parallel.rules import megatron_rules
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.resident.trainer import Trainer
@@ -97,9 +98,17 @@ def reference(single_device_reference):
 
 
 @pytest.mark.slow
-def test_tensor_and_replica_sharded_equals_one_device(reference, train_and_compare):
-    """tensor=2 splits the 8 query heads and the 4 key/value heads alike."""
-    trainer = Trainer(TINY, make_mesh(tensor=2, replica=2, devices=jax.devices()[:4]), TRAIN)
+def test_key_value_heads_tensor_does_not_divide_are_replicated_and_equal_one_device(
+    reference, train_and_compare
+):
+    """tensor=8 splits the 8 query heads, one a device, but not the 4 key/value heads:
+    the default rules replicate those (each device computes all four; test_activations.py
+    holds the plan's memory to that), and the run equals one device. (tensor=2, which
+    splits both alike, is the pipelined, phased and FP8 tests' layout.)"""
+    trainer = Trainer(TINY, make_mesh(tensor=8), TRAIN)
+    assert dict(trainer.rules)["kv_heads"] is None and dict(trainer.rules)["heads"] == "tensor"
+    k_proj = trainer.param_shardings[TINY.stack_key]["self_attn"]["k_proj"].spec
+    assert "tensor" not in jax.tree.leaves(tuple(k_proj))
     train_and_compare(trainer, reference)
 
 
@@ -159,7 +168,8 @@ def test_phased_with_rts_equals_one_device(reference, staged_like_reference):
 
 def test_settings_a_family_cannot_honour_are_refused():
     """Key/value heads on a family with one per query head, block sparsity on kernels it
-    does not know, and a tensor size that does not divide the key/value heads."""
+    does not know, and rules that split key/value heads over a tensor size that does not
+    divide them (the default replicates them instead)."""
     with pytest.raises(ConfigError, match="grouped-query attention"):
         custom_model("gpt", 2, 64, 8, None, 16, kv_heads=2)
     with pytest.raises(ConfigError, match="num_kv_heads=2, but the gpt family"):
@@ -167,8 +177,8 @@ def test_settings_a_family_cannot_honour_are_refused():
     sparse = TrainConfig(batch=8, seq=16, sparsity=SparsityConfig(0.5, block=4))
     with pytest.raises(ConfigError, match="block sparsity .* llama family"):
         Trainer(TINY, make_mesh(devices=jax.devices()[:1]), sparse)
-    with pytest.raises(ShardingError, match="kv_heads.*not divisible by mesh axis .tensor"):
-        Trainer(TINY, make_mesh(tensor=8), TRAIN)
+    with pytest.raises(ShardingError, match="kv_heads.*not divisible by mesh axis .tensor.*None"):
+        Trainer(TINY, make_mesh(tensor=8), TRAIN, rules=megatron_rules())
 
 
 def test_command_line_plans_a_preset_and_builds_a_custom_llama():

@@ -22,7 +22,7 @@ from shardemu.cli.settings import model_config
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.config.files import read_text
 from shardemu.models import PRESETS
-from shardemu.parallel.rules import megatron_rules
+from shardemu.parallel.rules import rules_or_default
 
 # keys that make no sense inside a settings file
 _NOT_SETTINGS = ("help", "config", "resume", "version")
@@ -143,7 +143,14 @@ def run_flags(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     flags |= to_flags(train)
     default = [
         [n, list(a) if isinstance(a, tuple) else a]
-        for n, a in megatron_rules(train.sequence_parallel, par.expert > 1)
+        for n, a in rules_or_default(
+            None,
+            train.sequence_parallel,
+            par.expert,
+            par.context,
+            tensor=par.tensor,
+            kv_heads=model.kv_heads,
+        )
     ]
     # runs recorded before a logical name existed (residual_sequence, kv_heads, experts)
     # lack its rule: the default less those names

@@ -12,9 +12,9 @@ names follow Hugging Face's (embed_tokens, layers, self_attn.q_proj, mlp.gate_pr
 norm, lm_head), so counts compare one to one: Llama-3-8B has 8,030,261,248 parameters.
 
 Tensor parallelism is Megatron's: query heads and key/value heads split over `tensor`
-(column-parallel), the output projection and `down_proj` row-parallel. The key/value
-heads must be a multiple of the tensor size; Megatron-LM replicates them beyond that,
-which this model does not do yet (the sharding check refuses it, naming `kv_heads`).
+(column-parallel), the output projection and `down_proj` row-parallel. Where the tensor
+size does not divide the key/value heads, the default rules replicate them on every
+tensor device (`parallel.rules.megatron_rules`: as vLLM does; Megatron-Core refuses it).
 
 Presets and their sources (Hugging Face `config.json` of each release, which the papers'
 tables agree with):

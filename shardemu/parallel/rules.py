@@ -48,9 +48,20 @@ LogicalAxes = tuple[str | None, ...]
 
 
 def megatron_rules(
-    sequence_parallel: bool = False, expert_parallel: bool = False, context_parallel: bool = False
+    sequence_parallel: bool = False,
+    expert_parallel: bool = False,
+    context_parallel: bool = False,
+    kv_heads_split: bool = True,
 ) -> Rules:
     """Megatron-style tensor parallelism over `tensor`, data parallelism over `replica`.
+
+    Grouped-query attention's key/value heads are split over `tensor` with the query
+    heads; with `kv_heads_split` False (a tensor size that does not divide them) they
+    are replicated on every tensor device instead, each device computing and keeping
+    all of them. Megatron-Core refuses that case (`divide(num_query_groups, tp)` in its
+    attention); vLLM replicates key/value heads when tensor parallelism exceeds them
+    (`QKVParallelLinear`, `num_kv_head_replicas`), holding one a device where this
+    holds all.
 
     With `expert_parallel`, a mixture of experts' experts are split over `expert`, and
     the batch over `replica` and `expert` both (expert parallelism within data
@@ -85,7 +96,7 @@ def megatron_rules(
         ("embed", None),
         ("embed_out", None),
         ("heads", "tensor"),
-        ("kv_heads", "tensor"),
+        ("kv_heads", "tensor" if kv_heads_split else None),
         ("head_dim", None),
         ("mlp", "tensor"),
         ("vocab", "tensor"),
@@ -97,21 +108,33 @@ def megatron_rules(
 
 
 def rules_or_default(
-    rules: Rules | None, sequence_parallel: bool, experts: int = 1, context: int = 1
+    rules: Rules | None,
+    sequence_parallel: bool,
+    experts: int = 1,
+    context: int = 1,
+    *,
+    tensor: int = 1,
+    kv_heads: int = 0,
 ) -> Rules:
     """`rules` as given, or the default table with the run's sequence parallelism and,
     on a mesh of `experts` > 1 expert-parallel groups, expert parallelism, and of
-    `context` > 1 context-parallel groups, context parallelism."""
+    `context` > 1 context-parallel groups, context parallelism; a model's `kv_heads`
+    key/value heads (0: not known) split over `tensor` where it divides them and
+    replicated where it does not (`megatron_rules`)."""
     if rules is not None:
         return rules
-    return megatron_rules(sequence_parallel, experts > 1, context > 1)
+    split = kv_heads == 0 or kv_heads % tensor == 0
+    return megatron_rules(sequence_parallel, experts > 1, context > 1, split)
 
 
 # What to suggest when a dimension does not divide, by logical name.
 _FIX_HINTS = {
     "vocab": "pad the vocabulary to a multiple of 128 (ModelConfig.pad_vocab)",
     "heads": "use a model whose head count the axis divides",
-    "kv_heads": "use a tensor size that divides the key/value heads (ModelConfig.num_kv_heads)",
+    "kv_heads": (
+        "use a tensor size that divides the key/value heads (ModelConfig.num_kv_heads), or "
+        "map 'kv_heads' to None to replicate them (the default rules do so)"
+    ),
     "mlp": "use a model whose MLP width the axis divides",
     "batch": "use a global TrainConfig.batch that is a multiple of the axis size",
     "layers": "use a pipe size that divides the layer count (or TrainConfig.stage_layers)",

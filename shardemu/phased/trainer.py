@@ -88,7 +88,11 @@ class PhasedTrainer:
                 "phased one; its PhasedConfig.rts_opt shards the optimizer state over "
                 "replicas instead"
             )
-        self.rules = stage_rules(rules_or_default(rules, train.sequence_parallel))
+        self.rules = stage_rules(
+            rules_or_default(
+                rules, train.sequence_parallel, tensor=par.tensor, kv_heads=model.cfg.kv_heads
+            )
+        )
         meshes = stage_meshes(mesh, cfg.rts) * (emulated_stages or 1)
         self.pieces = build_stages(model, meshes, train, cfg, self.rules)
         self.stages: tuple[Stage, ...] = self.pieces.stages

@@ -68,7 +68,11 @@ class PipelinedTrainer:
                 f"TrainConfig.zero={train.zero}: ZeRO runs on the resident engine, not the "
                 "pipelined one; train it resident (pipe = 1) or without it"
             )
-        self.rules = stage_rules(rules_or_default(rules, train.sequence_parallel))
+        self.rules = stage_rules(
+            rules_or_default(
+                rules, train.sequence_parallel, tensor=par.tensor, kv_heads=model.cfg.kv_heads
+            )
+        )
         self.pieces = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), self.rules)
         self.stages: tuple[Stage, ...] = self.pieces.stages
         self.holders = shared_holders(self.layout)

@@ -14,7 +14,9 @@ too. Selective recomputation (Section 5) keeps everything but the attention core
 s x s tensors, which it recomputes; full recomputation keeps the layer's input.
 
 A gated MLP (SwiGLU: Llama) keeps the gate's and the up projection's outputs and their
-product; grouped-query attention keeps K and V at the key/value heads' width. Rotary
+product; grouped-query attention keeps K and V at the key/value heads' width, split
+over `tensor` where it divides the heads and whole on every tensor device where the
+rules replicate them (`parallel.rules.megatron_rules`), sequence parallelism or not. Rotary
 embeddings add nothing to keep (their backward is the same rotation). A mixture of
 experts (`models/moe.py`) keeps its router's FP32 probabilities, the tokens dispatched
 to each expert's E x C slots, the experts' gated MLP tensors over those slots, and the
@@ -43,25 +45,34 @@ MASK_BYTES = 1  # a dropout mask is one byte an element (Korthikanti et al., Sec
 @dataclass(frozen=True)
 class Saved:
     """One tensor a layer keeps for its backward: `elements` of `itemsize` bytes, split
-    over the tensor axis or whole on every tensor device (`split`), and whether it is
-    the attention core's s x s (what selective recomputation drops)."""
+    over the tensor axis or whole on every tensor device (`split`), whether sequence
+    parallelism splits it where tensor parallelism does not (`by_sequence`: not the
+    replicated key/value heads, computed whole on every device), and whether it is the
+    attention core's s x s (what selective recomputation drops)."""
 
     name: str
     elements: int
     itemsize: int
     split: bool
     core: bool = False
+    by_sequence: bool = True
 
     def bytes_per_device(self, tensor: int, sequence_parallel: bool) -> float:
         whole = self.elements * self.itemsize
-        return whole / tensor if self.split or sequence_parallel else whole
+        return whole / tensor if self.split or sequence_parallel and self.by_sequence else whole
 
 
 def saved_tensors(
-    model: Model, batch: int, seq: int, itemsize: int, dropout: bool = False
+    model: Model,
+    batch: int,
+    seq: int,
+    itemsize: int,
+    dropout: bool = False,
+    kv_split: bool = True,
 ) -> list[Saved]:
     """What one layer of `model` keeps for its backward on `batch` sequences of `seq`
-    tokens, its activations of `itemsize` bytes (module docstring)."""
+    tokens, its activations of `itemsize` bytes, its key/value heads split over tensor
+    or replicated (`kv_split`) (module docstring)."""
     cfg = model.cfg
     sbh, sbf = seq * batch * cfg.embed_dim, seq * batch * cfg.mlp_dim
     kv = seq * batch * cfg.kv_heads * cfg.head_dim
@@ -72,9 +83,9 @@ def saved_tensors(
         Saved("layer norm 1 input", sbh, p, split=False),
         Saved("QKV input", sbh, q, split=False),
         Saved("Q", sbh, p, split=True),
-        Saved("K", kv, p, split=True),
+        Saved("K", kv, p, split=kv_split, by_sequence=kv_split),
         Saved("softmax output", scores, p, split=True, core=True),
-        Saved("V", kv, p, split=True),
+        Saved("V", kv, p, split=kv_split, by_sequence=kv_split),
         Saved("projection input", sbh, q, split=True),
         Saved("layer norm 2 input", sbh, p, split=False),
         Saved("MLP input", sbh, q, split=False),
@@ -120,19 +131,21 @@ def layer_bytes(
     recompute: str = "none",
     dropout: bool = False,
     fused_attention: bool = False,
+    kv_split: bool = True,
 ) -> float:
     """Bytes per device one layer keeps for its backward (`saved_tensors`), with
     `recompute` none, selective (the attention core's s x s tensors recomputed) or full
     (the layer's input alone). With `fused_attention` (FlashAttention: Dao et al. 2022,
     Section 3.1) the core keeps no s x s tensor, only each query row's softmax
-    statistic (its log-sum-exp, float32)."""
+    statistic (its log-sum-exp, float32). `kv_split`: the key/value heads split over
+    tensor (else replicated: `saved_tensors`)."""
     if recompute == "full":
         whole = seq * batch * model.cfg.embed_dim * itemsize
         return whole / tensor if sequence_parallel else whole
     drop_core = recompute == "selective" or fused_attention
     kept = sum(
         t.bytes_per_device(tensor, sequence_parallel)
-        for t in saved_tensors(model, batch, seq, itemsize, dropout)
+        for t in saved_tensors(model, batch, seq, itemsize, dropout, kv_split)
         if not (drop_core and t.core)
     )
     if fused_attention and recompute != "selective":

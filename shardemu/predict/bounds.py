@@ -48,10 +48,18 @@ class Bounds:
         two = self.model.replace(num_layers=2)
         self.layer_params = count_params(two) - count_params(two.replace(num_layers=1))
         self.model_flops = flops.training_step(self.model, self.batch, self.seq)
-        # the rules a resident layout's counts and bounds use (`plan_resident`'s default)
-        self.resident_rules = rules_or_default(self.rules, self.space.sequence_parallel)
         self.faster: list[SearchRow] = []  # the fitting rows of faster precisions
         self._least_bytes: dict[Candidate, int | None] = {}
+
+    def resident_rules(self, par: Parallelism) -> Rules:
+        """The rules resident layout `par`'s counts and bounds use (`plan_resident`'s
+        default: key/value heads replicated where `par.tensor` does not divide them)."""
+        return rules_or_default(
+            self.rules,
+            self.space.sequence_parallel,
+            tensor=par.tensor,
+            kv_heads=self.model.cfg.kv_heads,
+        )
 
     def least_step(self, precision: str) -> float:
         """No layout in `precision` is faster (`roofline.least_step_seconds`)."""
@@ -88,7 +96,7 @@ class Bounds:
                     c.recompute,
                     c.precision,
                     self.space.attention,  # type: ignore[arg-type]
-                    self.resident_rules,
+                    self.resident_rules(c.par),
                     c.zero,
                 )
             except ConfigError:

@@ -101,7 +101,9 @@ def plan_resident(
             "sequence parallelism); set TrainConfig.sequence_parallel, or "
             "Overlap.tp_overlap none"
         )
-    rules = rules_or_default(rules, train.sequence_parallel)  # the run's own default
+    rules = rules_or_default(  # the run's own default
+        rules, train.sequence_parallel, tensor=par.tensor, kv_heads=model.cfg.kv_heads
+    )
     hardware = hardware.at_precision(arithmetic(model.cfg, precision))
     lay, sched, key = resident_layout(
         model, par, batch, seq, microbatch_size, schedule, virtual, recompute, precision,

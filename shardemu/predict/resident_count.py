@@ -27,7 +27,7 @@ from shardemu.config import Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import Model
 from shardemu.numerics.precision import compute_model
 from shardemu.parallel.mesh import mesh_from
-from shardemu.parallel.rules import Rules, megatron_rules
+from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
 from shardemu.predict.plan_phased import padded_for
 from shardemu.stages.executor import Executor
@@ -146,7 +146,7 @@ def _one_stage(
     whose inputs look alike but compute or place their outputs otherwise."""
     mesh = mesh_from(Parallelism(tensor=tensor), jax.devices()[:tensor])
     train = TrainConfig(batch=microbatch_size, seq=seq, precision=precision)
-    rules = stage_rules(megatron_rules() if rules is None else rules)
+    rules = stage_rules(rules_or_default(rules, False, tensor=tensor, kv_heads=model.cfg.kv_heads))
     built = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), rules)
     st = built.stages[0]
     shared = with_shardings(built.shared_shapes, st.shared_compute)
@@ -255,7 +255,7 @@ def count_key(
     (Megatron-LM's when None: the same count as when they are given)."""
     computed = compute_model(padded_for(model, par), precision)
     full, fused = recompute == "full", attention == "fused"
-    rules = megatron_rules() if rules is None else rules
+    rules = rules_or_default(rules, False, tensor=par.tensor, kv_heads=model.cfg.kv_heads)
     return CountKey(computed, par.tensor, microbatch_size, seq, full, precision, fused, rules)
 
 

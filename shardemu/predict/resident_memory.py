@@ -49,10 +49,14 @@ def kept(mb: Microbatch, key: CountKey, recompute: str) -> Kept:
     counted = (selective_keep(mb, key) if recompute == "selective" else mb).keep_bytes
     model = key.model
     itemsize = jnp.dtype(model.cfg.param_dtype).itemsize
-    sequence_parallel = bool(dict(key.rules).get("residual_sequence"))
+    rules = dict(key.rules)
+    sequence_parallel = bool(rules.get("residual_sequence"))
+    # grouped key/value heads follow their own rule (replicated where tensor does not
+    # divide them); other families' keys and values are split with the heads
+    kv_split = not model.family.grouped_query or bool(rules.get("kv_heads"))
     target = layer_bytes(
         model, key.microbatch_size, key.seq, itemsize, key.tensor, sequence_parallel,
-        recompute, fused_attention=key.fused_attention,
+        recompute, fused_attention=key.fused_attention, kv_split=kv_split,
     )  # fmt: skip
     return Kept(counted, target)
 

@@ -132,7 +132,7 @@ class Searcher(Bounds):
             c.recompute,
             c.precision,
             self.space.attention,
-            self.resident_rules,
+            self.resident_rules(c.par),
         )
 
     def screen(self, c: Candidate) -> SearchRow:

@@ -21,7 +21,9 @@ def describe(
     `shardemu describe --json` prints."""
     model = as_model(model)
     model.check_rules(rules)
-    rules = rules_or_default(rules, False, par.expert, par.context)
+    rules = rules_or_default(
+        rules, False, par.expert, par.context, tensor=par.tensor, kv_heads=model.cfg.kv_heads
+    )
     shapes, logical = model.abstract_params()
     axis_sizes = par.axis_sizes()
     specs = resolve_specs(shapes, logical, rules, axis_sizes)

@@ -101,7 +101,10 @@ class Trainer:
         model = compute_model(model, train.precision)  # 16-bit weights for mixed precision
         self.model, self.mesh, self.train, self.par = model, mesh, train, par
         model.check_rules(rules)
-        self.rules = rules_or_default(rules, train.sequence_parallel, par.expert, par.context)
+        self.rules = rules_or_default(
+            rules, train.sequence_parallel, par.expert, par.context,
+            tensor=par.tensor, kv_heads=model.cfg.kv_heads,
+        )  # fmt: skip
         axis_sizes = dict(mesh.shape)
 
         self.param_shapes, self.param_logical = model.abstract_params()

@@ -105,7 +105,12 @@ def run_config(
         "rules": [
             [name, axes]
             for name, axes in rules_or_default(
-                rules, train_cfg.sequence_parallel, par.expert, par.context
+                rules,
+                train_cfg.sequence_parallel,
+                par.expert,
+                par.context,
+                tensor=par.tensor,
+                kv_heads=model.cfg.kv_heads,
             )
         ],
         "param_count": sizes["param_count"],
