@@ -77,6 +77,9 @@ class Counted:
     memory_bytes: int = 0  # per device, moved by kernels other than matmuls
     # the same two with the attention core fused (FlashAttention: `matmuls.py`)
     fused: tuple[tuple[Matmul, ...], int] = ((), 0)
+    # the other kernels' bytes fused as an accelerator fuses them (`fusion.py`), with
+    # the attention core materialized and fused
+    target_bytes: tuple[int, int] = (0, 0)
 
 
 class Counter:
@@ -146,6 +149,7 @@ class Counter:
             compiled.output_shardings,
             *module.read(),
             module.read(fused_attention=True),
+            (module.read(target=True)[1], module.read(fused_attention=True, target=True)[1]),
         )
 
     def __len__(self) -> int:
@@ -274,6 +278,7 @@ def piece_events(
             run_flops=counted.flops_per_device,
             matmuls=matmuls,
             memory_bytes=memory,
+            fused_memory_bytes=counted.target_bytes[fused_attention],
         )
     ]
     grouped: dict[tuple, float] = defaultdict(float)

@@ -141,6 +141,8 @@ class Event:
     run_flops: float = 0.0
     matmuls: tuple[Matmul, ...] = ()
     memory_bytes: int = 0
+    # the same kernels' bytes fused as an accelerator fuses them (`fusion.py`)
+    fused_memory_bytes: int = 0
 
     def placed(self, micro: int, stage: int) -> Event:
         """This event for microbatch `micro` on pipeline stage `stage`. A plain copy of

@@ -167,7 +167,7 @@ def _event(step: int, micro: int | None, stage: int, piece: dict[str, Any]) -> E
     p = piece["phase"]
     layers = tuple(p["layers"]) if p["layers"] is not None else None
     phase = Phase(p["kind"], p["index"], layers, micro)
-    body = {f: piece[f] for f in _BODY}
+    body = {f: piece[f] for f in _BODY if f in piece}  # a field added since: its default
     # [FLOPs, bytes, FP8, attention]; a file written before FP8 has only the first two
     body["matmuls"] = tuple(
         Matmul(float(m[0]), int(m[1]), *(bool(x) for x in m[2:4])) for m in piece["matmuls"]

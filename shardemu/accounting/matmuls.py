@@ -47,6 +47,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from shardemu.accounting.fusion import fused_bytes
 from shardemu.accounting.hlo import ARRAY, CALLED, DTYPE_BYTES, Instr, operands, parse
 from shardemu.accounting.ledger import Matmul
 
@@ -145,9 +146,12 @@ class Kernels:
         self.origins = _Origins(self.computations)
         self.dots = _dots(self.computations, self.shapes, self.origins)
 
-    def read(self, fused_attention: bool = False) -> tuple[tuple[Matmul, ...], int]:
+    def read(
+        self, fused_attention: bool = False, target: bool = False
+    ) -> tuple[tuple[Matmul, ...], int]:
         """The matmuls and the bytes the other kernels move; with `fused_attention`,
-        without the attention core's [s, s] tensors (module docstring)."""
+        without the attention core's [s, s] tensors (module docstring); with `target`,
+        the other kernels fused as an accelerator fuses them (`fusion.py`)."""
 
         def moved(d: _Dot) -> int:  # its arrays' bytes, less its scores' when fused
             dropped = d.scores if fused_attention else None
@@ -161,7 +165,7 @@ class Kernels:
         )
         scaled = frozenset(d.kernel for d in self.dots if d.fp8)
         memory = _memory_bytes(
-            self.computations, self.shapes, self.width, scores, self.origins, scaled
+            self.computations, self.shapes, self.width, scores, self.origins, scaled, target
         )
         return tuple(
             Matmul(d.flops, moved(d), d.fp8, d.scores is not None) for d in self.dots
@@ -271,33 +275,49 @@ def _memory_bytes(
     skip: frozenset[tuple[int, ...]],
     origins: _Origins,
     fp8_products: frozenset[str] = frozenset(),
+    target: bool = False,
 ) -> int:
     """Bytes the module's kernels other than matmuls read and write (see the module
     docstring), elements at most `itemsize` wide (1 byte for an FP8 array the backend
     widened: `_Origins.fp8`), arrays of the dims in `skip` left out. A kernel that only
     scales an FP8 matmul's product (`fp8_products`) by scalars and casts it is the
     matmul's epilogue on an accelerator (cuBLASLt applies FP8 scale factors in the
-    GEMM: `cublasLtMatmul`'s A, B and D scale pointers), so it moves nothing here."""
+    GEMM: `cublasLtMatmul`'s A, B and D scale pointers), so it moves nothing here.
+    With `target`, the kernels as the accelerator fuses them (`fusion.py`); else as
+    XLA's CPU backend emitted them."""
 
     def size(name: str) -> int:
         return _bytes(shapes[name], 1 if origins.fp8(name) else itemsize, skip)
+
+    def kind(instr: Instr) -> str:
+        """boundary (a matmul, a collective, a loop: no kernel here), free (data
+        movement or an FP8 epilogue: folded into a neighbour) or kernel."""
+        _, _, op, rest = instr
+        if op in _FREE:
+            return "boundary"
+        if op != "fusion":
+            return "free" if target and op in _MOVES else "kernel"
+        callee = CALLED.search(rest)
+        fused = {o for _, _, o, _ in computations.get(callee.group(1) if callee else "", [])}
+        if "dot" in fused:
+            return "boundary"
+        arrays = [o for o in operands(rest) if o in shapes and "[]" not in shapes[o]]
+        if fused <= _MOVES or (fused <= _EPILOGUE and arrays and set(arrays) <= fp8_products):
+            return "free"
+        return "kernel"
 
     called = {c for body in computations.values() for i in body for c in CALLED.findall(i[3])}
     total = 0
     for comp, body in computations.items():
         if comp in called:  # fused computations and reducers: inside a kernel
             continue
-        for name, _, op, rest in body:
-            if op in _FREE:
-                continue
-            if op == "fusion":
-                callee = CALLED.search(rest)
-                inside = computations.get(callee.group(1) if callee else "", [])
-                fused = {o for _, _, o, _ in inside}
-                if "dot" in fused or fused <= _MOVES:
-                    continue
-                arrays = [o for o in operands(rest) if o in shapes and "[]" not in shapes[o]]
-                if fused <= _EPILOGUE and arrays and set(arrays) <= fp8_products:
-                    continue
-            total += size(name) + sum(size(o) for o in operands(rest) if o in shapes)
+        if target:
+            total += fused_bytes(
+                body, lambda i: kind(i) != "boundary", lambda i: kind(i) == "free", size
+            )
+            continue
+        for instr in body:
+            if kind(instr) == "kernel":
+                name, _, _, rest = instr
+                total += size(name) + sum(size(o) for o in operands(rest) if o in shapes)
     return total

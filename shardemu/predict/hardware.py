@@ -31,6 +31,7 @@ GB = 1e9
 # kernel over 4 GiB moves 2.77 TB/s of the datasheet's 3.35 (0.83). The A100 and TPU
 # profiles share them: our assumption, unmeasured there. The IPU and CS-2 profiles keep
 # their own efficiencies (0.4, 0.5), for which we have no measurement either.
+KERNEL_FUSION = ("emitted", "fused")  # `Hardware.kernel_fusion`
 MEASURED_ON_H100 = {"efficiency": 0.73, "matmul_latency_us": 13.5, "memory_efficiency": 0.83}
 
 
@@ -78,6 +79,12 @@ class Hardware:
     memory_gbps: float | None = None
     memory_efficiency: float = 1.0
     matmul_latency_us: float = 0.0
+    # which kernels the roofline times the non-matmul bytes of: "emitted", those XLA's
+    # CPU backend compiled (a ceiling: it splits a layer's elementwise work into more
+    # kernels than an accelerator), or "fused", the work between two matmuls fused into
+    # one kernel as XLA on a GPU or TPU and Transformer Engine's kernels fuse it
+    # (`accounting/fusion.py`: a floor). The validation (docs/results.md) is "emitted"'s.
+    kernel_fusion: str = "emitted"
 
     def __post_init__(self) -> None:
         for key in (
@@ -123,6 +130,11 @@ class Hardware:
                     f"left out: {left_out}), got {value!r}"
                 )
         self._check_precisions()
+        if self.kernel_fusion not in KERNEL_FUSION:
+            raise HardwareError(
+                f"hardware {self.name!r}: kernel_fusion must be one of "
+                f"{', '.join(KERNEL_FUSION)}, got {self.kernel_fusion!r}"
+            )
         for key in ("efficiency", "memory_efficiency"):
             value = getattr(self, key)
             if not (_real(value) and 0 < value <= 1):

@@ -11,7 +11,9 @@ FLOPs at the compute rate and its bytes at the memory bandwidth. Per run of a pi
   H100;
 - the piece's other kernels (softmax, layer norm, GELU, the optimizer's update) take
   max(their FLOPs / (peak x efficiency), their bytes / bandwidth): memory-bound wherever
-  they are, as they almost always are.
+  they are, as they almost always are. Their bytes are those of the kernels XLA's CPU
+  backend emitted, or, with the profile's `kernel_fusion = "fused"`, of the same work
+  fused between matmuls as an accelerator stack fuses it (`accounting/fusion.py`).
 
 The parameters of the built-in GPU profiles were measured with XLA on an H100
 (`benchmarks/gpu_calibration.py`): large-matmul efficiency 0.73 and 13.5 us per matmul
@@ -85,4 +87,6 @@ def compute_seconds(event: Event, hw: Hardware) -> float:
     if event.run_flops <= 0:  # no kernels counted: all of it FLOPs at the compute rate
         return run_seconds(per_device, (), 0, hw)
     runs = per_device / event.run_flops
-    return runs * run_seconds(event.run_flops, event.matmuls, event.memory_bytes, hw)
+    fused = hw.kernel_fusion == "fused"  # the profile's kernels (`Hardware.kernel_fusion`)
+    memory = event.fused_memory_bytes if fused else event.memory_bytes
+    return runs * run_seconds(event.run_flops, event.matmuls, memory, hw)
