@@ -56,6 +56,7 @@ class Case:
     attention: str = "materialized"  # or "fused": FlashAttention (layouts.ATTENTION)
     precision: str = "bf16"  # 16-bit weights and activations, FP32 master weights
     stage_layers: tuple[int, ...] | None = None  # layers per pipeline stage (None: even)
+    zero: int = 0  # the ZeRO stage over the data-parallel replicas (`predict/zero.py`)
 
 
 # Megatron-LM as Narayanan et al. 2021 and Korthikanti et al. 2022 ran it: gradients
@@ -124,6 +125,10 @@ CASES = [
         # pipeline sends are asynchronous (Dubey et al. 2024, §3.3)
         attention="fused",  # a 2024 H100 stack's fused attention (FlashAttention-2,
         # Dao 2023); the paper does not name its kernel
+        # FSDP over the data-parallel groups: "we shard the optimizer states and
+        # gradients, but for model shards we do not reshard after forward computation"
+        # (Dubey et al. 2024, §3.3.1): ZeRO stage 2's memory and collectives
+        zero=2,
     ),
     *(
         Case(
@@ -237,7 +242,7 @@ CASES = [
 def run(case: Case) -> dict:
     train = TrainConfig(
         batch=case.batch, seq=case.seq, schedule=case.schedule, virtual=case.virtual,
-        precision=case.precision, stage_layers=case.stage_layers,
+        precision=case.precision, stage_layers=case.stage_layers, zero=case.zero,
     )  # fmt: skip
     settings = {"recompute": case.recompute, "overlap": case.overlap, "attention": case.attention}
     hw = PROFILES[case.hardware]

@@ -125,6 +125,32 @@ def test_fused_attention_drops_exactly_the_scores() -> None:
     assert memory[128][1] / memory[32][1] <= 4.01  # 128 / 32
 
 
+def test_grouped_query_attention_drops_its_scores_too() -> None:
+    """Grouped-query attention (Llama's layout: r = A / G query heads a key/value head,
+    which XLA merges with the queries into [.., r q, s] scores) saves what multi-head
+    attention of the same A heads saves: b A s^2 x 4 bytes in each of its two batched
+    dots, and its softmax's [s, s] traffic (the other kernels then grow with s, not s^2)."""
+    b, groups, r, d = 2, 2, 3, 16
+
+    def core(q, k, v):  # noqa: ANN001, ANN202
+        scores = jnp.einsum("bqgrd,bkgd->bgrqk", q, k)
+        p = jax.nn.softmax(scores, axis=-1)
+        return jnp.einsum("bgrqk,bkgd->bqgrd", p, v)
+
+    memory = {}
+    for s in (32, 128):
+        q = jax.ShapeDtypeStruct((b, s, groups, r, d), jnp.float32)
+        kv = jax.ShapeDtypeStruct((b, s, groups, d), jnp.float32)
+        text = jax.jit(core).lower(q, kv, kv).compile(DEFAULT_FUSION).as_text()
+        (matmuls, plain), (fused, lean) = kernels(text), kernels(text, fused_attention=True)
+        assert all(m.attention for m in matmuls) and len(matmuls) == 2
+        saved = sorted(m.bytes - f.bytes for m, f in zip(matmuls, fused, strict=True))
+        assert saved == [4 * b * groups * r * s * s] * 2
+        memory[s] = (plain, lean)
+    assert memory[128][0] / memory[32][0] > 12  # (128 / 32)^2 = 16 for the [s, s] traffic
+    assert memory[128][1] / memory[32][1] <= 4.01  # 128 / 32
+
+
 def test_a_resident_plan_with_fused_attention() -> None:
     """`plan_resident(attention="fused")` against the materialized plan of the same
     layout: model FLOPs equal; executed FLOPs higher by exactly the scores Q K^T that

@@ -127,6 +127,19 @@ def _bytes(shape: str, itemsize: int, skip: frozenset[tuple[int, ...]] = frozens
     )
 
 
+def _score_layouts(dims: tuple[int, ...]) -> set[tuple[int, ...]]:
+    """The layouts (leading 1s dropped) of an attention core's scores whose matmul
+    array is `dims`: [.., s, s]; or, for grouped-query attention, whose matmul merges a
+    group's r query heads with the queries ([.., r q, s] or [.., s, r q]), those two and
+    the [.., r, s, s] its softmax computes on."""
+    *lead, x, y = dims
+    small, large = min(x, y), max(x, y)
+    layouts = [dims, (*lead, small, large), (*lead, large, small)]
+    if large != small:
+        layouts.append((*lead, large // small, small, small))
+    return {squeezed(tuple(shape)) for shape in layouts}
+
+
 def squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
     """`shape` without its leading 1s (a stacked layer axis of one layer, say)."""
     start = next((i for i, d in enumerate(shape) if d != 1), len(shape))
@@ -159,9 +172,10 @@ class Kernels:
             return sum(_bytes(x, width(i)) for i, x in enumerate(d.arrays) if i != dropped)
 
         scores = frozenset(
-            squeezed(_dims(ARRAY.search(d.arrays[d.scores]).group(2)))  # type: ignore[union-attr]
+            layout
             for d in self.dots
             if fused_attention and d.scores is not None
+            for layout in _score_layouts(_dims(ARRAY.search(d.arrays[d.scores]).group(2)))  # type: ignore[union-attr]
         )
         scaled = frozenset(d.kernel for d in self.dots if d.fp8)
         memory = _memory_bytes(
@@ -254,16 +268,38 @@ def _dots(
 
 def _scores(rest: str, arrays: tuple[str, str, str]) -> int | None:
     """Which of a batched dot's arrays is [.., s, s] (its two non-batch dimensions
-    equal); None for a dot without batch dimensions."""
+    equal), or, for grouped-query attention, [.., r q, s] in either order (XLA merges
+    the r query heads of a key/value group with the queries: one dimension a multiple
+    of the other, and the head width, the dot's third dimension, below both); None
+    for a dot without batch dimensions."""
     lhs_batch, rhs_batch = _BATCH.search(rest), _RHS_BATCH.search(rest)
     if not lhs_batch or not rhs_batch or not _dims(lhs_batch.group(1)):
         return None
     batches = (_dims(lhs_batch.group(1)), _dims(rhs_batch.group(1)), None)
-    for index, (shape, batch) in enumerate(zip(arrays, batches, strict=True)):
+    frees, ranks = [], []
+    for shape, batch in zip(arrays, batches, strict=True):
         dims = _dims(ARRAY.search(shape).group(2))  # type: ignore[union-attr]
         rank = len(dims)
-        free = [dims[i] for i in range(rank) if i not in (batch or range(rank - 2))]
+        frees.append([dims[i] for i in range(rank) if i not in (batch or range(rank - 2))])
+        ranks.append(rank)
+    for index, free in enumerate(frees):
         if len(free) == 2 and free[0] == free[1]:
+            return index
+    # two batch dimensions (batch, key/value groups): not an expert's batched matmul
+    if any(len(free) != 2 for free in frees) or min(ranks) < 4:
+        return None
+    contracted = _dims(_CONTRACTING.search(rest).group(1))  # type: ignore[union-attr]
+    lhs_rank = len(_dims(ARRAY.search(arrays[0]).group(2)))  # type: ignore[union-attr]
+    width = math.prod(
+        _dims(ARRAY.search(arrays[0]).group(2))[a]  # type: ignore[union-attr]
+        for a in contracted
+        if a < lhs_rank
+    )
+    out = frees[2]
+    third = (out[1], out[0], width)  # each array's other dimension: rhs's, lhs's, contracted
+    for index, free in enumerate(frees):
+        small, large = min(free), max(free)
+        if large % small == 0 and third[index] < small:
             return index
     return None
 
