@@ -14,8 +14,11 @@ join when one consumes the other's output and no matmul or collective lies on a 
 between them (XLA's fusion legality: a fusion must not make a cycle). Each instruction's
 *level* is the number of matmuls and collectives on the longest path reaching it; a
 producer and a consumer of equal level have none between them, so groups of one level
-are legal fusions. This is the most a stack can fuse without changing the algorithm: a
-floor under the bytes the target moves, where the CPU's own kernels are a ceiling.
+are legal fusions. This is the most a stack can fuse into kernels apart from its
+matmuls: a floor for them, where the CPU's own kernels are a ceiling. (A GEMM that takes
+a bias or an activation into its epilogue, as cuBLASLt's can, moves less still; that is
+not modelled. A GPT layer's forward at d 1024, s 512 in FP32 moves 51 sbh bytes so
+counted against the CPU kernels' 56, 35 against 40 with its attention core fused.)
 """
 
 from __future__ import annotations
