@@ -61,8 +61,11 @@ def test_a_profile_with_fused_kernels_times_the_fused_bytes():
     assert event.fused_memory_bytes == 5 * BSD + 2 * D * 4 < event.memory_bytes
     emitted = shardemu.get_hardware("h100-sxm")
     fused = dataclasses.replace(emitted, kernel_fusion="fused")
+    mesh = make_mesh(devices=jax.devices()[:1])
     for hw, nbytes in ((emitted, event.memory_bytes), (fused, event.fused_memory_bytes)):
         want = run_seconds(event.run_flops, event.matmuls, nbytes, hw)
         assert compute_seconds(event, hw) == pytest.approx(want, rel=1e-12)
+        _, prediction = shardemu.predict_ledger(ledger, hw, precision="fp32", mesh=mesh)
+        assert prediction.to_json()["kernel_fusion"] == hw.kernel_fusion  # the report says
     with pytest.raises(HardwareError, match="kernel_fusion must be one of emitted, fused"):
         dataclasses.replace(emitted, kernel_fusion="xla")

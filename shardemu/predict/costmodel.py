@@ -303,7 +303,8 @@ class Prediction:
     """The numbers a user asks of a step first: its time, the time's breakdown, the
     stage on the critical path, utilisation (model FLOPs / (devices * peak * step time),
     as model FLOPs utilisation: Chowdhery et al. 2022, Appendix B), tokens per second,
-    and memory per device per tier (None when the caller gave none)."""
+    memory per device per tier (None when the caller gave none), and which kernels the
+    roofline timed (`Hardware.kernel_fusion`)."""
 
     hardware: str
     step_time_s: float
@@ -312,10 +313,12 @@ class Prediction:
     utilisation: float
     tokens_per_s: float
     memory_per_device: dict[str, TierUse] | None = None
+    kernel_fusion: str = "emitted"
 
     def to_json(self) -> dict[str, Any]:
         out = {
             "hardware": self.hardware,
+            "kernel_fusion": self.kernel_fusion,
             "step_time_s": self.step_time_s,
             "breakdown": self.breakdown,
             "critical_stage": self.critical_stage,
@@ -369,6 +372,7 @@ def prediction_of(
         memory_per_device=None
         if memory is None
         else {tier: TierUse(used, capacity[tier]) for tier, used in memory.items()},
+        kernel_fusion=hw.kernel_fusion,
     )
 
 
