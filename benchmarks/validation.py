@@ -57,6 +57,7 @@ class Case:
     precision: str = "bf16"  # 16-bit weights and activations, FP32 master weights
     stage_layers: tuple[int, ...] | None = None  # layers per pipeline stage (None: even)
     zero: int = 0  # the ZeRO stage over the data-parallel replicas (`predict/zero.py`)
+    sequence_parallel: bool = False  # Korthikanti et al. 2022's (`--sequence-parallel`)
 
 
 # Megatron-LM as Narayanan et al. 2021 and Korthikanti et al. 2022 ran it: gradients
@@ -176,8 +177,10 @@ CASES = [
             recompute,
             "mfu",
             mfu,
-            "sequence parallelism (with selective) is not modelled: same bytes, less memory",
+            "selective recomputation with sequence parallelism, the paper's two techniques; "
+            "full recomputation without, its baseline",
             MEGATRON_2021,
+            sequence_parallel=recompute == "selective",
         )
         for recompute, mfu in (("full", 0.421), ("selective", 0.542))
     ),
@@ -243,6 +246,7 @@ def run(case: Case) -> dict:
     train = TrainConfig(
         batch=case.batch, seq=case.seq, schedule=case.schedule, virtual=case.virtual,
         precision=case.precision, stage_layers=case.stage_layers, zero=case.zero,
+        sequence_parallel=case.sequence_parallel,
     )  # fmt: skip
     settings = {"recompute": case.recompute, "overlap": case.overlap, "attention": case.attention}
     hw = PROFILES[case.hardware]
