@@ -149,7 +149,7 @@ class Counter:
             compiled.output_shardings,
             *module.read(),
             module.read(fused_attention=True),
-            (module.read(target=True)[1], module.read(fused_attention=True, target=True)[1]),
+            (module.memory(target=True), module.memory(fused_attention=True, target=True)),
         )
 
     def __len__(self) -> int:

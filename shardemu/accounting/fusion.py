@@ -9,7 +9,7 @@ bias + GELU, RoPE, SwiGLU and masked softmax kernels), so only the tensors that 
 from a matmul, a collective or the piece's inputs are read, and only those a matmul, a
 collective or the piece's outputs use are written.
 
-`fused_groups` forms those kernels from the compiled module's own graph: two kernels
+`fused_bytes` forms those kernels from the compiled module's own graph: two kernels
 join when one consumes the other's output and no matmul or collective lies on a path
 between them (XLA's fusion legality: a fusion must not make a cycle). Each instruction's
 *level* is the number of matmuls and collectives on the longest path reaching it; a
@@ -23,7 +23,7 @@ counted against the CPU kernels' 56, 35 against 40 with its attention core fused
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from shardemu.accounting.hlo import Instr, operands
 
@@ -33,19 +33,14 @@ _ALIASES = {"get-tuple-element", "bitcast"}
 _SOURCES = {"parameter", "constant", "iota", "tuple"}
 
 
-def fused_bytes(
-    body: list[Instr],
-    is_kernel: Callable[[Instr], bool],
-    is_free: Callable[[Instr], bool],
-    size: Callable[[str], int],
-) -> int:
+def fused_bytes(body: list[Instr], kinds: Mapping[str, str], size: Callable[[str], int]) -> int:
     """Bytes the kernels of one computation (`body`, in HLO order, which is
-    topological) read and write when fused as the module docstring says.
-    `is_kernel(instr)`: elementwise or reduction work a fused kernel may hold;
-    `is_free(instr)`: a member that moves nothing by itself (data movement an
-    accelerator folds into its neighbours, a GEMM's epilogue): a group of only such
-    members moves nothing. `size(name)`: the bytes of the value `name`. Everything
-    else (matmuls, collectives, loops, parameters) is a boundary."""
+    topological) read and write when fused as the module docstring says. `kinds`:
+    each instruction's, by name: "kernel" (elementwise or reduction work a fused
+    kernel may hold), "free" (a member that moves nothing by itself: data movement an
+    accelerator folds into its neighbours, a GEMM's epilogue; a group of only such
+    members moves nothing) or "boundary" (matmuls, collectives, loops, parameters).
+    `size(name)`: the bytes of the value `name`."""
     defs = {i[0]: i for i in body}
 
     def source(name: str) -> str:
@@ -57,8 +52,7 @@ def fused_bytes(
         return name
 
     level: dict[str, int] = {}
-    group: dict[str, str] = {}  # a kernel's group, named by its first member
-    parent: dict[str, str] = {}
+    parent: dict[str, str] = {}  # union-find over the kernels
 
     def find(name: str) -> str:
         while parent[name] != name:
@@ -66,25 +60,20 @@ def fused_bytes(
             name = parent[name]
         return name
 
-    for instr in body:
-        name, _, op, rest = instr
-        args = [a for a in operands(rest) if a in defs]
-        kernel = op not in _ALIASES and is_kernel(instr)
+    for name, _, op, rest in body:
+        sources = [source(a) for a in operands(rest) if a in defs]
         before = 0
-        for a in args:
-            s = source(a)
+        for s in sources:
             behind = 0 if s in parent or s not in defs or defs[s][2] in _SOURCES else 1
             before = max(before, level.get(s, 0) + behind)
         level[name] = before
-        if not kernel:
+        if op in _ALIASES or kinds[name] == "boundary":
             continue
         parent[name] = name
-        for a in args:
-            s = source(a)
+        for s in sources:
             if s in parent and level[s] == before:
                 parent[find(s)] = find(name)
-    for name in parent:
-        group[name] = find(name)
+    group = {name: find(name) for name in parent}  # a kernel's group, named by its root
 
     reads: set[tuple[str, str]] = set()
     writes: set[str] = set()
@@ -99,12 +88,10 @@ def fused_bytes(
                 reads.add((mine, a))  # read once by its group (a constant is in its code)
             if s in group and group[s] != mine:
                 writes.add(s)
-    if source(root) in group:
+    if source(root) in group:  # the computation's result leaves it
         writes.add(source(root))
-    if root in group:
-        writes.add(root)
 
-    moving = {group[n] for n in group if not is_free(defs[n])}
+    moving = {group[n] for n in group if kinds[n] != "free"}
     return sum(size(a) for g, a in reads if g in moving) + sum(
         size(n) for n in writes if group[n] in moving
     )

@@ -159,18 +159,23 @@ class Kernels:
         self.origins = _Origins(self.computations)
         self.dots = _dots(self.computations, self.shapes, self.origins)
 
-    def read(
-        self, fused_attention: bool = False, target: bool = False
-    ) -> tuple[tuple[Matmul, ...], int]:
-        """The matmuls and the bytes the other kernels move; with `fused_attention`,
-        without the attention core's [s, s] tensors (module docstring); with `target`,
-        the other kernels fused as an accelerator fuses them (`fusion.py`)."""
+    def read(self, fused_attention: bool = False) -> tuple[tuple[Matmul, ...], int]:
+        """The matmuls and the bytes the other kernels move as XLA emitted them; with
+        `fused_attention`, without the attention core's [s, s] tensors (module
+        docstring)."""
 
         def moved(d: _Dot) -> int:  # its arrays' bytes, less its scores' when fused
             dropped = d.scores if fused_attention else None
             width = lambda i: 1 if d.fp8 and i < 2 else self.width  # noqa: E731
             return sum(_bytes(x, width(i)) for i, x in enumerate(d.arrays) if i != dropped)
 
+        return tuple(
+            Matmul(d.flops, moved(d), d.fp8, d.scores is not None) for d in self.dots
+        ), self.memory(fused_attention)
+
+    def memory(self, fused_attention: bool = False, target: bool = False) -> int:
+        """The bytes the kernels other than matmuls move (`read`'s second value); with
+        `target`, fused as an accelerator fuses them (`fusion.py`)."""
         scores = frozenset(
             layout
             for d in self.dots
@@ -178,12 +183,9 @@ class Kernels:
             for layout in _score_layouts(_dims(ARRAY.search(d.arrays[d.scores]).group(2)))  # type: ignore[union-attr]
         )
         scaled = frozenset(d.kernel for d in self.dots if d.fp8)
-        memory = _memory_bytes(
+        return _memory_bytes(
             self.computations, self.shapes, self.width, scores, self.origins, scaled, target
         )
-        return tuple(
-            Matmul(d.flops, moved(d), d.fp8, d.scores is not None) for d in self.dots
-        ), memory
 
 
 def kernels(
@@ -276,25 +278,19 @@ def _scores(rest: str, arrays: tuple[str, str, str]) -> int | None:
     if not lhs_batch or not rhs_batch or not _dims(lhs_batch.group(1)):
         return None
     batches = (_dims(lhs_batch.group(1)), _dims(rhs_batch.group(1)), None)
-    frees, ranks = [], []
-    for shape, batch in zip(arrays, batches, strict=True):
-        dims = _dims(ARRAY.search(shape).group(2))  # type: ignore[union-attr]
-        rank = len(dims)
-        frees.append([dims[i] for i in range(rank) if i not in (batch or range(rank - 2))])
-        ranks.append(rank)
+    dims = [_dims(ARRAY.search(shape).group(2)) for shape in arrays]  # type: ignore[union-attr]
+    frees = [
+        [d[i] for i in range(len(d)) if i not in (batch or range(len(d) - 2))]
+        for d, batch in zip(dims, batches, strict=True)
+    ]
     for index, free in enumerate(frees):
         if len(free) == 2 and free[0] == free[1]:
             return index
     # two batch dimensions (batch, key/value groups): not an expert's batched matmul
-    if any(len(free) != 2 for free in frees) or min(ranks) < 4:
+    if any(len(free) != 2 for free in frees) or min(len(d) for d in dims) < 4:
         return None
     contracted = _dims(_CONTRACTING.search(rest).group(1))  # type: ignore[union-attr]
-    lhs_rank = len(_dims(ARRAY.search(arrays[0]).group(2)))  # type: ignore[union-attr]
-    width = math.prod(
-        _dims(ARRAY.search(arrays[0]).group(2))[a]  # type: ignore[union-attr]
-        for a in contracted
-        if a < lhs_rank
-    )
+    width = math.prod(dims[0][a] for a in contracted if a < len(dims[0]))
     out = frees[2]
     third = (out[1], out[0], width)  # each array's other dimension: rhs's, lhs's, contracted
     for index, free in enumerate(frees):
@@ -347,13 +343,11 @@ def _memory_bytes(
     for comp, body in computations.items():
         if comp in called:  # fused computations and reducers: inside a kernel
             continue
+        kinds = {instr[0]: kind(instr) for instr in body}
         if target:
-            total += fused_bytes(
-                body, lambda i: kind(i) != "boundary", lambda i: kind(i) == "free", size
-            )
+            total += fused_bytes(body, kinds, size)
             continue
-        for instr in body:
-            if kind(instr) == "kernel":
-                name, _, _, rest = instr
+        for name, _, _, rest in body:
+            if kinds[name] == "kernel":
                 total += size(name) + sum(size(o) for o in operands(rest) if o in shapes)
     return total
