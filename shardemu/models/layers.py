@@ -9,6 +9,8 @@ without allocating it; `shardemu.parallel.rules` maps those names to mesh axes.
 from __future__ import annotations
 
 import contextvars
+import functools
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -193,13 +195,27 @@ def layer_stack(
     depth). The block is called as `block(x, mask) -> (x, None)`. A pipeline stage is a
     stack of its own length applied to its slice of the stacked parameters."""
     length = cfg.num_layers if length is None else length
-    scanned = nn.scan(
+    with _SCANNING:
+        scanned = _scanned(block, length, _UNROLLED.get())
+    return scanned(cfg, name=name)
+
+
+# `nn.scan` makes a subclass of `block`, and Flax's dataclass transform removes and puts
+# back the fields of every base class while it does (flax/linen/kw_only_dataclasses.py):
+# two threads tracing models at once (a search's background counts) could see a base
+# class half rewritten ("dictionary changed size during iteration"). So each scanned
+# class is made once, one at a time.
+_SCANNING = threading.Lock()
+
+
+@functools.cache
+def _scanned(block: type[nn.Module], length: int, unrolled: bool) -> type[nn.Module]:
+    return nn.scan(
         block,
         variable_axes={"params": 0},
         split_rngs={"params": True},
         in_axes=(nn.broadcast,),
         length=length,
-        unroll=length if _UNROLLED.get() else 1,
+        unroll=length if unrolled else 1,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
-    return scanned(cfg, name=name)
