@@ -8,10 +8,10 @@ import jax
 import pytest
 
 from shardemu.accounting.count import Counter
+from shardemu.accounting.ledger import totals
 from shardemu.config import ConfigError, Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import Model, get_preset
 from shardemu.parallel.mesh import make_mesh
-from shardemu.phased.trainer import PhasedTrainer
 from shardemu.predict.planning import plan
 from shardemu.predict.profiles import PROFILES
 from shardemu.resident.trainer import Trainer
@@ -56,19 +56,43 @@ def test_context_parallel_equals_one_device(
         cfg = model.cfg  # K and V [b, s, d] in FP32 a layer: 2 devices each send (2-1)/2
         kv = 2 * TRAIN.batch * TRAIN.seq * cfg.embed_dim * 4 * cfg.num_layers
         assert sent == {"all-gather": 2 * kv // 2, "reduce-scatter": 2 * kv // 2}
+        planned_like_the_run(model, axes, events)
+
+
+def planned_like_the_run(model, axes, events):
+    """A resident plan of the run's layout (one microbatch, nothing recomputed) counts
+    its step on the context devices: the run's FLOPs (within 1%) and the keys' and
+    values' collectives over context exactly; its weight gradients reduced once, over
+    replica x context (here context alone), none in the pieces."""
+    par = Parallelism(**axes)
+    planned = plan(model, par, TRAIN, PROFILES["h100-sxm"], microbatch_size=8, recompute="none")
+    run, ledger = totals(events), planned.ledger.events
+    assert planned.report["model_flops"] == pytest.approx(run["model_flops"], rel=0.01)
+    for op in ("all-gather", "reduce-scatter"):
+        assert sum(e.bytes for e in ledger if e.axis == "context" and e.op == op) == sum(
+            e.bytes for e in events if e.axis == "context" and e.op == op
+        )
+    reductions = [
+        e for e in ledger if "context" in (e.axis or "").split("+") and e.op == "all-reduce"
+    ]
+    assert {e.axis for e in reductions} == {"replica+context"}
+    grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.abstract_params()[0]))
+    # the ring: 2 devices each send 2 (2-1)/2 of the gradients (FP32, whole a device)
+    assert sum(e.bytes for e in reductions) == 2 * grads
 
 
 def test_what_context_parallelism_does_not_cover_is_refused():
     """A sequence the context (and, with sequence parallelism, tensor) size does not
-    divide; plans; the phased and pipelined engines."""
+    divide; phased plans; plans of experts split besides."""
     model = Model(get_preset("gpt-tiny"))
     with pytest.raises(ConfigError, match="TrainConfig.seq 16 is not divisible by context=3"):
         TRAIN.check_fits(model.cfg, Parallelism(context=3))
     sp = TrainConfig(batch=8, seq=12, sequence_parallel=True)
     with pytest.raises(ConfigError, match="over tensor x context=8, which does not divide"):
         sp.check_fits(model.cfg, Parallelism(tensor=4, context=2))
-    with pytest.raises(ConfigError, match="plans of context parallelism"):
-        plan(model.cfg, Parallelism(context=2), TRAIN, PROFILES["h100-sxm"])
-    mesh = make_mesh(replica=2, context=2, devices=jax.devices()[:4])
-    with pytest.raises(ConfigError, match="run context = 1 \\(got context=2\\)"):
-        PhasedTrainer(model, mesh, TRAIN, PhasedConfig())
+    h100 = PROFILES["h100-sxm"]
+    with pytest.raises(ConfigError, match="phased plans of context parallelism"):
+        plan(model.cfg, Parallelism(context=2), TRAIN, h100, phased=PhasedConfig())
+    moe = get_preset("moe-tiny")
+    with pytest.raises(ConfigError, match="context and expert parallelism together"):
+        plan(moe, Parallelism(context=2, expert=2), TRAIN, h100, microbatch_size=4)

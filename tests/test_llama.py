@@ -150,18 +150,25 @@ def test_todays_layouts_together_stay_within_fp8s_tolerance_and_are_planned(refe
 
 @pytest.mark.slow
 def test_pipelined_equals_one_device(reference, staged_like_reference):
-    """1F1B over pipe=2 with tensor=2: the embedding on the first stage, the untied head
-    on the last."""
-    train = TrainConfig(batch=TRAIN.batch, seq=TRAIN.seq, seed=0, microbatches=2)
-    trainer = PipelinedTrainer(TINY, make_mesh(2, 2, 1, devices=jax.devices()[:4]), train)
+    """1F1B over pipe=2 with context=2 x tensor=2 and sequence parallelism (Llama 3's
+    pipelined long-context layout): the embedding on the first stage, the untied head
+    on the last, each stage's sequences split over context (keys and values gathered)
+    and its residual stream over context x tensor."""
+    train = TrainConfig(
+        batch=TRAIN.batch, seq=TRAIN.seq, seed=0, microbatches=2, sequence_parallel=True
+    )
+    trainer = PipelinedTrainer(TINY, make_mesh(2, 2, 1, context=2), train)
     staged_like_reference(trainer, trainer.place(reference["init"]), reference)
+    context = {e.op for e in trainer.ledger.events if e.axis == "context"}
+    assert {"all-gather", "reduce-scatter"} <= context
 
 
 @pytest.mark.slow
 def test_phased_with_rts_equals_one_device(reference, staged_like_reference):
-    """Two phases on tensor=2 x replica=2, each replica storing half of every weight
-    (rts 2) and gathering the rest before its phase runs; the update in the host tier."""
-    mesh = make_mesh(tensor=2, replica=2, devices=jax.devices()[:4])
+    """Two phases on tensor=2 x replica=2 x context=2, each replica storing half of every
+    weight (rts 2) and gathering the rest before its phase runs, each sequence split
+    over context; the update in the host tier."""
+    mesh = make_mesh(tensor=2, replica=2, context=2)
     trainer = PhasedTrainer(TINY, mesh, TRAIN, PhasedConfig(phases=2, rts=2))
     staged_like_reference(trainer, trainer.init(reference["init"]), reference)
 

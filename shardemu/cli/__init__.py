@@ -249,9 +249,9 @@ def _devices_needed(args: argparse.Namespace) -> int:
     par = parallelism(args)
     if args.command == "run":
         return _device_count(args, par)
-    from shardemu.predict.plan_phased import plan_devices
+    from shardemu.predict.planning import plan_devices_needed
 
-    return plan_devices(par) if args.phased or args.weight_streaming else par.tensor
+    return plan_devices_needed(par, bool(args.phased or args.weight_streaming))
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:

@@ -37,7 +37,6 @@ console = Console(stderr=True)
 def cmd_plan(args: argparse.Namespace) -> None:
     """Every setting is checked before anything is counted or written."""
     from shardemu.pipelined.layout import pipeline_layout
-    from shardemu.predict.plan_phased import plan_devices
     from shardemu.report.plandir import flatten
     from shardemu.report.rundir import default_run_dir, require_new
 
@@ -65,18 +64,24 @@ def cmd_plan(args: argparse.Namespace) -> None:
             f"--microbatch-size {micro} must be positive and divide the batch per replica "
             f"(--batch {args.batch} / replica={par.replica})"
         )
-    if phased is not None and plan_devices(par) > MAX_VIRTUAL_DEVICES:
+    from shardemu.predict.planning import plan, plan_devices_needed
+
+    needed = plan_devices_needed(par, phased is not None)
+    if needed > MAX_VIRTUAL_DEVICES:
+        counted, fix = (
+            ("tensor x replica", "replica, or plan without --phased (it counts less)")
+            if phased is not None
+            else ("context x tensor", "context or tensor size")
+        )
         raise ConfigError(
-            f"a phased plan counts one stage on tensor x replica = {plan_devices(par)} "
-            f"virtual devices, more than the {MAX_VIRTUAL_DEVICES} XLA's CPU backend compiles "
-            f"for in one process; plan a smaller replica, or plan without --phased (it "
-            f"counts one tensor group)"
+            f"this plan counts one stage on {counted} = {needed} virtual devices, more "
+            f"than the {MAX_VIRTUAL_DEVICES} XLA's CPU backend compiles for in one "
+            f"process; plan a smaller {fix}"
         )
     out = args.out or (default_run_dir(f"plan-{model_cfg.name}") if hardware else None)
     if out is not None:
         require_new(Path(out))
-    use_virtual_devices(plan_devices(par) if phased else par.tensor)  # one stage's devices
-    from shardemu.predict.planning import plan
+    use_virtual_devices(needed)
 
     planned = plan(
         model_cfg, par, train_cfg, hardware, phased=phased, microbatch_size=micro,

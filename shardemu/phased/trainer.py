@@ -90,8 +90,12 @@ class PhasedTrainer:
             )
         self.rules = stage_rules(
             rules_or_default(
-                rules, train.sequence_parallel, tensor=par.tensor, kv_heads=model.cfg.kv_heads
-            )
+                rules,
+                train.sequence_parallel,
+                context=par.context,
+                tensor=par.tensor,
+                kv_heads=model.cfg.kv_heads,
+            )  # fmt: skip
         )
         meshes = stage_meshes(mesh, cfg.rts) * (emulated_stages or 1)
         self.pieces = build_stages(model, meshes, train, cfg, self.rules)

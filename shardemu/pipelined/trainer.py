@@ -70,8 +70,12 @@ class PipelinedTrainer:
             )
         self.rules = stage_rules(
             rules_or_default(
-                rules, train.sequence_parallel, tensor=par.tensor, kv_heads=model.cfg.kv_heads
-            )
+                rules,
+                train.sequence_parallel,
+                context=par.context,
+                tensor=par.tensor,
+                kv_heads=model.cfg.kv_heads,
+            )  # fmt: skip
         )
         self.pieces = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), self.rules)
         self.stages: tuple[Stage, ...] = self.pieces.stages

@@ -69,14 +69,19 @@ def saved_tensors(
     itemsize: int,
     dropout: bool = False,
     kv_split: bool = True,
+    context: int = 1,
 ) -> list[Saved]:
     """What one layer of `model` keeps for its backward on `batch` sequences of `seq`
     tokens, its activations of `itemsize` bytes, its key/value heads split over tensor
-    or replicated (`kv_split`) (module docstring)."""
+    or replicated (`kv_split`) (module docstring). Under context parallelism each
+    device holds its s / `context` tokens' tensors, the keys and values of all s
+    (all-gathered before attention, and kept: Dubey et al. 2024, Section 3.3.2; the CPU
+    compile keeps them too) and its queries' [s / c, s] scores."""
     cfg = model.cfg
-    sbh, sbf = seq * batch * cfg.embed_dim, seq * batch * cfg.mlp_dim
+    local = seq // context
+    sbh, sbf = local * batch * cfg.embed_dim, local * batch * cfg.mlp_dim
     kv = seq * batch * cfg.kv_heads * cfg.head_dim
-    scores = cfg.num_heads * seq * seq * batch
+    scores = cfg.num_heads * local * seq * batch
     p = itemsize
     q = 1 if cfg.fp8_matmuls else itemsize  # a projection's input, kept as its FP8 cast
     out = [
@@ -91,7 +96,7 @@ def saved_tensors(
         Saved("MLP input", sbh, q, split=False),
     ]
     if cfg.num_experts:  # a mixture of experts: the MLP runs on E x C slots a sequence
-        slots = batch * cfg.num_experts * cfg.capacity(seq)
+        slots = batch * cfg.num_experts * cfg.capacity(local)
         out += [
             Saved("router probabilities", seq * batch * cfg.num_experts, 4, split=False),
             Saved("dispatched tokens", slots * cfg.embed_dim, q, split=False),
@@ -132,24 +137,27 @@ def layer_bytes(
     dropout: bool = False,
     fused_attention: bool = False,
     kv_split: bool = True,
+    context: int = 1,
 ) -> float:
     """Bytes per device one layer keeps for its backward (`saved_tensors`), with
     `recompute` none, selective (the attention core's s x s tensors recomputed) or full
     (the layer's input alone). With `fused_attention` (FlashAttention: Dao et al. 2022,
     Section 3.1) the core keeps no s x s tensor, only each query row's softmax
     statistic (its log-sum-exp, float32). `kv_split`: the key/value heads split over
-    tensor (else replicated: `saved_tensors`)."""
+    tensor (else replicated: `saved_tensors`); `context`: each sequence split over it
+    (`saved_tensors`)."""
+    local = seq // context
     if recompute == "full":
-        whole = seq * batch * model.cfg.embed_dim * itemsize
+        whole = local * batch * model.cfg.embed_dim * itemsize
         return whole / tensor if sequence_parallel else whole
     drop_core = recompute == "selective" or fused_attention
     kept = sum(
         t.bytes_per_device(tensor, sequence_parallel)
-        for t in saved_tensors(model, batch, seq, itemsize, dropout, kv_split)
+        for t in saved_tensors(model, batch, seq, itemsize, dropout, kv_split, context)
         if not (drop_core and t.core)
     )
     if fused_attention and recompute != "selective":
-        kept += batch * model.cfg.num_heads * seq * 4 / tensor
+        kept += batch * model.cfg.num_heads * local * 4 / tensor
     return kept
 
 

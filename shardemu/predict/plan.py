@@ -52,12 +52,13 @@ class Plan:
 
 
 def require_no_context(par: Parallelism) -> None:
-    """Plans count a stage's pieces on its tensor group, without `context`: refuse a
-    plan of a mesh with context > 1 rather than plan it as if the axis were not there."""
+    """The phased planner counts a stage's pieces without `context` (the resident
+    planner counts it: `context_parallel.py`): refuse a phased plan of a mesh with
+    context > 1 rather than plan it as if the axis were not there."""
     if par.context > 1:
         raise ConfigError(
-            f"mesh {par}: plans of context parallelism (context > 1) are not built yet; "
-            f"it runs on the resident engine (shardemu run, shardemu.Trainer)"
+            f"mesh {par}: phased plans of context parallelism (context > 1) are not built "
+            f"yet; plan it resident (no PhasedConfig), or phased with context=1"
         )
 
 

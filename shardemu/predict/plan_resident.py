@@ -38,13 +38,14 @@ from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.parallel.schedules import Schedule
 from shardemu.pipelined.layout import PipelineLayout
+from shardemu.predict.context_parallel import per_step_reductions
 from shardemu.predict.costmodel import Prediction, Timeline, require_fit
 from shardemu.predict.expert_parallel import expert_parallel
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.periodic import period_report, timed_step
-from shardemu.predict.plan import Plan, require_no_context
+from shardemu.predict.plan import Plan
 from shardemu.predict.resident_count import (
     CountKey,
     Microbatch,
@@ -86,14 +87,14 @@ def plan_resident(
     before its microbatch is counted where its least bytes (`memory_bound`) are over
     already. Parameters and activations are sharded by `rules` (Megatron-LM's
     tensor parallelism by default). A long periodic step is predicted from two short
-    ones (`periodic.py`), unless `extrapolate` is False. Needs `par.tensor` JAX devices
-    (one stage's tensor group)."""
+    ones (`periodic.py`), unless `extrapolate` is False. Needs `par.context` x
+    `par.tensor` JAX devices (one stage's context x tensor group)."""
     batch, seq, schedule, virtual = train.batch, train.seq, train.schedule, train.virtual
     precision, sparsity = train.precision, train.sparsity
     t0 = time.perf_counter()
     model = as_model(model)
-    train.check_sequence_split(par.tensor)
-    require_no_context(par)
+    train.check_sequence_split(par.tensor, par.context)
+    _check_context(model, par, seq)
     if overlap.tp_overlap == "chunked" and not train.sequence_parallel:
         raise ConfigError(
             "Overlap.tp_overlap chunked hides the all-gathers and reduce-scatters of "
@@ -102,8 +103,9 @@ def plan_resident(
             "Overlap.tp_overlap none"
         )
     rules = rules_or_default(  # the run's own default
-        rules, train.sequence_parallel, tensor=par.tensor, kv_heads=model.cfg.kv_heads
-    )
+        rules, train.sequence_parallel, context=par.context,
+        tensor=par.tensor, kv_heads=model.cfg.kv_heads,
+    )  # fmt: skip
     hardware = hardware.at_precision(arithmetic(model.cfg, precision))
     lay, sched, key = resident_layout(
         model, par, batch, seq, microbatch_size, schedule, virtual, recompute, precision,
@@ -177,10 +179,30 @@ def _settings(
 def _on_mesh(
     mb: Microbatch, key: CountKey, train: TrainConfig, par: Parallelism, recompute: str
 ) -> Microbatch:
-    """A microbatch counted on one tensor group (or its memory bound), as each device of
-    `par` holds and runs it: its experts split over `expert`, its optimizer state over
-    `replica` under ZeRO."""
+    """A microbatch counted on one context x tensor group (or its memory bound), as each
+    device of `par` holds and runs it: its experts split over `expert`, its optimizer
+    state over `replica` under ZeRO, its weight gradients reduced over `context` once a
+    step (`context_parallel.py`)."""
+    mb = per_step_reductions(mb, par.context, par.tensor)
     return zero(expert_parallel(mb, key, par.expert, recompute), train.zero, par)
+
+
+def _check_context(model: Model, par: Parallelism, seq: int) -> None:
+    """Refuse what a context-parallel plan does not cover: a sequence the axis does not
+    divide, and experts split besides (their all-to-alls are added per tensor group:
+    `expert_parallel.py`)."""
+    if par.context == 1:
+        return
+    if seq % par.context:
+        raise ConfigError(
+            f"TrainConfig.seq {seq} is not divisible by context={par.context} (context "
+            f"parallelism splits every sequence over it); use a multiple of {par.context}"
+        )
+    if par.expert > 1:
+        raise ConfigError(
+            f"mesh {par}: plans of context and expert parallelism together are not built; "
+            f"plan one of them (expert=1 or context=1)"
+        )
 
 
 def _predicted(

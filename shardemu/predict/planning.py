@@ -14,7 +14,7 @@ from shardemu.parallel.rules import Rules
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.plan import Plan
-from shardemu.predict.plan_phased import plan_phased
+from shardemu.predict.plan_phased import plan_devices, plan_phased
 from shardemu.predict.plan_resident import plan_resident, plan_resident_auto
 from shardemu.predict.resident_count import Recompute
 
@@ -90,3 +90,9 @@ def plan(
     if microbatch_size is None and not whole.fits:  # one stage: smaller microbatches
         return plan_resident_auto(model, par, train, hardware, **settings)  # may fit
     return whole
+
+
+def plan_devices_needed(par: Parallelism, phased: bool) -> int:
+    """The JAX devices a plan of `par` counts on: a phased stage (`plan_devices`), or a
+    resident stage's context x tensor group (`plan_resident`)."""
+    return plan_devices(par) if phased else par.context * par.tensor

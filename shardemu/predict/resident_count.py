@@ -1,9 +1,10 @@
 """One resident microbatch counted, not guessed: on one pipeline stage's tensor devices
-(replica = 1), the stage pieces (`stages/stage.py`) are compiled over shapes and counted
-(`accounting/count.py`): the embedding, one layer's forward (keeping its vjp residuals,
-or only its input with `recompute="full"`) and backward, the head and loss, the
-embedding's backward, and the optimizer updates on the device. `memory_bound` finds a
-layout's least bytes by tracing alone; `plan_resident.py` assembles a step from these.
+(replica = 1; with context parallelism its context x tensor devices), the stage pieces
+(`stages/stage.py`) are compiled over shapes and counted (`accounting/count.py`): the
+embedding, one layer's forward (keeping its vjp residuals, or only its input with
+`recompute="full"`) and backward, the head and loss, the embedding's backward, and the
+optimizer updates on the device. `memory_bound` finds a layout's least bytes by tracing
+alone; `plan_resident.py` assembles a step from these.
 """
 
 from __future__ import annotations
@@ -75,14 +76,16 @@ def count_microbatch(
     precision: str = "fp32",
     fused_attention: bool = False,
     rules: Rules | None = None,
+    context: int = 1,
 ) -> Microbatch:
-    """Count one microbatch's pieces on `tensor` JAX devices (no weights allocated), in
+    """Count one microbatch's pieces on `context` x `tensor` JAX devices (no weights
+    allocated; each sequence split over `context`: `context_parallel.py`), in
     `precision` (`model` is then the model that computes in it: `compute_model`), its
     parameters and activations sharded by `rules` (Megatron-LM's by default). With
     `fused_attention`, its kernels and kept bytes are FlashAttention's: no [s, s]
     scores in memory (`accounting/matmuls.py`)."""
-    built, st, shared, layer, batch, context = _one_stage(
-        model, tensor, microbatch_size, seq, precision, rules
+    built, st, shared, layer, batch, settings = _one_stage(
+        model, tensor, microbatch_size, seq, precision, rules, context
     )
     ledger = Ledger()
     counter = PROCESS_COUNTER if counter is None else counter  # an empty Counter is falsy
@@ -92,7 +95,7 @@ def count_microbatch(
         AXIS_LABELS,
         False,
         counter,
-        context=context,
+        context=settings,
         fused_attention=fused_attention,
     )
     x, mask = ex.run(EMBED, Piece.EMBED, st, (shared, batch))
@@ -100,7 +103,7 @@ def count_microbatch(
         y, keep = ex.run(FORWARD, Piece.FWD, st, (layer, x, mask)), bytes_per_device(x)
     else:
         y, vjp = ex.run(FORWARD, Piece.FWD_KEEP, st, (layer, x, mask))
-        scores = (microbatch_size, model.cfg.num_heads // tensor, seq, seq)
+        scores = (microbatch_size, model.cfg.num_heads // tensor, seq // context, seq)
         keep = bytes_per_device(vjp) - (_bytes_of_shape(vjp, scores) if fused_attention else 0)
     _, (g_head, g_x) = ex.run(HEAD, Piece.HEAD, st, (shared, y, batch))
     if full_recompute:
@@ -138,15 +141,25 @@ def count_microbatch(
 
 
 def _one_stage(
-    model: Model, tensor: int, microbatch_size: int, seq: int, precision: str, rules: Rules | None
+    model: Model,
+    tensor: int,
+    microbatch_size: int,
+    seq: int,
+    precision: str,
+    rules: Rules | None,
+    context: int = 1,
 ) -> tuple:
     """(built stages, the stage, its shared weights, one layer's weights, a microbatch,
-    the counting context), abstract and sharded, on one pipeline stage of `tensor` JAX
-    devices. The context (the model and the rules) keeps apart the counts of pieces
-    whose inputs look alike but compute or place their outputs otherwise."""
-    mesh = mesh_from(Parallelism(tensor=tensor), jax.devices()[:tensor])
+    the counting context), abstract and sharded, on one pipeline stage of `context` x
+    `tensor` JAX devices. The counting context (the model and the rules) keeps apart the
+    counts of pieces whose inputs look alike but compute or place their outputs
+    otherwise."""
+    par = Parallelism(tensor=tensor, context=context)
+    mesh = mesh_from(par, jax.devices()[: par.num_devices])
     train = TrainConfig(batch=microbatch_size, seq=seq, precision=precision)
-    rules = stage_rules(rules_or_default(rules, False, tensor=tensor, kv_heads=model.cfg.kv_heads))
+    rules = stage_rules(
+        rules_or_default(rules, False, context=context, tensor=tensor, kv_heads=model.cfg.kv_heads)
+    )
     built = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), rules)
     st = built.stages[0]
     shared = with_shardings(built.shared_shapes, st.shared_compute)
@@ -170,33 +183,34 @@ def memory_bound(
     precision: str,
     fused_attention: bool,
     rules: Rules,
+    context: int = 1,
 ) -> Microbatch:
     """`counted_microbatch`'s bytes (`count_key`), with nothing compiled and no pieces:
     a search judges memory first, and most layouts that do not fit would compile only to
     find that out. Exact, but for what a layer keeps for its backward without full
     recomputation: those residuals' shardings are XLA's choice, made as it compiles, so
-    each counts at least its bytes over the `tensor` devices (the most it is split
-    over), or exactly where the piece declares its sharding. (The vjp of GPT-3 175B's
-    layer at tensor 8: at least 1.22 GB a device, 2.49 GB counted.)"""
-    built, st, shared, layer, batch, context = _one_stage(
-        model, tensor, microbatch_size, seq, precision, rules
+    each counts at least its bytes over the `tensor` x `context` devices (the most it
+    is split over), or exactly where the piece declares its sharding. (The vjp of GPT-3
+    175B's layer at tensor 8: at least 1.22 GB a device, 2.49 GB counted.)"""
+    built, st, shared, layer, batch, settings = _one_stage(
+        model, tensor, microbatch_size, seq, precision, rules, context
     )
     # traced through the process counter, whose count of the microbatch then reuses it
     embed = (shared, batch)
     leaves, tree = PROCESS_COUNTER.outputs(
-        Piece.EMBED, st.fn(Piece.EMBED), st.mesh, embed, context, embed
+        Piece.EMBED, st.fn(Piece.EMBED), st.mesh, embed, settings, embed
     )
     x, mask = tree.unflatten(leaves)  # shardings declared: nothing compiled
     if full:
         keep = bytes_per_device(x)
     else:
         leaves, tree = PROCESS_COUNTER.traced(
-            Piece.FWD_KEEP, st.fn(Piece.FWD_KEEP), st.mesh, (layer, x, mask), context
+            Piece.FWD_KEEP, st.fn(Piece.FWD_KEEP), st.mesh, (layer, x, mask), settings
         )
         _, vjp = tree.unflatten(leaves)
         scores = (microbatch_size, model.cfg.num_heads, seq, seq)
         keep = sum(
-            _bytes_at_least(leaf, tensor)
+            _bytes_at_least(leaf, tensor * context)
             for leaf in jax.tree.leaves(vjp)
             if not (fused_attention and squeezed(leaf.shape) == squeezed(scores))
         )
@@ -239,6 +253,7 @@ class CountKey(NamedTuple):
     precision: str
     fused_attention: bool
     rules: Rules
+    context: int = 1  # the sequence split over `context` (`context_parallel.py`)
 
 
 def count_key(
@@ -255,8 +270,12 @@ def count_key(
     (Megatron-LM's when None: the same count as when they are given)."""
     computed = compute_model(padded_for(model, par), precision)
     full, fused = recompute == "full", attention == "fused"
-    rules = rules_or_default(rules, False, tensor=par.tensor, kv_heads=model.cfg.kv_heads)
-    return CountKey(computed, par.tensor, microbatch_size, seq, full, precision, fused, rules)
+    rules = rules_or_default(
+        rules, False, context=par.context, tensor=par.tensor, kv_heads=model.cfg.kv_heads
+    )
+    return CountKey(
+        computed, par.tensor, microbatch_size, seq, full, precision, fused, rules, par.context
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -269,6 +288,7 @@ def counted_microbatch(
     precision: str,
     fused_attention: bool,
     rules: Rules,
+    context: int = 1,
 ) -> Microbatch:
     """`count_microbatch` once per process for each setting (`count_key`): a search plans
     one count at many pipeline depths, replicas, schedules and batch sizes, and counts
@@ -284,12 +304,17 @@ def counted_microbatch(
         precision=precision,
         fused_attention=fused_attention,
         rules=rules,
+        context=context,
     )
-    if fused_attention:  # Q K^T per device: it reads Q and K, writes nothing to memory
+    if fused_attention:  # Q K^T per device: it reads Q (its s / c queries) and K (all s
+        # keys, gathered under context parallelism), writes nothing to memory
         scores = flops.layer_forward(model, microbatch_size, seq)["attn_scores"]
-        q_k = 2 * microbatch_size * seq * model.cfg.embed_dim // tensor
+        q_k = microbatch_size * (seq // context + seq) * model.cfg.embed_dim // tensor
         kernel = Matmul(
-            scores / tensor, q_k * jnp.dtype(model.cfg.param_dtype).itemsize, False, True
+            scores / (tensor * context),
+            q_k * jnp.dtype(model.cfg.param_dtype).itemsize,
+            False,
+            True,
         )
         mb = _add_backward_flops(mb, scores, kernel)
     return mb
@@ -324,10 +349,11 @@ def selective(mb: Microbatch, key: CountKey) -> Microbatch:
 
 def selective_keep(mb: Microbatch, key: CountKey) -> Microbatch:
     """`mb` keeping what selective recomputation keeps per layer and device: not the
-    two [b, A/t, s, s] tensors of the attention core (which fused attention never
+    two [b, A/t, s/c, s] tensors of the attention core (which fused attention never
     kept)."""
     if key.fused_attention:
         return mb
     cfg, b, s = key.model.cfg, key.microbatch_size, key.seq
-    scores = b * (cfg.num_heads // key.tensor) * s * s * jnp.dtype(cfg.param_dtype).itemsize
+    itemsize = jnp.dtype(cfg.param_dtype).itemsize
+    scores = b * (cfg.num_heads // key.tensor) * (s // key.context) * s * itemsize
     return dataclasses.replace(mb, keep_bytes=max(mb.keep_bytes - 2 * scores, 0))

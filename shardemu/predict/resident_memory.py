@@ -57,6 +57,7 @@ def kept(mb: Microbatch, key: CountKey, recompute: str) -> Kept:
     target = layer_bytes(
         model, key.microbatch_size, key.seq, itemsize, key.tensor, sequence_parallel,
         recompute, fused_attention=key.fused_attention, kv_split=kv_split,
+        context=key.context,
     )  # fmt: skip
     return Kept(counted, target)
 

@@ -79,7 +79,7 @@ class _StepEvents:
         overlap: Overlap,
     ) -> None:
         self.mb, self.sched, self.lay, self.par, self.overlap = mb, sched, lay, par, overlap
-        self.bucketed = overlap.grad_reduce == "bucketed" and par.data > 1
+        self.bucketed = overlap.grad_reduce == "bucketed" and par.data * par.context > 1
         self.fsdp = mb.zero_stage == 3 and mb.zero > 1  # ZeRO-3: layers gathered, reduced
         self.last_backward: dict[int, int] = {}  # virtual stage -> time of its last backward
         self.last_b: dict[int, Slot] = {}  # stage -> its last backward
@@ -98,26 +98,34 @@ class _StepEvents:
         self, grad_bytes: int, tag: Phase, stage: int = 0, expert_bytes: int = 0
     ) -> list[Event]:
         """The ring all-reduce of `grad_bytes` per device over the data-parallel groups
-        (replica, and expert: the experts' `expert_bytes` of them over replica alone):
+        (replica, and expert: the experts' `expert_bytes` of them over replica alone;
+        and context, whose devices hold the same weights: `context_parallel.py`):
         each device sends 2 (n-1)/n of them (Thakur et al. 2005). Under ZeRO the ring
         reduce-scatter, (n-1)/n: each replica needs only its share's sum. At stage 1 too,
         as Megatron-LM's distributed optimizer reduce-scatters the gradients into its
         whole buffer and all-gathers the updated weights (Rajbhandari et al. 2020, §7.2.1:
         P_os moves what data parallelism's all-reduce moves)."""
-        r, ep, t = self.par.replica, self.par.expert, self.par.tensor
+        r, ep, c, t = self.par.replica, self.par.expert, self.par.context, self.par.tensor
         op, factor = ("reduce-scatter", 1) if self.mb.zero_stage >= 1 else ("all-reduce", 2)
-        parts = [("replica+expert" if ep > 1 else "replica", r * ep, grad_bytes - expert_bytes)]
+        with_context = "+context" if c > 1 else ""
+        parts = [
+            (
+                ("replica+expert" if ep > 1 else "replica") + with_context,
+                r * ep * c,
+                grad_bytes - expert_bytes,
+            )
+        ]
         if expert_bytes:
-            parts.append(("replica", r, expert_bytes))
+            parts.append(("replica" + with_context, r * c, expert_bytes))
         return [
             Event(
                 0,
                 tag,
                 "collective",
                 "gradients",
-                bytes=round(factor * (n - 1) / n * size * r * ep * t),
+                bytes=round(factor * (n - 1) / n * size * r * ep * c * t),
                 axis=axis,
-                devices=r * ep * t,
+                devices=r * ep * c * t,
                 op=op,
                 group=n,
                 stage=stage,
@@ -166,7 +174,7 @@ class _StepEvents:
     def _chunk_events(self, kind: str, vs: int, reduce: bool = False) -> list[Event]:
         """Virtual stage `vs`'s F or B slot: its pieces, and its output sent on to the
         next virtual stage over `pipe`."""
-        last_vs, r, t = self.lay.last, self.par.data, self.par.tensor
+        last_vs, r, t = self.lay.last, self.par.data, self.par.context * self.par.tensor
         if kind == "F":
             names = (
                 (["embed"] if vs == 0 else []) + ["forward"] + (["head"] if vs == last_vs else [])
@@ -215,7 +223,7 @@ class _StepEvents:
             shared = s in (0, self.par.pipe - 1)
             layers = 0 if self.bucketed or self.fsdp else n
             grads = mb.layer_bytes * layers + (mb.shared_bytes if shared else 0)
-            if r > 1 and grads:
+            if r * self.par.context > 1 and grads:
                 last = self.last_b[s]
                 tag = self.phase("backward", sched.virtual_stage(last), last.microbatch)
                 out += self.all_reduce(grads, tag, s, mb.expert_bytes * layers)
@@ -233,16 +241,16 @@ class _StepEvents:
 
     def all_gather(self, weights: int, replicas: int, tag: Phase, stage: int) -> Event:
         """ZeRO's all-gather of `weights` (bytes per device, in their own dtype, as
-        Megatron-LM's distributed optimizer and FSDP gather them) over `replica`: each
-        device sends (n-1)/n of them (ring)."""
-        devices = self.par.data * self.par.tensor
+        Megatron-LM's distributed optimizer and FSDP gather them) over `replica` (and
+        `context`: `zero.py`): each device sends (n-1)/n of them (ring)."""
+        devices = self.par.data * self.par.context * self.par.tensor
         return Event(
             0,
             tag,
             "collective",
             "weights",
             bytes=round((replicas - 1) / replicas * weights * devices),
-            axis="replica",
+            axis="replica+context" if self.par.context > 1 else "replica",
             devices=devices,
             op="all-gather",
             group=replicas,

@@ -20,16 +20,18 @@ from shardemu.predict.resident_count import Microbatch
 
 
 def zero(mb: Microbatch, stage: int, par: Parallelism) -> Microbatch:
-    """`mb` under ZeRO stage `stage` (`TrainConfig.zero`) over `replica` (Rajbhandari et
-    al. 2020, Table 1): stage 1 (P_os) splits the optimizer state, the FP32 master
+    """`mb` under ZeRO stage `stage` (`TrainConfig.zero`) over `replica` (x `context`)
+    (Rajbhandari et al. 2020, Table 1): stage 1 (P_os) splits the optimizer state, the FP32 master
     weights with it (K Psi / N_d of the 2 Psi + 2 Psi + K Psi), reduce-scatters the
     gradients and all-gathers the updated weights (Megatron-LM's distributed
     optimizer); stage 2 (P_os+g) also holds only each replica's share of the gradients
     (2 Psi / N_d of them: `resident_memory._stage_bytes`); stage 3 (P_os+g+p,
     FSDP) also splits the layers' weights, gathered one layer ahead of their use
     (`resident_step._StepEvents.gathered`)."""
-    if not stage or par.replica == 1:
+    r = par.replica * par.context  # with context parallelism, over both (its devices
+    # hold the same weights), as Megatron-Core's distributed optimizer shards over its
+    # data- and context-parallel group; the resident engine does the same
+    if not stage or r == 1:
         return mb
-    r = par.replica
     opt = (round(mb.opt_bytes[0] / r), round(mb.opt_bytes[1] / r))
     return dataclasses.replace(mb, opt_bytes=opt, zero=r, zero_stage=stage)

@@ -16,6 +16,7 @@ gradients and the update, so that the optimizer's FLOPs are not model FLOPs.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,11 +154,12 @@ class Trainer:
         whole. Stage 2 reduce-scatters the gradients into the same shares (P_os+g:
         `_step_fn`), stage 3 also stores the weights so (P_os+g+p, FSDP: XLA all-gathers
         each where a layer uses it). None without ZeRO: as the parameters."""
-        if not self.train.zero or axis_sizes["replica"] == 1:
+        # with context parallelism over replica x context, whose devices hold the same
+        # weights (Megatron-Core's distributed optimizer shards over that group)
+        axes = ("replica", "context") if axis_sizes.get("context", 1) > 1 else ("replica",)
+        if not self.train.zero or math.prod(axis_sizes[a] for a in axes) == 1:
             return None
-        specs = tree_store_specs(
-            self.param_specs, self.param_shapes, ("replica",), axis_sizes, skip=0
-        )
+        specs = tree_store_specs(self.param_specs, self.param_shapes, axes, axis_sizes, skip=0)
         return named_shardings(self.mesh, specs)
 
     def init(self, seed: int) -> tuple[Any, Any]:

@@ -17,27 +17,28 @@ from shardemu.models import Model
 from shardemu.parallel.rules import Rules, logical_to_spec
 
 RTS = "rts"
-STAGE_AXES = ("pipe", "replica", RTS, "tensor")
+STAGE_AXES = ("pipe", "replica", RTS, "context", "tensor")
 AXIS_LABELS = {RTS: "replica"}  # the ledger names the rts sub-axis as the user's axis
 
 
 def stage_meshes(mesh: Mesh, rts: int) -> list[Mesh]:
     """One mesh per pipeline stage, over that stage's devices, with `replica` split
-    into (replica / rts, rts); neighbouring replicas share a weight's rts shards. The
-    pipelined and phased engines split no experts and no sequences: a mesh with `expert`
-    or `context` > 1 is refused."""
-    for axis in ("expert", "context"):
-        if mesh.shape.get(axis, 1) > 1:
-            raise ConfigError(
-                f"the pipelined and phased engines run {axis} = 1 (got {axis}="
-                f"{mesh.shape[axis]}); {axis} parallelism runs on the resident engine "
-                f"(shardemu.Trainer), or fold the {axis} devices into `replica`"
-            )
-    _, replica, tensor = (mesh.shape[a] for a in ("pipe", "replica", "tensor"))
-    grid = mesh.devices  # (pipe, replica, expert = 1, tensor): see mesh.py
+    into (replica / rts, rts); neighbouring replicas share a weight's rts shards, and
+    each sequence is split over `context` (the rules say so: `megatron_rules`). The
+    pipelined and phased engines split no experts: a mesh with `expert` > 1 is
+    refused."""
+    if mesh.shape.get("expert", 1) > 1:
+        raise ConfigError(
+            f"the pipelined and phased engines run expert = 1 (got expert="
+            f"{mesh.shape['expert']}); expert parallelism runs on the resident engine "
+            f"(shardemu.Trainer), or fold the expert devices into `replica`"
+        )
+    replica, context, tensor = (mesh.shape.get(a, 1) for a in ("replica", "context", "tensor"))
+    # (pipe, replica, expert = 1, [context,] tensor): see mesh.py
+    grid = mesh.devices.reshape(-1, replica, context, tensor)
     return [
         Mesh(
-            grid[s].reshape(1, replica // rts, rts, tensor),
+            grid[s].reshape(1, replica // rts, rts, context, tensor),
             STAGE_AXES,
             axis_types=(AxisType.Auto,) * len(STAGE_AXES),
         )
