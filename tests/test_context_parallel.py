@@ -7,8 +7,9 @@ gradients' reduce-scatters with the ring's bytes; what is not built says so."""
 import jax
 import pytest
 
-from shardemu.accounting.count import Counter
+from shardemu.accounting.count import Counter, with_shardings
 from shardemu.accounting.ledger import totals
+from shardemu.accounting.sizes import bytes_per_device
 from shardemu.config import ConfigError, Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import Model, get_preset
 from shardemu.parallel.mesh import make_mesh
@@ -40,32 +41,36 @@ def test_context_parallel_equals_one_device(
 ):
     """gpt-tiny over context=2, and llama-tiny (grouped-query attention) over context=2
     x tensor=2 with sequence parallelism (the residual stream split over both): every
-    loss, the first gradients and the final weights as one device's."""
+    loss, the first gradients and the final weights as one device's; the keys' and
+    values' collectives as the ring's formula (not their projections' inputs, d wide:
+    `models.llama.Attention`), and a plan of the layout as the run."""
     model = Model(get_preset(name))
     reference = single_device_reference(model, TRAIN, STEPS)
     devices = jax.devices()[: Parallelism(**axes).num_devices]
     train = TrainConfig(batch=8, seq=16, seed=0, sequence_parallel=sequence_parallel)
     trainer = Trainer(model, make_mesh(**axes, devices=devices), train)
     train_and_compare(trainer, reference)
-    if name == "gpt-tiny":  # the keys' and values' collectives, by the ring's formula
-        events = trainer.step_events(Counter(), 0)
-        sent = {
-            op: sum(e.bytes for e in events if e.axis == "context" and e.op == op)
-            for op in ("all-gather", "reduce-scatter")
-        }
-        cfg = model.cfg  # K and V [b, s, d] in FP32 a layer: 2 devices each send (2-1)/2
-        kv = 2 * TRAIN.batch * TRAIN.seq * cfg.embed_dim * 4 * cfg.num_layers
-        assert sent == {"all-gather": 2 * kv // 2, "reduce-scatter": 2 * kv // 2}
-        planned_like_the_run(model, axes, events)
+    # the keys' and values' collectives, by the ring's formula: K and V [b, s, G k] in
+    # FP32 a layer, all-gathered over context forward (each of the c t devices sends
+    # (c - 1) / c of its 1 / t of them), their gradients reduce-scattered backward
+    events = trainer.step_events(Counter(), 0)
+    sent = {
+        op: sum(e.bytes for e in events if e.axis == "context" and e.op == op)
+        for op in ("all-gather", "reduce-scatter")
+    }
+    cfg, c = model.cfg, axes["context"]
+    kv = 2 * TRAIN.batch * TRAIN.seq * cfg.kv_heads * cfg.head_dim * 4 * cfg.num_layers
+    assert sent == {"all-gather": (c - 1) * kv, "reduce-scatter": (c - 1) * kv}
+    planned_like_the_run(trainer, axes, train, events)
 
 
-def planned_like_the_run(model, axes, events):
+def planned_like_the_run(trainer, axes, train, events):
     """A resident plan of the run's layout (one microbatch, nothing recomputed) counts
     its step on the context devices: the run's FLOPs (within 1%) and the keys' and
     values' collectives over context exactly; its weight gradients reduced once, over
     replica x context (here context alone), none in the pieces."""
-    par = Parallelism(**axes)
-    planned = plan(model, par, TRAIN, PROFILES["h100-sxm"], microbatch_size=8, recompute="none")
+    par, h100 = Parallelism(**axes), PROFILES["h100-sxm"]
+    planned = plan(trainer.model, par, train, h100, microbatch_size=8, recompute="none")
     run, ledger = totals(events), planned.ledger.events
     assert planned.report["model_flops"] == pytest.approx(run["model_flops"], rel=0.01)
     for op in ("all-gather", "reduce-scatter"):
@@ -76,9 +81,10 @@ def planned_like_the_run(model, axes, events):
         e for e in ledger if "context" in (e.axis or "").split("+") and e.op == "all-reduce"
     ]
     assert {e.axis for e in reductions} == {"replica+context"}
-    grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.abstract_params()[0]))
-    # the ring: 2 devices each send 2 (2-1)/2 of the gradients (FP32, whole a device)
-    assert sum(e.bytes for e in reductions) == 2 * grads
+    grads = bytes_per_device(with_shardings(trainer.param_shapes, trainer.param_shardings))
+    # the ring: each of the c t devices sends 2 (c-1)/c of its gradients (FP32)
+    c = par.context
+    assert sum(e.bytes for e in reductions) == 2 * (c - 1) * par.tensor * grads
 
 
 def test_what_context_parallelism_does_not_cover_is_refused():

@@ -104,6 +104,11 @@ class Attention(nn.Module):
         k_bsgk = rotary(fp8.einsum("bsd,dgk->bsgk", x_bsd, wk, fp8_on), cfg.rope_theta)
         v_bsgk = fp8.einsum("bsd,dgk->bsgk", x_bsd, wv, fp8_on)
         q_bshk = constrain(q_bshk, ACT_BSHK)
+        # K and V computed on each device's own tokens, then gathered whole: under
+        # context parallelism XLA would otherwise gather V's input, d wide, not V, G k
+        # wide (16x the bytes for Llama 3 405B)
+        local = ("batch", "sequence", "kv_heads", "head_dim")
+        k_bsgk, v_bsgk = constrain(k_bsgk, local), constrain(v_bsgk, local)
         kv_axes_act = ("batch", None, "kv_heads", "head_dim")  # the whole sequence (KV_BSHK)
         k_bsgk, v_bsgk = constrain(k_bsgk, kv_axes_act), constrain(v_bsgk, kv_axes_act)
         b, s = q_bshk.shape[:2]
