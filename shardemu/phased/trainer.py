@@ -25,12 +25,12 @@ from shardemu.config import ConfigError, PhasedConfig, TrainConfig
 from shardemu.models import Model
 from shardemu.numerics.precision import as_compute, compute_model
 from shardemu.parallel.mesh import parallelism_of
-from shardemu.parallel.rules import Rules, rules_or_default
+from shardemu.parallel.rules import Rules
 from shardemu.phased import planner
 from shardemu.phased.program import run_step
 from shardemu.phased.state import Layout, PhasedState
 from shardemu.stages.executor import Executor
-from shardemu.stages.specs import AXIS_LABELS, stage_meshes, stage_rules
+from shardemu.stages.specs import AXIS_LABELS, stage_meshes, staged_rules
 from shardemu.stages.stage import Stage, build_stages
 from shardemu.stages.tiers import Tier, with_memory_kind
 
@@ -88,15 +88,7 @@ class PhasedTrainer:
                 "phased one; its PhasedConfig.rts_opt shards the optimizer state over "
                 "replicas instead"
             )
-        self.rules = stage_rules(
-            rules_or_default(
-                rules,
-                train.sequence_parallel,
-                context=par.context,
-                tensor=par.tensor,
-                kv_heads=model.cfg.kv_heads,
-            )  # fmt: skip
-        )
+        self.rules = staged_rules(rules, model, train, par)
         meshes = stage_meshes(mesh, cfg.rts) * (emulated_stages or 1)
         self.pieces = build_stages(model, meshes, train, cfg, self.rules)
         self.stages: tuple[Stage, ...] = self.pieces.stages

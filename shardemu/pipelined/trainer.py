@@ -25,12 +25,12 @@ from shardemu.config import ConfigError, PhasedConfig, TrainConfig
 from shardemu.models import Model
 from shardemu.numerics.precision import as_compute, compute_model
 from shardemu.parallel.mesh import parallelism_of
-from shardemu.parallel.rules import Rules, rules_or_default
+from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Slot, make_schedule
 from shardemu.pipelined.layout import pipeline_layout
 from shardemu.pipelined.program import PipelinedState, StepOutput, run_step, shared_holders
 from shardemu.stages.executor import Executor
-from shardemu.stages.specs import AXIS_LABELS, stage_meshes, stage_rules
+from shardemu.stages.specs import AXIS_LABELS, stage_meshes, staged_rules
 from shardemu.stages.stage import Stage, build_stages, init_params
 from shardemu.stages.tiers import Tier
 
@@ -68,15 +68,7 @@ class PipelinedTrainer:
                 f"TrainConfig.zero={train.zero}: ZeRO runs on the resident engine, not the "
                 "pipelined one; train it resident (pipe = 1) or without it"
             )
-        self.rules = stage_rules(
-            rules_or_default(
-                rules,
-                train.sequence_parallel,
-                context=par.context,
-                tensor=par.tensor,
-                kv_heads=model.cfg.kv_heads,
-            )  # fmt: skip
-        )
+        self.rules = staged_rules(rules, model, train, par)
         self.pieces = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), self.rules)
         self.stages: tuple[Stage, ...] = self.pieces.stages
         self.holders = shared_holders(self.layout)

@@ -12,9 +12,9 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
-from shardemu.config import ConfigError, PhasedConfig
+from shardemu.config import ConfigError, Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import Model
-from shardemu.parallel.rules import Rules, logical_to_spec
+from shardemu.parallel.rules import Rules, logical_to_spec, rules_or_default
 
 RTS = "rts"
 STAGE_AXES = ("pipe", "replica", RTS, "context", "tensor")
@@ -44,6 +44,21 @@ def stage_meshes(mesh: Mesh, rts: int) -> list[Mesh]:
         )
         for s in range(grid.shape[0])
     ]
+
+
+def staged_rules(rules: Rules | None, model: Model, train: TrainConfig, par: Parallelism) -> Rules:
+    """A staged engine's rules on its stage meshes (`stage_rules`): `rules` as given,
+    or the default table for `train`'s sequence parallelism and `par`'s context and
+    tensor sizes (`rules_or_default`)."""
+    return stage_rules(
+        rules_or_default(
+            rules,
+            train.sequence_parallel,
+            context=par.context,
+            tensor=par.tensor,
+            kv_heads=model.cfg.kv_heads,
+        )  # fmt: skip
+    )
 
 
 def stage_rules(rules: Rules) -> Rules:
