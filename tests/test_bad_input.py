@@ -176,6 +176,8 @@ CLI_ROWS = [
         "--precision takes a comma-separated"),
     row("search-zero-stages", [*SEARCH, "--zero-stages", "1,5"],
         "--zero-stages takes a comma-separated list of 0, 1, 2 and 3, got '1,5'"),
+    row("search-context-sizes", [*SEARCH, "--seq", "32", "--context-sizes", "2,3"],
+        "--context-sizes takes a comma-separated list of positive integers that divide --seq 32"),
     row("bucket-mb-0", [*A100, "--bucket-mb", "0"], "--bucket-mb must be a finite number > 0, got"
         " 0"),
     row("bucket-mb-nan", [*SEARCH, "--bucket-mb", "nan"], "--bucket-mb must be a finite number > 0,"

@@ -157,6 +157,7 @@ DERIVED_DEFAULTS = {
     ("run", "sparsity"), ("plan", "sparsity"),  # None: dense; SparsityConfig's is 0.9
     ("search", "precision"),  # None: every precision the hardware profile has
     ("search", "zero_stages"),  # "0": the text of Space.zero_stages's (0,)
+    ("search", "context_sizes"),  # "1": the text of Space.context_sizes's (1,)
     ("demo", "steps"),  # the demo's own length
 }  # fmt: skip
 

@@ -252,6 +252,26 @@ def test_zero_stages_are_searched_and_found_as_their_plans(searched):
     assert sum(r.fits for r in result.candidates) > sum(r.fits for r in searched.candidates)
 
 
+def test_context_sizes_are_searched_and_found_as_their_plans(searched):
+    """The same space at context sizes 1 and 2 (`Space.context_sizes`): the layouts
+    without context are the plain search's, and each of context 2 is a mesh of all the
+    devices, its row's step time and device bytes those of its whole plan."""
+    space = dataclasses.replace(SPACE, context_sizes=(1, 2))
+    result = search(TINY, HW, DEVICES, BATCH, SEQ, space, top=3)
+    split = [r for r in result.candidates if r.candidate and r.candidate.context == 2]
+    assert split and all(" c2 " in r.label and r.par.num_devices == DEVICES for r in split)
+    rest = {r.label for r in result.candidates} - {r.label for r in split}
+    assert rest == {r.label for r in searched.candidates}
+    fitting = [r for r in split if r.fits]
+    assert fitting
+    for row in fitting:
+        c = row.candidate
+        train = c.train_config(BATCH, SEQ)
+        report = plan_resident(TINY, c.par, train, c.microbatch_size, HW, c.recompute).report
+        assert row.step_time_s == pytest.approx(report["step_time_s"], rel=1e-9)
+        assert row.device_bytes == report["memory_per_device"]["device"]["bytes"]
+
+
 def test_sequence_parallelism_and_chunked_overlap_reach_every_resident_plan():
     """`Space.sequence_parallel` puts sequence parallelism into each resident layout's
     training settings, and its rules into the counts and memory bounds the search

@@ -117,6 +117,13 @@ def search_args(p: argparse.ArgumentParser) -> None:
         metavar="S[,S...]",
         help="ZeRO stages to search resident layouts of several replicas at (0-3; default 0)",
     )
+    p.add_argument(
+        "--context-sizes",
+        default="1",
+        metavar="C[,C...]",
+        help="context-parallel sizes to search resident layouts at (each must divide --seq; "
+        "default 1)",
+    )
     search_space_args(p)
     p.add_argument("--top", type=int, default=5, help="layouts to plan whole and print")
     p.add_argument("--out", default=None, help="output folder (default runs/search-<model>-<time>)")

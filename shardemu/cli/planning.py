@@ -213,7 +213,7 @@ def cmd_search(args: argparse.Namespace) -> None:
     space = search_space(args, hardware.precisions)
     out = Path(args.out or default_run_dir(f"search-{model_cfg.name}"))
     require_new(out)
-    use_virtual_devices(search_devices(model_cfg, args.devices, args.batch, space))
+    use_virtual_devices(search_devices(model_cfg, args.devices, args.batch, space, args.seq))
     result = search(
         model_cfg, hardware, args.devices, args.batch, args.seq, space, args.top,
         log=lambda line: console.print(line, highlight=False, markup=False),

@@ -95,8 +95,25 @@ def search_space(args: argparse.Namespace, profile_precisions: tuple[str, ...]) 
         )
     stages = tuple(int(s) for s in parts)
     return from_args(
-        Space, args, precisions=precisions, overlap=overlap_config(args), zero_stages=stages
+        Space,
+        args,
+        precisions=precisions,
+        overlap=overlap_config(args),
+        zero_stages=stages,
+        context_sizes=_context_sizes(args.context_sizes, args.seq),
     )
+
+
+def _context_sizes(text: str, seq: int) -> tuple[int, ...]:
+    """`--context-sizes`: positive integers that divide `--seq`."""
+    parts = [s.strip() for s in text.split(",") if s.strip()]
+    sizes = tuple(int(s) for s in parts if s.isdigit() and int(s) > 0)
+    if not parts or len(sizes) != len(parts) or any(seq % c for c in sizes):
+        raise ConfigError(
+            f"--context-sizes takes a comma-separated list of positive integers that divide "
+            f"--seq {seq}, got {text!r}"
+        )
+    return sizes
 
 
 def overlap_config(args: argparse.Namespace) -> Overlap:

@@ -57,6 +57,7 @@ class Bounds:
         return rules_or_default(
             self.rules,
             self.space.sequence_parallel,
+            context=par.context,
             tensor=par.tensor,
             kv_heads=self.model.cfg.kv_heads,
         )
@@ -144,12 +145,18 @@ class Bounds:
         """Prune 1, by mode: the reason no layout of `par` in `precision` can fit."""
         capacity, name = self.hardware.device_memory_bytes, self.hardware.name
         out = {}
-        state = self.params * STATE_BYTES_PER_PARAM / (par.pipe * par.tensor)
+        # a least bound under any ZeRO stage searched (stage 3 splits all of it over
+        # replica x context)
+        zero = par.replica * par.context if max(self.space.zero_stages) else 1
+        state = self.params * STATE_BYTES_PER_PARAM / (par.pipe * par.tensor * zero)
         if "resident" in modes and state > capacity:
+            over = "pipe x tensor" + (" x replica x context (ZeRO)" if zero > 1 else "")
             out["resident"] = (
                 f"weights, gradients and Adam state ({STATE_BYTES_PER_PARAM} bytes x "
-                f"{self.params:,} parameters over pipe x tensor) exceed {name}'s device memory"
+                f"{self.params:,} parameters over {over}) exceed {name}'s device memory"
             )
+        if "phased" in modes and par.context > 1:
+            out["phased"] = "phased plans of context parallelism are not built"
         dtype = compute_model(self.model, precision).cfg.param_dtype
         layer = self.layer_params * jnp.dtype(dtype).itemsize / par.tensor
         if "phased" in modes and layer > capacity:

@@ -40,6 +40,7 @@ class Candidate:
     microbatch_size: int
     precision: str
     mode: Mode = "resident"
+    context: int = 1  # resident: each sequence split over it (`context_parallel.py`)
     schedule: str = "1f1b"
     virtual: int = 1
     recompute: str = "full"  # resident
@@ -51,11 +52,15 @@ class Candidate:
 
     @property
     def par(self) -> Parallelism:
-        return Parallelism(pipe=self.pipe, tensor=self.tensor, replica=self.replica)
+        return Parallelism(
+            pipe=self.pipe, tensor=self.tensor, replica=self.replica, context=self.context
+        )
 
     @property
     def label(self) -> str:
-        mesh = f"p{self.pipe} t{self.tensor} r{self.replica} b{self.microbatch_size}"
+        mesh = f"p{self.pipe} t{self.tensor} r{self.replica}"
+        mesh += f" c{self.context}" if self.context > 1 else ""
+        mesh += f" b{self.microbatch_size}"
         if self.mode == "resident":
             sched = self.schedule if self.virtual == 1 else f"{self.schedule}x{self.virtual}"
             how = f"{sched} recompute={self.recompute}"
@@ -115,6 +120,9 @@ class Space:
     overlap: Overlap = DEFAULT_OVERLAP  # not searched: how the training system overlaps
     # the ZeRO stages resident layouts over several replicas are searched at (`zero.py`)
     zero_stages: tuple[int, ...] = (0,)
+    # the context sizes resident layouts are searched at (`context_parallel.py`): each
+    # splits every sequence, and so the devices, that many ways more
+    context_sizes: tuple[int, ...] = (1,)
     sequence_parallel: bool = setting(
         False,
         "--sequence-parallel",
@@ -138,6 +146,11 @@ class Space:
                 "Overlap.tp_overlap chunked hides sequence-parallel layers' collectives; "
                 "search with Space.sequence_parallel, or Overlap.tp_overlap none"
             )
+        if not self.context_sizes or any(c < 1 for c in self.context_sizes):
+            raise ConfigError(
+                f"Space.context_sizes must be a non-empty list of positive integers, got "
+                f"{list(self.context_sizes)!r}"
+            )
         if not self.zero_stages or any(s not in (0, 1, 2, 3) for s in self.zero_stages):
             raise ConfigError(
                 f"Space.zero_stages must be a non-empty list of 0, 1, 2 and 3 (ZeRO stages), "
@@ -149,8 +162,17 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(model_cfg: ModelConfig, devices: int, batch: int, max_tensor: int) -> list[Parallelism]:
-    """Every pipe x tensor x replica = `devices` the model and batch can take."""
+def meshes(
+    model_cfg: ModelConfig,
+    devices: int,
+    batch: int,
+    max_tensor: int,
+    contexts: tuple[int, ...] = (1,),
+    seq: int | None = None,
+) -> list[Parallelism]:
+    """Every pipe x tensor x replica (x context, of `contexts`) = `devices` the model and
+    batch (and a sequence of `seq` tokens, which each context size must divide) can
+    take."""
     if devices < 1 or max_tensor < 1:
         raise ConfigError(
             f"`devices` and Space.max_tensor must be positive integers, got {devices}, {max_tensor}"
@@ -159,10 +181,13 @@ def meshes(model_cfg: ModelConfig, devices: int, batch: int, max_tensor: int) ->
     for t in _divisors(devices):
         if t > max_tensor or model_cfg.num_heads % t or model_cfg.mlp_dim % t:
             continue
-        for p in _divisors(devices // t):
-            r = devices // (p * t)
-            if model_cfg.num_layers % p == 0 and batch % r == 0:
-                out.append(Parallelism(pipe=p, tensor=t, replica=r))
+        for c in sorted(set(contexts)):
+            if (devices // t) % c or (seq is not None and seq % c):
+                continue
+            for p in _divisors(devices // (t * c)):
+                r = devices // (p * t * c)
+                if model_cfg.num_layers % p == 0 and batch % r == 0:
+                    out.append(Parallelism(pipe=p, tensor=t, replica=r, context=c))
     if not out:
         raise ConfigError(
             f"no mesh of {devices} devices fits {model_cfg.name} ({model_cfg.num_layers} "

@@ -167,6 +167,7 @@ class Searcher(Bounds):
             "pipe": par.pipe,
             "tensor": par.tensor,
             "replica": par.replica,
+            "context": par.context,
             "microbatch_size": size,
             "precision": precision,
         }
@@ -237,7 +238,15 @@ class Searcher(Bounds):
     ) -> Iterator[tuple[Parallelism, str, dict[Mode, str], list[int]]]:
         """In search order, each mesh and precision of `precisions`: the modes prune 1
         drops (with the reason) and the microbatch sizes to try."""
-        for par in meshes(self.model.cfg, self.devices, self.batch, self.space.max_tensor):
+        space = self.space
+        for par in meshes(
+            self.model.cfg,
+            self.devices,
+            self.batch,
+            space.max_tensor,
+            space.context_sizes,
+            self.seq,
+        ):
             sizes = [
                 b
                 for b in microbatch_candidates(self.batch // par.replica)

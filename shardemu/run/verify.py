@@ -56,8 +56,11 @@ def scaled_down(model_cfg: ModelConfig, c: Candidate) -> tuple[ModelConfig, Para
 
 def verify_mesh(par: Parallelism) -> Parallelism:
     """The mesh a layout on `par` is verified on: its pipe and tensor, at most
-    `VERIFY_REPLICAS` replicas."""
-    return dataclasses.replace(par, replica=min(par.replica, VERIFY_REPLICAS))
+    `VERIFY_REPLICAS` replicas and as many context devices (each sequence split in
+    two is the code path a larger context runs)."""
+    return dataclasses.replace(
+        par, replica=min(par.replica, VERIFY_REPLICAS), context=min(par.context, VERIFY_REPLICAS)
+    )
 
 
 def _settings(c: Candidate, par: Parallelism) -> tuple[TrainConfig, PhasedConfig | None]:
@@ -129,12 +132,14 @@ def verify(
     }
 
 
-def search_devices(model_cfg: ModelConfig, devices: int, batch: int, space: Space) -> int:
-    """Virtual devices a search needs: a resident plan counts one tensor group, a phased
-    plan one stage (tensor x replica), the winner's check runs its pipe x tensor x
-    (replica, at most two) (`verify_mesh`)."""
+def search_devices(
+    model_cfg: ModelConfig, devices: int, batch: int, space: Space, seq: int | None = None
+) -> int:
+    """Virtual devices a search needs: a resident plan counts one context x tensor
+    group, a phased plan one stage (tensor x replica), the winner's check runs its pipe x
+    tensor x (replica and context, at most two each) (`verify_mesh`)."""
     phased = space.modes != "resident"
     return max(
-        max(p.tensor * (p.replica if phased else 1), verify_mesh(p).num_devices)
-        for p in meshes(model_cfg, devices, batch, space.max_tensor)
+        max(p.tensor * (p.replica if phased else p.context), verify_mesh(p).num_devices)
+        for p in meshes(model_cfg, devices, batch, space.max_tensor, space.context_sizes, seq)
     )
