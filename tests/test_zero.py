@@ -5,7 +5,8 @@ weights all-gathered in the ledger as the hand formula says, and a plan's memory
 Rajbhandari's 2 Psi + 2 Psi + 12 Psi / N_d. Stages 2 (+ gradients, P_os+g) and 3 (+
 weights, P_os+g+p: FSDP) on the resident engine: equal to one device, the gradients
 reduce-scattered, the weights stored split and all-gathered; and in plans, each
-stage's memory and collectives as Table 1 and the ring formulas say."""
+stage's memory and collectives as Table 1 and the ring formulas say. Stages 1 and 3 on
+the pipelined engine (the staged pieces' rts' and rts), equal to one device."""
 
 import dataclasses
 
@@ -112,11 +113,44 @@ def test_zero_2_and_3_equal_one_device_and_reduce_scatter_the_gradients(
             assert held == pytest.approx(weights / 2, rel=1e-3)
 
 
+@pytest.mark.slow
+def test_the_pipelined_engine_runs_stages_1_and_3_equal_to_one_device(
+    reference, staged_like_reference
+):
+    """pipe 2 x replica 2, two microbatches: stage 1 holds half the optimizer state a
+    device and all-gathers the updated weights over replica; stage 3 (FSDP) also half the
+    weights, gathered inside each piece and their gradients reduce-scattered; both as one
+    device, every loss and the final weights."""
+    mesh = make_mesh(pipe=2, replica=2, devices=jax.devices()[:4])
+
+    def trained(stage: int) -> PipelinedTrainer:
+        train = dataclasses.replace(TRAIN, zero=stage, microbatches=2)
+        trainer = PipelinedTrainer(TINY, mesh, train)
+        staged_like_reference(trainer, trainer.place(reference["init"]), reference)
+        return trainer
+
+    plain = PipelinedTrainer(TINY, mesh, dataclasses.replace(TRAIN, zero=0, microbatches=2))
+    weights, state = plain.sizes().values()
+    # stage: (weight bytes a device, the collective over replica that shows it)
+    expected = {
+        1: (weights, ("update", "all-gather")),
+        3: (weights / 2, ("backward", "reduce-scatter")),
+    }
+    for stage, (held, collective) in expected.items():
+        trainer = trained(stage)
+        got = trainer.sizes()
+        assert got["opt_state_bytes_per_device"] == pytest.approx(state / 2, rel=1e-4)
+        assert got["param_bytes_per_device"] == pytest.approx(held, rel=1e-3)
+        ops = {(e.phase.kind, e.op) for e in trainer.ledger.events if e.axis == "replica"}
+        assert collective in ops
+
+
 def test_what_zero_does_not_cover_is_refused():
     with pytest.raises(ConfigError, match="TrainConfig.zero must be 0, 1, 2 or 3, got 4"):
         TrainConfig(zero=4)
-    with pytest.raises(ConfigError, match="ZeRO runs on the resident engine, not the pipelined"):
-        PipelinedTrainer(TINY, make_mesh(pipe=2, devices=jax.devices()[:2]), TRAIN)
+    two = dataclasses.replace(TRAIN, zero=2)
+    with pytest.raises(ConfigError, match="the pipelined engine runs ZeRO stages 1 and 3"):
+        PipelinedTrainer(TINY, make_mesh(pipe=2, devices=jax.devices()[:2]), two)
     with pytest.raises(ConfigError, match="rts_opt"):
         shardemu.plan(TINY.cfg, Parallelism(replica=2), TRAIN, shardemu.get_hardware("cs2"),
                       phased=PhasedConfig())  # fmt: skip

@@ -45,6 +45,16 @@ class PipelinedResult:
     peak_activations: list[float]  # per stage: most microbatches' activations held
 
 
+def zero_config(stage: int, replica: int) -> PhasedConfig:
+    """A pipelined run's ZeRO stage (Rajbhandari et al. 2020) as the staged pieces' rts
+    settings, which are ZeRO over `replica` (`stages/stage.py`): stage 1 (P_os) stores
+    the optimizer state split over the replicas (rts' = replica: each updates its share,
+    then the weights are all-gathered); stage 3 (P_os+g+p, FSDP) stores the weights split
+    too (rts = replica: gathered inside each piece before use, the gradients
+    reduce-scattered to each replica's share). Stage 0: all whole."""
+    return PhasedConfig(rts=replica if stage == 3 else 1, rts_optimizer=replica if stage else 1)
+
+
 class PipelinedTrainer:
     def __init__(
         self,
@@ -63,17 +73,18 @@ class PipelinedTrainer:
         self.schedule = make_schedule(train.schedule, par.pipe, train.microbatches, train.virtual)
         self.model, self.mesh, self.train, self.par = model, mesh, train, par
         model.check_rules(rules)
-        if train.zero:
+        if train.zero not in (0, 1, 3):
             raise ConfigError(
-                f"TrainConfig.zero={train.zero}: ZeRO runs on the resident engine, not the "
-                "pipelined one; train it resident (pipe = 1) or without it"
+                f"TrainConfig.zero={train.zero}: the pipelined engine runs ZeRO stages 1 and 3 "
+                "(stage 2 on the resident engine, pipe = 1); use 1 or 3"
             )
         self.rules = staged_rules(rules, model, train, par)
-        self.pieces = build_stages(model, stage_meshes(mesh, 1), train, PhasedConfig(), self.rules)
+        cfg = zero_config(train.zero, par.replica)
+        self.pieces = build_stages(model, stage_meshes(mesh, cfg.rts), train, cfg, self.rules)
         self.stages: tuple[Stage, ...] = self.pieces.stages
         self.holders = shared_holders(self.layout)
         self.counter = PROCESS_COUNTER if counter is None else counter
-        self._context = (model, train, self.rules, 1, 1)  # as PhasedTrainer's, rts = 1
+        self._context = (model, train, self.rules, cfg.rts, cfg.rts_opt)  # as PhasedTrainer's
         self.ledger = Ledger()
         self.tiers = [Tier(f"device (stage {s})", None) for s in range(par.pipe)]
         self.steps_done = 0

@@ -98,7 +98,7 @@ def verify(
     tiny, par = scaled_down(model_cfg, c)
     train_cfg, phased = _settings(c, par)
     if c.mode == "resident":
-        zero = c.zero if c.pipe == 1 else 0
+        zero = c.zero if c.pipe == 1 or c.zero != 2 else 0  # pipelined: stages 1 and 3
         train_cfg = dataclasses.replace(train_cfg, zero=zero, sequence_parallel=sequence_parallel)
     sharded = train(
         tiny,
