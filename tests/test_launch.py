@@ -65,6 +65,24 @@ def test_two_processes_equal_one_and_a_lost_process_stops_the_run(tmp_path):
     assert not scratch.exists()  # removed by the launcher, though its process was killed
 
 
+@pytest.mark.slow
+def test_a_phased_run_across_two_processes_equals_one(tmp_path):
+    """Phased execution (two phases, rts 2: each replica stores half of every weight in
+    its host tier and gathers the rest over replica, across the processes) on two
+    processes of four devices: the losses of one process of eight."""
+    phased = ["--phased", "--phases", "2", "--rts", "2", "--steps", "3"]
+    two = subprocess.run(
+        [sys.executable, "-m", "shardemu", *ARGS, *phased, "--processes", "2",
+         "--out", str(tmp_path / "two")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr
+    one = shardemu(*ARGS, *phased, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    for a, b in zip(read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one"), strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["loss"], b["loss"])
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -107,8 +107,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     unsupported = [
         flag
         for flag, used in (
-            ("--mesh pipe > 1", par.pipe > 1), ("--microbatches > 1", args.microbatches > 1),
-            ("--phased", args.phased or args.weight_streaming),
+            ("--mesh pipe > 1", par.pipe > 1),
             ("--checkpoint-every", args.checkpoint_every is not None),
             ("--resume", args.resume is not None),
         )
@@ -116,8 +115,9 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     ]  # fmt: skip
     if unsupported:
         raise ConfigError(
-            f"--processes runs resident steps only for now; {', '.join(unsupported)} "
-            f"is not supported across processes yet (drop --processes)"
+            f"--processes runs resident and phased steps without checkpoints for now; "
+            f"{', '.join(unsupported)} is not supported across processes yet (drop "
+            f"--processes)"
         )
     return launch(n, argv)
 
