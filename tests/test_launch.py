@@ -90,11 +90,14 @@ def test_a_phased_run_across_two_processes_equals_one(tmp_path):
         (["--processes", "0"], "--processes 0 must be positive"),
         (["--processes", "2", "--checkpoint-every", "1"], "--checkpoint-every is not supported"),
         (["--processes", "2", "--mesh", "pipe=2,tensor=2,replica=2"], "--mesh pipe > 1"),
+        # checked before any process starts, so said once, not by every process
+        (["--processes", "2", "--phased", "--microbatches", "2"], "--microbatches and"),
     ],
 )
 def test_what_processes_cannot_do_is_refused(extra, message):
     out = shardemu(*ARGS, *extra)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_only_process_0_says_how_to_resume(monkeypatch):

@@ -119,6 +119,15 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
             f"{', '.join(unsupported)} is not supported across processes yet (drop "
             f"--processes)"
         )
+    # every setting checked once, here, before a process starts: a refusal is one line
+    # (each process would print it, and the launcher a line more)
+    from shardemu.models import Model
+    from shardemu.parallel.mesh import mesh_from
+    from shardemu.run.engine import make_engine
+
+    devices = use_virtual_devices(count)
+    model, train_cfg = Model(model_config(args)), train_config(args)
+    make_engine(model, mesh_from(par, devices), train_cfg, phased_config(args), None)
     return launch(n, argv)
 
 
