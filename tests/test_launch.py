@@ -83,12 +83,38 @@ def test_a_phased_run_across_two_processes_equals_one(tmp_path):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["loss"], b["loss"])
 
 
+@pytest.mark.slow
+def test_two_processes_checkpoint_into_one_folder_and_resume_as_one(tmp_path):
+    """Two processes save their shards of each checkpoint into process 0's run directory
+    (`checkpoint.shared_run_path`), and two processes resume from it: the losses of the
+    steps before and after, and the checkpoints, as one process's run."""
+    out = tmp_path / "two"
+
+    def two(*extra: str) -> None:
+        done = subprocess.run(
+            [sys.executable, "-m", "shardemu", *extra, "--processes", "2"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+
+    two(*ARGS, "--steps", "2", "--checkpoint-every", "1", "--out", str(out))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["1", "2"]
+    two("run", "--resume", str(out), "--steps", "3")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "3"]
+    one = shardemu(*ARGS, "--steps", "3", "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    got, want = read_metrics(out), read_metrics(tmp_path / "one")
+    assert [r["step"] for r in got] == [0, 1, 2]
+    for a, b in zip(got, want, strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["loss"], b["loss"])
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
         (["--processes", "3"], "--processes 3 must be positive and divide the 8 devices"),
         (["--processes", "0"], "--processes 0 must be positive"),
-        (["--processes", "2", "--checkpoint-every", "1"], "--checkpoint-every is not supported"),
+        (["--processes", "2", "--phased", "--checkpoint-every", "1"], "phased run has no"),
         (["--processes", "2", "--mesh", "pipe=2,tensor=2,replica=2"], "--mesh pipe > 1"),
         # checked before any process starts, so said once, not by every process
         (["--processes", "2", "--phased", "--microbatches", "2"], "--microbatches and"),

@@ -97,59 +97,45 @@ def _devices(args: argparse.Namespace, par: Parallelism) -> list[Any]:
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     """`run --processes N`: check what the processes could not do, then launch them."""
-    n, par = args.processes, parallelism(args)
+    n = args.processes
+    if args.resume is not None:  # the run's own settings (`_run_resumed`)
+        was, par, train_cfg = _resumed(args)
+        model, phased, rules = was.model, was.phased, was.rules
+    else:
+        par, train_cfg, rules = parallelism(args), train_config(args), None
+        model, phased = model_config(args), phased_config(args)
     count = _device_count(args, par)
     if n < 1 or count % n:
         raise ConfigError(
             f"--processes {n} must be positive and divide the {count} devices (each "
             f"process brings the same number)"
         )
-    unsupported = [
-        flag
-        for flag, used in (
-            ("--mesh pipe > 1", par.pipe > 1),
-            ("--checkpoint-every", args.checkpoint_every is not None),
-            ("--resume", args.resume is not None),
-        )
-        if used
-    ]  # fmt: skip
-    if unsupported:
+    if par.pipe > 1:
         raise ConfigError(
-            f"--processes runs resident and phased steps without checkpoints for now; "
-            f"{', '.join(unsupported)} is not supported across processes yet (drop "
-            f"--processes)"
+            f"--processes runs one pipeline stage for now; --mesh pipe > 1 (mesh {par}) is "
+            f"not supported across processes yet (drop --processes)"
+        )
+    checkpoints = args.checkpoint_every is not None or args.resume is not None
+    if phased is not None and checkpoints:  # its multi-process save did not complete
+        raise ConfigError(
+            "--processes with a phased run has no checkpoints yet (its host tier's save "
+            "across processes does not complete); drop --checkpoint-every and --resume, "
+            "or --processes"
         )
     # every setting checked once, here, before a process starts: a refusal is one line
     # (each process would print it, and the launcher a line more)
-    from shardemu.models import Model
+    from shardemu.models import as_model
     from shardemu.parallel.mesh import mesh_from
     from shardemu.run.engine import make_engine
 
     devices = use_virtual_devices(count)
-    model, train_cfg = Model(model_config(args)), train_config(args)
-    make_engine(model, mesh_from(par, devices), train_cfg, phased_config(args), None)
+    make_engine(as_model(model), mesh_from(par, devices), train_cfg, phased, rules)
     return launch(n, argv)
 
 
 def _run_resumed(args: argparse.Namespace) -> None:
     """`run --resume RUN_DIR`: the run's own settings, with the few that may change."""
-    fixed = sorted(args.given - {"resume", *RESUME_MAY_CHANGE})
-    if fixed:
-        run = build_parser().commands["run"]
-        flag = {a.dest: a.option_strings[0] for a in run._actions if a.option_strings}
-        may = [flag[dest] for dest in RESUME_MAY_CHANGE]
-        raise ConfigError(
-            f"{', '.join(flag[dest] for dest in fixed)} cannot change when resuming: the "
-            f"run's settings come from {args.resume}/config.json; only {', '.join(may[:-1])} "
-            f"and {may[-1]} may be given with --resume"
-        )
-    from shardemu.run.record import resume_settings
-
-    was = resume_settings(args.resume)
-    par = parallelism(args) if "mesh" in args.given else was.parallelism
-    train_cfg = was.train
-    if "steps" in args.given:
-        train_cfg = dataclasses.replace(train_cfg, steps=args.steps)
+    was, par, train_cfg = _resumed(args)
     tracking = was.tracking
     if args.given & {"wandb", "tensorboard"}:
         tracking = tracking_config(args)
@@ -162,6 +148,30 @@ def _run_resumed(args: argparse.Namespace) -> None:
         ),
         resume=args.resume, tracking=tracking, eval_every=was.eval_every,
     )  # fmt: skip
+
+
+def _resumed(args: argparse.Namespace) -> tuple[Any, Parallelism, TrainConfig]:
+    """The settings of the run `--resume` names (`resume_settings`), and its mesh and
+    training settings with what the command line may change (`--mesh`, `--steps`); a
+    flag that may not change is refused."""
+    fixed = sorted(args.given - {"resume", "processes", *RESUME_MAY_CHANGE})
+    if fixed:
+        run = build_parser().commands["run"]
+        flag = {a.dest: a.option_strings[0] for a in run._actions if a.option_strings}
+        may = [flag[dest] for dest in (*RESUME_MAY_CHANGE, "processes")]
+        raise ConfigError(
+            f"{', '.join(flag[dest] for dest in fixed)} cannot change when resuming: the "
+            f"run's settings come from {args.resume}/config.json; only {', '.join(may[:-1])} "
+            f"and {may[-1]} may be given with --resume"
+        )
+    from shardemu.run.record import resume_settings
+
+    was = resume_settings(args.resume)
+    par = parallelism(args) if "mesh" in args.given else was.parallelism
+    train_cfg = was.train
+    if "steps" in args.given:
+        train_cfg = dataclasses.replace(train_cfg, steps=args.steps)
+    return was, par, train_cfg
 
 
 def _train_with_progress(

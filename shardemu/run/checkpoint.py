@@ -15,6 +15,11 @@ from the checkpoint's is refused with both named.
 
 orbax writes a checkpoint into a temporary directory and renames it when complete
 (`orbax.checkpoint` "atomicity"), so a run killed while writing keeps the previous one.
+Across processes (`--processes`), every process writes its shards into process 0's run
+directory (`shared_run_path`: each other process keeps its own records in a temporary
+folder), and orbax joins them; process 0 alone writes the manifest and sets aside a
+damaged checkpoint.
+
 A complete checkpoint can still be damaged afterwards (a truncated or zeroed file, a
 part deleted): each checkpoint's files are listed with their sizes and CRC-32s
 (`write_manifest`), and a resume passes over a damaged one for the newest that reads
@@ -30,12 +35,34 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from shardemu.errors import CheckpointError
 
 CHECKPOINTS = "checkpoints"
 log = logging.getLogger("shardemu")
+
+
+def shared_run_path(path: str | Path) -> Path:
+    """Process 0's run directory, as every process of a multi-process run must name the
+    one checkpoint folder they write together (`path` itself in one process)."""
+    if jax.process_count() == 1:
+        return Path(path)
+    from jax.experimental import multihost_utils
+
+    encoded = str(Path(path).absolute()).encode()
+    if len(encoded) > _PATH_BYTES:
+        raise CheckpointError(
+            f"run directory {path}: its path is over {_PATH_BYTES} bytes; use a shorter one"
+        )
+    padded = np.zeros(_PATH_BYTES, np.uint8)
+    padded[: len(encoded)] = np.frombuffer(encoded, np.uint8)
+    sent = np.asarray(multihost_utils.broadcast_one_to_all(padded))
+    return Path(bytes(sent[sent != 0]).decode())
+
+
+_PATH_BYTES = 4096
 
 
 def abstract_like(state: Any) -> Any:
@@ -59,7 +86,8 @@ class Checkpoints:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         self._manager.save(steps_done, args=args, force=True)
         self._manager.wait_until_finished()
-        write_manifest(self.path / str(steps_done))
+        if jax.process_index() == 0:
+            write_manifest(self.path / str(steps_done))
 
     def latest(self) -> int | None:
         """Steps done at the newest complete checkpoint (None if there is none)."""
@@ -124,7 +152,7 @@ class Checkpoints:
     def _report(self, damaged: list[tuple[int, str]], used: int, set_aside: bool) -> None:
         for step, why in damaged:
             where = self.path / str(step)
-            if set_aside:
+            if set_aside and jax.process_index() == 0:
                 where = where.rename(where.with_name(f"{step}.damaged"))
             log.warning(
                 "the checkpoint after %d steps does not read back whole (%s): resuming from "

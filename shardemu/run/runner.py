@@ -30,7 +30,7 @@ from shardemu.predict.costmodel import Timeline
 from shardemu.predict.hardware import Hardware
 from shardemu.report.rundir import RunDir, config_record, default_run_dir, read_metrics
 from shardemu.report.trackers import Trackers, TrackingConfig, open_trackers
-from shardemu.run.checkpoint import Checkpoints
+from shardemu.run.checkpoint import Checkpoints, shared_run_path
 from shardemu.run.engine import make_engine
 from shardemu.run.faults import StopSignals, abort_run, check_finite, resume_hint
 from shardemu.run.loop import StepInfo, training_loop
@@ -272,7 +272,9 @@ class Run:
         """The loop with its hooks, from `state`: the last state and the records of the
         steps it ran."""
         # made once the state is, so a run that fails before it leaves nothing behind
-        saved = self.saved = Checkpoints(run.path) if self.checkpoint_every else None
+        saved = self.saved = (
+            Checkpoints(shared_run_path(run.path)) if self.checkpoint_every else None
+        )
         loop = training_loop(
             self.model, self.engine, self.par, self.train_cfg, self._predictor(), self.eval_every
         )
