@@ -100,7 +100,7 @@ class Candidate:
         drop = (
             ("rts", "activations", "optimizer_on", "prefetch")
             if self.mode == "resident"
-            else ("schedule", "virtual", "recompute", "zero")
+            else ("schedule", "virtual", "recompute", "zero", "context")
         )
         return {k: v for k, v in out.items() if k not in drop}
 
