@@ -264,9 +264,9 @@ def _sum_shared(
     from_last, from_first = ex.exchange(
         first.index,
         g_first,
-        last.shared_store,
+        last.shared_grads,
         g_last,
-        first.shared_store,
+        first.shared_grads,
         SHARED_BWD,
         "gradients",
     )

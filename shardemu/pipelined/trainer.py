@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Ledger
 from shardemu.accounting.sizes import bytes_per_device
-from shardemu.config import ConfigError, PhasedConfig, TrainConfig
+from shardemu.config import PhasedConfig, TrainConfig
 from shardemu.models import Model
 from shardemu.numerics.precision import as_compute, compute_model
 from shardemu.parallel.mesh import parallelism_of
@@ -49,9 +49,11 @@ def zero_config(stage: int, replica: int) -> PhasedConfig:
     """A pipelined run's ZeRO stage (Rajbhandari et al. 2020) as the staged pieces' rts
     settings, which are ZeRO over `replica` (`stages/stage.py`): stage 1 (P_os) stores
     the optimizer state split over the replicas (rts' = replica: each updates its share,
-    then the weights are all-gathered); stage 3 (P_os+g+p, FSDP) stores the weights split
-    too (rts = replica: gathered inside each piece before use, the gradients
-    reduce-scattered to each replica's share). Stage 0: all whole."""
+    then the weights are all-gathered); stage 2 (P_os+g) also reduce-scatters the
+    gradients into those shares (`stages/specs.make_specs`'s `split_grads`, from
+    `TrainConfig.zero`); stage 3 (P_os+g+p, FSDP) stores the weights split too (rts =
+    replica: gathered inside each piece before use, the gradients reduce-scattered to
+    each replica's share). Stage 0: all whole."""
     return PhasedConfig(rts=replica if stage == 3 else 1, rts_optimizer=replica if stage else 1)
 
 
@@ -73,11 +75,6 @@ class PipelinedTrainer:
         self.schedule = make_schedule(train.schedule, par.pipe, train.microbatches, train.virtual)
         self.model, self.mesh, self.train, self.par = model, mesh, train, par
         model.check_rules(rules)
-        if train.zero not in (0, 1, 3):
-            raise ConfigError(
-                f"TrainConfig.zero={train.zero}: the pipelined engine runs ZeRO stages 1 and 3 "
-                "(stage 2 on the resident engine, pipe = 1); use 1 or 3"
-            )
         self.rules = staged_rules(rules, model, train, par)
         cfg = zero_config(train.zero, par.replica)
         self.pieces = build_stages(model, stage_meshes(mesh, cfg.rts), train, cfg, self.rules)

@@ -122,7 +122,8 @@ def tree_store_specs(
 @dataclass
 class Specs:
     """Partition specs of one phase's layers and of the shared weights, the same on
-    every stage: computed, stored (rts) and optimizer state (rts')."""
+    every stage: computed, stored (rts), optimizer state (rts') and gradients (as
+    stored, or as the optimizer state: ZeRO stage 2)."""
 
     layer_compute: Any
     layer_store: Any
@@ -132,6 +133,8 @@ class Specs:
     shared_opt: Any
     act: PartitionSpec
     batch: dict[str, PartitionSpec]
+    layer_grads: Any
+    shared_grads: Any
 
 
 def make_specs(
@@ -143,19 +146,29 @@ def make_specs(
     sizes: dict[str, int],
     cfg: PhasedConfig,
     model: Model,
+    split_grads: bool = False,
 ) -> Specs:
+    """The specs of `cfg`'s rts and rts'; with `split_grads` (ZeRO stage 2), the
+    gradients leave the backward split as the optimizer state is, each replica's share
+    reduce-scattered to it, where they are otherwise stored as the weights are."""
     rts_axes = (RTS,) if cfg.rts > 1 else ()
     if cfg.rts_opt in (1, cfg.rts):
         opt_axes = () if cfg.rts_opt == 1 else rts_axes
     else:  # all of replica (PhasedConfig.check_mesh allows nothing else)
         opt_axes = ("replica", RTS)
+    layer_store = tree_store_specs(layer_specs, layer_shapes, rts_axes, sizes, skip=1)
+    layer_opt = tree_store_specs(layer_specs, layer_shapes, opt_axes, sizes, skip=1)
+    shared_store = tree_store_specs(shared_specs, shared_shapes, rts_axes, sizes, skip=0)
+    shared_opt = tree_store_specs(shared_specs, shared_shapes, opt_axes, sizes, skip=0)
     return Specs(
         layer_compute=layer_specs,
-        layer_store=tree_store_specs(layer_specs, layer_shapes, rts_axes, sizes, skip=1),
-        layer_opt=tree_store_specs(layer_specs, layer_shapes, opt_axes, sizes, skip=1),
+        layer_store=layer_store,
+        layer_opt=layer_opt,
         shared_compute=shared_specs,
-        shared_store=tree_store_specs(shared_specs, shared_shapes, rts_axes, sizes, skip=0),
-        shared_opt=tree_store_specs(shared_specs, shared_shapes, opt_axes, sizes, skip=0),
+        shared_store=shared_store,
+        shared_opt=shared_opt,
+        layer_grads=layer_opt if split_grads else layer_store,
+        shared_grads=shared_opt if split_grads else shared_store,
         act=logical_to_spec(model.family.activation_axes, rules, "activations"),
         batch={
             k: logical_to_spec(axes, rules, f"batch array {k!r}")

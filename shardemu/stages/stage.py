@@ -70,6 +70,7 @@ class Stage:
         self.layer_store = named(specs.layer_store)
         self.shared_compute = named(specs.shared_compute)
         self.shared_store = named(specs.shared_store)
+        self.layer_grads, self.shared_grads = named(specs.layer_grads), named(specs.shared_grads)
         self.act = NamedSharding(mesh, specs.act)
         # attention masks: [b, 1, s] padding masks split like the batch (BERT), or one
         # [1, s, s] causal mask (GPT)
@@ -139,14 +140,14 @@ class Stage:
             return jax.jit(run, **out)
 
         layer_vjp, head_loss = self.layer_vjp, self.head_loss
-        grads_out = {"out_shardings": (self.layer_store, self.act)}
+        grads_out = {"out_shardings": (self.layer_grads, self.act)}
         builders = {
             Piece.GATHER_LAYERS: lambda: jax.jit(lambda w: w, out_shardings=self.layer_compute),
             Piece.GATHER_SHARED: lambda: jax.jit(lambda w: w, out_shardings=self.shared_compute),
             Piece.EMBED: lambda: traced(model.embed, out_shardings=(self.act, self.mask)),
             Piece.EMBED_BWD: lambda: traced(
                 lambda s, b, g: jax.vjp(lambda s_: model.embed(s_, b)[0], s)[1](g)[0],
-                out_shardings=self.shared_store,
+                out_shardings=self.shared_grads,
             ),
             Piece.FWD: lambda: traced(model.apply_layers, out_shardings=self.act),
             # its output laid out as `fwd`'s (the residuals as XLA lays them out), so that the
@@ -156,20 +157,20 @@ class Stage:
             Piece.BWD_KEEP: lambda: traced(lambda vjp, g: vjp(g), **grads_out),
             Piece.HEAD: lambda: traced(
                 jax.value_and_grad(head_loss, argnums=(0, 1)),
-                out_shardings=(self.replicated, (self.shared_store, self.act)),
+                out_shardings=(self.replicated, (self.shared_grads, self.act)),
             ),
             # the shared weights' gradient: its embedding and head halves summed (with
             # weight streaming, each system's: a row per system, `systems.py`)
             Piece.ADD_SHARED: lambda: jax.jit(
                 lambda a, b: jax.tree.map(jnp.add, a, b),
-                out_shardings=jax.tree.map(lambda _: self.stacked, self.shared_store)
+                out_shardings=jax.tree.map(lambda _: self.stacked, self.shared_grads)
                 if self._per_system
-                else self.shared_store,
+                else self.shared_grads,
             ),
             Piece.ACCUMULATE: lambda: jax.jit(
                 lambda a, b: jax.tree.map(jnp.add, to_fp32(a), to_fp32(b))
             ),
-            Piece.SPARSE_GRADS: lambda: jax.jit(apply_masks, out_shardings=self.layer_store),
+            Piece.SPARSE_GRADS: lambda: jax.jit(apply_masks, out_shardings=self.layer_grads),
             Piece.SQ_NORM: lambda: jax.jit(squared_norm, out_shardings=self.replicated),
         }
         for part in ("layers", "shared"):
@@ -285,6 +286,7 @@ def _stages(
         sizes,
         cfg,
         model,
+        split_grads=train.zero == 2,  # ZeRO stage 2 (the pipelined engine's)
     )
     tx_layers = sparse_optimizer(
         with_master_weights(make_optimizer(train, one, logical[key], clip=False), train),
