@@ -10,9 +10,8 @@ device), one layer per pipeline chunk, a vocabulary of 64 per tensor device. Rep
 are capped at `VERIFY_REPLICAS` (data parallelism adds a gradient all-reduce, which two
 replicas exercise) so the run fits one laptop. Both runs take the
 same microbatches in the same precision: the sharded run must equal the one-device run
-up to the reordering of sums (`TOLERANCE`). A resident layout keeps its ZeRO stage where
-it runs on one stage (the pipelined engine runs no ZeRO) and the search's sequence
-parallelism.
+up to the reordering of sums (`TOLERANCE`). A resident layout keeps its ZeRO stage (the
+pipelined engine runs every stage too) and the search's sequence parallelism.
 """
 
 from __future__ import annotations
@@ -98,8 +97,7 @@ def verify(
     tiny, par = scaled_down(model_cfg, c)
     train_cfg, phased = _settings(c, par)
     if c.mode == "resident":
-        zero = c.zero if c.pipe == 1 or c.zero != 2 else 0  # pipelined: stages 1 and 3
-        train_cfg = dataclasses.replace(train_cfg, zero=zero, sequence_parallel=sequence_parallel)
+        train_cfg = dataclasses.replace(train_cfg, zero=c.zero, sequence_parallel=sequence_parallel)
     sharded = train(
         tiny,
         par,
