@@ -11,8 +11,10 @@ from shardemu.accounting.count import Counter, with_shardings
 from shardemu.accounting.ledger import totals
 from shardemu.accounting.sizes import bytes_per_device
 from shardemu.config import ConfigError, Parallelism, PhasedConfig, TrainConfig
+from shardemu.data import SyntheticCorpus
 from shardemu.models import Model, get_preset
 from shardemu.parallel.mesh import make_mesh
+from shardemu.phased.trainer import PhasedTrainer
 from shardemu.predict.planning import plan
 from shardemu.predict.profiles import PROFILES
 from shardemu.resident.trainer import Trainer
@@ -89,7 +91,7 @@ def planned_like_the_run(trainer, axes, train, events):
 
 def test_what_context_parallelism_does_not_cover_is_refused():
     """A sequence the context (and, with sequence parallelism, tensor) size does not
-    divide; phased plans; plans of experts split besides."""
+    divide; plans of experts split besides."""
     model = Model(get_preset("gpt-tiny"))
     with pytest.raises(ConfigError, match="TrainConfig.seq 16 is not divisible by context=3"):
         TRAIN.check_fits(model.cfg, Parallelism(context=3))
@@ -97,8 +99,32 @@ def test_what_context_parallelism_does_not_cover_is_refused():
     with pytest.raises(ConfigError, match="over tensor x context=8, which does not divide"):
         sp.check_fits(model.cfg, Parallelism(tensor=4, context=2))
     h100 = PROFILES["h100-sxm"]
-    with pytest.raises(ConfigError, match="phased plans of context parallelism"):
-        plan(model.cfg, Parallelism(context=2), TRAIN, h100, phased=PhasedConfig())
     moe = get_preset("moe-tiny")
     with pytest.raises(ConfigError, match="context and expert parallelism together"):
         plan(moe, Parallelism(context=2, expert=2), TRAIN, h100, microbatch_size=4)
+
+
+@pytest.mark.slow
+def test_a_phased_plan_of_context_parallelism_counts_what_the_run_does():
+    """Phased, two phases, rts 2, on tensor 2 x replica 2 x context 2: the plan counts
+    one stage on all its devices, each sequence split over context as the engine splits
+    it, so its step's ledger is the run's first step's, event kind by event kind."""
+    model = Model(get_preset("gpt-tiny"))
+    cfg = PhasedConfig(phases=2, device_memory=10**7, rts=2)
+    par = Parallelism(tensor=2, replica=2, context=2)
+    planned = plan(model, par, TRAIN, PROFILES["h100-sxm"], phased=cfg)
+    trainer = PhasedTrainer(model, make_mesh(tensor=2, replica=2, context=2), TRAIN, cfg)
+    state = trainer.init(jax.device_get(jax.jit(model.init_params)(jax.random.key(0))))
+    trainer.step(state, model.batch(SyntheticCorpus(model.cfg.vocab_size, seed=0), 0, 8, 16))
+
+    def totals_by_kind(events):
+        out = {}
+        for e in events:
+            if e.step == 0:
+                key = (e.kind, e.axis, e.op)
+                out[key] = out.get(key, 0) + (e.flops if e.kind == "compute" else e.bytes)
+        return out
+
+    got, want = totals_by_kind(planned.ledger.events), totals_by_kind(trainer.ledger.events)
+    assert got == want
+    assert ("collective", "context", "all-gather") in got

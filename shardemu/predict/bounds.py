@@ -155,8 +155,6 @@ class Bounds:
                 f"weights, gradients and Adam state ({STATE_BYTES_PER_PARAM} bytes x "
                 f"{self.params:,} parameters over {over}) exceed {name}'s device memory"
             )
-        if "phased" in modes and par.context > 1:
-            out["phased"] = "phased plans of context parallelism are not built"
         dtype = compute_model(self.model, precision).cfg.param_dtype
         layer = self.layer_params * jnp.dtype(dtype).itemsize / par.tensor
         if "phased" in modes and layer > capacity:

@@ -40,7 +40,7 @@ class Candidate:
     microbatch_size: int
     precision: str
     mode: Mode = "resident"
-    context: int = 1  # resident: each sequence split over it (`context_parallel.py`)
+    context: int = 1  # each sequence split over it (`context_parallel.py`)
     schedule: str = "1f1b"
     virtual: int = 1
     recompute: str = "full"  # resident
@@ -100,7 +100,7 @@ class Candidate:
         drop = (
             ("rts", "activations", "optimizer_on", "prefetch")
             if self.mode == "resident"
-            else ("schedule", "virtual", "recompute", "zero", "context")
+            else ("schedule", "virtual", "recompute", "zero")
         )
         return {k: v for k, v in out.items() if k not in drop}
 
@@ -120,8 +120,8 @@ class Space:
     overlap: Overlap = DEFAULT_OVERLAP  # not searched: how the training system overlaps
     # the ZeRO stages resident layouts over several replicas are searched at (`zero.py`)
     zero_stages: tuple[int, ...] = (0,)
-    # the context sizes resident layouts are searched at (`context_parallel.py`): each
-    # splits every sequence, and so the devices, that many ways more
+    # the context sizes layouts are searched at (`context_parallel.py`): each splits
+    # every sequence, and so the devices, that many ways more
     context_sizes: tuple[int, ...] = (1,)
     sequence_parallel: bool = setting(
         False,

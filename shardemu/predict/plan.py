@@ -51,17 +51,6 @@ class Plan:
         return self.report
 
 
-def require_no_context(par: Parallelism) -> None:
-    """The phased planner counts a stage's pieces without `context` (the resident
-    planner counts it: `context_parallel.py`): refuse a phased plan of a mesh with
-    context > 1 rather than plan it as if the axis were not there."""
-    if par.context > 1:
-        raise ConfigError(
-            f"mesh {par}: phased plans of context parallelism (context > 1) are not built "
-            f"yet; plan it resident (no PhasedConfig), or phased with context=1"
-        )
-
-
 def require_no_experts(par: Parallelism) -> None:
     """The phased planner counts a stage's pieces without the `expert` axis (the
     resident planner adds it: `expert_parallel.py`): refuse a phased plan of a mesh

@@ -36,7 +36,7 @@ from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import Screen, choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.phased_timing import timed_passes
-from shardemu.predict.plan import Plan, require_no_context, require_no_experts
+from shardemu.predict.plan import Plan, require_no_experts
 from shardemu.predict.roofline import least_step_seconds
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default
@@ -52,8 +52,9 @@ def padded_for(model: Model, par: Parallelism) -> Model:
 
 
 def plan_devices(par: Parallelism) -> int:
-    """Devices abstract planning needs: one pipeline stage's, tensor * replica."""
-    return par.tensor * par.replica
+    """Devices abstract planning needs: one pipeline stage's, tensor * replica (*
+    context: each sequence split over it, as the phased engine runs it)."""
+    return par.tensor * par.replica * par.context
 
 
 def plan_phased(
@@ -85,7 +86,6 @@ def plan_phased(
     t0 = time.perf_counter()
     model = as_model(model)
     require_no_experts(par)
-    require_no_context(par)
     if overlap.tp_overlap != "none":
         raise ConfigError(
             f"Overlap.tp_overlap {overlap.tp_overlap} is for resident plans: a phased step "

@@ -134,10 +134,10 @@ def search_devices(
     model_cfg: ModelConfig, devices: int, batch: int, space: Space, seq: int | None = None
 ) -> int:
     """Virtual devices a search needs: a resident plan counts one context x tensor
-    group, a phased plan one stage (tensor x replica), the winner's check runs its pipe x
-    tensor x (replica and context, at most two each) (`verify_mesh`)."""
+    group, a phased plan one stage (context x tensor x replica), the winner's check runs
+    its pipe x tensor x (replica and context, at most two each) (`verify_mesh`)."""
     phased = space.modes != "resident"
     return max(
-        max(p.tensor * (p.replica if phased else p.context), verify_mesh(p).num_devices)
+        max(p.tensor * p.context * (p.replica if phased else 1), verify_mesh(p).num_devices)
         for p in meshes(model_cfg, devices, batch, space.max_tensor, space.context_sizes, seq)
     )
