@@ -121,8 +121,7 @@ def search_args(p: argparse.ArgumentParser) -> None:
         "--context-sizes",
         default="1",
         metavar="C[,C...]",
-        help="context-parallel sizes to search layouts at (each must divide --seq; "
-        "default 1)",
+        help="context-parallel sizes to search layouts at (each must divide --seq; default 1)",
     )
     search_space_args(p)
     p.add_argument("--top", type=int, default=5, help="layouts to plan whole and print")
