@@ -245,12 +245,6 @@ class TrainConfig:
                 f"positions; use TrainConfig.seq <= {model.max_positions}"
             )
         self.check_sequence_split(parallelism.tensor, parallelism.context)
-        if self.seq % parallelism.context:
-            raise ConfigError(
-                f"TrainConfig.seq {self.seq} is not divisible by context={parallelism.context} "
-                f"(context parallelism splits every sequence over it); use a multiple of "
-                f"{parallelism.context}"
-            )
         data = parallelism.data  # replica x expert: the batch is split over both
         if self.batch % data:
             raise ConfigError(
@@ -266,8 +260,14 @@ class TrainConfig:
             )
 
     def check_sequence_split(self, tensor: int, context: int = 1) -> None:
-        """Refuse sequence parallelism over a `tensor` size (times `context`, which splits
-        the sequence too) that does not divide `seq`."""
+        """Refuse a `context` size, and sequence parallelism over a `tensor` size (times
+        `context`, which splits the sequence too), that does not divide `seq`."""
+        if self.seq % context:
+            raise ConfigError(
+                f"TrainConfig.seq {self.seq} is not divisible by context={context} "
+                f"(context parallelism splits every sequence over it); use a multiple of "
+                f"{context}"
+            )
         if self.sequence_parallel and self.seq % (tensor * context):
             over = f"tensor={tensor}" if context == 1 else f"tensor x context={tensor * context}"
             raise ConfigError(

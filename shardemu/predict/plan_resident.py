@@ -93,15 +93,7 @@ def plan_resident(
     precision, sparsity = train.precision, train.sparsity
     t0 = time.perf_counter()
     model = as_model(model)
-    train.check_sequence_split(par.tensor, par.context)
-    _check_context(model, par, seq)
-    if overlap.tp_overlap == "chunked" and not train.sequence_parallel:
-        raise ConfigError(
-            "Overlap.tp_overlap chunked hides the all-gathers and reduce-scatters of "
-            "sequence-parallel layers (Megatron-Core refuses its tp_comm_overlap without "
-            "sequence parallelism); set TrainConfig.sequence_parallel, or "
-            "Overlap.tp_overlap none"
-        )
+    _refuse_uncovered(par, train, overlap)
     rules = rules_or_default(  # the run's own default
         rules, train.sequence_parallel, context=par.context,
         tensor=par.tensor, kv_heads=model.cfg.kv_heads,
@@ -187,18 +179,20 @@ def _on_mesh(
     return zero(expert_parallel(mb, key, par.expert, recompute), train.zero, par)
 
 
-def _check_context(model: Model, par: Parallelism, seq: int) -> None:
-    """Refuse what a context-parallel plan does not cover: a sequence the axis does not
-    divide, and experts split besides (their all-to-alls are added per tensor group:
-    `expert_parallel.py`)."""
-    if par.context == 1:
-        return
-    if seq % par.context:
+def _refuse_uncovered(par: Parallelism, train: TrainConfig, overlap: Overlap) -> None:
+    """Refuse what a resident plan does not cover: a sequence the context (and, under
+    sequence parallelism, tensor) size does not divide; chunked tensor overlap without
+    sequence parallelism; context and experts split together (their all-to-alls are
+    added per tensor group: `expert_parallel.py`)."""
+    train.check_sequence_split(par.tensor, par.context)
+    if overlap.tp_overlap == "chunked" and not train.sequence_parallel:
         raise ConfigError(
-            f"TrainConfig.seq {seq} is not divisible by context={par.context} (context "
-            f"parallelism splits every sequence over it); use a multiple of {par.context}"
+            "Overlap.tp_overlap chunked hides the all-gathers and reduce-scatters of "
+            "sequence-parallel layers (Megatron-Core refuses its tp_comm_overlap without "
+            "sequence parallelism); set TrainConfig.sequence_parallel, or "
+            "Overlap.tp_overlap none"
         )
-    if par.expert > 1:
+    if par.context > 1 and par.expert > 1:
         raise ConfigError(
             f"mesh {par}: plans of context and expert parallelism together are not built; "
             f"plan one of them (expert=1 or context=1)"
