@@ -88,32 +88,32 @@ def search_space(args: argparse.Namespace, profile_precisions: tuple[str, ...]) 
                 f"--precision takes a comma-separated list of {', '.join(PRECISIONS)}, got "
                 f"{args.precision!r}"
             )
-    parts = [s.strip() for s in args.zero_stages.split(",") if s.strip()]
-    if not parts or any(s not in ("0", "1", "2", "3") for s in parts):
+    stages = _integers(args.zero_stages)
+    if not stages or any(s not in (0, 1, 2, 3) for s in stages):
         raise ConfigError(
             f"--zero-stages takes a comma-separated list of 0, 1, 2 and 3, got {args.zero_stages!r}"
         )
-    stages = tuple(int(s) for s in parts)
+    sizes = _integers(args.context_sizes)
+    if not sizes or any(c < 1 or args.seq % c for c in sizes):
+        raise ConfigError(
+            f"--context-sizes takes a comma-separated list of positive integers that divide "
+            f"--seq {args.seq}, got {args.context_sizes!r}"
+        )
     return from_args(
         Space,
         args,
         precisions=precisions,
         overlap=overlap_config(args),
         zero_stages=stages,
-        context_sizes=_context_sizes(args.context_sizes, args.seq),
+        context_sizes=sizes,
     )
 
 
-def _context_sizes(text: str, seq: int) -> tuple[int, ...]:
-    """`--context-sizes`: positive integers that divide `--seq`."""
+def _integers(text: str) -> tuple[int, ...]:
+    """A comma-separated list of non-negative integers; empty where any part is not
+    one (or there is none), for the caller to refuse with its flag's message."""
     parts = [s.strip() for s in text.split(",") if s.strip()]
-    sizes = tuple(int(s) for s in parts if s.isdigit() and int(s) > 0)
-    if not parts or len(sizes) != len(parts) or any(seq % c for c in sizes):
-        raise ConfigError(
-            f"--context-sizes takes a comma-separated list of positive integers that divide "
-            f"--seq {seq}, got {text!r}"
-        )
-    return sizes
+    return tuple(int(s) for s in parts) if all(s.isdigit() for s in parts) else ()
 
 
 def overlap_config(args: argparse.Namespace) -> Overlap:

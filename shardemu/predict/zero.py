@@ -21,10 +21,10 @@ from shardemu.predict.resident_count import Microbatch
 
 def zero(mb: Microbatch, stage: int, par: Parallelism) -> Microbatch:
     """`mb` under ZeRO stage `stage` (`TrainConfig.zero`) over `replica` (x `context`)
-    (Rajbhandari et al. 2020, Table 1): stage 1 (P_os) splits the optimizer state, the FP32 master
-    weights with it (K Psi / N_d of the 2 Psi + 2 Psi + K Psi), reduce-scatters the
-    gradients and all-gathers the updated weights (Megatron-LM's distributed
-    optimizer); stage 2 (P_os+g) also holds only each replica's share of the gradients
+    (Rajbhandari et al. 2020, Table 1): stage 1 (P_os) splits the optimizer state, the
+    FP32 master weights with it (K Psi / N_d of the 2 Psi + 2 Psi + K Psi),
+    reduce-scatters the gradients and all-gathers the updated weights (Megatron-LM's
+    distributed optimizer); stage 2 (P_os+g) also holds only each replica's share of the gradients
     (2 Psi / N_d of them: `resident_memory._stage_bytes`); stage 3 (P_os+g+p,
     FSDP) also splits the layers' weights, gathered one layer ahead of their use
     (`resident_step._StepEvents.gathered`)."""

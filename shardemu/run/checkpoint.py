@@ -42,6 +42,7 @@ from shardemu.errors import CheckpointError
 
 CHECKPOINTS = "checkpoints"
 log = logging.getLogger("shardemu")
+_PATH_BYTES = 4096  # the longest run directory path `shared_run_path` sends
 
 
 def shared_run_path(path: str | Path) -> Path:
@@ -60,9 +61,6 @@ def shared_run_path(path: str | Path) -> Path:
     padded[: len(encoded)] = np.frombuffer(encoded, np.uint8)
     sent = np.asarray(multihost_utils.broadcast_one_to_all(padded))
     return Path(bytes(sent[sent != 0]).decode())
-
-
-_PATH_BYTES = 4096
 
 
 def abstract_like(state: Any) -> Any:

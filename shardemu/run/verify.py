@@ -25,6 +25,7 @@ import numpy as np
 
 from shardemu.config import ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.predict.layouts import Candidate, Space, meshes
+from shardemu.predict.planning import plan_devices_needed
 
 VERIFY_REPLICAS = 2
 STEPS = 3
@@ -138,6 +139,6 @@ def search_devices(
     its pipe x tensor x (replica and context, at most two each) (`verify_mesh`)."""
     phased = space.modes != "resident"
     return max(
-        max(p.tensor * p.context * (p.replica if phased else 1), verify_mesh(p).num_devices)
+        max(plan_devices_needed(p, phased), verify_mesh(p).num_devices)
         for p in meshes(model_cfg, devices, batch, space.max_tensor, space.context_sizes, seq)
     )

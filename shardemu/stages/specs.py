@@ -57,7 +57,7 @@ def staged_rules(rules: Rules | None, model: Model, train: TrainConfig, par: Par
             context=par.context,
             tensor=par.tensor,
             kv_heads=model.cfg.kv_heads,
-        )  # fmt: skip
+        )
     )
 
 
