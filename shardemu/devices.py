@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from typing import Any
 
 import jax
 
@@ -87,3 +88,18 @@ def use_virtual_devices(n: int, reuse_memory: bool = False) -> list[jax.Device]:
         ) from None
     jax.config.update("jax_platforms", "cpu")
     return list(jax.devices())
+
+
+def settled(tree: Any) -> Any:
+    """`tree`, finished computing when this process shares its mesh with others.
+
+    Across processes (`run --processes`) the gloo CPU collectives of programs in flight
+    together can wait on each other for ever: a phased run with rts 2 hung with every
+    XLA CPU thread of both processes inside a gloo all-reduce (gdb, jax 0.10.2), its
+    prefetch and its gradient transfers dispatched asynchronously side by side. One
+    program at a time, issued in the same order by every process, cannot. One process
+    keeps JAX's asynchronous dispatch, where XLA's in-process rendezvous orders them.
+    """
+    if jax.process_count() > 1:
+        jax.block_until_ready(tree)
+    return tree

@@ -115,13 +115,6 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
             f"--processes runs one pipeline stage for now; --mesh pipe > 1 (mesh {par}) is "
             f"not supported across processes yet (drop --processes)"
         )
-    checkpoints = args.checkpoint_every is not None or args.resume is not None
-    if phased is not None and checkpoints:  # its multi-process save did not complete
-        raise ConfigError(
-            "--processes with a phased run has no checkpoints yet (its host tier's save "
-            "across processes does not complete); drop --checkpoint-every and --resume, "
-            "or --processes"
-        )
     # every setting checked once, here, before a process starts: a refusal is one line
     # (each process would print it, and the launcher a line more)
     from shardemu.models import as_model

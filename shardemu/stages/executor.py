@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from shardemu.accounting.count import Counted, Counter, piece_events, signature
 from shardemu.accounting.ledger import Carries, Event, Ledger, Phase, Where
 from shardemu.accounting.sizes import bytes_all_devices, bytes_per_device
+from shardemu.devices import settled
 from shardemu.stages.pieces import Piece
 from shardemu.stages.tiers import Tier, with_memory_kind
 
@@ -166,7 +167,9 @@ class Executor:
             )
         )
         args = (rows, masks)
-        return stage.fn(piece)(*args) if self.real else self.shape(piece, stage, args)
+        if self.real:
+            return settled(stage.fn(piece)(*args))
+        return self.shape(piece, stage, args)
 
     def send(self, stage: int, tree: Any, shardings: Any, phase: Phase, carries: Carries) -> Any:
         """Device to device across pipeline stages: a point-to-point transfer over `pipe`."""
@@ -222,7 +225,7 @@ class Executor:
         """`tree` in `shardings`, recording nothing: for what a counted transfer already
         carried in another form (a sparse weight's mask, as its block coordinates)."""
         if self.real:
-            return jax.device_put(tree, shardings)
+            return settled(jax.device_put(tree, shardings))
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
         )
@@ -288,7 +291,7 @@ class Executor:
         else:
             self.will_count(piece, stage, count_args)
         if self.real:
-            return (run or stage.fn(piece))(*args)
+            return settled((run or stage.fn(piece))(*args))
         return self._shaped(piece, stage, args, count_args)
 
     def shape(self, piece: Piece, stage: StageLike, args: tuple) -> Any:
