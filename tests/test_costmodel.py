@@ -220,7 +220,9 @@ def test_one_stage_whose_whole_batch_does_not_fit_takes_the_fastest_microbatch_t
     from shardemu.models import get_preset
     from shardemu.predict.planning import plan
 
-    small = dataclasses.replace(PROFILES["a100-80gb"], name="small", device_memory_gb=0.0045)
+    small = dataclasses.replace(
+        PROFILES["a100-80gb"], name="small", device_memory_gb=0.0045, memory_fragmentation=0.0
+    )
     train = TrainConfig(batch=8, seq=128)
     roomy = plan(get_preset("gpt-tiny"), Parallelism(), train, PROFILES["a100-80gb"])
     assert roomy.report["microbatch_size"] == 8 and "microbatch_choice" not in roomy.report

@@ -48,6 +48,10 @@ def assert_close(a, b, path=""):
             assert_close(a[k], b[k], f"{path}/{k}")
     elif isinstance(a, float):
         assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15), (path, a, b)
+    elif isinstance(a, list) and a and isinstance(a[0], float):  # a band's ends
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_close(x, y, f"{path}/{i}")
     else:
         assert a == b, (path, a, b)
 

@@ -27,8 +27,10 @@ DEVICES, BATCH, SEQ = 4, 16, 32
 TINY = custom_model("gpt", 4, 32, 4, 64, SEQ)
 # device memory between the smallest layout's (1.4 MB) and the largest's (3.2 MB):
 # about half the layouts do not fit, and pruning has work to do
-MEMORY_GB = 0.0021
-HW = dataclasses.replace(PROFILES["a100-80gb"], name="a100-small", device_memory_gb=MEMORY_GB)
+MEMORY_GB = 0.0021  # all of it handed out: the tests' thresholds are the allocator's
+HW = dataclasses.replace(
+    PROFILES["a100-80gb"], name="a100-small", device_memory_gb=MEMORY_GB, memory_fragmentation=0.0
+)
 # phased on 1 x 1 x 2, one phase: 1.08 MB with offloaded activations (a phase's weights
 # and gradients, the optimizer in the host or on the device), 2.5 MB keeping activations
 PHASED_GB = 0.0011
@@ -167,7 +169,8 @@ def test_pareto_front_is_the_undominated_layouts(searched):
 def test_search_command_writes_its_files_and_verifies_the_winner(searched, tmp_path):
     profile = tmp_path / "small.json"
     profile.write_text(json.dumps({"base": "a100-80gb", "name": "a100-small",
-                                   "device_memory_gb": MEMORY_GB}))  # fmt: skip
+                                   "device_memory_gb": MEMORY_GB,
+                                   "memory_fragmentation": 0.0}))  # fmt: skip
     out = tmp_path / "search"
     done = shardemu(
         "search", "--model", "gpt", "--layers", "4", "--hidden", "32", "--heads", "4",

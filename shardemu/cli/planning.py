@@ -116,6 +116,11 @@ def _say_if_it_does_not_fit(args: argparse.Namespace, planned: Plan, phased: Any
     told = "; ".join(
         f"its {tier} tier holds {use.bytes / 1e9:,.4g} GB per device, "
         f"{(use.bytes - use.capacity) / 1e9:,.4g} GB over the {use.capacity / 1e9:,.4g} GB it has"
+        + (
+            f" (less the {use.fragmentation:.0%} its allocator fragments)"
+            if use.fragmentation
+            else ""
+        )
         for tier, use in over.items()
     )
     report = planned.report

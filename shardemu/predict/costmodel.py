@@ -57,6 +57,7 @@ from typing import Any, NamedTuple
 from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism
 from shardemu.errors import CapacityError
+from shardemu.predict.band import Band, band_of
 from shardemu.predict.hardware import GB, Hardware
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap, exposed_chunked
 from shardemu.predict.roofline import compute_seconds, projection_seconds
@@ -291,7 +292,8 @@ class TierUse:
     """Bytes per device a memory tier holds, against the profile's capacity."""
 
     bytes: int
-    capacity: int
+    capacity: int  # the device tier's: what the allocator hands out (`memory_fragmentation`)
+    fragmentation: float = 0.0  # of the tier, left out of `capacity`
 
     @property
     def fits(self) -> bool:
@@ -314,6 +316,7 @@ class Prediction:
     tokens_per_s: float
     memory_per_device: dict[str, TierUse] | None = None
     kernel_fusion: str = "emitted"
+    band: Band | None = None  # the step at both ends of the estimates' spread (`band.py`)
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -328,8 +331,11 @@ class Prediction:
         if self.memory_per_device is not None:
             out["memory_per_device"] = {
                 tier: {"bytes": use.bytes, "capacity": use.capacity, "fits": use.fits}
+                | ({"fragmentation": use.fragmentation} if tier == "device" else {})
                 for tier, use in self.memory_per_device.items()
             }
+        if self.band is not None:
+            out["band"] = self.band.to_json()
         return out
 
 
@@ -346,7 +352,13 @@ def predict(
     device by tier, checked against the profile's capacities)."""
     t = build_timeline(events, hw, par, overlap)
     step, breakdown, stage = t.step_time_s, t.breakdown, t.critical_stage
-    return t, prediction_of(step, breakdown, stage, hw, par, model_flops, tokens, memory)
+    band = band_of(
+        lambda h: build_timeline(events, h, par, overlap).step_time_s,
+        hw,
+        step,
+        (memory or {}).get("device"),
+    )
+    return t, prediction_of(step, breakdown, stage, hw, par, model_flops, tokens, memory, band)
 
 
 def prediction_of(
@@ -358,10 +370,12 @@ def prediction_of(
     model_flops: float,
     tokens: int,
     memory: dict[str, int] | None,
+    band: Band | None = None,
 ) -> Prediction:
     """The `Prediction` of a step of `step` seconds on `hw` (`memory`: bytes per
-    device by tier, checked against the profile's capacities)."""
+    device by tier, checked against the profile's capacities), with its `band`."""
     capacity = capacities(hw)
+    fragmentation = {"device": hw.memory_fragmentation}
     return Prediction(
         hardware=hw.name,
         step_time_s=step,
@@ -371,13 +385,18 @@ def prediction_of(
         tokens_per_s=tokens / step if step else 0.0,
         memory_per_device=None
         if memory is None
-        else {tier: TierUse(used, capacity[tier]) for tier, used in memory.items()},
+        else {
+            tier: TierUse(used, capacity[tier], fragmentation.get(tier, 0.0))
+            for tier, used in memory.items()
+        },
         kernel_fusion=hw.kernel_fusion,
+        band=band,
     )
 
 
 def capacities(hw: Hardware) -> dict[str, int]:
-    """Bytes per device each memory tier of `hw` holds."""
+    """Bytes per device each memory tier of `hw` holds (the device tier's less the
+    allocator's fragmentation: `Hardware.device_memory_bytes`)."""
     return {"device": hw.device_memory_bytes, "host": hw.host_memory_bytes}
 
 

@@ -33,6 +33,17 @@ GB = 1e9
 # their own efficiencies (0.4, 0.5), for which we have no measurement either.
 KERNEL_FUSION = ("emitted", "fused")  # `Hardware.kernel_fusion`
 MEASURED_ON_H100 = {"efficiency": 0.73, "matmul_latency_us": 13.5, "memory_efficiency": 0.83}
+# How well those are known (`Hardware.efficiency_spread`): on the H100, the fit's median
+# |log error| (0.12, same calibration); on the GPUs and TPUs that borrow them, 0.2, our
+# assumption, between that and the 0.3 we assume where nothing was measured.
+SPREAD_MEASURED, SPREAD_BORROWED = 0.12, 0.2
+# PyTorch's CUDA caching allocator, which Megatron-LM, DeepSpeed and Transformer Engine
+# runs use, leaves fragmented memory it cannot hand out: 15% on average, 33% at worst,
+# over eight LLMs trained on A100-80GB (Guo et al., "GMLake", ASPLOS 2024, abstract: the
+# fragmentation their stitching allocator removes); ZeRO (Rajbhandari et al., SC 2020,
+# section 3.2) saw out-of-memory with over 30% of memory free. XLA on TPUs, Poplar on
+# IPUs and the CS-2 assign every buffer when they compile: no fragmentation is charged.
+GPU_FRAGMENTATION = {"memory_fragmentation": 0.15, "memory_fragmentation_max": 0.33}
 
 
 def _real(value: Any) -> bool:
@@ -85,6 +96,14 @@ class Hardware:
     # one kernel as XLA on a GPU or TPU and Transformer Engine's kernels fuse it
     # (`accounting/fusion.py`: a floor). The validation (docs/results.md) is "emitted"'s.
     kernel_fusion: str = "emitted"
+    # The estimates a prediction rests on, whose spread is its low-high band
+    # (`predict/band.py`): `efficiency` is known within a factor e^(+-efficiency_spread)
+    # (0.3 where it is unmeasured: our assumption), and the allocator cannot hand out
+    # `memory_fragmentation` of the device memory (the band: none to
+    # `memory_fragmentation_max`). Profiles give their figures and sources.
+    efficiency_spread: float = 0.3
+    memory_fragmentation: float = 0.0
+    memory_fragmentation_max: float = 0.0
 
     def __post_init__(self) -> None:
         for key in (
@@ -130,6 +149,7 @@ class Hardware:
                     f"left out: {left_out}), got {value!r}"
                 )
         self._check_precisions()
+        self._check_estimates()
         if self.kernel_fusion not in KERNEL_FUSION:
             raise HardwareError(
                 f"hardware {self.name!r}: kernel_fusion must be one of "
@@ -160,6 +180,23 @@ class Hardware:
                     f"hardware {self.name!r}: block_sparse_speed entries are [block, speed] "
                     f"with block in {BLOCK_SIZES} and speed in (0, 1], got {list(pair)!r}"
                 )
+
+    def _check_estimates(self) -> None:
+        """The band's spreads: efficiency_spread >= 0, and 0 <= memory_fragmentation <=
+        memory_fragmentation_max < 1."""
+        spread = self.efficiency_spread
+        if not (_real(spread) and 0 <= spread <= 1):
+            raise HardwareError(
+                f"hardware {self.name!r}: efficiency_spread must be in [0, 1] (efficiency "
+                f"known within a factor e^spread), got {spread!r}"
+            )
+        low, high = self.memory_fragmentation, self.memory_fragmentation_max
+        if not (_real(low) and _real(high) and 0 <= low <= high < 1):
+            raise HardwareError(
+                f"hardware {self.name!r}: memory_fragmentation ({low!r}) and "
+                f"memory_fragmentation_max ({high!r}) must satisfy 0 <= memory_fragmentation "
+                f"<= memory_fragmentation_max < 1 (fractions of the device memory)"
+            )
 
     def _check_precisions(self) -> None:
         """`precisions` a non-empty list of known precisions, `fp8` with its peak."""
@@ -221,7 +258,13 @@ class Hardware:
 
     @property
     def device_memory_bytes(self) -> int:
-        return int(self.device_memory_gb * GB)
+        """The device memory a step can use: what the allocator hands out of
+        `device_memory_gb`, less `memory_fragmentation` (every fit is judged on it)."""
+        return self.usable_device_bytes(self.memory_fragmentation)
+
+    def usable_device_bytes(self, fragmentation: float) -> int:
+        """Bytes of device memory an allocator wasting `fragmentation` of it hands out."""
+        return int(self.device_memory_gb * GB * (1 - fragmentation))
 
     @property
     def host_memory_bytes(self) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 from shardemu.accounting.ledger import Event
 from shardemu.config import Parallelism
 from shardemu.parallel.schedules import Schedule, make_schedule
+from shardemu.predict.band import band_of
 from shardemu.predict.costmodel import (
     Prediction,
     Timeline,
@@ -88,7 +89,13 @@ def periodic_prediction(
     ]
     step = extrapolated(short.step_time_s, long.step_time_s, ms, m)
     breakdown = extrapolated(*parts, ms, m)
-    prediction = prediction_of(step, breakdown, stage, hw, par, model_flops, tokens, memory)
+
+    def step_at(profile: Hardware) -> float:
+        a, b = (build_timeline(events, profile, par, overlap).step_time_s for events in steps)
+        return extrapolated(a, b, ms, m)
+
+    band = band_of(step_at, hw, step, (memory or {}).get("device"))
+    prediction = prediction_of(step, breakdown, stage, hw, par, model_flops, tokens, memory, band)
     return short, long, prediction
 
 

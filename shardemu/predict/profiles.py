@@ -14,7 +14,13 @@ from pathlib import Path
 from shardemu.config import BLOCK_SIZES
 from shardemu.config.files import read_text
 from shardemu.errors import HardwareError
-from shardemu.predict.hardware import MEASURED_ON_H100, Hardware
+from shardemu.predict.hardware import (
+    GPU_FRAGMENTATION,
+    MEASURED_ON_H100,
+    SPREAD_BORROWED,
+    SPREAD_MEASURED,
+    Hardware,
+)
 
 log = logging.getLogger("shardemu")
 
@@ -96,7 +102,9 @@ def _gpu(
         host_tflops=2.0,
         description=desc,
         memory_gbps=hbm_gbps,
+        efficiency_spread=SPREAD_BORROWED,  # the H100 sets its own: SPREAD_MEASURED
         **MEASURED_ON_H100,
+        **GPU_FRAGMENTATION,
     )
 
 
@@ -128,6 +136,7 @@ def _tpu(
         host_tflops=1.0,
         description=f"Google TPU {name.split('-')[1]} ({torus} torus ICI)",
         memory_gbps=hbm_gbps,
+        efficiency_spread=SPREAD_BORROWED,
         **MEASURED_ON_H100,
     )
 
@@ -205,17 +214,20 @@ PROFILES: dict[str, Hardware] = {
     # sparsity), 1979 FP8 dense (3958 with sparsity); 80 GB HBM3 at 3.35 TB/s; NVLink 4: 900 GB/s
     # per GPU (450 per direction); PCIe Gen5 x16: 64 GB/s per direction. DGX H100: 8 GPUs,
     # 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
-    "h100-sxm": _gpu(
-        "h100-sxm",
-        989.0,
-        494.5,
-        80.0,
-        3350.0,
-        450.0,
-        64.0,
-        50.0,
-        "NVIDIA H100 SXM5, DGX H100 nodes, NDR IB",
-        fp8=1979.0,
+    "h100-sxm": dataclasses.replace(
+        _gpu(
+            "h100-sxm",
+            989.0,
+            494.5,
+            80.0,
+            3350.0,
+            450.0,
+            64.0,
+            50.0,
+            "NVIDIA H100 SXM5, DGX H100 nodes, NDR IB",
+            fp8=1979.0,
+        ),
+        efficiency_spread=SPREAD_MEASURED,  # where the roofline's figures were measured
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (2024): the H100 SXM's compute (989 TFLOP/s
     # BF16 dense, 494.5 TF32 dense, 1979 FP8 dense) with 141 GB of HBM3e at 4.8 TB/s;

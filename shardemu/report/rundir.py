@@ -227,4 +227,6 @@ def fmt_value(value: Any) -> str:
         return f"{value:.6g}"
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
+    if isinstance(value, list) and value and all(isinstance(v, float) for v in value):
+        return ", ".join(f"{v:.4g}" for v in value)  # a band's ends
     return str(value)
