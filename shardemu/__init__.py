@@ -62,13 +62,13 @@ from shardemu.parallel.rules import (
 )
 from shardemu.phased.trainer import PhasedTrainer
 from shardemu.pipelined.trainer import PipelinedTrainer
-from shardemu.predict.costmodel import Prediction
 from shardemu.predict.counted import predict_ledger
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import Space
 from shardemu.predict.overlap import Overlap
 from shardemu.predict.plan import Plan
 from shardemu.predict.planning import plan
+from shardemu.predict.prediction import Prediction
 from shardemu.predict.profiles import PROFILES, get_hardware
 from shardemu.predict.rows import SearchResult, SearchRow
 from shardemu.predict.search import search

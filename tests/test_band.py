@@ -11,8 +11,8 @@ import pytest
 from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism
 from shardemu.errors import HardwareError
-from shardemu.predict.costmodel import predict
 from shardemu.predict.hardware import GB
+from shardemu.predict.prediction import predict
 from shardemu.predict.profiles import get_hardware, load_profile
 
 ONE = Parallelism()

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import ConfigError, Parallelism, PhasedConfig, TrainConfig
-from shardemu.predict.costmodel import Span, Timeline, build_timeline, predict
+from shardemu.predict.costmodel import Span, Timeline, build_timeline
 from shardemu.predict.hardware import Hardware, HardwareError
+from shardemu.predict.prediction import predict
 from shardemu.predict.profiles import PROFILES, get_hardware, load_profile
 from shardemu.report.views import merged_bars
 

@@ -52,12 +52,10 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism
-from shardemu.errors import CapacityError
-from shardemu.predict.band import Band, band_of
 from shardemu.predict.hardware import GB, Hardware
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap, exposed_chunked
 from shardemu.predict.roofline import compute_seconds, projection_seconds
@@ -285,132 +283,3 @@ def stage_breakdown(
         key = next((k for prefix, k in _EXPOSED if active[prefix] > 0), "pipeline_bubble_s")
         out[key] += t_next - t
     return out
-
-
-@dataclass(frozen=True)
-class TierUse:
-    """Bytes per device a memory tier holds, against the profile's capacity."""
-
-    bytes: int
-    capacity: int  # the device tier's: what the allocator hands out (`memory_fragmentation`)
-    fragmentation: float = 0.0  # of the tier, left out of `capacity`
-
-    @property
-    def fits(self) -> bool:
-        return self.bytes <= self.capacity
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """The numbers a user asks of a step first: its time, the time's breakdown, the
-    stage on the critical path, utilisation (model FLOPs / (devices * peak * step time),
-    as model FLOPs utilisation: Chowdhery et al. 2022, Appendix B), tokens per second,
-    memory per device per tier (None when the caller gave none), and which kernels the
-    roofline timed (`Hardware.kernel_fusion`)."""
-
-    hardware: str
-    step_time_s: float
-    breakdown: dict[str, float]
-    critical_stage: int
-    utilisation: float
-    tokens_per_s: float
-    memory_per_device: dict[str, TierUse] | None = None
-    kernel_fusion: str = "emitted"
-    band: Band | None = None  # the step at both ends of the estimates' spread (`band.py`)
-
-    def to_json(self) -> dict[str, Any]:
-        out = {
-            "hardware": self.hardware,
-            "kernel_fusion": self.kernel_fusion,
-            "step_time_s": self.step_time_s,
-            "breakdown": self.breakdown,
-            "critical_stage": self.critical_stage,
-            "utilisation": self.utilisation,
-            "tokens_per_s": self.tokens_per_s,
-        }
-        if self.memory_per_device is not None:
-            out["memory_per_device"] = {
-                tier: {"bytes": use.bytes, "capacity": use.capacity, "fits": use.fits}
-                | ({"fragmentation": use.fragmentation} if tier == "device" else {})
-                for tier, use in self.memory_per_device.items()
-            }
-        if self.band is not None:
-            out["band"] = self.band.to_json()
-        return out
-
-
-def predict(
-    events: list[Event],
-    hw: Hardware,
-    par: Parallelism,
-    model_flops: float,
-    tokens: int,
-    memory: dict[str, int] | None = None,
-    overlap: Overlap = DEFAULT_OVERLAP,
-) -> tuple[Timeline, Prediction]:
-    """The timeline of one step on `hw`, and its `Prediction` (`memory`: bytes per
-    device by tier, checked against the profile's capacities)."""
-    t = build_timeline(events, hw, par, overlap)
-    step, breakdown, stage = t.step_time_s, t.breakdown, t.critical_stage
-    band = band_of(
-        lambda h: build_timeline(events, h, par, overlap).step_time_s,
-        hw,
-        step,
-        (memory or {}).get("device"),
-    )
-    return t, prediction_of(step, breakdown, stage, hw, par, model_flops, tokens, memory, band)
-
-
-def prediction_of(
-    step: float,
-    breakdown: dict[str, float],
-    critical_stage: int,
-    hw: Hardware,
-    par: Parallelism,
-    model_flops: float,
-    tokens: int,
-    memory: dict[str, int] | None,
-    band: Band | None = None,
-) -> Prediction:
-    """The `Prediction` of a step of `step` seconds on `hw` (`memory`: bytes per
-    device by tier, checked against the profile's capacities), with its `band`."""
-    capacity = capacities(hw)
-    fragmentation = {"device": hw.memory_fragmentation}
-    return Prediction(
-        hardware=hw.name,
-        step_time_s=step,
-        breakdown=breakdown,
-        critical_stage=critical_stage,
-        utilisation=model_flops / (par.num_devices * hw.peak_tflops * 1e12 * step) if step else 0.0,
-        tokens_per_s=tokens / step if step else 0.0,
-        memory_per_device=None
-        if memory is None
-        else {
-            tier: TierUse(used, capacity[tier], fragmentation.get(tier, 0.0))
-            for tier, used in memory.items()
-        },
-        kernel_fusion=hw.kernel_fusion,
-        band=band,
-    )
-
-
-def capacities(hw: Hardware) -> dict[str, int]:
-    """Bytes per device each memory tier of `hw` holds (the device tier's less the
-    allocator's fragmentation: `Hardware.device_memory_bytes`)."""
-    return {"device": hw.device_memory_bytes, "host": hw.host_memory_bytes}
-
-
-def require_fit(memory: dict[str, int], hw: Hardware, layout: str, at_least: bool = False) -> None:
-    """Raise `CapacityError` (with the device bytes) if `memory` (bytes per device by
-    tier; with `at_least`, a lower bound of them) overflows a tier of `hw`: a search
-    times only the layouts that fit."""
-    capacity = capacities(hw)
-    over = {t: (used, capacity[t]) for t, used in memory.items() if used > capacity[t]}
-    if over:
-        least = "at least " if at_least else ""
-        told = "; ".join(f"{t} {least}{used:,} bytes > {cap:,}" for t, (used, cap) in over.items())
-        raise CapacityError(
-            f"{layout} does not fit {hw.name} per device: {told}",
-            needed=memory.get("device"),
-            at_least=at_least,
-        )

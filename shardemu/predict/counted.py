@@ -10,9 +10,10 @@ from jax.sharding import Mesh
 from shardemu.accounting.ledger import Ledger
 from shardemu.config import PRECISIONS, ConfigError
 from shardemu.parallel.mesh import parallelism_of
-from shardemu.predict.costmodel import Prediction, Timeline, predict
+from shardemu.predict.costmodel import Timeline
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
+from shardemu.predict.prediction import Prediction, predict
 
 
 def predict_ledger(

@@ -24,17 +24,10 @@ from shardemu.accounting.ledger import Event
 from shardemu.config import Parallelism
 from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.predict.band import band_of
-from shardemu.predict.costmodel import (
-    Prediction,
-    Timeline,
-    build_timeline,
-    compute_busy,
-    predict,
-    prediction_of,
-    stage_breakdown,
-)
+from shardemu.predict.costmodel import Timeline, build_timeline, compute_busy, stage_breakdown
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.overlap import Overlap
+from shardemu.predict.prediction import Prediction, predict, prediction_of
 
 PERIODIC = ("1f1b", "interleaved")
 

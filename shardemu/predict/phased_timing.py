@@ -12,10 +12,11 @@ from shardemu.accounting.ledger import Event, Ledger
 from shardemu.config import Parallelism, TrainConfig
 from shardemu.models import Model
 from shardemu.parallel.schedules import Schedule
-from shardemu.predict.costmodel import Prediction, Timeline
+from shardemu.predict.costmodel import Timeline
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.overlap import Overlap
 from shardemu.predict.periodic import extrapolated, period_report, timed_step
+from shardemu.predict.prediction import Prediction
 from shardemu.predict.sparse import model_flops_sparse, sparse_compute, sparse_report
 
 

@@ -14,7 +14,8 @@ from shardemu.accounting.ledger import Ledger
 from shardemu.config import Parallelism
 from shardemu.errors import ConfigError
 from shardemu.phased.planner import PhasePlan
-from shardemu.predict.costmodel import Prediction, Timeline
+from shardemu.predict.costmodel import Timeline
+from shardemu.predict.prediction import Prediction
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,13 @@ from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.phased import planner
 from shardemu.phased.planner import PhasePlan
 from shardemu.phased.trainer import PhasedTrainer
-from shardemu.predict.costmodel import duration, require_fit, stream_of
+from shardemu.predict.costmodel import duration, stream_of
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import Screen, choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.phased_timing import timed_passes
 from shardemu.predict.plan import Plan, require_no_experts
+from shardemu.predict.prediction import require_fit
 from shardemu.predict.roofline import least_step_seconds
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default

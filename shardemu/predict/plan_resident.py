@@ -39,13 +39,14 @@ from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.parallel.schedules import Schedule
 from shardemu.pipelined.layout import PipelineLayout
 from shardemu.predict.context_parallel import per_step_reductions
-from shardemu.predict.costmodel import Prediction, Timeline, require_fit
+from shardemu.predict.costmodel import Timeline
 from shardemu.predict.expert_parallel import expert_parallel
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.periodic import period_report, timed_step
 from shardemu.predict.plan import Plan
+from shardemu.predict.prediction import Prediction, require_fit
 from shardemu.predict.resident_count import (
     CountKey,
     Microbatch,

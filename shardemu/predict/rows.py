@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from shardemu.config import Parallelism
-from shardemu.predict.costmodel import Prediction
 from shardemu.predict.layouts import Candidate, Mode, Space
+from shardemu.predict.prediction import Prediction
 
 Status = Literal["planned", "extrapolated", "does not fit", "refused", "pruned"]
 

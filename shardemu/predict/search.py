@@ -70,7 +70,6 @@ from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import make_schedule
 from shardemu.predict.ahead import CountsAhead
 from shardemu.predict.bounds import Bounds
-from shardemu.predict.costmodel import Prediction
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import (
     Candidate,
@@ -84,6 +83,7 @@ from shardemu.predict.layouts import (
 from shardemu.predict.microbatch import microbatch_candidates
 from shardemu.predict.plan_phased import check_fit
 from shardemu.predict.planning import plan
+from shardemu.predict.prediction import Prediction
 from shardemu.predict.resident_count import CountKey, count_key, counted_microbatch
 from shardemu.predict.rows import Measures, SearchResult, SearchRow, Status
 

@@ -24,8 +24,9 @@ from shardemu.parallel.mesh import parallelism_of
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.phased.planner import PhasePlan
 from shardemu.pipelined.layout import pipeline_layout, stage_plan
-from shardemu.predict.costmodel import Timeline, predict
+from shardemu.predict.costmodel import Timeline
 from shardemu.predict.hardware import Hardware
+from shardemu.predict.prediction import predict
 from shardemu.predict.sparse import sparse_compute, sparse_report
 from shardemu.report.trackers import TrackingConfig
 from shardemu.report.views import write_views
