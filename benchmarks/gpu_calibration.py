@@ -12,7 +12,9 @@ device) whose predicted times `benchmarks/roofline_check.py` compares with:
   not timed; the median of 5 calls after 2 warm-ups;
 - bandwidth: y = 2 x + 1 over 64 MiB to 4 GiB (bytes read plus written), one kernel a call;
 - layers: `GPTBlock` forward and backward (`jax.vjp`) at several widths and batches,
-  with XLA's cost analysis for that backend (FLOPs, bytes accessed).
+  with XLA's cost analysis for that backend (FLOPs, bytes accessed);
+- memory: the bytes XLA keeps per GPT layer for the backward on that backend (compiled,
+  not run), which `benchmarks/memory_check.py` compares with the analytic model.
 
     python benchmarks/gpu_calibration.py --out benchmarks/results/gpu_calibration.json
 
@@ -86,7 +88,7 @@ def bandwidth() -> list[dict[str, Any]]:
     return rows
 
 
-def layers() -> list[dict[str, Any]]:
+def layers(dtypes: tuple[str, ...] = ("bfloat16", "float32")) -> list[dict[str, Any]]:
     """GPT layers forward and backward on one device, timed and cost-analysed."""
     from shardemu.models import custom_model
     from shardemu.models.gpt import GPTBlock
@@ -94,7 +96,7 @@ def layers() -> list[dict[str, Any]]:
     rows = []
     for hidden, heads in ((768, 12), (1024, 16), (2048, 16), (4096, 32), (8192, 64)):
         for batch in (1, 4):
-            for dtype in ("bfloat16", "float32"):
+            for dtype in dtypes:
                 cfg = custom_model("gpt", 1, hidden, heads, None, 2048).replace(param_dtype=dtype)
                 seq = 2048
                 block = GPTBlock(cfg)
@@ -119,16 +121,59 @@ def layers() -> list[dict[str, Any]]:
     return rows
 
 
+def memory() -> list[dict[str, Any]]:
+    """Bytes of temporaries XLA assigns per GPT layer (BF16, sequence 2048) in a
+    forward and backward on this backend: the compiled step of 4 layers less that of 2,
+    halved, so that what a step holds whatever its depth cancels. Compiled over shapes
+    alone, nothing is allocated or run."""
+    from shardemu.models import custom_model
+    from shardemu.models.gpt import GPTBlock
+
+    rows = []
+    for hidden, heads in ((1024, 16), (2048, 16), (4096, 32)):
+        for batch in (1, 4):
+            seq, dtype = 2048, jnp.bfloat16
+            block = GPTBlock(custom_model("gpt", 1, hidden, heads, None, seq).replace(
+                param_dtype="bfloat16"))  # fmt: skip
+            x = jax.ShapeDtypeStruct((batch, seq, hidden), dtype)
+            mask = jax.ShapeDtypeStruct((1, seq, seq), jnp.bool_)
+            one = jax.eval_shape(block.init, jax.random.key(0), x, mask)
+            temp = {}
+            for depth in (2, 4):
+
+                def fwd_bwd(params: Any, x: jax.Array, mask: jax.Array, block: Any = block) -> Any:
+                    def stack(params: Any, x: jax.Array) -> jax.Array:
+                        for p in params:
+                            x, _ = block.apply(p, x, mask)
+                        return x
+
+                    y, vjp = jax.vjp(stack, params, x)
+                    return vjp(jnp.ones_like(y))
+
+                compiled = jax.jit(fwd_bwd).lower([one] * depth, x, mask).compile()
+                temp[depth] = compiled.memory_analysis().temp_size_in_bytes
+            rows.append({"hidden": hidden, "heads": heads, "batch": batch, "seq": seq,
+                         "dtype": "bfloat16", "temp_bytes": temp,
+                         "kept_per_layer": (temp[4] - temp[2]) / 2})  # fmt: skip
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/results/gpu_calibration.json")
-    parser.add_argument("--skip", nargs="*", default=(), choices=("matmuls", "bandwidth", "layers"))
+    parser.add_argument(
+        "--skip", nargs="*", default=(), choices=("matmuls", "bandwidth", "layers", "memory")
+    )
+    parser.add_argument("--layer-dtypes", nargs="+", default=("bfloat16", "float32"),
+                        choices=("bfloat16", "float32"))  # fmt: skip
     args = parser.parse_args()
     device = jax.devices()[0]
     out: dict[str, Any] = {"device": device.device_kind, "platform": device.platform,
                            "jax": jax.__version__}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    sections = {"bandwidth": bandwidth, "layers": layers,
+    sections = {"memory": memory, "bandwidth": bandwidth,
+                "layers": lambda: layers(tuple(args.layer_dtypes)),
                 "matmuls": lambda: matmuls("bfloat16") + matmuls("float32")}  # fmt: skip
     for name, measure in sections.items():
         if name not in args.skip:

@@ -1,15 +1,21 @@
-"""The roofline against a real accelerator: GPT layers predicted vs measured on an H100.
+"""The roofline against a real accelerator: GPT layers predicted vs measured.
 
 `benchmarks/gpu_calibration.py` timed GPT layers (forward and backward, one device,
-sequence 2048, widths 768 to 8192, batch 1 and 4, bfloat16 and float32) with XLA on an
-H100. This script compiles the same layers here on the CPU, reads their matmuls and
+sequence 2048, widths 768 to 8192, batch 1 and 4, bfloat16 and float32) with XLA on a
+GPU. `benchmarks/measured/` holds two runs with JAX 0.11.2 (2026-11-26): on an NVIDIA
+H100 80GB HBM3 (`gpu_calibration_h100.json`, the default; widths 768 to 4096, the
+device time ran out before 8192) and on an NVIDIA H200 (`gpu_calibration_h200.json`,
+all widths). This script compiles the same layers here on the CPU, reads their matmuls and
 memory traffic as the planner does (`accounting/matmuls.py`), times them with the
-`h100-sxm` profile's roofline (`predict/roofline.py`) and prints each prediction's
-error. No roofline parameter was fitted to these layers: the profile's efficiency,
-matmul latency and memory efficiency come from the matmul and bandwidth measurements
-of the same run.
+roofline (`predict/roofline.py`) of the profile of the measured device (`h200-sxm` for
+an H200, `h100-sxm` for an H100) and prints each prediction's error twice: with the
+other kernels' bytes as the CPU emitted them (`kernel_fusion = "emitted"`, the
+default) and fused as an accelerator fuses them (`"fused"`, `accounting/fusion.py`).
+No roofline parameter was fitted to these layers: the profiles' efficiency, matmul
+latency and memory efficiency are the H100 matmul and bandwidth calibration's (the H200
+borrows them).
 
-    python benchmarks/roofline_check.py [--measured benchmarks/results/gpu_calibration_h100.json]
+    python benchmarks/roofline_check.py [--measured FILE] [--profile NAME]
         [--out benchmarks/results/roofline_check.json]
 """
 
@@ -29,15 +35,18 @@ import jax.numpy as jnp  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from shardemu.accounting.matmuls import kernels  # noqa: E402
+from shardemu.accounting.matmuls import Kernels  # noqa: E402
 from shardemu.models import custom_model  # noqa: E402
 from shardemu.models.gpt import GPTBlock  # noqa: E402
 from shardemu.predict.profiles import PROFILES  # noqa: E402
 from shardemu.predict.roofline import run_seconds  # noqa: E402
 
+PROFILE_OF = {"NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H200": "h200-sxm"}
 
-def predicted(row: dict[str, Any]) -> dict[str, Any]:
-    """The h100-sxm roofline of one measured layer, counted from its CPU compilation."""
+
+def predicted(row: dict[str, Any], profile: str) -> dict[str, Any]:
+    """`profile`'s roofline of one measured layer, counted from its CPU compilation,
+    with the other kernels' bytes as emitted and as fused."""
     cfg = custom_model("gpt", 1, row["hidden"], row["heads"], None, row["seq"])
     block = GPTBlock(cfg.replace(param_dtype=row["dtype"]))
     dtype = jnp.dtype(row["dtype"])
@@ -51,34 +60,49 @@ def predicted(row: dict[str, Any]) -> dict[str, Any]:
 
     compiled = jax.jit(fwd_bwd).lower(params, x, mask).compile()
     text, flops = compiled.as_text(), compiled.cost_analysis()["flops"]
-    matmuls, moved = kernels(text, dtype.itemsize)
+    counted = Kernels(text, dtype.itemsize)
+    matmuls, emitted = counted.read()
     precision = "fp32" if row["dtype"] == "float32" else "bf16"
-    hw = PROFILES["h100-sxm"].at_precision(precision)
-    seconds = run_seconds(flops, tuple((m.flops, m.bytes) for m in matmuls), moved, hw)
-    return {**row, "predicted_s": seconds, "error": seconds / row["seconds"] - 1}
+    hw = PROFILES[profile].at_precision(precision)
+    out = dict(row)
+    for fusion, moved in (("emitted", emitted), ("fused", counted.memory(target=True))):
+        seconds = run_seconds(flops, matmuls, moved, hw)
+        out[fusion] = {"predicted_s": seconds, "other_bytes": moved,
+                       "error": seconds / row["seconds"] - 1}  # fmt: skip
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--measured", default="benchmarks/results/gpu_calibration_h100.json")
+    parser.add_argument("--measured", default="benchmarks/measured/gpu_calibration_h100.json")
+    parser.add_argument("--profile", help="the profile to time with (default: the device's)")
     parser.add_argument("--out", default="benchmarks/results/roofline_check.json")
     args = parser.parse_args()
     measured = json.loads(Path(args.measured).read_text())
-    rows = [predicted(r) for r in measured["layers"]]
-    table = Table(title=f"GPT layer, forward + backward: roofline vs {measured['device']}")
-    for col in ("hidden", "batch", "dtype", "measured ms", "predicted ms", "error"):
+    profile = args.profile or PROFILE_OF.get(measured["device"])
+    if profile not in PROFILES:
+        parser.error(f"no profile for {measured['device']!r}; name one with --profile")
+    rows = [predicted(r, profile) for r in measured["layers"]]
+    title = f"GPT layer, forward + backward: {profile} roofline vs {measured['device']}"
+    table = Table(title=title)
+    for col in ("hidden", "batch", "dtype", "measured ms", "emitted ms", "error",
+                "fused ms", "error"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
             str(r["hidden"]), str(r["batch"]), r["dtype"], f"{r['seconds'] * 1e3:.2f}",
-            f"{r['predicted_s'] * 1e3:.2f}", f"{r['error']:+.0%}",
+            f"{r['emitted']['predicted_s'] * 1e3:.2f}", f"{r['emitted']['error']:+.0%}",
+            f"{r['fused']['predicted_s'] * 1e3:.2f}", f"{r['fused']['error']:+.0%}",
         )  # fmt: skip
-    errors = [abs(r["error"]) for r in rows]
-    summary = {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors)}
     Console().print(table)
-    median, worst = summary["median_abs_error"], summary["worst_abs_error"]
-    print(f"median |error| {median:.1%}, worst {worst:.1%}")
-    out = {"device": measured["device"], **summary, "rows": rows}
+    summary = {}
+    for fusion in ("emitted", "fused"):
+        errors = [abs(r[fusion]["error"]) for r in rows]
+        summary[fusion] = {"median_abs_error": statistics.median(errors),
+                           "worst_abs_error": max(errors)}  # fmt: skip
+        median, worst = summary[fusion]["median_abs_error"], summary[fusion]["worst_abs_error"]
+        print(f"{fusion}: median |error| {median:.1%}, worst {worst:.1%}")
+    out = {"device": measured["device"], "profile": profile, **summary, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
 
