@@ -10,12 +10,16 @@ from this validation set; the IPU's efficiency (0.4) is the profile's unmeasured
 default. Where the model differs from ours the FLOPs (or, for a pipeline, its slowest
 stage) are matched and the difference named.
 
+Memory rows (`MEMORY_CASES`): the device bytes a plan holds against published memory
+readings and out-of-memory outcomes.
+
     python benchmarks/validation.py [--out benchmarks/results/validation.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from dataclasses import dataclass
@@ -242,6 +246,67 @@ CASES = [
 ]
 
 
+@dataclass(frozen=True)
+class MemoryCase:
+    """A published device-memory reading (`published_gib`) or outcome (`ran`: the run
+    fitted, or stopped out of memory) of a layout, against the planned device bytes."""
+
+    name: str
+    model: ModelConfig
+    replicas: int
+    microbatch_size: int
+    seq: int
+    hardware: str
+    recompute: str
+    published_gib: float | None
+    ran: bool
+
+
+# TorchTitan (Liang et al. 2024, "TorchTitan: One-stop PyTorch native solution for
+# production ready LLM pre-training"), pytorch/torchtitan docs/performance.md: FSDP2 (ZeRO
+# stage 3) over every GPU, BF16 compute with FP32 parameters, gradients and AdamW state,
+# FlashAttention (SDPA), sequence 8192 (its llama3_8b.toml), "selective op" activation
+# checkpointing. Table 1 and 3: Llama 3.1 8B on 8 and 128 H100s (Grand Teton, 96 GB
+# HBM2e), local batch 2: 82.4 and 67.0 GiB, the largest `torch.cuda.max_memory_reserved`
+# of any GPU (the caching allocator's reserve, its fragmentation included). Llama 2 70B
+# on 64 A100 80GB, sequence 4096, local batch 1 ran (50.8% MFU); "70B training with
+# local batch size 2 will cause an OOM error when selective activation checkpointing is
+# used" (its footnote 1).
+LLAMA2_70B = custom_model("llama", 80, 8192, 64, 32000, 4096, kv_heads=8, mlp=28672)
+MEMORY_CASES = [
+    MemoryCase("Llama 3.1 8B, 8 H100, FSDP, local batch 2", get_preset("llama3-8b"), 8, 2,
+               8192, "h100-sxm", "selective", 82.4, True),
+    MemoryCase("Llama 3.1 8B, 128 H100, FSDP, local batch 2", get_preset("llama3-8b"), 128, 2,
+               8192, "h100-sxm", "selective", 67.0, True),
+    MemoryCase("Llama 2 70B, 64 A100, FSDP, local batch 1", LLAMA2_70B, 64, 1, 4096,
+               "a100-80gb", "selective", None, True),
+    MemoryCase("Llama 2 70B, 64 A100, FSDP, local batch 2", LLAMA2_70B, 64, 2, 4096,
+               "a100-80gb", "selective", None, False),
+]  # fmt: skip
+
+
+def run_memory(case: MemoryCase) -> dict:
+    """The planned bytes a device holds, against the published reading or outcome."""
+    train = TrainConfig(
+        batch=case.replicas * case.microbatch_size, seq=case.seq, precision="bf16", zero=3
+    )
+    hw = PROFILES[case.hardware]
+    if case.hardware == "h100-sxm":  # Grand Teton's H100s hold 96 GB (TorchTitan's page)
+        hw = dataclasses.replace(hw, device_memory_gb=96.0)
+    r = plan_resident(
+        case.model, Parallelism(replica=case.replicas), train, case.microbatch_size, hw,
+        recompute=case.recompute, attention="fused",
+    ).report  # fmt: skip
+    device = r["memory_per_device"]["device"]
+    gib = device["bytes"] / 2**30
+    return {
+        "case": case.name, "hardware": case.hardware, "predicted_gib": gib,
+        "published_gib": case.published_gib, "fits": device["fits"], "ran": case.ran,
+        "error": gib / case.published_gib - 1 if case.published_gib else None,
+        "outcome_right": device["fits"] == case.ran,
+    }  # fmt: skip
+
+
 def run(case: Case) -> dict:
     train = TrainConfig(
         batch=case.batch, seq=case.seq, schedule=case.schedule, virtual=case.virtual,
@@ -314,9 +379,21 @@ def main() -> None:
           f"{summary['median_abs_error']:.1%}, worst {summary['worst_abs_error']:.1%}; the "
           f"published figure inside the band in {summary['published_in_band']}; "
           f"{summary['plans_that_fit']} plans fit")  # fmt: skip
+    memory = [run_memory(case) for case in MEMORY_CASES]
+    table = Table(title="planned device memory vs published readings and outcomes")
+    for col in ("case", "hardware", "predicted GiB", "published GiB", "error", "fits", "ran"):
+        table.add_column(col, justify="right")
+    for m in memory:
+        published = f"{m['published_gib']:.1f}" if m["published_gib"] else "-"
+        error = f"{m['error']:+.0%}" if m["error"] is not None else "-"
+        table.add_row(m["case"], m["hardware"], f"{m['predicted_gib']:.1f}", published, error,
+                      str(m["fits"]), str(m["ran"]))  # fmt: skip
+    Console(width=160).print(table)
+    summary["memory_outcomes_right"] = sum(m["outcome_right"] for m in memory)
+    print(f"memory: {summary['memory_outcomes_right']} of {len(memory)} outcomes right")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**summary, "rows": rows}, indent=2) + "\n")
+    out.write_text(json.dumps({**summary, "rows": rows, "memory": memory}, indent=2) + "\n")
     print(f"wrote {out}")
 
 
