@@ -275,13 +275,13 @@ class MemoryCase:
 LLAMA2_70B = custom_model("llama", 80, 8192, 64, 32000, 4096, kv_heads=8, mlp=28672)
 MEMORY_CASES = [
     MemoryCase("Llama 3.1 8B, 8 H100, FSDP, local batch 2", get_preset("llama3-8b"), 8, 2,
-               8192, "h100-sxm", "selective", 82.4, True),
+               8192, "h100-sxm", "selective-op", 82.4, True),
     MemoryCase("Llama 3.1 8B, 128 H100, FSDP, local batch 2", get_preset("llama3-8b"), 128, 2,
-               8192, "h100-sxm", "selective", 67.0, True),
+               8192, "h100-sxm", "selective-op", 67.0, True),
     MemoryCase("Llama 2 70B, 64 A100, FSDP, local batch 1", LLAMA2_70B, 64, 1, 4096,
-               "a100-80gb", "selective", None, True),
+               "a100-80gb", "selective-op", None, True),
     MemoryCase("Llama 2 70B, 64 A100, FSDP, local batch 2", LLAMA2_70B, 64, 2, 4096,
-               "a100-80gb", "selective", None, False),
+               "a100-80gb", "selective-op", None, False),
 ]  # fmt: skip
 
 

@@ -127,3 +127,49 @@ def test_a_pytorch_layer_on_an_h200_keeps_what_the_model_says():
         ours = layer_bytes(model, b, s, 2, dropout=True, fused_attention=flash)
         ours += 0 if flash else s * s
         assert row["per_layer"]["allocated"] == pytest.approx(ours + 16 * s * b, rel=1e-4), row
+
+
+def test_torchtitans_selective_op_keeps_every_other_projection_and_recomputes_the_rest():
+    """TorchTitan's selective-op checkpointing, by hand: a layer keeps its input, the
+    fused core's output and its float32 log-sum-exp, and the outputs of the 1st, 3rd,
+    ... projection matmuls. Llama's seven (Q, K, V, output, gate, up, down) alternate
+    between two saved sets from step to step, so the fuller one (Q, V, gate, down) sets
+    the memory and the plan recomputes, on average, half of its projections' FLOPs
+    (K, output, up in one step; Q, V, gate, down in the next). GPT's six keep Q, V and
+    the MLP's first output in every step."""
+    s, b = 1024, 2
+    llama = Model(get_preset("llama3-8b"))
+    lc = llama.cfg
+    sbh, sbf, kv = s * b * lc.embed_dim, s * b * lc.mlp_dim, s * b * lc.kv_heads * lc.head_dim
+    lse = b * lc.num_heads * s * 4
+    want = 2 * (sbh + sbh) + lse + 2 * max(sbh + kv + sbf + sbh, kv + sbh + sbf)
+    assert layer_bytes(llama, b, s, 2, recompute="selective-op") == want
+    gpt = Model(get_preset("gpt3-1.3b"))
+    sbh, sbf = s * b * gpt.cfg.embed_dim, s * b * gpt.cfg.mlp_dim
+    lse = b * gpt.cfg.num_heads * s * 4
+    assert (
+        layer_bytes(gpt, b, s, 2, recompute="selective-op")
+        == 2 * (sbh + sbh + sbh + sbh + sbf) + lse
+    )
+
+    model = custom_model("llama", 2, 128, 4, 256, 64, kv_heads=2, mlp=384)
+    hw, par = shardemu.get_hardware("a100-80gb"), Parallelism(tensor=2)
+    train = TrainConfig(batch=2, seq=64, precision="bf16")
+    plans = {
+        rec: shardemu.plan(model, par, train, hw, recompute=rec, attention="fused").report
+        for rec in ("none", "selective-op")
+    }
+    tokens, d, f, g = 2 * 64, 128, 384, 2 * 32
+    projections = {"Q": (d, d), "K": (d, g), "V": (d, g), "output": (d, d),
+                   "gate": (d, f), "up": (d, f), "down": (f, d)}  # fmt: skip
+    half = sum(2 * tokens * i * o for i, o in projections.values()) / 2
+    extra = plans["selective-op"]["flops"] - plans["none"]["flops"]
+    assert extra == pytest.approx(2 * half, rel=1e-9)  # 2 layers; the step's, all devices
+    kept = plans["selective-op"]["activation_bytes_per_layer"]
+    assert kept["counted"] is None  # the CPU compile has no witness of this policy
+    assert kept["target"] == layer_bytes(Model(model), 2, 64, 2, 2, recompute="selective-op")
+    with pytest.raises(ConfigError, match="attention='fused'"):
+        shardemu.plan(model, par, train, hw, recompute="selective-op")
+    moe = Model(get_preset("moe-tiny"))
+    with pytest.raises(ConfigError, match="TorchTitan's policy for dense layers"):
+        layer_bytes(moe, 2, 64, 2, recompute="selective-op")

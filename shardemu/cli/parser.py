@@ -21,6 +21,7 @@ from shardemu.cli.args import (
     sparsity_args,
     tracking_args,
 )
+from shardemu.predict.layouts import RECOMPUTE
 
 DESCRIPTION = "Run a large-model training recipe on virtual devices and see what it would cost."
 
@@ -183,9 +184,11 @@ def plan_args(plan: argparse.ArgumentParser) -> None:
     )
     plan.add_argument(
         "--recompute",
-        choices=("none", "selective", "full"),
+        choices=RECOMPUTE,
         default="full",
-        help="resident plans: activation recomputation",
+        help="resident plans: activation recomputation (selective: Korthikanti et al.'s, "
+        "the attention core; selective-op: TorchTitan's, every other matmul output kept, "
+        "with --attention fused)",
     )
     attention_arg(plan)
     tracking_args(plan)

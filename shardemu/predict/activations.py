@@ -27,6 +27,12 @@ are kept as their FP8 casts, one byte an element, as Transformer Engine keeps th
 the backward (the QKV, output projection, MLP and second matmul inputs: 7 sbh bytes a
 GPT layer less); the attention core, the layer norms and the activation stay 16-bit.
 
+TorchTitan's "selective op" checkpointing (`recompute="selective-op"`; pytorch/torchtitan,
+`torchtitan/models/llama3/parallelize.py`, `_save_list`) keeps instead the layer's input
+(the checkpoint's), the fused attention core's output and its log-sum-exp, and the
+outputs of every other projection matmul in the order its layer runs them (Q, K, V,
+output; then gate, up, down, or the MLP's two), recomputing the rest: `selective_op`.
+
 This is the second witness beside the CPU compile's count (`resident_count.py`, which
 keeps what XLA's CPU fusions keep: 2.9x this for GPT-3 1.3B at tensor 4): the analytic
 sum equals Korthikanti's closed forms (Table 2) exactly for their layer, and a resident
@@ -36,7 +42,9 @@ plan reports both (`activation_bytes_per_layer`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from shardemu.errors import ConfigError
 from shardemu.models import Model
 
 MASK_BYTES = 1  # a dropout mask is one byte an element (Korthikanti et al., Section 4.1)
@@ -150,6 +158,8 @@ def layer_bytes(
     if recompute == "full":
         whole = local * batch * model.cfg.embed_dim * itemsize
         return whole / tensor if sequence_parallel else whole
+    if recompute == "selective-op":
+        return selective_op(model, batch, local, itemsize, tensor, sequence_parallel, kv_split)[0]
     drop_core = recompute == "selective" or fused_attention
     kept = sum(
         t.bytes_per_device(tensor, sequence_parallel)
@@ -159,6 +169,74 @@ def layer_bytes(
     if fused_attention and recompute != "selective":
         kept += batch * model.cfg.num_heads * local * 4 / tensor
     return kept
+
+
+class Projection(NamedTuple):
+    """A projection matmul of a layer: [tokens, `inputs`] x [`inputs`, `outputs`], its
+    output split over tensor (`split`) or whole on every tensor device."""
+
+    name: str
+    inputs: int
+    outputs: int
+    split: bool
+
+
+def projections(model: Model, kv_split: bool = True) -> list[Projection]:
+    """A layer's projection matmuls in the order TorchTitan's layers run them (separate
+    Q, K and V; SwiGLU's gate, then up, then down). Column-parallel outputs are split
+    over tensor; the output and down projections' row-parallel outputs are whole
+    (partial sums) until reduced."""
+    cfg = model.cfg
+    d, f, q, kv = (
+        cfg.embed_dim,
+        cfg.mlp_dim,
+        cfg.num_heads * cfg.head_dim,
+        cfg.kv_heads * cfg.head_dim,
+    )
+    attention = [Projection("Q", d, q, True), Projection("K", d, kv, kv_split),
+                 Projection("V", d, kv, kv_split), Projection("output", q, d, False)]  # fmt: skip
+    if model.family.gated_mlp:
+        mlp = [Projection("gate", d, f, True), Projection("up", d, f, True)]
+    else:
+        mlp = [Projection("MLP in", d, f, True)]
+    return [*attention, *mlp, Projection("down", f, d, False)]
+
+
+def selective_op(
+    model: Model,
+    batch: int,
+    local: int,
+    itemsize: int,
+    tensor: int = 1,
+    sequence_parallel: bool = False,
+    kv_split: bool = True,
+) -> tuple[float, list[list[Projection]]]:
+    """TorchTitan's selective-op checkpointing of one layer on `batch` sequences of
+    `local` tokens a device: the bytes per device it keeps at most, and the projections
+    it recomputes in each step. Its policy saves an `mm`'s output when the running count
+    of the layer's matmuls is odd, so with an odd number of projections (Llama's 7) the
+    saved set alternates from step to step (Q, V, gate, down; then K, output, up) and the
+    fuller one sets the memory. Every layer also keeps its input and the fused attention
+    core's output (saved as SDPA's) with its float32 log-sum-exp."""
+    cfg = model.cfg
+    if cfg.num_experts:
+        raise ConfigError(
+            "recompute='selective-op' is TorchTitan's policy for dense layers; a mixture of "
+            "experts plans recompute none, selective or full"
+        )
+    tokens = batch * local
+
+    def per_device(width: int, split: bool) -> float:
+        whole = tokens * width * itemsize
+        return whole / tensor if split or sequence_parallel else whole
+
+    ops = projections(model, kv_split)
+    always = per_device(cfg.embed_dim, False) + per_device(cfg.num_heads * cfg.head_dim, True)
+    always += batch * cfg.num_heads * local * 4 / tensor  # the log-sum-exp, float32
+    parities = [0, 1] if len(ops) % 2 else [0]
+    saved = [sum(per_device(o.outputs, o.split) for o in ops[p::2]) for p in parities]
+    recomputed = [[o for i, o in enumerate(ops) if i % 2 != p] for p in parities]
+    return always + max(saved), recomputed
 
 
 def korthikanti(

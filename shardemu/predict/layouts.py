@@ -23,6 +23,11 @@ MODES = choices_of(Modes)
 # (FlashAttention: Dao et al. 2022); `accounting/matmuls.py`, `resident_count.py`
 Attention = Literal["materialized", "fused"]
 ATTENTION = choices_of(Attention)
+# what a resident layer recomputes in its backward: nothing, the attention core
+# (Korthikanti et al. 2022), the projections TorchTitan's selective-op policy does not
+# save (`activations.selective_op`), or the whole layer
+Recompute = Literal["none", "selective", "selective-op", "full"]
+RECOMPUTE = choices_of(Recompute)
 STATE_BYTES_PER_PARAM = 16  # weights + gradients + two Adam moments (+ FP32 masters in 16-bit)
 INTERLEAVED_CHUNKS = 2
 # phased activation policies by the device memory they need, least first: `offload`

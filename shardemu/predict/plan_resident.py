@@ -42,6 +42,7 @@ from shardemu.predict.context_parallel import per_step_reductions
 from shardemu.predict.costmodel import Timeline
 from shardemu.predict.expert_parallel import expert_parallel
 from shardemu.predict.hardware import Hardware
+from shardemu.predict.layouts import Recompute
 from shardemu.predict.microbatch import choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.periodic import period_report, timed_step
@@ -50,10 +51,10 @@ from shardemu.predict.prediction import Prediction, require_fit
 from shardemu.predict.resident_count import (
     CountKey,
     Microbatch,
-    Recompute,
     counted_microbatch,
     memory_bound,
     selective,
+    selective_op,
 )
 from shardemu.predict.resident_memory import device_bytes, kept, resident_layout
 from shardemu.predict.resident_step import step_events, step_ledger
@@ -117,6 +118,8 @@ def plan_resident(
         require_fit({"device": held}, hardware, layout)
     if recompute == "selective":
         mb = selective(mb, key)
+    elif recompute == "selective-op":
+        mb = selective_op(mb, key)
     timed = mb
     if sparsity is not None:  # the layers' matmuls at the hardware's block-sparse speed
         factor = layer_factor(hardware, model, seq, sparsity)

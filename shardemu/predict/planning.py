@@ -12,11 +12,11 @@ from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig,
 from shardemu.models import Model, as_model
 from shardemu.parallel.rules import Rules
 from shardemu.predict.hardware import Hardware
+from shardemu.predict.layouts import Recompute
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.plan import Plan
 from shardemu.predict.plan_phased import plan_devices, plan_phased
 from shardemu.predict.plan_resident import plan_resident, plan_resident_auto
-from shardemu.predict.resident_count import Recompute
 
 
 def plan(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ from shardemu.numerics.precision import compute_model
 from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
+from shardemu.predict.activations import selective_op as selective_op_kept
 from shardemu.predict.plan_phased import padded_for
 from shardemu.stages.executor import Executor
 from shardemu.stages.pieces import Piece
@@ -37,7 +38,6 @@ from shardemu.stages.specs import AXIS_LABELS, stage_meshes, stage_rules
 from shardemu.stages.stage import build_stages
 from shardemu.stages.tiers import Tier
 
-Recompute = Literal["none", "selective", "full"]
 FORWARD, BACKWARD = Phase("forward", 0, (0, 1)), Phase("backward", 0, (0, 1))
 
 
@@ -345,6 +345,18 @@ def selective(mb: Microbatch, key: CountKey) -> Microbatch:
     layer's backward."""
     core = flops.layer_forward(key.model, key.microbatch_size, key.seq)
     return _add_backward_flops(mb, core["attn_scores"] + core["attn_context"])
+
+
+def selective_op(mb: Microbatch, key: CountKey) -> Microbatch:
+    """TorchTitan's selective-op checkpointing (`activations.selective_op`): the
+    projections it does not save are recomputed in the backward, their forward FLOPs
+    added to each layer's, averaged over the steps where its saved set alternates. The
+    elementwise work it recomputes too (norms, rotary embeddings, activations) is memory
+    traffic this adds nothing for."""
+    tokens = key.microbatch_size * key.seq
+    _, recomputed = selective_op_kept(key.model, key.microbatch_size, key.seq, 1)
+    per_step = [sum(flops.matmul(tokens, o.inputs, o.outputs) for o in ops) for ops in recomputed]
+    return _add_backward_flops(mb, sum(per_step) / len(per_step))
 
 
 def selective_keep(mb: Microbatch, key: CountKey) -> Microbatch:

@@ -16,12 +16,11 @@ from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.pipelined.layout import PipelineLayout, pipeline_layout
 from shardemu.predict.activations import layer_bytes
-from shardemu.predict.layouts import ATTENTION
+from shardemu.predict.layouts import ATTENTION, RECOMPUTE, Recompute
 from shardemu.predict.overlap import MAX_BUCKETS
 from shardemu.predict.resident_count import (
     CountKey,
     Microbatch,
-    Recompute,
     count_key,
     memory_bound,
     selective_keep,
@@ -34,19 +33,23 @@ class Kept:
     """What one layer keeps for its backward, per device and microbatch: as the CPU
     compile counts it (`counted`: XLA's CPU fusions keep intermediates a GPU or TPU
     kernel does not) and as the target keeps it (`target`: `activations.layer_bytes`,
-    tensor by tensor): the memory a plan holds."""
+    tensor by tensor): the memory a plan holds. The CPU compile has no witness of
+    TorchTitan's selective-op policy, which saves matmul outputs by their order (None)."""
 
-    counted: float
+    counted: float | None
     target: float
 
-    def to_json(self) -> dict[str, float]:
+    def to_json(self) -> dict[str, float | None]:
         return {"counted": self.counted, "target": self.target}
 
 
 def kept(mb: Microbatch, key: CountKey, recompute: str) -> Kept:
-    """`Kept` of a layout's layers (`key`), with `recompute` none, selective or full,
-    its attention core materialized or fused (FlashAttention: no s x s tensors kept)."""
-    counted = (selective_keep(mb, key) if recompute == "selective" else mb).keep_bytes
+    """`Kept` of a layout's layers (`key`), with `recompute` none, selective,
+    selective-op or full, its attention core materialized or fused (FlashAttention: no
+    s x s tensors kept)."""
+    counted = None if recompute == "selective-op" else mb.keep_bytes
+    if recompute == "selective":
+        counted = selective_keep(mb, key).keep_bytes
     model = key.model
     itemsize = jnp.dtype(model.cfg.param_dtype).itemsize
     rules = dict(key.rules)
@@ -112,8 +115,13 @@ def resident_layout(
 ) -> tuple[PipelineLayout, Schedule, CountKey]:
     """A resident layout's layers per stage, its schedule and the count it uses; a
     `ConfigError` for a setting it cannot take."""
-    if recompute not in ("none", "selective", "full"):
-        raise ConfigError(f"`recompute` must be none, selective or full, got {recompute!r}")
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"`recompute` must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    if recompute == "selective-op" and attention != "fused":
+        raise ConfigError(
+            "recompute='selective-op' saves the fused attention core's output (TorchTitan's "
+            "policy over SDPA); plan it with attention='fused' (--attention fused)"
+        )
     if attention not in ATTENTION:
         raise ConfigError(
             f"Space.attention must be one of {', '.join(ATTENTION)}, got {attention!r}"
