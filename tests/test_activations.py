@@ -168,7 +168,7 @@ def test_torchtitans_selective_op_keeps_every_other_projection_and_recomputes_th
     kept = plans["selective-op"]["activation_bytes_per_layer"]
     assert kept["counted"] is None  # the CPU compile has no witness of this policy
     assert kept["target"] == layer_bytes(Model(model), 2, 64, 2, 2, recompute="selective-op")
-    with pytest.raises(ConfigError, match="attention='fused'"):
+    with pytest.raises(ConfigError, match="plan it with `attention` 'fused'"):
         shardemu.plan(model, par, train, hw, recompute="selective-op")
     moe = Model(get_preset("moe-tiny"))
     with pytest.raises(ConfigError, match="TorchTitan's policy for dense layers"):

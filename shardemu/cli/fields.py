@@ -95,6 +95,7 @@ KEYWORDS = {
     for name in (
         "devices", "top", "recompute", "microbatch_size", "checkpoint_every", "eval_every",
         "out", "plot", "resume", "hardware", "batch", "seq", "hidden", "heads", "kv_heads",
+        "attention",
     )
 } | {"family": "--model"}  # fmt: skip
 _REF = re.compile(r"\b[A-Z][A-Za-z]+\.[a-z_]+\b|`[a-z_]+`")

@@ -119,8 +119,9 @@ def resident_layout(
         raise ConfigError(f"`recompute` must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
     if recompute == "selective-op" and attention != "fused":
         raise ConfigError(
-            "recompute='selective-op' saves the fused attention core's output (TorchTitan's "
-            "policy over SDPA); plan it with attention='fused' (--attention fused)"
+            f"`recompute` 'selective-op' saves the fused attention core's output (TorchTitan's "
+            f"policy over SDPA), but `attention` is {attention!r}: plan it with `attention` "
+            f"'fused'"
         )
     if attention not in ATTENTION:
         raise ConfigError(
