@@ -161,9 +161,14 @@ def build_timeline(
     spans it names, so only that end is kept (a search places millions of events)."""
     spans: list[Span] = []
     stream_free: dict[tuple[int, str], float] = defaultdict(float)
-    last_compute: dict[tuple[Phase, int], float] = {}  # (phase, stage) -> latest compute's end
+    # phases are waited on by value; each event's is looked up by its object's id (one
+    # int hash) and numbered once per distinct value (`Phase.__hash__` is Python code,
+    # millions of calls a search)
+    numbered: dict[Phase, int] = {}
+    phase_of: dict[int, int] = {}  # id(phase) -> its number (events keep their phases alive)
+    last_compute: dict[tuple[int, int], float] = {}  # (phase, stage) -> latest compute's end
     last_compute_on_stage: dict[int, float] = {}
-    phase_inputs: dict[Phase, float] = defaultdict(float)  # non-compute spans, by phase
+    phase_inputs: dict[int, float] = defaultdict(float)  # non-compute spans, by phase
     gradients_out = 0.0
     pending: dict[int, float] = {}  # collectives since a stage's compute
     reductions: dict[int, float] = {}  # gradient reductions, per stage
@@ -179,16 +184,19 @@ def build_timeline(
         stream, seconds = known
         if overlap.tp_overlap == "chunked":
             seconds = _chunked(e, origin, seconds, hw, overlap, hiding, projections)
+        phase = phase_of.get(id(e.phase))
+        if phase is None:
+            phase = phase_of[id(e.phase)] = numbered.setdefault(e.phase, len(numbered))
         ready = stream_free[(e.stage, stream)]
         reduction = e.kind == "collective" and e.axis != "pipe" and e.carries == "gradients"
         if e.kind == "compute":
-            ready = max(ready, phase_inputs.get(e.phase, 0.0), pending.pop(e.stage, 0.0))
+            ready = max(ready, phase_inputs.get(phase, 0.0), pending.pop(e.stage, 0.0))
             if e.phase.kind == "update":
                 ready = max(ready, reductions.pop(e.stage, 0.0))
             if e.phase.kind in _READS_SHARED:
                 ready = max(ready, shared_in[e.stage])
         else:
-            ready = max(ready, last_compute.get((e.phase, e.stage), 0.0))
+            ready = max(ready, last_compute.get((phase, e.stage), 0.0))
             if e.kind in ("h2d", "broadcast") or e.axis == "pipe":
                 # after the stage's last computation; a pipe send also after that
                 # computation's collectives (what it carries)
@@ -200,13 +208,13 @@ def build_timeline(
         spans.append(Span(i, e.stage, stream, e.phase, ready, end, e))
         stream_free[(e.stage, stream)] = end
         if e.kind == "compute":
-            last_compute[(e.phase, e.stage)] = end
+            last_compute[(phase, e.stage)] = end
             if e.on == "device":
                 last_compute_on_stage[e.stage] = end
         elif reduction:
             reductions[e.stage] = max(reductions.get(e.stage, 0.0), end)
         else:
-            phase_inputs[e.phase] = max(phase_inputs[e.phase], end)
+            phase_inputs[phase] = max(phase_inputs[phase], end)
             if e.phase.kind == "shared":
                 shared_in[e.stage] = max(shared_in[e.stage], end)
         blocks = e.axis != "pipe" or overlap.pipe_sends == "blocking"
