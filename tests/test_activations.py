@@ -173,3 +173,22 @@ def test_torchtitans_selective_op_keeps_every_other_projection_and_recomputes_th
     moe = Model(get_preset("moe-tiny"))
     with pytest.raises(ConfigError, match="TorchTitan's policy for dense layers"):
         layer_bytes(moe, 2, 64, 2, recompute="selective-op")
+
+
+def test_the_loss_working_set_is_every_positions_logits_four_times():
+    """The head and loss at their peak hold, for each position with a loss, its logits
+    in the activations' dtype, an FP32 copy, the FP32 log-softmax and its FP32 gradient
+    (14 bytes a vocabulary entry in BF16, 12 in FP32, where the copy is the logits),
+    the vocabulary split over tensor and the positions over context; BERT's loss is at
+    its masked positions only. (test_zero.py holds a plan's bytes to Rajbhandari et
+    al.'s with this term.)"""
+    from shardemu.predict.activations import loss_bytes
+
+    llama = Model(get_preset("llama3-8b"))
+    vocab = llama.cfg.vocab_size
+    assert loss_bytes(llama, 2, 8192, 2) == 2 * 8192 * vocab * 14
+    assert loss_bytes(llama, 2, 8192, 2, tensor=8, context=2) == 2 * 8192 * vocab * 14 / 16
+    assert loss_bytes(llama, 2, 8192, 4) == 2 * 8192 * vocab * 12
+    bert = Model(get_preset("bert-large"))
+    masked = bert.cfg.predictions(128)
+    assert loss_bytes(bert, 4, 128, 2) == 4 * masked * bert.cfg.vocab_size * 14

@@ -214,15 +214,16 @@ def test_resident_plan_recomputation_and_schedules():
 
 def test_one_stage_whose_whole_batch_does_not_fit_takes_the_fastest_microbatch_that_does():
     """pipe = 1, no --microbatch-size: the whole batch when it fits (no choice made,
-    none said); on a device too small for it (4.5 MB: the whole batch of 8 needs 4.9
-    MB), the fastest of the sizes that fit, recorded as the choice, and the plan fits."""
+    none said); on a device too small for it (9 MB: the whole batch of 8 needs 11.2
+    MB, 6.3 MB of it the loss's working set), the fastest of the sizes that fit,
+    recorded as the choice, and the plan fits."""
     from cli_helpers import shardemu
 
     from shardemu.models import get_preset
     from shardemu.predict.planning import plan
 
     small = dataclasses.replace(
-        PROFILES["a100-80gb"], name="small", device_memory_gb=0.0045, memory_fragmentation=0.0
+        PROFILES["a100-80gb"], name="small", device_memory_gb=0.009, memory_fragmentation=0.0
     )
     train = TrainConfig(batch=8, seq=128)
     roomy = plan(get_preset("gpt-tiny"), Parallelism(), train, PROFILES["a100-80gb"])

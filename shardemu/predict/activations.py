@@ -239,6 +239,21 @@ def selective_op(
     return always + max(saved), recomputed
 
 
+def loss_bytes(
+    model: Model, batch: int, seq: int, itemsize: int, tensor: int = 1, context: int = 1
+) -> float:
+    """The output head and loss's working set per device at their peak, on `batch`
+    sequences of `seq` tokens: the logits of every position with a loss (`head_matmuls`)
+    in the activations' dtype, their FP32 copy, the FP32 log-softmax the backward keeps
+    and its FP32 gradient. Ours (`causal_lm.loss_sums`) and TorchTitan's loss
+    (`.float()` before `cross_entropy`) both compute in FP32; the vocabulary is split
+    over tensor (Megatron-LM's vocab-parallel cross entropy) and the positions over
+    context. A transient: the last stage holds it once, at its head."""
+    positions, _, vocab = model.family.head_matmuls(model.cfg, batch, seq)["logits"]
+    per_entry = itemsize + (0 if itemsize == 4 else 4) + 4 + 4
+    return positions / context * vocab / tensor * per_entry
+
+
 def korthikanti(
     seq: int,
     batch: int,

@@ -15,7 +15,7 @@ from shardemu.models import Model
 from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.pipelined.layout import PipelineLayout, pipeline_layout
-from shardemu.predict.activations import layer_bytes
+from shardemu.predict.activations import layer_bytes, loss_bytes
 from shardemu.predict.layouts import ATTENTION, RECOMPUTE, Recompute
 from shardemu.predict.overlap import MAX_BUCKETS
 from shardemu.predict.resident_count import (
@@ -73,16 +73,19 @@ def _stage_bytes(
     held: float,
     model: Model,
     keep: float,
+    loss: float = 0.0,
 ) -> int:
     """Device bytes per device of a stage of `layers` layers (and the shared weights
-    where it holds them): weights, gradients and optimizer state, and what its layers
+    where it holds them): weights, gradients and optimizer state, what its layers
     keep (`keep` a layer) for the `held` microbatches in flight at its peak
-    (`Schedule.peak_activations`). Gradients are the weights' dtype, summed over
-    microbatches in FP32 (`numerics/precision.py`). Under ZeRO (`zero.py`) stage 2, a
-    replica's share of them, but for an accumulation buffer, reduce-scattered once full
-    (as the resident engine and Megatron-LM's distributed optimizer do); stage 3 splits
-    the layers' weights too, and their gradients, reduce-scattered every microbatch
-    (FSDP), and holds two layers gathered whole (the one computing, the one prefetched:
+    (`Schedule.peak_activations`), and on the last stage the head and loss's working
+    set (`loss`: `activations.loss_bytes`), held on top of them at the head. Gradients
+    are the weights' dtype, summed over microbatches in FP32 (`numerics/precision.py`).
+    Under ZeRO (`zero.py`) stage 2, a replica's share of them, but for an accumulation
+    buffer, reduce-scattered once full (as the resident engine and Megatron-LM's
+    distributed optimizer do); stage 3 splits the layers' weights too, and their
+    gradients, reduce-scattered every microbatch (FSDP), and holds two layers gathered
+    whole (the one computing, the one prefetched:
     `resident_step._StepEvents.gathered`); the shared weights stay whole."""
     weights = mb.layer_bytes * layers + (mb.shared_bytes if shared else 0)
     optimizer = mb.opt_bytes[0] * layers + (mb.opt_bytes[1] if shared else 0)
@@ -96,7 +99,7 @@ def _stage_bytes(
             grads -= round(mb.layer_bytes * layers * 4 // itemsize * split)
         per_part = -(-layers // min(layers, MAX_BUCKETS))  # layers gathered at a time
         weights += 2 * mb.layer_bytes * per_part - round(mb.layer_bytes * layers * split)
-    return weights + grads + optimizer + round(held * layers * keep)
+    return weights + grads + optimizer + round(held * layers * keep + loss)
 
 
 def resident_layout(
@@ -152,6 +155,8 @@ def device_bytes(
     """Device bytes per device of the layout's fullest stage (`_stage_bytes`), its
     layers keeping what the target keeps (`kept`)."""
     keep = kept(mb, key, recompute).target
+    itemsize = jnp.dtype(key.model.cfg.param_dtype).itemsize
+    loss = loss_bytes(key.model, key.microbatch_size, key.seq, itemsize, key.tensor, key.context)
     return max(
         _stage_bytes(
             mb,
@@ -161,6 +166,7 @@ def device_bytes(
             sched.peak_activations(s),
             key.model,
             keep,
+            loss if s == par.pipe - 1 else 0.0,
         )  # fmt: skip
         for s, n in enumerate(lay.stage_layers())
     )
