@@ -159,7 +159,7 @@ def layer_bytes(
         whole = local * batch * model.cfg.embed_dim * itemsize
         return whole / tensor if sequence_parallel else whole
     if recompute == "selective-op":
-        return selective_op(model, batch, local, itemsize, tensor, sequence_parallel, kv_split)[0]
+        return selective_op(model, batch, local, itemsize, tensor, sequence_parallel, kv_split)
     drop_core = recompute == "selective" or fused_attention
     kept = sum(
         t.bytes_per_device(tensor, sequence_parallel)
@@ -202,6 +202,23 @@ def projections(model: Model, kv_split: bool = True) -> list[Projection]:
     return [*attention, *mlp, Projection("down", f, d, False)]
 
 
+def selective_op_sets(
+    model: Model, kv_split: bool = True
+) -> list[tuple[list[Projection], list[Projection]]]:
+    """TorchTitan's selective-op checkpointing of one layer: the projections it saves
+    and those it recomputes, (saved, recomputed), in each step. Its policy saves an
+    `mm`'s output when the running count of the layer's matmuls is odd, so with an odd
+    number of projections (Llama's 7) the two sets swap from step to step (Q, V, gate,
+    down saved; then K, output, up); with an even number (GPT's 6) one pair serves."""
+    if model.cfg.num_experts:
+        raise ConfigError(
+            "recompute='selective-op' is TorchTitan's policy for dense layers; a mixture of "
+            "experts plans recompute none, selective or full"
+        )
+    ops = projections(model, kv_split)
+    return [(ops[p::2], ops[1 - p :: 2]) for p in ((0, 1) if len(ops) % 2 else (0,))]
+
+
 def selective_op(
     model: Model,
     batch: int,
@@ -210,33 +227,24 @@ def selective_op(
     tensor: int = 1,
     sequence_parallel: bool = False,
     kv_split: bool = True,
-) -> tuple[float, list[list[Projection]]]:
-    """TorchTitan's selective-op checkpointing of one layer on `batch` sequences of
-    `local` tokens a device: the bytes per device it keeps at most, and the projections
-    it recomputes in each step. Its policy saves an `mm`'s output when the running count
-    of the layer's matmuls is odd, so with an odd number of projections (Llama's 7) the
-    saved set alternates from step to step (Q, V, gate, down; then K, output, up) and the
-    fuller one sets the memory. Every layer also keeps its input and the fused attention
-    core's output (saved as SDPA's) with its float32 log-sum-exp."""
+) -> float:
+    """The bytes per device TorchTitan's selective-op checkpointing keeps of one layer
+    on `batch` sequences of `local` tokens a device, at most: the fuller of its saved
+    sets (`selective_op_sets`), the layer's input, and the fused attention core's
+    output (saved as SDPA's) with its float32 log-sum-exp."""
     cfg = model.cfg
-    if cfg.num_experts:
-        raise ConfigError(
-            "recompute='selective-op' is TorchTitan's policy for dense layers; a mixture of "
-            "experts plans recompute none, selective or full"
-        )
     tokens = batch * local
 
     def per_device(width: int, split: bool) -> float:
         whole = tokens * width * itemsize
         return whole / tensor if split or sequence_parallel else whole
 
-    ops = projections(model, kv_split)
     always = per_device(cfg.embed_dim, False) + per_device(cfg.num_heads * cfg.head_dim, True)
     always += batch * cfg.num_heads * local * 4 / tensor  # the log-sum-exp, float32
-    parities = [0, 1] if len(ops) % 2 else [0]
-    saved = [sum(per_device(o.outputs, o.split) for o in ops[p::2]) for p in parities]
-    recomputed = [[o for i, o in enumerate(ops) if i % 2 != p] for p in parities]
-    return always + max(saved), recomputed
+    return always + max(
+        sum(per_device(o.outputs, o.split) for o in saved)
+        for saved, _ in selective_op_sets(model, kv_split)
+    )
 
 
 def loss_bytes(

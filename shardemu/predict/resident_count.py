@@ -30,7 +30,7 @@ from shardemu.numerics.precision import compute_model
 from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
-from shardemu.predict.activations import selective_op as selective_op_kept
+from shardemu.predict.activations import selective_op_sets
 from shardemu.predict.plan_phased import padded_for
 from shardemu.stages.executor import Executor
 from shardemu.stages.pieces import Piece
@@ -348,14 +348,14 @@ def selective(mb: Microbatch, key: CountKey) -> Microbatch:
 
 
 def selective_op(mb: Microbatch, key: CountKey) -> Microbatch:
-    """TorchTitan's selective-op checkpointing (`activations.selective_op`): the
+    """TorchTitan's selective-op checkpointing (`activations.selective_op_sets`): the
     projections it does not save are recomputed in the backward, their forward FLOPs
     added to each layer's, averaged over the steps where its saved set alternates. The
     elementwise work it recomputes too (norms, rotary embeddings, activations) is memory
     traffic this adds nothing for."""
     tokens = key.microbatch_size * key.seq
-    _, recomputed = selective_op_kept(key.model, key.microbatch_size, key.seq, 1)
-    per_step = [sum(flops.matmul(tokens, o.inputs, o.outputs) for o in ops) for ops in recomputed]
+    sets = selective_op_sets(key.model)
+    per_step = [sum(flops.matmul(tokens, o.inputs, o.outputs) for o in ops) for _, ops in sets]
     return _add_backward_flops(mb, sum(per_step) / len(per_step))
 
 
