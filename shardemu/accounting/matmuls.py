@@ -39,6 +39,7 @@ d = 128 and M ~ 200 KB.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -121,9 +122,20 @@ def _bytes(shape: str, itemsize: int, skip: frozenset[tuple[int, ...]] = frozens
     """Bytes of the arrays in `shape`, elements at most `itemsize` wide, leaving out
     arrays whose dimensions (leading 1s dropped) are in `skip`."""
     return sum(
-        math.prod(_dims(dims)) * min(DTYPE_BYTES.get(dtype, 4), itemsize)
+        elements * min(width, itemsize)
+        for width, elements, dims in _arrays(shape)
+        if dims not in skip
+    )
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _arrays(shape: str) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+    """(bytes per element, elements, dimensions without leading 1s) of each array in
+    `shape`: parsed once per shape string, which a module repeats in every
+    instruction that reads the value (a count reads each module four times)."""
+    return tuple(
+        (DTYPE_BYTES.get(dtype, 4), math.prod(_dims(dims)), squeezed(_dims(dims)))
         for dtype, dims in ARRAY.findall(shape)
-        if squeezed(_dims(dims)) not in skip
     )
 
 
@@ -318,8 +330,12 @@ def _memory_bytes(
     With `target`, the kernels as the accelerator fuses them (`fusion.py`); else as
     XLA's CPU backend emitted them."""
 
+    sizes: dict[str, int] = {}
+
     def size(name: str) -> int:
-        return _bytes(shapes[name], 1 if origins.fp8(name) else itemsize, skip)
+        if name not in sizes:
+            sizes[name] = _bytes(shapes[name], 1 if origins.fp8(name) else itemsize, skip)
+        return sizes[name]
 
     def kind(instr: Instr) -> str:
         """boundary (a matmul, a collective, a loop: no kernel here), free (data
