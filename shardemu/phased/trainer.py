@@ -31,7 +31,7 @@ from shardemu.phased.program import run_step
 from shardemu.phased.state import Layout, PhasedState
 from shardemu.stages.executor import Executor
 from shardemu.stages.specs import AXIS_LABELS, stage_meshes, staged_rules
-from shardemu.stages.stage import Stage, build_stages
+from shardemu.stages.stage import Stage, build_stages, split_layers
 from shardemu.stages.tiers import Tier, with_memory_kind
 
 
@@ -160,12 +160,11 @@ class PhasedTrainer:
         host = lambda tree, sh: jax.device_put(tree, with_memory_kind(sh, "pinned_host"))  # noqa: E731
         shared = host({k: v for k, v in params.items() if k != key}, first.shared_store)
         layers, opt_layers = [], []
-        for i, (a, b) in enumerate(self.slices):
+        parts = split_layers(params[key], self.slices)
+        for i, ((a, _), part) in enumerate(zip(self.slices, parts, strict=True)):
             st = lay.stage_of(i)
             on_host = with_memory_kind((st.layer_store, st.layer_opt), "pinned_host")
-            w = jax.device_put(
-                jax.tree.map(lambda x, a=a, b=b: x[a:b], params[key]), st.layer_store
-            )
+            w = jax.device_put(part, st.layer_store)
             w, o = self.pieces.init_layers(w, a, on_host)
             layers.append(w)
             opt_layers.append(o)

@@ -31,7 +31,7 @@ from shardemu.pipelined.layout import pipeline_layout
 from shardemu.pipelined.program import PipelinedState, StepOutput, run_step, shared_holders
 from shardemu.stages.executor import Executor
 from shardemu.stages.specs import AXIS_LABELS, stage_meshes, staged_rules
-from shardemu.stages.stage import Stage, build_stages, init_params
+from shardemu.stages.stage import Stage, build_stages, init_params, split_layers
 from shardemu.stages.tiers import Tier
 
 
@@ -101,13 +101,10 @@ class PipelinedTrainer:
         with the shared weights on the first and the last stage; fresh optimizer state."""
         key, params = self.model.stack_key, as_compute(params, self.model)
         shared = {k: v for k, v in params.items() if k != key}
-        # sliced on the host: each slice of each leaf sliced on the devices would be a
-        # program of its own to compile (15 of them for a tiny GPT on two stages)
-        stack = jax.device_get(params[key])
         chunks, opt_chunks = [], []
-        for j, (a, b) in enumerate(self.layout.slices):
+        parts = split_layers(params[key], self.layout.slices)
+        for j, ((a, _), layers) in enumerate(zip(self.layout.slices, parts, strict=True)):
             st = self.stage_of(j)
-            layers = jax.tree.map(lambda x, a=a, b=b: x[a:b], stack)
             w = jax.device_put(layers, st.layer_store)
             w, o = self.pieces.init_layers(w, a, (st.layer_store, st.layer_opt))
             chunks.append(w)
