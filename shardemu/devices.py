@@ -13,6 +13,8 @@ import ctypes.util
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from shardemu.errors import DeviceError
 
@@ -103,3 +105,18 @@ def settled(tree: Any) -> Any:
     if jax.process_count() > 1:
         jax.block_until_ready(tree)
     return tree
+
+
+def host_value(x: jax.Array) -> float:
+    """The scalar `x` as a Python float in every process, wherever it lies. Across
+    processes a pipeline stage's values live on its own process's devices alone: the
+    first process that holds `x` sends it to the others (`broadcast_one_to_all`, a sum
+    over every device, which every process calls here in the same order)."""
+    # decided on what every process knows alike, so that all take the same branch
+    holders = {d.process_index for d in x.sharding.device_set}
+    if len(holders) == jax.process_count():  # a shard here: a scalar's shard is whole
+        return float(x.addressable_shards[0].data)
+    source = min(holders)
+    mine = jax.process_index() == source
+    value = np.float32(x.addressable_shards[0].data if mine else 0.0)
+    return float(multihost_utils.broadcast_one_to_all(value, is_source=mine))

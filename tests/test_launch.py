@@ -91,12 +91,38 @@ def test_a_phased_run_across_two_processes_resumes_as_one_and_a_lost_process_sto
     assert not scratch.exists()  # removed by the launcher, though its process was killed
 
 
+@pytest.mark.slow
+def test_pipeline_stages_on_two_processes_train_and_checkpoint_as_one_device(
+    tmp_path, single_device_reference
+):
+    """pipe=2 on two processes of four devices: each stage on its own process, the
+    activations and gradients crossing between them (`stages/crossing.py`), the loss
+    and gradient norm read on the last and every stage (`devices.host_value`). Its
+    checkpoints join the stages' arrays across processes (`run/spanning.py`) and
+    restore in one process, which goes on: every loss as one device's."""
+    out = tmp_path / "stages"
+    args = ["--mesh", "pipe=2,tensor=2,replica=2", "--microbatches", "2"]
+    done = subprocess.run(
+        [sys.executable, "-m", "shardemu", *ARGS, *args, "--steps", "3",
+         "--checkpoint-every", "2", "--out", str(out), "--processes", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "3"]
+    resumed = shardemu("run", "--resume", str(out), "--steps", "4")
+    assert resumed.returncode == 0, resumed.stderr
+    got = read_metrics(out)
+    assert [r["step"] for r in got] == [0, 1, 2, 3]
+    want = single_device_reference(Model(get_preset("gpt-tiny")), TRAIN, 4)["losses"]
+    for a, b in zip(got, want, strict=True):
+        assert math.isclose(a["loss"], b, rel_tol=1e-5), (a["loss"], b)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
         (["--processes", "3"], "--processes 3 must be positive and divide the 8 devices"),
         (["--processes", "0"], "--processes 0 must be positive"),
-        (["--processes", "2", "--mesh", "pipe=2,tensor=2,replica=2"], "--mesh pipe > 1"),
         # checked before any process starts, so said once, not by every process
         (["--processes", "2", "--phased", "--microbatches", "2"], "--microbatches and"),
     ],

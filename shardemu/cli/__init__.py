@@ -110,11 +110,6 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
             f"--processes {n} must be positive and divide the {count} devices (each "
             f"process brings the same number)"
         )
-    if par.pipe > 1:
-        raise ConfigError(
-            f"--processes runs one pipeline stage for now; --mesh pipe > 1 (mesh {par}) is "
-            f"not supported across processes yet (drop --processes)"
-        )
     # every setting checked once, here, before a process starts: a refusal is one line
     # (each process would print it, and the launcher a line more)
     from shardemu.models import as_model

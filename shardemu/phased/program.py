@@ -41,6 +41,7 @@ import numpy as np
 from shardemu.accounting.ledger import Phase
 from shardemu.accounting.sizes import bytes_per_device
 from shardemu.config import PhasedConfig
+from shardemu.devices import host_value
 from shardemu.numerics.precision import host_scale
 from shardemu.phased.state import Forward, Layout, PhasedState
 from shardemu.phased.update import update
@@ -305,7 +306,7 @@ def backward(
     squares.append(square)
     for st_index, (_, key) in shared.items():
         ex.tiers[st_index].release(key)
-    norm = math.sqrt(sum(float(s) for s in squares)) if ex.real else 0.0
+    norm = math.sqrt(sum(host_value(s) for s in squares)) if ex.real else 0.0
     return grads, shared_grads, norm
 
 
@@ -353,6 +354,12 @@ def run_step(
     grads, shared_grads, norm = backward(ex, lay, cfg, state, fwd, shared, batches)
     norm /= scale
     new_state = update(ex, lay, cfg, state, grads, shared_grads, norm)
-    # with weight streaming, the loss comes as each system's share
-    loss = float(np.sum(fwd.loss)) / scale if ex.real else math.nan
+    # with weight streaming, the loss comes as each system's share; on the last of
+    # several stages, possibly on another process's devices (`host_value`)
+    if not ex.real:
+        loss = math.nan
+    elif np.ndim(fwd.loss) == 0:
+        loss = host_value(fwd.loss) / scale
+    else:
+        loss = float(np.sum(fwd.loss)) / scale
     return StepOutput(new_state, PhasedState(shared_grads, grads, None, []), loss, norm, fwd)

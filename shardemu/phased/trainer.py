@@ -29,6 +29,7 @@ from shardemu.parallel.rules import Rules
 from shardemu.phased import planner
 from shardemu.phased.program import run_step
 from shardemu.phased.state import Layout, PhasedState
+from shardemu.stages.crossing import put
 from shardemu.stages.executor import Executor
 from shardemu.stages.specs import AXIS_LABELS, stage_meshes, staged_rules
 from shardemu.stages.stage import Stage, build_stages, split_layers
@@ -164,7 +165,7 @@ class PhasedTrainer:
         for i, ((a, _), part) in enumerate(zip(self.slices, parts, strict=True)):
             st = lay.stage_of(i)
             on_host = with_memory_kind((st.layer_store, st.layer_opt), "pinned_host")
-            w = jax.device_put(part, st.layer_store)
+            w = put(part, st.layer_store)
             w, o = self.pieces.init_layers(w, a, on_host)
             layers.append(w)
             opt_layers.append(o)

@@ -32,6 +32,7 @@ import numpy as np
 
 from shardemu.accounting.ledger import Phase
 from shardemu.accounting.sizes import bytes_per_device
+from shardemu.devices import host_value
 from shardemu.numerics.precision import host_scale
 from shardemu.parallel.schedules import Slot, programs
 from shardemu.pipelined.layout import PipelineLayout
@@ -236,7 +237,7 @@ def run_step(
     ]
     norm = _global_norm(ex, lay, stages, chunk_grads, shared_grads) / scale
     new_state = _update(ex, lay, stages, state, chunk_grads, shared_grads, norm)
-    loss = float(sum(float(x) for x in losses)) / scale if ex.real else math.nan
+    loss = float(sum(host_value(x) for x in losses)) / scale if ex.real else math.nan
     peaks = [ex.tiers[s].high_water / residual_bytes[s] / lay.virtual for s in range(lay.stages)]
     first = shared_holders(lay)[0]
     return StepOutput(new_state, chunk_grads, shared_grads[first], loss, norm, order, peaks)
@@ -293,7 +294,7 @@ def _global_norm(
     first = min(shared_grads)
     parts.append((Phase("update"), first, shared_grads[first]))
     squares = [ex.run(phase, Piece.SQ_NORM, stages[s], (g,)) for phase, s, g in parts]
-    return math.sqrt(sum(float(s) for s in squares)) if ex.real else 0.0
+    return math.sqrt(sum(host_value(s) for s in squares)) if ex.real else 0.0
 
 
 def _update(

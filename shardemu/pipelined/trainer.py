@@ -29,6 +29,7 @@ from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Slot, make_schedule
 from shardemu.pipelined.layout import pipeline_layout
 from shardemu.pipelined.program import PipelinedState, StepOutput, run_step, shared_holders
+from shardemu.stages.crossing import put
 from shardemu.stages.executor import Executor
 from shardemu.stages.specs import AXIS_LABELS, stage_meshes, staged_rules
 from shardemu.stages.stage import Stage, build_stages, init_params, split_layers
@@ -105,11 +106,11 @@ class PipelinedTrainer:
         parts = split_layers(params[key], self.layout.slices)
         for j, ((a, _), layers) in enumerate(zip(self.layout.slices, parts, strict=True)):
             st = self.stage_of(j)
-            w = jax.device_put(layers, st.layer_store)
+            w = put(layers, st.layer_store)
             w, o = self.pieces.init_layers(w, a, (st.layer_store, st.layer_opt))
             chunks.append(w)
             opt_chunks.append(o)
-        on = {s: jax.device_put(shared, self.stages[s].shared_store) for s in self.holders}
+        on = {s: put(shared, self.stages[s].shared_store) for s in self.holders}
         opt_on = {
             s: jax.jit(self.pieces.tx_shared.init, out_shardings=self.stages[s].shared_opt)(w)
             for s, w in on.items()

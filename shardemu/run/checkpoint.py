@@ -31,14 +31,17 @@ from __future__ import annotations
 import json
 import logging
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh
 
 from shardemu.errors import CheckpointError
+from shardemu.run import spanning
 
 CHECKPOINTS = "checkpoints"
 log = logging.getLogger("shardemu")
@@ -73,14 +76,19 @@ def abstract_like(state: Any) -> Any:
 class Checkpoints:
     """The checkpoints of one run directory (the last two are kept)."""
 
-    def __init__(self, run_path: str | Path) -> None:
+    def __init__(self, run_path: str | Path, stages: Sequence[Mesh] = ()) -> None:
+        """`stages`: the meshes of a pipelined or phased run's stages, whose arrays a
+        checkpoint across processes joins over `pipe` (`spanning.py`)."""
         self.path = Path(run_path).absolute() / CHECKPOINTS
+        self.stages = tuple(stages)
         options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False)
         self._manager = ocp.CheckpointManager(self.path, options=options)
 
     def save(self, steps_done: int, state: Any, layout: dict[str, Any]) -> None:
         """The state after `steps_done` steps, and the layout it was made for."""
         meta = {"steps_done": steps_done, "data_position": steps_done, "layout": layout}
+        if spanning.needed(self.stages):
+            state = spanning.spanning(state, self.stages)
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         self._manager.save(steps_done, args=args, force=True)
         self._manager.wait_until_finished()
@@ -108,8 +116,11 @@ class Checkpoints:
 
     def restore(self, steps_done: int, template: Any) -> Any:
         """The state saved after `steps_done` steps, placed as `template` is."""
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_like(template)))
-        return self._manager.restore(steps_done, args=args).state
+        joined = spanning.needed(self.stages)
+        target = spanning.spanning_template(template, self.stages) if joined else template
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_like(target)))
+        state = self._manager.restore(steps_done, args=args).state
+        return spanning.on_stages(state, template) if joined else state
 
     def restore_newest(
         self, template: Any, layout: dict[str, Any], set_aside: bool

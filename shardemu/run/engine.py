@@ -58,6 +58,10 @@ class Engine(Protocol):
     def step(self, state: Any, batch: dict[str, np.ndarray]) -> StepResult:
         """One optimizer step on a global batch (host arrays)."""
 
+    def stage_meshes(self) -> list[Mesh]:
+        """The meshes of the pipeline stages its arrays lie on, one each (none: the
+        whole mesh)."""
+
     def sizes(self) -> dict[str, int]:
         """Bytes per device of the parameters and of the optimizer state (the most
         any device holds)."""
@@ -104,6 +108,9 @@ class ResidentEngine:
         self.trainer, self.ledger = trainer, Ledger()
         self.steps_done = 0
         self._events: list[Event] = []  # every step's, counted once
+
+    def stage_meshes(self) -> list[Mesh]:
+        return []
 
     def init(self, seed: int) -> tuple[Any, Any]:
         self.trainer.compiled()  # compile (and count) before the first step, so steps time alone
@@ -152,6 +159,10 @@ class _StagedEngine:
 
     def start_at(self, steps_done: int) -> None:
         self.trainer.steps_done = steps_done
+
+    def stage_meshes(self) -> list[Mesh]:
+        """Each stage's mesh: its arrays lie on it alone."""
+        return [st.mesh for st in self.trainer.stages]
 
     def step(self, state: Any, batch: dict[str, np.ndarray]) -> StepResult:
         out = self.trainer.step(state, batch)

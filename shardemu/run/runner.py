@@ -187,7 +187,7 @@ class Run:
                 f"`resume` {resume}: no run directory there (no config.json); give a run "
                 f"directory that shardemu run wrote"
             )
-        source = Checkpoints(resume)
+        source = Checkpoints(resume, self.engine.stage_meshes())
         latest = source.latest() or 0
         if latest >= self.train_cfg.steps:
             raise ConfigError(
@@ -273,7 +273,9 @@ class Run:
         steps it ran."""
         # made once the state is, so a run that fails before it leaves nothing behind
         saved = self.saved = (
-            Checkpoints(shared_run_path(run.path)) if self.checkpoint_every else None
+            Checkpoints(shared_run_path(run.path), self.engine.stage_meshes())
+            if self.checkpoint_every
+            else None
         )
         loop = training_loop(
             self.model, self.engine, self.par, self.train_cfg, self._predictor(), self.eval_every

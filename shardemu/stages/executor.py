@@ -21,6 +21,7 @@ from shardemu.accounting.count import Counted, Counter, piece_events, signature
 from shardemu.accounting.ledger import Carries, Event, Ledger, Phase, Where
 from shardemu.accounting.sizes import bytes_all_devices, bytes_per_device
 from shardemu.devices import settled
+from shardemu.stages.crossing import put
 from shardemu.stages.pieces import Piece
 from shardemu.stages.tiers import Tier, with_memory_kind
 
@@ -225,7 +226,7 @@ class Executor:
         """`tree` in `shardings`, recording nothing: for what a counted transfer already
         carried in another form (a sparse weight's mask, as its block coordinates)."""
         if self.real:
-            return settled(jax.device_put(tree, shardings))
+            return put(tree, shardings)
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
         )
