@@ -216,10 +216,12 @@ def test_one_stage_whose_whole_batch_does_not_fit_takes_the_fastest_microbatch_t
     """pipe = 1, no --microbatch-size: the whole batch when it fits (no choice made,
     none said); on a device too small for it (9 MB: the whole batch of 8 needs 11.2
     MB, 6.3 MB of it the loss's working set), the fastest of the sizes that fit,
-    recorded as the choice, and the plan fits."""
+    recorded as the choice, and the plan fits. That is the largest that fits: the
+    smaller are not planned, and planning them shows each no faster."""
     from cli_helpers import shardemu
 
     from shardemu.models import get_preset
+    from shardemu.predict.plan_resident import plan_resident
     from shardemu.predict.planning import plan
 
     small = dataclasses.replace(
@@ -230,11 +232,25 @@ def test_one_stage_whose_whole_batch_does_not_fit_takes_the_fastest_microbatch_t
     assert roomy.report["microbatch_size"] == 8 and "microbatch_choice" not in roomy.report
     tight = plan(get_preset("gpt-tiny"), Parallelism(), train, small)
     choice = tight.report["microbatch_choice"]
-    capacity = small.device_memory_bytes
-    fitting = [k for k, used in choice["device_bytes"].items() if used <= capacity]
-    assert choice["device_bytes"]["8"] > capacity and fitting  # the whole batch cannot
-    fastest = min(fitting, key=choice["step_time_s"].get)
-    assert tight.report["microbatch_size"] == int(fastest) < 8 and tight.fits
+    # every size planned whole: the choice is the fastest that fits, and it is the
+    # largest (on one stage a larger microbatch is no slower: the smaller were not
+    # planned, `plan_resident_auto`)
+    every = {size: plan_resident(get_preset("gpt-tiny"), Parallelism(), train, size, small)
+             for size in (1, 2, 4, 8)}  # fmt: skip
+    fitting = [size for size, p in every.items() if p.fits]
+    assert not every[8].fits and fitting  # the whole batch cannot
+    fastest = min(fitting, key=lambda size: (every[size].report["step_time_s"], size))
+    assert tight.report["microbatch_size"] == fastest == max(fitting) and tight.fits
+    assert set(choice["not_planned"]) == {str(s) for s in fitting if s < fastest}
+    assert tight.report["step_time_s"] == every[fastest].report["step_time_s"]
+    # and with tensor parallelism, ZeRO 3 and selective recomputation, every size fitting
+    zero3 = TrainConfig(batch=8, seq=128, zero=3)
+    steps = [
+        plan_resident(get_preset("gpt-tiny"), Parallelism(tensor=2, replica=2), zero3, size,
+                      PROFILES["a100-80gb"], recompute="selective").report["step_time_s"]
+        for size in (1, 2, 4)
+    ]  # fmt: skip
+    assert steps == sorted(steps, reverse=True), steps
     said = shardemu("plan", "--model", "gpt-tiny", "--batch", "8", "--seq", "128",
                     "--hardware", "a100-80gb")  # fmt: skip
     assert said.returncode == 0 and "--microbatch-size" not in said.stderr

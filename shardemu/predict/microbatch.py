@@ -40,6 +40,10 @@ def microbatch_candidates(per_replica: int) -> list[int]:
     return sorted(sizes | {per_replica})
 
 
+def _fits(report: dict) -> bool:
+    return report["memory_per_device"]["device"]["fits"]
+
+
 def _key(report: dict) -> tuple:
     """Fitting first, then the faster; when none fits, the smaller."""
     mem = report["memory_per_device"]["device"]
@@ -47,14 +51,20 @@ def _key(report: dict) -> tuple:
 
 
 def choose_microbatch(
-    batch: int, par: Parallelism, plan: Plan, screen: Callable[[int], Screen] | None = None
+    batch: int,
+    par: Parallelism,
+    plan: Plan,
+    screen: Callable[[int], Screen] | None = None,
+    larger_no_slower: bool = False,
 ) -> tuple[dict[str, Any], Any]:
     """`plan(size)` for the candidates `screen` does not rule out (all of them without
     one); the fastest predicted step whose device memory fits (the least memory when
-    none fits). Sizes a planner refuses (interleaved 1F1B needs microbatches in
-    multiples of pipe) are skipped. The chosen report gets `microbatch_choice`: the
-    size, the rule, the step of every size planned, the device bytes of every size,
-    and why any size was not planned."""
+    none fits). With `larger_no_slower` (a planner whose step never grows with the
+    size: one pipeline stage), sizes are planned from the largest down and the first
+    that fits is the choice. Sizes a planner refuses (interleaved 1F1B needs
+    microbatches in multiples of pipe) are skipped. The chosen report gets
+    `microbatch_choice`: the size, the rule, the step of every size planned, the device
+    bytes of every size, and why any size was not planned."""
     if batch % par.data:
         raise ConfigError(
             f"TrainConfig.batch {batch} is not divisible by replica * expert = {par.data}"
@@ -69,8 +79,13 @@ def choose_microbatch(
         if not screens:  # every size was refused: the last refusal says why
             raise refused  # type: ignore[misc]
         sizes = _order(screens)
+    if larger_no_slower:
+        sizes = sorted(sizes, reverse=True)
     best, tried, not_planned = None, {}, {}
     for size in sizes:
+        if larger_no_slower and best is not None and _fits(best[0][0]):
+            not_planned[str(size)] = "a smaller microbatch is no faster on one stage"
+            continue
         if best is not None and size in screens:
             reason = _passed_over(screens[size], best[0][0])
             if reason:
@@ -91,7 +106,9 @@ def choose_microbatch(
     device = {str(s): c.device_bytes for s, c in sorted(screens.items())}
     report["microbatch_choice"] = {
         "chosen": size,
-        "rule": "the fastest that fits" if fits else "none fits: the least memory",
+        "rule": ("the largest that fits" if larger_no_slower else "the fastest that fits")
+        if fits
+        else "none fits: the least memory",
         "step_time_s": {k: r["step_time_s"] for k, r in tried.items()},
         "device_bytes": device
         | {k: r["memory_per_device"]["device"]["bytes"] for k, r in tried.items()},

@@ -283,5 +283,13 @@ def plan_resident_auto(
         planned = plan_resident(model, par, train, size, hardware, **settings)
         return planned.report, planned
 
-    _, planned = choose_microbatch(train.batch, par, plan)
+    # On one stage a larger microbatch is never slower: the same FLOPs and activation
+    # bytes in fewer, larger kernels (fewer kernel latencies and weight reads, each
+    # matmul's roofline term no larger), per-microbatch collectives (ZeRO 3's
+    # all-gathers) fewer, and more of the gradient reduction hidden behind the last
+    # microbatch's backward; no bubble either way. So the largest size that fits is
+    # the fastest, and smaller ones are not planned (tests/test_costmodel.py holds
+    # the choice to planning every size).
+    one_stage = par.pipe == 1
+    _, planned = choose_microbatch(train.batch, par, plan, larger_no_slower=one_stage)
     return planned
