@@ -79,18 +79,18 @@ def choose_microbatch(
         if not screens:  # every size was refused: the last refusal says why
             raise refused  # type: ignore[misc]
         sizes = _order(screens)
-    if larger_no_slower:
-        sizes = sorted(sizes, reverse=True)
+    if larger_no_slower:  # the largest first, of those the screen lets fit first
+        sizes = sorted(sizes, key=lambda s: (s in screens and not screens[s].fits, -s))
     best, tried, not_planned = None, {}, {}
     for size in sizes:
-        if larger_no_slower and best is not None and _fits(best[0][0]):
-            not_planned[str(size)] = "a smaller microbatch is no faster on one stage"
-            continue
         if best is not None and size in screens:
             reason = _passed_over(screens[size], best[0][0])
             if reason:
                 not_planned[str(size)] = reason
                 continue
+        if larger_no_slower and best is not None and _fits(best[0][0]):
+            not_planned[str(size)] = "a smaller microbatch is no faster on one stage"
+            continue
         try:
             planned = plan(size)
         except ConfigError as err:

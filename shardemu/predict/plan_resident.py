@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from shardemu.accounting import flops
@@ -43,7 +43,7 @@ from shardemu.predict.costmodel import Timeline
 from shardemu.predict.expert_parallel import expert_parallel
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import Recompute
-from shardemu.predict.microbatch import choose_microbatch
+from shardemu.predict.microbatch import Screen, choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.periodic import period_report, timed_step
 from shardemu.predict.plan import Plan
@@ -56,8 +56,14 @@ from shardemu.predict.resident_count import (
     selective,
     selective_op,
 )
-from shardemu.predict.resident_memory import device_bytes, kept, resident_layout
+from shardemu.predict.resident_memory import (
+    device_bytes,
+    device_bytes_at_least,
+    kept,
+    resident_layout,
+)
 from shardemu.predict.resident_step import step_events, step_ledger
+from shardemu.predict.roofline import least_step_seconds
 from shardemu.predict.sparse import (
     layer_factor,
     model_flops_sparse,
@@ -291,5 +297,35 @@ def plan_resident_auto(
     # the fastest, and smaller ones are not planned (tests/test_costmodel.py holds
     # the choice to planning every size).
     one_stage = par.pipe == 1
-    _, planned = choose_microbatch(train.batch, par, plan, larger_no_slower=one_stage)
+    plain = train.sparsity is None and par.expert == 1  # what the bytes' bound covers
+    screen = _screen(model, par, train, hardware, settings) if one_stage and plain else None
+    _, planned = choose_microbatch(train.batch, par, plan, screen, larger_no_slower=one_stage)
     return planned
+
+
+def _screen(
+    model: Model | ModelConfig, par: Parallelism, train: TrainConfig, hardware: Hardware,
+    settings: dict[str, Any],
+) -> Callable[[int], Screen]:  # fmt: skip
+    """A size judged with nothing compiled: its least device bytes
+    (`device_bytes_at_least`: a size over the memory is not planned while another may
+    fit) and the model FLOPs at the profile's rate (`roofline.least_step_seconds`)."""
+    model = as_model(model)
+    rules = rules_or_default(
+        settings.get("rules"), train.sequence_parallel, context=par.context,
+        tensor=par.tensor, kv_heads=model.cfg.kv_heads,
+    )  # fmt: skip
+    least_step = least_step_seconds(
+        flops.training_step(model, train.batch, train.seq), par.num_devices, hardware,
+        train.precision == "fp8",
+    )  # fmt: skip
+
+    def screen(size: int) -> Screen:
+        least = device_bytes_at_least(
+            model, par, train.batch, train.seq, size, train.schedule, train.virtual,
+            settings.get("recompute", "full"), train.precision,
+            settings.get("attention", "materialized"), rules, train.zero,
+        )  # fmt: skip
+        return Screen(least, least <= hardware.device_memory_bytes, least_step)
+
+    return screen
