@@ -31,6 +31,28 @@ def environ(pid: int) -> bytes:
         return f.read()
 
 
+def on_two_processes(*argv: str) -> None:
+    """`shardemu ARGV --processes 2` in a fresh process, which must succeed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "shardemu", *argv, "--processes", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+def checkpoints(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+def as_one_device(records: list[dict], single_device_reference) -> None:
+    """Every step's loss of a run of ARGS as one device's (plain `jax.jit`)."""
+    assert [r["step"] for r in records] == list(range(len(records)))
+    model = Model(get_preset("gpt-tiny"))
+    want = single_device_reference(model, TRAIN, len(records))["losses"]
+    for a, b in zip(records, want, strict=True):
+        assert math.isclose(a["loss"], b, rel_tol=1e-5), (a["loss"], b)
+
+
 @pytest.mark.slow
 def test_a_phased_run_across_two_processes_resumes_as_one_and_a_lost_process_stops_it(
     tmp_path, single_device_reference
@@ -49,13 +71,8 @@ def test_a_phased_run_across_two_processes_resumes_as_one_and_a_lost_process_sto
     most: a second, resident run of two processes cost 20 CPU-seconds of the suite.)"""
     out = tmp_path / "two"
     phased = ["--phased", "--phases", "2", "--rts", "2"]
-    done = subprocess.run(
-        [sys.executable, "-m", "shardemu", *ARGS, *phased, "--steps", "2",
-         "--checkpoint-every", "1", "--out", str(out), "--processes", "2"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["1", "2"]
+    on_two_processes(*ARGS, *phased, "--steps", "2", "--checkpoint-every", "1", "--out", str(out))
+    assert checkpoints(out) == ["1", "2"]
     assert '"device_count": 8' in (out / "config.json").read_text()
 
     launcher = subprocess.Popen(
@@ -69,11 +86,7 @@ def test_a_phased_run_across_two_processes_resumes_as_one_and_a_lost_process_sto
             break
         time.sleep(0.2)
     assert launcher.poll() is None, launcher.stderr.read()
-    got = read_metrics(out)[:4]
-    assert [r["step"] for r in got] == [0, 1, 2, 3]
-    want = single_device_reference(Model(get_preset("gpt-tiny")), TRAIN, 4)["losses"]
-    for a, b in zip(got, want, strict=True):
-        assert math.isclose(a["loss"], b, rel_tol=1e-5), (a["loss"], b)
+    as_one_device(read_metrics(out)[:4], single_device_reference)
 
     pids = children(launcher.pid)
     assert len(pids) == 2
@@ -102,20 +115,13 @@ def test_pipeline_stages_on_two_processes_train_and_checkpoint_as_one_device(
     restore in one process, which goes on: every loss as one device's."""
     out = tmp_path / "stages"
     args = ["--mesh", "pipe=2,tensor=2,replica=2", "--microbatches", "2"]
-    done = subprocess.run(
-        [sys.executable, "-m", "shardemu", *ARGS, *args, "--steps", "3",
-         "--checkpoint-every", "2", "--out", str(out), "--processes", "2"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "3"]
+    on_two_processes(*ARGS, *args, "--steps", "3", "--checkpoint-every", "2", "--out", str(out))
+    assert checkpoints(out) == ["2", "3"]
     resumed = shardemu("run", "--resume", str(out), "--steps", "4")
     assert resumed.returncode == 0, resumed.stderr
-    got = read_metrics(out)
-    assert [r["step"] for r in got] == [0, 1, 2, 3]
-    want = single_device_reference(Model(get_preset("gpt-tiny")), TRAIN, 4)["losses"]
-    for a, b in zip(got, want, strict=True):
-        assert math.isclose(a["loss"], b, rel_tol=1e-5), (a["loss"], b)
+    records = read_metrics(out)
+    assert len(records) == 4
+    as_one_device(records, single_device_reference)
 
 
 @pytest.mark.parametrize(
