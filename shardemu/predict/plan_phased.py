@@ -38,7 +38,7 @@ from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.phased_timing import timed_passes
 from shardemu.predict.plan import Plan, require_no_experts
 from shardemu.predict.prediction import require_fit
-from shardemu.predict.roofline import least_step_seconds
+from shardemu.predict.roofline import least_training_step
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
@@ -212,12 +212,7 @@ def _screen(
 
     # each event of the pass as often as the step repeats it, not placed one by one
     busy = busy_of(events) if sched is None else passes_ledger(list(events), sched).summed(busy_of)
-    compute = least_step_seconds(
-        flops.training_step(model, train_cfg.batch, train_cfg.seq),
-        par.num_devices,
-        hardware,
-        train_cfg.precision == "fp8",
-    )
+    compute = least_training_step(model, train_cfg, par.num_devices, hardware)
     device = _memory(plan, sched, phased)["device"]
     fits = device <= hardware.device_memory_bytes
     return Screen(device, fits, max([compute, *busy.values()]))

@@ -63,7 +63,7 @@ from shardemu.predict.resident_memory import (
     resident_layout,
 )
 from shardemu.predict.resident_step import step_events, step_ledger
-from shardemu.predict.roofline import least_step_seconds
+from shardemu.predict.roofline import least_training_step
 from shardemu.predict.sparse import (
     layer_factor,
     model_flops_sparse,
@@ -102,10 +102,7 @@ def plan_resident(
     t0 = time.perf_counter()
     model = as_model(model)
     _refuse_uncovered(par, train, overlap)
-    rules = rules_or_default(  # the run's own default
-        rules, train.sequence_parallel, context=par.context,
-        tensor=par.tensor, kv_heads=model.cfg.kv_heads,
-    )  # fmt: skip
+    rules = _rules(rules, model, par, train)
     hardware = hardware.at_precision(arithmetic(model.cfg, precision))
     lay, sched, key = resident_layout(
         model, par, batch, seq, microbatch_size, schedule, virtual, recompute, precision,
@@ -311,14 +308,8 @@ def _screen(
     (`device_bytes_at_least`: a size over the memory is not planned while another may
     fit) and the model FLOPs at the profile's rate (`roofline.least_step_seconds`)."""
     model = as_model(model)
-    rules = rules_or_default(
-        settings.get("rules"), train.sequence_parallel, context=par.context,
-        tensor=par.tensor, kv_heads=model.cfg.kv_heads,
-    )  # fmt: skip
-    least_step = least_step_seconds(
-        flops.training_step(model, train.batch, train.seq), par.num_devices, hardware,
-        train.precision == "fp8",
-    )  # fmt: skip
+    rules = _rules(settings.get("rules"), model, par, train)
+    least_step = least_training_step(model, train, par.num_devices, hardware)
 
     def screen(size: int) -> Screen:
         least = device_bytes_at_least(
@@ -329,3 +320,12 @@ def _screen(
         return Screen(least, least <= hardware.device_memory_bytes, least_step)
 
     return screen
+
+
+def _rules(rules: Rules | None, model: Model, par: Parallelism, train: TrainConfig) -> Rules:
+    """`rules`, or the run's own default for `train`'s sequence parallelism and `par`'s
+    context and tensor sizes."""
+    return rules_or_default(
+        rules, train.sequence_parallel, context=par.context,
+        tensor=par.tensor, kv_heads=model.cfg.kv_heads,
+    )  # fmt: skip

@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import functools
 
+from shardemu.accounting import flops
 from shardemu.accounting.ledger import Event, Matmul
+from shardemu.config import TrainConfig
 from shardemu.errors import HardwareError
+from shardemu.models import Model
 from shardemu.predict.hardware import GB, Hardware
 
 
@@ -66,6 +69,13 @@ def least_step_seconds(flops: float, devices: int, hw: Hardware, fp8: bool = Fal
     at least the average share. So no layout's utilisation exceeds the efficiency."""
     peak = max(hw.peak_tflops, hw.fp8_tflops or 0.0) if fp8 else hw.peak_tflops
     return flops / (devices * peak * hw.efficiency * 1e12)
+
+
+def least_training_step(model: Model, train: TrainConfig, devices: int, hw: Hardware) -> float:
+    """`least_step_seconds` of a training step of `train`'s batch and sequence: its
+    analytic model FLOPs (`flops.training_step`), FP8's peak where `train` runs FP8."""
+    step = flops.training_step(model, train.batch, train.seq)
+    return least_step_seconds(step, devices, hw, train.precision == "fp8")
 
 
 def projection_seconds(event: Event, hw: Hardware) -> float:

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from shardemu.stages.crossing import gathered, on_mesh, stacked
+from shardemu.stages.crossing import gathered, on_mesh, restricted, stacked
 
 
 def needed(meshes: Sequence[Mesh]) -> bool:
@@ -48,13 +48,7 @@ def spanning_template(tree: Any, meshes: Sequence[Mesh]) -> Any:
 
 def on_stages(tree: Any, template: Any) -> Any:
     """Each array of `tree` (from `spanning`) on its `template` leaf's stage alone."""
-
-    def one(x: jax.Array, like: Any) -> jax.Array:
-        target = like.sharding
-        shards = [s.data for s in x.addressable_shards if s.device in target.device_set]
-        return jax.make_array_from_single_device_arrays(x.shape, target, shards, dtype=x.dtype)
-
-    return jax.tree.map(one, tree, template)
+    return jax.tree.map(lambda x, like: restricted(x, like.sharding), tree, template)
 
 
 def _stage_of(sharding: NamedSharding, meshes: Sequence[Mesh]) -> int:

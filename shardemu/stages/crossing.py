@@ -45,7 +45,7 @@ def crosses_processes(x: jax.Array, sharding: NamedSharding) -> bool:
     """Whether moving `x` onto `sharding` takes a crossing: other devices, and some
     process holding one side but not the other (the same answer in every process)."""
     here, there = x.sharding.device_set, sharding.device_set
-    if jax.process_count() == 1 or here == there:
+    if here == there:
         return False
     return {d.process_index for d in here} != {d.process_index for d in there}
 
@@ -56,8 +56,13 @@ def moved(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     source: NamedSharding = x.sharding  # type: ignore[assignment]
     local = settled(jax.device_put(x, NamedSharding(source.mesh, sharding.spec)))
     both = [source.mesh, sharding.mesh]
-    joined = gathered(local, both, 0)
-    shards = [s.data for s in joined.addressable_shards if s.device in sharding.device_set]
+    return restricted(gathered(local, both, 0), sharding)
+
+
+def restricted(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """`x` (replicated over `pipe` of stacked stage meshes: `gathered`) as the array of
+    one stage's devices alone, laid out as `sharding`: its shards there, no copy."""
+    shards = [s.data for s in x.addressable_shards if s.device in sharding.device_set]
     return jax.make_array_from_single_device_arrays(x.shape, sharding, shards, dtype=x.dtype)
 
 
