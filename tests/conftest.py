@@ -28,6 +28,7 @@ share the steps they both run.
 import functools
 import gc
 import os
+import shutil
 import tempfile
 
 os.environ["XLA_FLAGS"] = (
@@ -44,8 +45,10 @@ from shardemu.devices import use_virtual_devices  # noqa: E402
 use_virtual_devices(8)
 # one cache for the whole session: the xdist workers inherit the folder the controller made
 # (set as JAX's own environment variables, so that the `shardemu` processes the tests
-# start share the cache too)
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="shardemu-xla-"))
+# start share the cache too); the process that made it removes it at the end
+_MADE_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _MADE_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardemu-xla-")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
@@ -59,6 +62,14 @@ from shardemu.config import TrainConfig  # noqa: E402
 from shardemu.models import Model, get_preset  # noqa: E402
 
 NUM_DEVICES = 8
+
+
+def pytest_sessionfinish(session) -> None:
+    """The compilation cache goes with the session that made it (tens of MB a run)."""
+    if _MADE_CACHE is not None:
+        shutil.rmtree(_MADE_CACHE, ignore_errors=True)
+
+
 TINY = {"gpt": "gpt-tiny", "bert": "bert-tiny"}
 
 
