@@ -87,24 +87,60 @@ def count_microbatch(
     built, st, shared, layer, batch, settings = _one_stage(
         model, tensor, microbatch_size, seq, precision, rules, context
     )
-    ledger = Ledger()
     counter = PROCESS_COUNTER if counter is None else counter  # an empty Counter is falsy
-    ex = Executor(
-        ledger,
-        [Tier("device", None)],
-        AXIS_LABELS,
-        False,
-        counter,
-        context=settings,
-        fused_attention=fused_attention,
+
+    def executor(ledger: Ledger, counting: bool) -> Executor:
+        tiers = [Tier("device", None)]
+        return Executor(
+            ledger,
+            tiers,
+            AXIS_LABELS,
+            False,
+            counter,
+            context=settings,
+            fused_attention=fused_attention,
+            counting=counting,
+        )
+
+    scores = (microbatch_size, model.cfg.num_heads // tensor, seq // context, seq)
+    walk = (st, built, shared, layer, batch, full_recompute, scores if fused_attention else None)
+    # the pieces listed first (shapes alone) and compiled two at a time (`count_all`:
+    # XLA compiles without Python's lock), then counted from those compiles
+    listing = executor(Ledger(), counting=False)
+    _walk(listing, *walk)
+    counter.count_all(listing.pieces)
+    ledger = Ledger()
+    keep, opt_bytes, x = _walk(executor(ledger, counting=True), *walk)
+    pieces: dict[str, list[Event]] = {}
+    for e in ledger.events:
+        key = str(e.phase) if e.phase.kind == "update" else e.phase.kind
+        pieces.setdefault(key, []).append(e)
+    layer_bytes, shared_bytes = bytes_per_device(layer), bytes_per_device(shared)
+    return Microbatch(
+        pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes), bytes_per_device(x)
     )
+
+
+def _walk(
+    ex: Executor,
+    st: Any,
+    built: Any,
+    shared: Any,
+    layer: Any,
+    batch: Any,
+    full_recompute: bool,
+    scores: tuple[int, ...] | None,
+) -> tuple[int, list[int], Any]:
+    """One microbatch's pieces through `ex`, in order: (bytes a layer keeps for its
+    backward, the optimizer state's bytes of a layer and of the shared weights, a
+    layer's input). `scores`: the shard shape of a layer's attention probabilities,
+    which fused attention does not keep."""
     x, mask = ex.run(EMBED, Piece.EMBED, st, (shared, batch))
     if full_recompute:
         y, keep = ex.run(FORWARD, Piece.FWD, st, (layer, x, mask)), bytes_per_device(x)
     else:
         y, vjp = ex.run(FORWARD, Piece.FWD_KEEP, st, (layer, x, mask))
-        scores = (microbatch_size, model.cfg.num_heads // tensor, seq // context, seq)
-        keep = bytes_per_device(vjp) - (_bytes_of_shape(vjp, scores) if fused_attention else 0)
+        keep = bytes_per_device(vjp) - (_bytes_of_shape(vjp, scores) if scores else 0)
     _, (g_head, g_x) = ex.run(HEAD, Piece.HEAD, st, (shared, y, batch))
     if full_recompute:
         count = (layer, x, mask)
@@ -130,14 +166,7 @@ def count_microbatch(
         opt_bytes.append(bytes_per_device(opt))
         name = Piece.update(part, "device")
         ex.run(phase, name, st, (weights, opt, weights, norm), carries="optimizer_state")
-    pieces: dict[str, list[Event]] = {}
-    for e in ledger.events:
-        key = str(e.phase) if e.phase.kind == "update" else e.phase.kind
-        pieces.setdefault(key, []).append(e)
-    layer_bytes, shared_bytes = bytes_per_device(layer), bytes_per_device(shared)
-    return Microbatch(
-        pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes), bytes_per_device(x)
-    )
+    return keep, opt_bytes, x
 
 
 def _one_stage(
