@@ -60,11 +60,14 @@ def test_a_plan_holds_rajbhandaris_memory(stage):
     replicas (Rajbhandari et al. 2020, Table 1), within 1%, beside the layers'
     activations (the report's): weights 2 Psi, gradients 2 Psi (stages 2 and 3: 2 Psi /
     4), optimizer state 12 Psi / 4; stage 3 also the layers' weights 2 Psi_L / 4, and
-    two layers gathered whole (FSDP's computing and prefetched), the shared weights
-    (embedding, head) whole. Collectives a device sends over replica: the gradients'
+    two layers gathered whole (FSDP's computing and prefetched), and the shared weights
+    (Psi_S) split too, 2 Psi_S / 4, with what the head reads (the tied token embedding
+    and the final layer norm: Psi_H) gathered whole at the head, and its gradient, 2
+    Psi_H each. Collectives a device sends over replica: the gradients'
     reduce-scatter, (3/4) 2 Psi (Megatron-LM's distributed optimizer, at stage 1 too);
-    the updated weights' all-gather (3/4) 2 Psi (stage 3: the shared weights' after the
-    update, and each layer's gathered for the forward and again for the backward)."""
+    the updated weights' all-gather (3/4) 2 Psi (stage 3: what the embedding reads, the
+    token and position embeddings, and what the head reads, before the forward; each
+    layer's for the forward and again for the backward)."""
     model = custom_model("gpt", 4, 256, 4, 1024, 128)
     shapes = Model(model).abstract_params()[0]
     psi = shardemu.param_count(shapes)
@@ -77,11 +80,13 @@ def test_a_plan_holds_rajbhandaris_memory(stage):
     # and the loss's working set at the head: 128 positions x 1024 logits in BF16, an
     # FP32 copy, log-softmax and gradient (activations.loss_bytes)
     held = r["memory_per_device"]["device"]["bytes"] - activations - 128 * 1024 * (2 + 12)
-    weights = 2 * psi if stage < 3 else 2 * (psi - psi_l) + 2 * psi_l / 4 + 2 * 2 * psi_l / 4
-    grads = 2 * psi / (4 if stage >= 2 else 1)
+    psi_s, d = psi - psi_l, 256
+    psi_e, psi_h = 1024 * d + 2048 * d, 1024 * d + 2 * d  # wte and wpe (2048 positions); wte, ln_f
+    weights = 2 * psi if stage < 3 else 2 * psi_s / 4 + 2 * psi_h + 2 * psi_l / 4 + 4 * psi_l / 4
+    grads = 2 * psi / (4 if stage >= 2 else 1) + (2 * psi_h if stage == 3 else 0)
     assert held == pytest.approx(weights + grads + 12 * psi / 4, rel=0.01)
     gathered = sum(e.bytes for e in planned.ledger.events if e.op == "all-gather")
-    gathers = 2 * psi if stage < 3 else 2 * (psi - psi_l) + 2 * 2 * psi_l
+    gathers = 2 * psi if stage < 3 else 2 * (psi_e + psi_h) + 2 * 2 * psi_l
     assert gathered == pytest.approx(gathers * 3 / 4 * 4, rel=0.01)
     op, factor = ("reduce-scatter", 1)  # at every stage: Megatron's distributed optimizer
     reduced = [e for e in planned.ledger.events if e.axis == "replica" and e.carries == "gradients"]

@@ -53,7 +53,9 @@ class Microbatch:
     is the part of `layer_bytes` that is a layer's experts, whose gradients reduce over
     `replica` alone. With ZeRO over `zero` replicas (`predict/zero.py`) the optimizer
     state is 1/zero of it a device, and the updated weights are all-gathered; with
-    `zero_stage` 2 the gradients are reduce-scattered and 1/zero of them held."""
+    `zero_stage` 2 the gradients are reduce-scattered and 1/zero of them held.
+    `reads`: the bytes per device of the shared weights the embedding and the head
+    each read (FSDP gathers those: `resident_step._StepEvents.shared_gather`)."""
 
     pieces: dict[str, list[Event]]
     layer_bytes: int
@@ -62,6 +64,7 @@ class Microbatch:
     opt_bytes: tuple[int, int]
     act_bytes: int
     expert_bytes: int = 0
+    reads: tuple[int, int] = (0, 0)
     zero: int = 1
     zero_stage: int = 0
 
@@ -116,8 +119,33 @@ def count_microbatch(
         key = str(e.phase) if e.phase.kind == "update" else e.phase.kind
         pieces.setdefault(key, []).append(e)
     layer_bytes, shared_bytes = bytes_per_device(layer), bytes_per_device(shared)
+    reads = _shared_reads(st, shared, batch)
     return Microbatch(
-        pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes), bytes_per_device(x)
+        pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes), bytes_per_device(x), 0, reads
+    )
+
+
+def _shared_reads(st: Any, shared: Any, batch: Any) -> tuple[int, int]:
+    """Bytes per device of the shared weights that the embedding and the head (with its
+    loss) each read, from their traced programs: the tree holds both, and a model that
+    does not tie them reads a part in each (Llama: the token embedding, the output
+    projection and final norm)."""
+    x, _ = jax.eval_shape(st.fn(Piece.EMBED), shared, batch)
+    return (
+        _reads(st.fn(Piece.EMBED), (shared, batch)),
+        _reads(st.fn(Piece.HEAD), (shared, x, batch)),
+    )
+
+
+def _reads(fn: Any, args: tuple) -> int:
+    """Bytes per device of the leaves of `args[0]` that the jitted `fn`'s program reads."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    if len(jaxpr.eqns) == 1 and "jaxpr" in jaxpr.eqns[0].params:  # the jitted call itself
+        jaxpr = jaxpr.eqns[0].params["jaxpr"].jaxpr
+    read = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
+    leaves = jax.tree.leaves(args[0])
+    return sum(
+        bytes_per_device(x) for x, v in zip(leaves, jaxpr.invars, strict=False) if id(v) in read
     )
 
 
@@ -248,7 +276,14 @@ def memory_bound(
         bytes_per_device(_optimizer_state(built.tx_shared, shared, st.shared_opt)),
     )
     return Microbatch(
-        {}, bytes_per_device(layer), bytes_per_device(shared), keep, opt, bytes_per_device(x)
+        {},
+        bytes_per_device(layer),
+        bytes_per_device(shared),
+        keep,
+        opt,
+        bytes_per_device(x),
+        0,
+        _shared_reads(st, shared, batch),
     )
 
 

@@ -86,7 +86,12 @@ def _stage_bytes(
     distributed optimizer do); stage 3 splits the layers' weights too, and their
     gradients, reduce-scattered every microbatch (FSDP), and holds two layers gathered
     whole (the one computing, the one prefetched:
-    `resident_step._StepEvents.gathered`); the shared weights stay whole."""
+    `resident_step._StepEvents.gathered`). It splits the shared weights (embedding,
+    head) too, as the resident engine and PyTorch FSDP (TorchTitan wraps them) do: a
+    replica's share of them and of their gradients held, and beside them, whole, the
+    part the stage's head reads (on the last stage, whose peak `loss` marks; the
+    embedding's on the first) and its gradient before its reduce-scatter
+    (`Microbatch.reads`, `resident_step._StepEvents.shared_gather`)."""
     weights = mb.layer_bytes * layers + (mb.shared_bytes if shared else 0)
     optimizer = mb.opt_bytes[0] * layers + (mb.opt_bytes[1] if shared else 0)
     itemsize = jnp.dtype(model.cfg.param_dtype).itemsize
@@ -99,6 +104,17 @@ def _stage_bytes(
             grads -= round(mb.layer_bytes * layers * 4 // itemsize * split)
         per_part = -(-layers // min(layers, MAX_BUCKETS))  # layers gathered at a time
         weights += 2 * mb.layer_bytes * per_part - round(mb.layer_bytes * layers * split)
+    if mb.zero_stage == 3 and mb.zero > 1 and shared:
+        share = round(mb.shared_bytes / mb.zero)
+        used = (
+            mb.reads[1] if loss else mb.reads[0]
+        )  # gathered whole: the head's, or the embedding's
+        weights += share + used - mb.shared_bytes
+        # of the gradients: a share (FP32 when accumulated: counted whole above), and
+        # the whole one written there before its reduce-scatter
+        if microbatches > 1:
+            grads -= (mb.shared_bytes - share) * 4 // itemsize
+        grads += used
     return weights + grads + optimizer + round(held * layers * keep + loss)
 
 

@@ -192,6 +192,8 @@ class _StepEvents:
                 else [_scaled(e, 1, r, phase=tag) for e in self.mb.pieces[name]]
             )
         ]
+        if self.fsdp:
+            events = self.shared_gather(kind, vs, tag) + events + self.shared_reduce(kind, vs, tag)
         if 0 <= to <= last_vs and self.par.pipe > 1:  # to the next virtual stage, as its input
             carries = "activations" if kind == "F" else "gradients"
             events.append(
@@ -209,6 +211,27 @@ class _StepEvents:
             )
         return events
 
+    def shared_gather(self, kind: str, vs: int, tag: Phase) -> list[Event]:
+        """Under ZeRO-3 (FSDP), the shared weights the embedding and the head read
+        (`Microbatch.reads`), each part all-gathered whole ahead of the forward slot
+        that uses it, the first and the last virtual stage's (the embedding's backward
+        needs only the token ids)."""
+        if kind != "F":
+            return []
+        used = [self.mb.reads[0]] if vs == 0 else []
+        used += [self.mb.reads[1]] if vs == self.lay.last else []
+        return [self.all_gather(n, self.mb.zero, tag, 0) for n in used if n]
+
+    def shared_reduce(self, kind: str, vs: int, tag: Phase) -> list[Event]:
+        """Under ZeRO-3 (FSDP), the shared weights' gradients reduce-scattered every
+        microbatch once written: after the first virtual stage's backward (its
+        embedding's; on one stage, the head's with it), and on the last of several
+        stages after the forward slot whose head computes its own gradient."""
+        last_head = kind == "F" and vs == self.lay.last and self.par.pipe > 1
+        if (kind == "B" and vs == 0) or last_head:
+            return self.all_reduce(self.mb.shared_bytes, tag, 0)
+        return []
+
     def slot_events(self, slot: Slot) -> list[Event]:
         vs = self.sched.virtual_stage(slot)
         reduce = self.bucketed and slot.kind == "B" and slot.time == self.last_backward[vs]
@@ -216,13 +239,15 @@ class _StepEvents:
 
     def after(self) -> list[Event]:
         """After the slots, each stage: its gradients' reduction (the shared weights'
-        alone when the layers' went in buckets, or in FSDP's parts) and its optimizer
-        updates, and under ZeRO the updated weights' all-gather."""
+        alone when the layers' went in buckets; none under FSDP, which reduced every
+        microbatch's) and its optimizer updates, and under ZeRO stages 1 and 2 the
+        updated weights' all-gather."""
         mb, sched, r, out = self.mb, self.sched, self.par.data, []
         for s, n in enumerate(self.lay.stage_layers()):
             shared = s in (0, self.par.pipe - 1)
             layers = 0 if self.bucketed or self.fsdp else n
-            grads = mb.layer_bytes * layers + (mb.shared_bytes if shared else 0)
+            whole = shared and not self.fsdp  # FSDP's reduced and gathered in the slots
+            grads = mb.layer_bytes * layers + (mb.shared_bytes if whole else 0)
             if r * self.par.context > 1 and grads:
                 last = self.last_b[s]
                 tag = self.phase("backward", sched.virtual_stage(last), last.microbatch)
@@ -232,9 +257,9 @@ class _StepEvents:
             if shared:
                 out += [_scaled(e, 1, r, phase=update, stage=s) for e in mb.pieces["update-shared"]]
             if mb.zero > 1:  # each replica updated its share: the weights all-gathered
-                # (under ZeRO-3 the layers' stay split, gathered where they are used)
+                # (under ZeRO-3 they stay split, gathered where they are used)
                 weights = mb.layer_bytes * (0 if self.fsdp else n)
-                weights += mb.shared_bytes if shared else 0
+                weights += mb.shared_bytes if whole else 0
                 if weights:
                     out.append(self.all_gather(weights, mb.zero, update, s))
         return out

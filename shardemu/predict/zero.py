@@ -26,8 +26,9 @@ def zero(mb: Microbatch, stage: int, par: Parallelism) -> Microbatch:
     reduce-scatters the gradients and all-gathers the updated weights (Megatron-LM's
     distributed optimizer); stage 2 (P_os+g) also holds only each replica's share of the gradients
     (2 Psi / N_d of them: `resident_memory._stage_bytes`); stage 3 (P_os+g+p,
-    FSDP) also splits the layers' weights, gathered one layer ahead of their use
-    (`resident_step._StepEvents.gathered`)."""
+    FSDP) also splits the weights: the layers', gathered one layer ahead of their use
+    (`resident_step._StepEvents.gathered`), and the shared weights (embedding, head),
+    gathered for the slots that use them (`_StepEvents.shared_gather`)."""
     r = par.replica * par.context  # with context parallelism, over both (its devices
     # hold the same weights), as Megatron-Core's distributed optimizer shards over its
     # data- and context-parallel group; the resident engine does the same
