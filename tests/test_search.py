@@ -291,3 +291,29 @@ def test_sequence_parallelism_and_chunked_overlap_reach_every_resident_plan():
     assert s.count_of(c).rules == megatron_rules(sequence_parallel=True)
     with pytest.raises(ConfigError, match="search with Space.sequence_parallel, or Overlap"):
         dataclasses.replace(SPACE, overlap=Overlap(tp_overlap="chunked"))
+
+
+def test_selective_op_is_searched_where_the_attention_core_is_fused(searched):
+    """TorchTitan's selective-op checkpointing saves the fused attention core's output,
+    so the search tries it with `attention` fused (`layouts.resident_settings`) and never
+    with the materialized scores: with fused attention, every layout searched at
+    selective recomputation is searched at selective-op too, each fitting one's step time
+    and device bytes those of its whole plan."""
+    assert not [r for r in searched.candidates if "selective-op" in r.label]
+    space = dataclasses.replace(SPACE, attention="fused", max_tensor=1)
+    result = search(TINY, HW, DEVICES, BATCH, SEQ, space, top=3)
+    labels = {r.label for r in result.candidates}
+    ops = [r for r in result.candidates if "recompute=selective-op" in r.label]
+    assert ops and {r.label.replace("selective-op", "selective") for r in ops} == {
+        label for label in labels if label.endswith("recompute=selective")
+    }
+    fitting = [r for r in ops if r.fits]
+    assert fitting
+    for row in fitting:
+        c = row.candidate
+        report = plan_resident(
+            TINY, c.par, c.train_config(BATCH, SEQ), c.microbatch_size, HW, c.recompute,
+            attention="fused",
+        ).report  # fmt: skip
+        assert row.step_time_s == pytest.approx(report["step_time_s"], rel=1e-9)
+        assert row.device_bytes == report["memory_per_device"]["device"]["bytes"]

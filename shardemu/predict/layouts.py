@@ -204,14 +204,17 @@ def meshes(
 
 
 def resident_settings(
-    par: Parallelism, layers: int, zero_stages: tuple[int, ...] = (0,)
+    par: Parallelism, layers: int, zero_stages: tuple[int, ...] = (0,), attention: str = ""
 ) -> Iterator[dict[str, Any]]:
+    """Each resident setting of `par`: schedule, recomputation (TorchTitan's selective-op
+    too where the attention core is fused, the only attention it saves) and ZeRO stage."""
+    recomputes = ["none", "selective"] + (["selective-op"] if attention == "fused" else [])
     schedules = [("1f1b", 1)]
     if par.pipe > 1 and layers % (par.pipe * INTERLEAVED_CHUNKS) == 0:
         schedules.append(("interleaved", INTERLEAVED_CHUNKS))
     stages = sorted(set(zero_stages)) if par.replica > 1 else [0]  # one replica: no ZeRO
     for schedule, virtual in schedules:
-        for recompute in ("none", "selective", "full"):
+        for recompute in [*recomputes, "full"]:
             for stage in stages:
                 yield {
                     "mode": "resident",

@@ -7,7 +7,8 @@ microbatch sizes (powers of two that divide the batch per replica, up to
 `max_microbatch`), the precisions the profile computes in, and
 
 - resident (`plan_resident.py`): schedule 1F1B or interleaved 1F1B with two chunks a
-  stage, recomputation none, selective or full. GPipe is left out: it has 1F1B's bubble
+  stage, recomputation none, selective or full, and with `--attention fused`
+  TorchTitan's selective-op (`activations.selective_op`). GPipe is left out: it has 1F1B's bubble
   and holds all m microbatches' activations instead of p (Narayanan et al. 2021,
   "Efficient Large-Scale Language Model Training on GPU Clusters", section 2.2.1), so
   it never wins on time or memory;
@@ -175,7 +176,9 @@ class Searcher(Bounds):
             Candidate(**base, **s)
             for mode in modes
             for s in (
-                resident_settings(par, self.model.cfg.num_layers, self.space.zero_stages)
+                resident_settings(
+                    par, self.model.cfg.num_layers, self.space.zero_stages, self.space.attention
+                )
                 if mode == "resident"
                 else phased_settings(par)
             )
