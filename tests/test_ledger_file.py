@@ -26,7 +26,7 @@ def one_pass(stages: int) -> list[Event]:
         layers = (2 * s, 2 * s + 2)
         events += [
             Event(0, Phase("forward", s, layers), "compute", "", flops=3.5, stage=s,
-                  run_flops=1.5, matmuls=(Matmul(1.0, 8), Matmul(0.5, 4, True, True)),
+                  run_flops=1.5, matmuls=(Matmul(1.0, 8), Matmul(0.5, 4, True, True, 0.53125)),
                   memory_bytes=12),
             Event(0, Phase("forward", s, layers), "collective", "activations", bytes=7,
                   axis="tensor", devices=2, op="all-reduce", group=2, stage=s),

@@ -12,6 +12,7 @@ off to compile faster: conftest.py).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -154,29 +155,35 @@ def test_grouped_query_attention_drops_its_scores_too() -> None:
 def test_a_resident_plan_with_fused_attention() -> None:
     """`plan_resident(attention="fused")` against the materialized plan of the same
     layout: model FLOPs equal; executed FLOPs higher by exactly the scores Q K^T that
-    FlashAttention's backward recomputes (one per layer, microbatch and replica); the
-    kept activations lose the [s, s] probabilities; the step is faster at seq 2048."""
+    FlashAttention's backward recomputes (one per layer and microbatch); the kept
+    activations lose the [s, s] probabilities; the step is faster at seq 2048. Its
+    causal kernels compute 17/32 of their 16 x 16 blocks of 128 (`Matmul.share`: the
+    attention core's matmuls, the recomputed scores with them), a model whose mask is
+    per example (BERT) all of them."""
     from shardemu.accounting import flops
-    from shardemu.models import Model, custom_model
+    from shardemu.models import Model, custom_model, get_preset
     from shardemu.predict.plan_resident import plan_resident
     from shardemu.predict.profiles import PROFILES
 
     cfg = custom_model("gpt", 2, 64, 4, 128, 2048)
     par, batch, b = Parallelism(pipe=2, tensor=1, replica=2), 8, 2
 
-    def plan(attention: str) -> dict:
+    def plan(attention: str) -> Any:
         train = TrainConfig(batch=batch, seq=2048, precision="bf16")
-        report = plan_resident(
-            cfg, par, train, b, PROFILES["h100-sxm"], "none", attention=attention
-        ).report
-        return report
+        return plan_resident(cfg, par, train, b, PROFILES["h100-sxm"], "none", attention=attention)
 
-    plain, fused = plan("materialized"), plan("fused")
+    planned = plan("fused")
+    plain, fused = plan("materialized").report, planned.report
     assert fused["model_flops"] == pytest.approx(plain["model_flops"], rel=1e-12)
     recomputed = (
         cfg.num_layers * (batch // b) * flops.layer_forward(Model(cfg), b, 2048)["attn_scores"]
     )
     assert fused["flops"] - plain["flops"] == pytest.approx(recomputed, rel=1e-9)
+    assert flops.causal_fraction(Model(cfg), 2048) == 17 / 32
+    assert flops.causal_fraction(Model(get_preset("bert-tiny")), 2048) == 1
+    kernels = [m for e in planned.ledger.events for m in e.matmuls]
+    assert {m.share for m in kernels if m.attention} == {17 / 32}
+    assert {m.share for m in kernels if not m.attention} == {1.0}
     device = [r["memory_per_device"]["device"]["bytes"] for r in (plain, fused)]
     assert device[1] < device[0]
     assert fused["step_time_s"] < plain["step_time_s"]

@@ -77,6 +77,33 @@ def training_step(model: Model, batch: int, seq: int, recompute: bool = False) -
     return flops
 
 
+# FlashAttention-2's tile of queries and keys on an A100 or H100 at head width 128 (Dao
+# 2023, "FlashAttention-2", section 3.1.1 and its kernels' 128 x 128 blocks)
+ATTENTION_BLOCK = 128
+
+
+def causal_fraction(model: Model, seq: int) -> float:
+    """The share of the [s, s] scores a causal fused kernel computes: the blocks on and
+    below the diagonal, (n + 1) / (2 n) of n x n (Dao 2023, "FlashAttention-2", section
+    3.1.1: the blocks above it are skipped); 1 for a family whose attention is not causal
+    (`Family.example_mask`: a mask per example)."""
+    if model.family.example_mask:
+        return 1.0
+    n = -(-seq // ATTENTION_BLOCK)
+    return (n + 1) / (2 * n)
+
+
+def least_training_step(model: Model, batch: int, seq: int) -> float:
+    """What no training step computes less of: `training_step` less half of a causal
+    model's attention core (Q K^T and probs V, forward and their two backward products),
+    which a causal fused kernel skips at most (`causal_fraction` >= 1/2)."""
+    if model.family.example_mask:
+        return training_step(model, batch, seq)
+    core = layer_forward(model, batch, seq)
+    skipped = 3 * model.cfg.num_layers * (core["attn_scores"] + core["attn_context"]) / 2
+    return training_step(model, batch, seq) - skipped
+
+
 def without_zero_weights(model_flops: float, tokens: int, zero_weights: float) -> float:
     """`model_flops_sparse`: the model FLOPs less what zero weights would not cost in a
     sparse kernel, 2 FLOPs per weight per token in each of the forward, data-gradient and

@@ -47,7 +47,7 @@ class Bounds:
         self.params = count_params(self.model)
         two = self.model.replace(num_layers=2)
         self.layer_params = count_params(two) - count_params(two.replace(num_layers=1))
-        self.model_flops = flops.training_step(self.model, self.batch, self.seq)
+        self.least_flops = flops.least_training_step(self.model, self.batch, self.seq)
         self.faster: list[SearchRow] = []  # the fitting rows of faster precisions
         self._least_bytes: dict[Candidate, int | None] = {}
 
@@ -65,7 +65,7 @@ class Bounds:
     def least_step(self, precision: str) -> float:
         """No layout in `precision` is faster (`roofline.least_step_seconds`)."""
         hw = self.hardware.at_precision(arithmetic(self.model.cfg, precision))
-        return least_step_seconds(self.model_flops, self.devices, hw, precision == "fp8")
+        return least_step_seconds(self.least_flops, self.devices, hw, precision == "fp8")
 
     def rate_classes(self) -> list[tuple[str, ...]]:
         """The space's precisions grouped by compute rate (the same least step),

@@ -358,7 +358,10 @@ def counted_microbatch(
     one count at many pipeline depths, replicas, schedules and batch sizes, and counts
     ahead of its planning (`search.py`). With fused attention,
     each layer's backward also recomputes its scores Q K^T: FlashAttention keeps only
-    the softmax statistics (Dao et al. 2022, Algorithm 4)."""
+    the softmax statistics (Dao et al. 2022, Algorithm 4); and a causal model's cores
+    run only the blocks on and below the diagonal (`flops.causal_fraction`), evenly over
+    the context devices, which Llama 3 and Megatron-Core balance with two chunks a
+    device: the kernels' time, not the FLOPs counted."""
     mb = count_microbatch(
         model,
         tensor,
@@ -372,6 +375,8 @@ def counted_microbatch(
     )
     if fused_attention:  # Q K^T per device: it reads Q (its s / c queries) and K (all s
         # keys, gathered under context parallelism), writes nothing to memory
+        fraction = flops.causal_fraction(model, seq)
+        mb = _causal(mb, fraction)
         scores = flops.layer_forward(model, microbatch_size, seq)["attn_scores"]
         q_k = microbatch_size * (seq // context + seq) * model.cfg.embed_dim // tensor
         kernel = Matmul(
@@ -379,9 +384,28 @@ def counted_microbatch(
             q_k * jnp.dtype(model.cfg.param_dtype).itemsize,
             False,
             True,
+            fraction,
         )
         mb = _add_backward_flops(mb, scores, kernel)
     return mb
+
+
+def _causal(mb: Microbatch, fraction: float) -> Microbatch:
+    """`mb` with its attention cores' matmuls (`Matmul.attention`) computing `fraction`
+    of their FLOPs on the target (`Matmul.share`): what the program states, and so the
+    model's and the executed FLOPs, stay as counted."""
+    if fraction == 1.0:
+        return mb
+
+    def computed(e: Event) -> Event:
+        if not any(m.attention for m in e.matmuls):
+            return e
+        shares = tuple(m._replace(share=fraction) if m.attention else m for m in e.matmuls)
+        return dataclasses.replace(e, matmuls=shares)
+
+    return dataclasses.replace(
+        mb, pieces={k: [computed(e) for e in v] for k, v in mb.pieces.items()}
+    )
 
 
 def _add_backward_flops(mb: Microbatch, extra: float, kernel: Matmul | None = None) -> Microbatch:

@@ -5,7 +5,8 @@ FLOPs at the compute rate and its bytes at the memory bandwidth. Per run of a pi
 
 - each matmul XLA emitted (`accounting/matmuls.py`) takes
   max(FLOPs / (peak x efficiency), bytes / (memory_gbps x memory_efficiency))
-  + matmul_latency_us (its peak `fp8_tflops` when it multiplies FP8 operands): the
+  + matmul_latency_us (its peak `fp8_tflops` when it multiplies FP8 operands; of its
+  FLOPs the `Matmul.share` its kernel computes: a causal fused attention core's): the
   latency is the efficiency curve of small matmuls (a fixed cost per kernel: launch,
   tile prologue, a last partial wave), which dominates below about 10^10 FLOPs on an
   H100;
@@ -54,7 +55,8 @@ def run_seconds(
     bandwidth = hw.memory_gbps * hw.memory_efficiency * GB
     latency = hw.matmul_latency_us * 1e-6
     seconds = sum(
-        max(m.flops / (fp8_rate if m.fp8 else rate), m.bytes / bandwidth) + latency for m in matmuls
+        max(m.flops * m.share / (fp8_rate if m.fp8 else rate), m.bytes / bandwidth) + latency
+        for m in matmuls
     )
     rest = max(run_flops - sum(m.flops for m in matmuls), 0.0)
     return seconds + max(rest / rate, memory_bytes / bandwidth)
@@ -72,9 +74,10 @@ def least_step_seconds(flops: float, devices: int, hw: Hardware, fp8: bool = Fal
 
 
 def least_training_step(model: Model, train: TrainConfig, devices: int, hw: Hardware) -> float:
-    """`least_step_seconds` of a training step of `train`'s batch and sequence: its
-    analytic model FLOPs (`flops.training_step`), FP8's peak where `train` runs FP8."""
-    step = flops.training_step(model, train.batch, train.seq)
+    """`least_step_seconds` of a training step of `train`'s batch and sequence: the
+    least FLOPs it computes (`flops.least_training_step`), FP8's peak where `train`
+    runs FP8."""
+    step = flops.least_training_step(model, train.batch, train.seq)
     return least_step_seconds(step, devices, hw, train.precision == "fp8")
 
 
