@@ -67,7 +67,8 @@ def test_a_plan_holds_rajbhandaris_memory(stage):
     reduce-scatter, (3/4) 2 Psi (Megatron-LM's distributed optimizer, at stage 1 too);
     the updated weights' all-gather (3/4) 2 Psi (stage 3: what the embedding reads, the
     token and position embeddings, and what the head reads, before the forward; each
-    layer's for the forward and again for the backward)."""
+    layer's for the forward and again for the backward, each but the first of a slot
+    starting while the layer before it computes)."""
     model = custom_model("gpt", 4, 256, 4, 1024, 128)
     shapes = Model(model).abstract_params()[0]
     psi = shardemu.param_count(shapes)
@@ -88,6 +89,12 @@ def test_a_plan_holds_rajbhandaris_memory(stage):
     gathered = sum(e.bytes for e in planned.ledger.events if e.op == "all-gather")
     gathers = 2 * psi if stage < 3 else 2 * (psi_e + psi_h) + 2 * 2 * psi_l
     assert gathered == pytest.approx(gathers * 3 / 4 * 4, rel=0.01)
+    if stage == 3:  # FSDP's prefetch: each layer's gather runs while the one before computes
+        spans = sorted(planned.timeline.spans, key=lambda sp: sp.index)
+        for i, sp in enumerate(spans):
+            if sp.event.op == "all-gather" and sp.event.phase.kind in ("forward", "backward"):
+                before = [c for c in spans[:i] if c.stream == "compute"]
+                assert not before or sp.start < before[-1].end, (sp, before[-1])
     op, factor = ("reduce-scatter", 1)  # at every stage: Megatron's distributed optimizer
     reduced = [e for e in planned.ledger.events if e.axis == "replica" and e.carries == "gradients"]
     assert {e.op for e in reduced} == {op}

@@ -15,6 +15,9 @@ previous event and after what it depends on:
   recorded before it (the gradients or activations it carries, or, for collectives read
   from a compiled piece, the piece itself: bulk-synchronous compute then exchange, the
   IPU's model, and how Megatron's tensor-parallel all-reduces sit on the critical path);
+  but an all-gather of stored weights in a forward or backward (FSDP's, rts's) reads no
+  computation's output and waits for its stream alone, so the next part's gather runs
+  while this part computes (FSDP's prefetch);
 - a point-to-point send between pipeline stages waits for the last computation on its
   stage (and that computation's collectives): the activations or gradients it carries;
   with `Overlap.pipe_sends="blocking"` the sender's next computation also waits for it;
@@ -79,6 +82,7 @@ _EXPOSED = (
 
 # computations that use the shared weights (embedding, head)
 _READS_SHARED = ("embed", "head", "embed-backward", "shared-backward")
+_GATHERED = ("forward", "backward")  # phases whose weights are gathered as stored
 
 
 class Span(NamedTuple):
@@ -196,7 +200,8 @@ def build_timeline(
             if e.phase.kind in _READS_SHARED:
                 ready = max(ready, shared_in[e.stage])
         else:
-            ready = max(ready, last_compute.get((phase, e.stage), 0.0))
+            if not _reads_stored_weights(e):
+                ready = max(ready, last_compute.get((phase, e.stage), 0.0))
             if e.kind in ("h2d", "broadcast") or e.axis == "pipe":
                 # after the stage's last computation; a pipe send also after that
                 # computation's collectives (what it carries)
@@ -226,6 +231,14 @@ def build_timeline(
     timeline = Timeline(spans, step)
     timeline.critical_stage, timeline.breakdown = _breakdown(spans, step)
     return timeline
+
+
+def _reads_stored_weights(e: Event) -> bool:
+    """An all-gather of weights as they are stored (FSDP's, rts's) in a forward or
+    backward: it reads no computation's output, so it waits for its stream alone and
+    runs while the computation before it does (the prefetch). The all-gather after an
+    update carries what the update computed."""
+    return e.op == "all-gather" and e.carries == "weights" and e.phase.kind in _GATHERED
 
 
 def _chunked(

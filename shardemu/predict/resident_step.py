@@ -165,8 +165,10 @@ class _StepEvents:
         shares = [_share(weights, i, parts) for i in range(parts)]
         gathers = [self.all_gather(w, mb.zero, tag, 0) for w in shares]
         out = gathers[:1]
-        for i in range(parts):
-            out += gathers[i + 1 : i + 2] + part
+        for i in range(parts):  # the next part's gather issued as this one computes: it
+            # waits for its stream alone (`costmodel._reads_stored_weights`), and ahead of
+            # this part's reduce-scatter on it
+            out += part + gathers[i + 1 : i + 2]
             if kind == "B":
                 out += self.all_reduce(shares[i], tag, 0, _share(experts, i, parts))
         return out
