@@ -71,6 +71,24 @@ class Case:
 MEGATRON_2021 = Overlap(grad_reduce="end", pipe_sends="blocking")
 
 
+LLAMA2_13B = custom_model("llama", 40, 5120, 40, 32000, 4096, kv_heads=40, mlp=13824)
+LLAMA2_70B = custom_model("llama", 80, 8192, 64, 32000, 4096, kv_heads=8, mlp=28672)
+# TorchTitan (Liang et al. 2024), pytorch/torchtitan docs/performance.md, its tables of
+# runs on 64 A100 80GB: FSDP2 (ZeRO stage 3) over all 64 GPUs, BF16 compute with FP32
+# parameters, gradients and AdamW state, SDPA (FlashAttention), a local batch of 1 or 2
+# with no accumulation, sequence 8192 (Llama 3) or 4096 (Llama 2); WPS is tokens a second
+# a GPU. Its "selective op" checkpointing is `--recompute selective-op`; its "selective
+# layer" (every other layer checkpointed) has no counterpart here and is left out.
+TORCHTITAN_A100 = (  # (model, name, sequence, local batch, recomputation, WPS)
+    (get_preset("llama3-8b"), "Llama 3 8B", 8192, 1, "selective-op", 2973),
+    (get_preset("llama3-70b"), "Llama 3 70B", 8192, 1, "full", 331),
+    (LLAMA2_13B, "Llama 2 13B", 4096, 2, "none", 2162),
+    (LLAMA2_13B, "Llama 2 13B", 4096, 2, "selective-op", 1904),
+    (LLAMA2_70B, "Llama 2 70B", 4096, 1, "selective-op", 355),
+    (LLAMA2_70B, "Llama 2 70B", 4096, 2, "full", 353),
+)
+
+
 CASES = [
     Case(
         "Megatron-LM GPT 1T, 3072 A100",
@@ -243,6 +261,31 @@ CASES = [
         )
         for gpus, steps, rate in ((1, 32, 694), (8, 32, 5541), (256, 1, 157952))
     ),
+    *(
+        Case(
+            f"{name}, 64 A100, FSDP, local batch {b}, recompute {recompute}",
+            f"Liang et al. 2024 (TorchTitan), docs/performance.md, 64 A100 80GB: {wps} "
+            "tokens/s a GPU",
+            model,
+            Parallelism(replica=64),
+            64 * b,
+            seq,
+            b,
+            "a100-80gb",
+            "1f1b",
+            1,
+            recompute,
+            "sequences_per_s",
+            wps * 64 / seq,
+            "FSDP2 over every GPU (ZeRO-3 here); the rate is TorchTitan's tokens a second a "
+            "GPU times 64 over the sequence",
+            # the default Overlap(): FSDP reduce-scatters each layer's gradients during the
+            # backward and prefetches the next layer's all-gather
+            attention="fused",
+            zero=3,
+        )
+        for model, name, seq, b, recompute, wps in TORCHTITAN_A100
+    ),
 ]
 
 
@@ -272,7 +315,6 @@ class MemoryCase:
 # on 64 A100 80GB, sequence 4096, local batch 1 ran (50.8% MFU); "70B training with
 # local batch size 2 will cause an OOM error when selective activation checkpointing is
 # used" (its footnote 1).
-LLAMA2_70B = custom_model("llama", 80, 8192, 64, 32000, 4096, kv_heads=8, mlp=28672)
 MEMORY_CASES = [
     MemoryCase("Llama 3.1 8B, 8 H100, FSDP, local batch 2", get_preset("llama3-8b"), 8, 2,
                8192, "h100-sxm", "selective-op", 82.4, True),
