@@ -40,6 +40,7 @@ d = 128 and M ~ 200 KB.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from dataclasses import dataclass
@@ -52,6 +53,10 @@ from shardemu.accounting.fusion import fused_bytes
 from shardemu.accounting.hlo import ARRAY, CALLED, DTYPE_BYTES, Instr, operands, parse
 from shardemu.accounting.ledger import Matmul
 
+# the widest attention head of the models we know (64 to 256: GPT-3's 128, Llama's 128,
+# Gemma's 256); an expert's matmul contracts a model width, above it in any model but a
+# toy's
+MAX_HEAD_WIDTH = 256
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _BATCH = re.compile(r"lhs_batch_dims=\{([\d,]*)\}")
 _RHS_BATCH = re.compile(r"rhs_batch_dims=\{([\d,]*)\}")
@@ -120,7 +125,7 @@ def compute_itemsize(args: Any) -> int:
 
 def _bytes(shape: str, itemsize: int, skip: frozenset[tuple[int, ...]] = frozenset()) -> int:
     """Bytes of the arrays in `shape`, elements at most `itemsize` wide, leaving out
-    arrays whose dimensions (leading 1s dropped) are in `skip`."""
+    arrays whose dimensions (1s dropped) are in `skip`."""
     return sum(
         elements * min(width, itemsize)
         for width, elements, dims in _arrays(shape)
@@ -130,26 +135,32 @@ def _bytes(shape: str, itemsize: int, skip: frozenset[tuple[int, ...]] = frozens
 
 @functools.lru_cache(maxsize=1 << 16)
 def _arrays(shape: str) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
-    """(bytes per element, elements, dimensions without leading 1s) of each array in
-    `shape`: parsed once per shape string, which a module repeats in every
-    instruction that reads the value (a count reads each module four times)."""
+    """(bytes per element, elements, dimensions without 1s) of each array in `shape`:
+    parsed once per shape string, which a module repeats in every instruction that
+    reads the value (a count reads each module four times)."""
     return tuple(
-        (DTYPE_BYTES.get(dtype, 4), math.prod(_dims(dims)), squeezed(_dims(dims)))
+        (DTYPE_BYTES.get(dtype, 4), math.prod(_dims(dims)), _no_units(_dims(dims)))
         for dtype, dims in ARRAY.findall(shape)
     )
 
 
+def _no_units(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """`shape` without its 1s: XLA leaves a unit dimension (one sequence, one key/value
+    group a device) anywhere in a transposed copy of the scores."""
+    return tuple(d for d in shape if d != 1)
+
+
 def _score_layouts(dims: tuple[int, ...]) -> set[tuple[int, ...]]:
-    """The layouts (leading 1s dropped) of an attention core's scores whose matmul
+    """The layouts (1s dropped: `_no_units`) of an attention core's scores whose matmul
     array is `dims`: [.., s, s]; or, for grouped-query attention, whose matmul merges a
     group's r query heads with the queries ([.., r q, s] or [.., s, r q]), those two and
-    the [.., r, s, s] its softmax computes on."""
+    the [.., r, s, s] its softmax computes on, r in any of the three places."""
     *lead, x, y = dims
     small, large = min(x, y), max(x, y)
     layouts = [dims, (*lead, small, large), (*lead, large, small)]
-    if large != small:
-        layouts.append((*lead, large // small, small, small))
-    return {squeezed(tuple(shape)) for shape in layouts}
+    if large != small:  # the group's r heads in any place among the two s (XLA's transposes)
+        layouts += [(*lead, *p) for p in itertools.permutations((large // small, small, small))]
+    return {_no_units(tuple(shape)) for shape in layouts}
 
 
 def squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -284,8 +295,9 @@ def _scores(rest: str, arrays: tuple[str, str, str]) -> int | None:
     """Which of a batched dot's arrays is [.., s, s] (its two non-batch dimensions
     equal), or, for grouped-query attention, [.., r q, s] in either order (XLA merges
     the r query heads of a key/value group with the queries: one dimension a multiple
-    of the other, and the head width, the dot's third dimension, below both); None
-    for a dot without batch dimensions."""
+    of the other, and the head width, the dot's third dimension, below both; at most
+    `MAX_HEAD_WIDTH` where one batch dimension is left); None for a dot without batch
+    dimensions (one sequence and one group a device: not found)."""
     lhs_batch, rhs_batch = _BATCH.search(rest), _RHS_BATCH.search(rest)
     if not lhs_batch or not rhs_batch or not _dims(lhs_batch.group(1)):
         return None
@@ -298,16 +310,20 @@ def _scores(rest: str, arrays: tuple[str, str, str]) -> int | None:
     for index, free in enumerate(frees):
         if len(free) == 2 and free[0] == free[1]:
             return index
-    # two batch dimensions (batch, key/value groups): not an expert's batched matmul
-    if any(len(free) != 2 for free in frees) or min(len(d) for d in dims) < 4:
+    if any(len(free) != 2 for free in frees):
         return None
+    # two batch dimensions (batch, key/value groups), or one where XLA dropped the other
+    # (one sequence a device, or one group): then its third dimension must be a head's
+    # width, which an expert's batched matmul (a model width) is not
+    one_batch = min(len(d) for d in dims) < 4
     contracted = _dims(_CONTRACTING.search(rest).group(1))  # type: ignore[union-attr]
     width = math.prod(dims[0][a] for a in contracted if a < len(dims[0]))
     out = frees[2]
     third = (out[1], out[0], width)  # each array's other dimension: rhs's, lhs's, contracted
     for index, free in enumerate(frees):
         small, large = min(free), max(free)
-        if large % small == 0 and third[index] < small:
+        head = not one_batch or third[index] <= MAX_HEAD_WIDTH
+        if large % small == 0 and third[index] < small and head:
             return index
     return None
 
