@@ -15,9 +15,10 @@ from shardemu.accounting import flops
 from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.models import Model, custom_model
 from shardemu.predict.layouts import Space
+from shardemu.predict.memory_bound import memory_bound
 from shardemu.predict.plan_resident import plan_resident
 from shardemu.predict.profiles import PROFILES
-from shardemu.predict.resident_count import count_key, counted_microbatch, memory_bound
+from shardemu.predict.resident_count import count_key, counted_microbatch
 from shardemu.predict.roofline import least_step_seconds
 from shardemu.predict.search import Searcher, search
 

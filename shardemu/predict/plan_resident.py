@@ -43,6 +43,7 @@ from shardemu.predict.costmodel import Timeline
 from shardemu.predict.expert_parallel import expert_parallel
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import Recompute
+from shardemu.predict.memory_bound import memory_bound
 from shardemu.predict.microbatch import Screen, choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 from shardemu.predict.periodic import period_report, timed_step
@@ -52,7 +53,6 @@ from shardemu.predict.resident_count import (
     CountKey,
     Microbatch,
     counted_microbatch,
-    memory_bound,
     selective,
     selective_op,
 )

@@ -4,7 +4,7 @@
 embedding, one layer's forward (keeping its vjp residuals, or only its input with
 `recompute="full"`) and backward, the head and loss, the embedding's backward, and the
 optimizer updates on the device. `memory_bound` finds a layout's least bytes by tracing
-alone; `plan_resident.py` assembles a step from these.
+alone (`memory_bound.py`); `plan_resident.py` assembles a step from these.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from shardemu.accounting import flops
 from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
@@ -87,7 +86,7 @@ def count_microbatch(
     parameters and activations sharded by `rules` (Megatron-LM's by default). With
     `fused_attention`, its kernels and kept bytes are FlashAttention's: no [s, s]
     scores in memory (`accounting/matmuls.py`)."""
-    built, st, shared, layer, batch, settings = _one_stage(
+    built, st, shared, layer, batch, settings = one_stage(
         model, tensor, microbatch_size, seq, precision, rules, context
     )
     counter = PROCESS_COUNTER if counter is None else counter  # an empty Counter is falsy
@@ -119,13 +118,13 @@ def count_microbatch(
         key = str(e.phase) if e.phase.kind == "update" else e.phase.kind
         pieces.setdefault(key, []).append(e)
     layer_bytes, shared_bytes = bytes_per_device(layer), bytes_per_device(shared)
-    reads = _shared_reads(st, shared, batch)
+    reads = shared_reads(st, shared, batch)
     return Microbatch(
-        pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes), bytes_per_device(x), 0, reads
+        pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes), bytes_per_device(x), reads=reads
     )
 
 
-def _shared_reads(st: Any, shared: Any, batch: Any) -> tuple[int, int]:
+def shared_reads(st: Any, shared: Any, batch: Any) -> tuple[int, int]:
     """Bytes per device of the shared weights that the embedding and the head (with its
     loss) each read, from their traced programs: the tree holds both, and a model that
     does not tie them reads a part in each (Llama: the token embedding, the output
@@ -143,7 +142,7 @@ def _reads(fn: Any, args: tuple) -> int:
     if len(jaxpr.eqns) == 1 and "jaxpr" in jaxpr.eqns[0].params:  # the jitted call itself
         jaxpr = jaxpr.eqns[0].params["jaxpr"].jaxpr
     read = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
-    leaves = jax.tree.leaves(args[0])
+    leaves = jax.tree.leaves(args[0])  # the first of the program's inputs
     return sum(
         bytes_per_device(x) for x, v in zip(leaves, jaxpr.invars, strict=False) if id(v) in read
     )
@@ -190,14 +189,14 @@ def _walk(
         ("layers", Phase("update", 0), layer, st.layer_opt, built.tx_layers),
         ("shared", Phase("update"), shared, st.shared_opt, built.tx_shared),
     ):
-        opt = _optimizer_state(tx, weights, opt_sh)
+        opt = optimizer_state(tx, weights, opt_sh)
         opt_bytes.append(bytes_per_device(opt))
         name = Piece.update(part, "device")
         ex.run(phase, name, st, (weights, opt, weights, norm), carries="optimizer_state")
     return keep, opt_bytes, x
 
 
-def _one_stage(
+def one_stage(
     model: Model,
     tensor: int,
     microbatch_size: int,
@@ -225,74 +224,9 @@ def _one_stage(
     return built, st, shared, layer, batch, (model, rules)
 
 
-def _optimizer_state(tx: Any, weights: Any, shardings: Any) -> Any:
+def optimizer_state(tx: Any, weights: Any, shardings: Any) -> Any:
     """The abstract optimizer state of `weights`, sharded as `shardings`."""
     return with_shardings(jax.eval_shape(tx.init, weights), shardings)
-
-
-@functools.lru_cache(maxsize=256)
-def memory_bound(
-    model: Model,
-    tensor: int,
-    microbatch_size: int,
-    seq: int,
-    full: bool,
-    precision: str,
-    fused_attention: bool,
-    rules: Rules,
-    context: int = 1,
-) -> Microbatch:
-    """`counted_microbatch`'s bytes (`count_key`), with nothing compiled and no pieces:
-    a search judges memory first, and most layouts that do not fit would compile only to
-    find that out. Exact, but for what a layer keeps for its backward without full
-    recomputation: those residuals' shardings are XLA's choice, made as it compiles, so
-    each counts at least its bytes over the `tensor` x `context` devices (the most it
-    is split over), or exactly where the piece declares its sharding. (The vjp of GPT-3
-    175B's layer at tensor 8: at least 1.22 GB a device, 2.49 GB counted.)"""
-    built, st, shared, layer, batch, settings = _one_stage(
-        model, tensor, microbatch_size, seq, precision, rules, context
-    )
-    # traced through the process counter, whose count of the microbatch then reuses it
-    embed = (shared, batch)
-    leaves, tree = PROCESS_COUNTER.outputs(
-        Piece.EMBED, st.fn(Piece.EMBED), st.mesh, embed, settings, embed
-    )
-    x, mask = tree.unflatten(leaves)  # shardings declared: nothing compiled
-    if full:
-        keep = bytes_per_device(x)
-    else:
-        leaves, tree = PROCESS_COUNTER.traced(
-            Piece.FWD_KEEP, st.fn(Piece.FWD_KEEP), st.mesh, (layer, x, mask), settings
-        )
-        _, vjp = tree.unflatten(leaves)
-        scores = (microbatch_size, model.cfg.num_heads, seq, seq)
-        keep = sum(
-            _bytes_at_least(leaf, tensor * context)
-            for leaf in jax.tree.leaves(vjp)
-            if not (fused_attention and squeezed(leaf.shape) == squeezed(scores))
-        )
-    opt = (
-        bytes_per_device(_optimizer_state(built.tx_layers, layer, st.layer_opt)),
-        bytes_per_device(_optimizer_state(built.tx_shared, shared, st.shared_opt)),
-    )
-    return Microbatch(
-        {},
-        bytes_per_device(layer),
-        bytes_per_device(shared),
-        keep,
-        opt,
-        bytes_per_device(x),
-        0,
-        _shared_reads(st, shared, batch),
-    )
-
-
-def _bytes_at_least(leaf: Any, devices: int) -> int:
-    """Bytes a device holds of a traced output: its shard's where its sharding is
-    declared, else at least its bytes over all `devices`."""
-    if isinstance(leaf.sharding, NamedSharding):
-        return bytes_per_device(leaf)
-    return math.prod(leaf.shape) * leaf.dtype.itemsize // devices
 
 
 def _bytes_of_shape(tree: Any, shape: tuple[int, ...]) -> int:

@@ -17,14 +17,9 @@ from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.pipelined.layout import PipelineLayout, pipeline_layout
 from shardemu.predict.activations import layer_bytes, loss_bytes
 from shardemu.predict.layouts import ATTENTION, RECOMPUTE, Recompute
+from shardemu.predict.memory_bound import memory_bound
 from shardemu.predict.overlap import MAX_BUCKETS
-from shardemu.predict.resident_count import (
-    CountKey,
-    Microbatch,
-    count_key,
-    memory_bound,
-    selective_keep,
-)
+from shardemu.predict.resident_count import CountKey, Microbatch, count_key, selective_keep
 from shardemu.predict.zero import zero
 
 

@@ -27,7 +27,7 @@ Pruning, in order, each exact (it never drops a layout that fits):
 2. a layout that does not fit its tiers (the planner's own memory count, made before
    its step is assembled: `must_fit`) is kept in the JSON with its device bytes and
    the reason, and not timed. A resident layout is first judged by a lower bound of
-   its bytes, found with nothing compiled (`resident_count.memory_bound`): over the
+   its bytes, found with nothing compiled (`memory_bound.py`): over the
    memory, its row gives `device_bytes_at_least` instead, and a microbatch count no
    layout could use is never made (prune 5 also needs the bound);
 3. a larger microbatch holds more activations: once no layout of a microbatch size
