@@ -126,23 +126,21 @@ def count_microbatch(
 
 def shared_reads(st: Any, shared: Any, batch: Any) -> tuple[int, int]:
     """Bytes per device of the shared weights that the embedding and the head (with its
-    loss) each read, from their traced programs: the tree holds both, and a model that
-    does not tie them reads a part in each (Llama: the token embedding, the output
-    projection and final norm)."""
-    x, _ = jax.eval_shape(st.fn(Piece.EMBED), shared, batch)
-    return (
-        _reads(st.fn(Piece.EMBED), (shared, batch)),
-        _reads(st.fn(Piece.HEAD), (shared, x, batch)),
-    )
+    loss) each read, from their traced programs (JAX's trace of a jitted piece is
+    cached: the count's own): the tree holds both, and a model that does not tie them
+    reads a part in each (Llama: the token embedding, the output projection and final
+    norm)."""
+    embed = st.fn(Piece.EMBED).trace(shared, batch)
+    x, _ = embed.out_info
+    return _reads(embed, shared), _reads(st.fn(Piece.HEAD).trace(shared, x, batch), shared)
 
 
-def _reads(fn: Any, args: tuple) -> int:
-    """Bytes per device of the leaves of `args[0]` that the jitted `fn`'s program reads."""
-    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    if len(jaxpr.eqns) == 1 and "jaxpr" in jaxpr.eqns[0].params:  # the jitted call itself
-        jaxpr = jaxpr.eqns[0].params["jaxpr"].jaxpr
+def _reads(traced: Any, weights: Any) -> int:
+    """Bytes per device of the leaves of `weights`, the traced program's first input,
+    that it reads."""
+    jaxpr = traced.jaxpr.jaxpr
     read = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
-    leaves = jax.tree.leaves(args[0])  # the first of the program's inputs
+    leaves = jax.tree.leaves(weights)
     return sum(
         bytes_per_device(x) for x, v in zip(leaves, jaxpr.invars, strict=False) if id(v) in read
     )
