@@ -69,10 +69,12 @@ def periodic_prediction(
     tokens: int,
     memory: dict[str, int] | None,
     overlap: Overlap,
+    band: bool = True,
 ) -> tuple[Timeline, Timeline, Prediction]:
     """The timelines of the steps of ms[0] and ms[1] microbatches (`short_steps`), from
     their events, and the prediction of the m-microbatch step: the critical stage is
-    the busiest at m, its breakdown each part extrapolated."""
+    the busiest at m, its breakdown each part extrapolated; with its band unless `band`
+    is False (four more timelines)."""
     short, long = (build_timeline(events, hw, par, overlap) for events in steps)
     busy = extrapolated(compute_busy(short.spans), compute_busy(long.spans), ms, m)
     stage = max(busy, key=busy.get, default=0)
@@ -87,8 +89,8 @@ def periodic_prediction(
         a, b = (build_timeline(events, profile, par, overlap).step_time_s for events in steps)
         return extrapolated(a, b, ms, m)
 
-    band = band_of(step_at, hw, step, (memory or {}).get("device"))
-    prediction = prediction_of(step, breakdown, stage, hw, par, model_flops, tokens, memory, band)
+    ends = band_of(step_at, hw, step, (memory or {}).get("device")) if band else None
+    prediction = prediction_of(step, breakdown, stage, hw, par, model_flops, tokens, memory, ends)
     return short, long, prediction
 
 
@@ -102,20 +104,22 @@ def timed_step(
     tokens: int,
     memory: dict[str, int] | None,
     overlap: Overlap,
+    band: bool = True,
 ) -> tuple[Timeline, Prediction, Timeline | None, tuple[int, int] | None]:
     """A step's timeline and prediction, its events those `events_of(schedule)` gives
     for `sched` (None: one pass): the whole step's, or with `extrapolate` a long
     periodic step's from two short ones (`short_steps`); then the shorter step's
-    timeline and the short steps' microbatches (None, None when timed whole)."""
+    timeline and the short steps' microbatches (None, None when timed whole). `band`:
+    whether the prediction holds its band."""
     ms = short_steps(sched) if extrapolate and sched is not None else None
     if sched is None or ms is None:
         timeline, prediction = predict(
-            events_of(sched), hw, par, model_flops, tokens, memory, overlap
+            events_of(sched), hw, par, model_flops, tokens, memory, overlap, band
         )
         return timeline, prediction, None, None
     steps = [events_of(shortened(sched, k)) for k in ms]
     short, timeline, prediction = periodic_prediction(
-        steps, ms, sched.microbatches, hw, par, model_flops, tokens, memory, overlap
+        steps, ms, sched.microbatches, hw, par, model_flops, tokens, memory, overlap, band
     )
     return timeline, prediction, short, ms
 

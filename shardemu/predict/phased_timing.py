@@ -32,6 +32,7 @@ def timed_passes(
     report: dict[str, Any],
     overlap: Overlap,
     extrapolate: bool,
+    band: bool = True,
 ) -> tuple[Timeline, Prediction]:
     """A counted step's timeline and prediction on `hardware`, their numbers added to
     `report`: the whole step's, or a long one's from two shorter steps (`periodic.py`)."""
@@ -44,7 +45,7 @@ def timed_passes(
         )
 
     timeline, prediction, short, ms = timed_step(
-        events_of, sched, extrapolate, hardware, par, model_flops, tokens, memory, overlap
+        events_of, sched, extrapolate, hardware, par, model_flops, tokens, memory, overlap, band
     )
     busy = timeline.stream_totals()
     if ms is not None:  # timed from two short steps, `short` the shorter

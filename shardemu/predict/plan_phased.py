@@ -69,6 +69,7 @@ def plan_phased(
     overlap: Overlap = DEFAULT_OVERLAP,
     must_fit: bool = False,
     extrapolate: bool = True,
+    band: bool = True,
 ) -> Plan:
     """Count one phased step in abstract mode (its report is the JSON `shardemu plan
     --json` prints); write nothing.
@@ -104,7 +105,7 @@ def plan_phased(
         def candidate(size: int) -> tuple[dict[str, Any], Plan]:
             planned = _counted(
                 model, par, train_cfg, phased, rules, hardware, size, overlap, must_fit,
-                extrapolate,
+                extrapolate, band,
             )  # fmt: skip
             return planned.report, planned
 
@@ -125,6 +126,7 @@ def plan_phased(
             overlap,
             must_fit,
             extrapolate,
+            band,
         )
     planned.report["elapsed_s"] = time.perf_counter() - t0
     return planned
@@ -141,9 +143,10 @@ def _counted(
     overlap: Overlap,
     must_fit: bool = False,
     extrapolate: bool = True,
+    band: bool = True,
 ) -> Plan:
     """`plan_phased`'s work at one microbatch size: the report, the step's ledger and
-    (with `hardware`) its timeline."""
+    (with `hardware`) its timeline, and its band unless `band` is False."""
     given_vocab = model.cfg.vocab_size
     hardware, model, passes, pass_cfg, sched = _setting(
         model, par, train_cfg, hardware, microbatch_size
@@ -182,7 +185,7 @@ def _counted(
     if hardware is not None:
         timeline, prediction = timed_passes(
             events, ledger, sched, hardware, par, train_cfg, model, totals["model_flops"],
-            report, overlap, extrapolate,
+            report, overlap, extrapolate, band,
         )  # fmt: skip
     return Plan(report, ledger, timeline, prediction, plan)
 

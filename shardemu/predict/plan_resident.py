@@ -85,6 +85,7 @@ def plan_resident(
     must_fit: bool = False,
     rules: Rules | None = None,
     extrapolate: bool = True,
+    band: bool = True,
 ) -> Plan:
     """Predict a resident (pipelined) step of `train`'s batch, schedule, precision,
     sparsity and stage layers (each stage's layers, as `pipeline_layout` splits them) on
@@ -95,8 +96,9 @@ def plan_resident(
     before its microbatch is counted where its least bytes (`memory_bound`) are over
     already. Parameters and activations are sharded by `rules` (Megatron-LM's
     tensor parallelism by default). A long periodic step is predicted from two short
-    ones (`periodic.py`), unless `extrapolate` is False. Needs `par.context` x
-    `par.tensor` JAX devices (one stage's context x tensor group)."""
+    ones (`periodic.py`), unless `extrapolate` is False; its band is timed unless `band`
+    is False. Needs `par.context` x `par.tensor` JAX devices (one stage's context x
+    tensor group)."""
     batch, seq, schedule, virtual = train.batch, train.seq, train.schedule, train.virtual
     precision, sparsity = train.precision, train.sparsity
     t0 = time.perf_counter()
@@ -129,8 +131,9 @@ def plan_resident(
         layers = {k: scale_compute(mb.pieces[k], factor) for k in ("forward", "backward")}
         timed = dataclasses.replace(mb, pieces={**mb.pieces, **layers})
     ledger, totals, timeline, prediction, ms = _predicted(
-        mb, timed, sched, lay, par, overlap, extrapolate, hardware, {"device": held}, batch * seq
-    )
+        mb, timed, sched, lay, par, overlap, extrapolate, hardware, {"device": held}, batch * seq,
+        band,
+    )  # fmt: skip
     report = {
         "model": model.name,
         "mesh": str(par),
@@ -217,6 +220,7 @@ def _predicted(
     hardware: Hardware,
     memory: dict[str, int],
     tokens: int,
+    band: bool = True,
 ) -> tuple[Ledger, dict[str, Any], Timeline, Prediction, tuple[int, int] | None]:
     """The step's ledger of `mb`'s events and its totals (`_totals`), and the timeline
     and prediction of `timed`'s (`periodic.timed_step`): the whole step's, or with
@@ -232,7 +236,7 @@ def _predicted(
 
     timeline, prediction, _, ms = timed_step(
         events_of, sched, extrapolate, hardware, par, totals["model_flops"], tokens, memory,
-        overlap,
+        overlap, band,
     )  # fmt: skip
     return ledger, totals, timeline, prediction, ms
 

@@ -32,6 +32,7 @@ def plan(
     overlap: Overlap = DEFAULT_OVERLAP,
     rules: Rules | None = None,
     must_fit: bool = False,
+    band: bool = True,
 ) -> Plan:
     """Plan one training step of `model` (a `Model`, your own family's included, or a
     registered family's config) on `par` with `train`'s settings (batch, sequence,
@@ -46,7 +47,9 @@ def plan(
     pipeline idle); None otherwise is the whole batch per replica, and on one resident
     stage whose whole batch does not fit, the fastest smaller microbatch that does (the
     whole batch, when it fits, is the fastest: no bubble, the fewest kernels). With
-    `must_fit`, a step over a memory tier raises `CapacityError`. Needs JAX devices for
+    `must_fit`, a step over a memory tier raises `CapacityError`. With `band` False the
+    prediction holds no band (`band.py`: two to four more timelines a step, which a
+    search, ranking by the step alone, does not read). Needs JAX devices for
     one stage (`plan_phased.plan_devices`) or one tensor group."""
     model = as_model(model)
     model.check_rules(rules)
@@ -70,6 +73,7 @@ def plan(
             microbatch_size="auto" if auto else microbatch_size,
             overlap=overlap,
             must_fit=must_fit,
+            band=band,
         )
     if hardware is None:
         raise ConfigError(
@@ -82,6 +86,7 @@ def plan(
         "attention": attention,
         "overlap": overlap,
         "must_fit": must_fit,
+        "band": band,
     }
     if auto:
         return plan_resident_auto(model, par, train, hardware, **settings)

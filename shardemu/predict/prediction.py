@@ -80,18 +80,22 @@ def predict(
     tokens: int,
     memory: dict[str, int] | None = None,
     overlap: Overlap = DEFAULT_OVERLAP,
+    band: bool = True,
 ) -> tuple[Timeline, Prediction]:
     """The timeline of one step on `hw`, and its `Prediction` (`memory`: bytes per
-    device by tier, checked against the profile's capacities)."""
+    device by tier, checked against the profile's capacities), with its band unless
+    `band` is False (two more timelines: a search ranks by the step alone)."""
     t = build_timeline(events, hw, par, overlap)
     step, breakdown, stage = t.step_time_s, t.breakdown, t.critical_stage
-    band = band_of(
-        lambda h: build_timeline(events, h, par, overlap).step_time_s,
-        hw,
-        step,
-        (memory or {}).get("device"),
-    )
-    return t, prediction_of(step, breakdown, stage, hw, par, model_flops, tokens, memory, band)
+    ends = None
+    if band:
+        ends = band_of(
+            lambda h: build_timeline(events, h, par, overlap).step_time_s,
+            hw,
+            step,
+            (memory or {}).get("device"),
+        )
+    return t, prediction_of(step, breakdown, stage, hw, par, model_flops, tokens, memory, ends)
 
 
 def prediction_of(

@@ -112,6 +112,7 @@ class Searcher(Bounds):
             overlap=self.space.overlap,
             rules=self.rules,
             must_fit=True,
+            band=False,  # ranked by the step alone: no band's ends timed
             **(resident if c.mode == "resident" else {}),
         ).prediction  # type: ignore[return-value]
 
