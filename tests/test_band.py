@@ -85,3 +85,22 @@ def test_a_profile_with_impossible_spreads_is_refused(tmp_path, line, message):
     path.write_text(f'base = "a100-80gb"\n{line}\n')
     with pytest.raises(HardwareError, match=re.escape(message)):
         load_profile(path)
+
+
+def test_a_plan_without_its_band_has_the_same_step():
+    """`plan(..., band=False)`, as a search plans: the same step and breakdown, and no
+    band (its ends not timed), on a pipeline timed from two short steps and on one
+    stage timed whole."""
+    from shardemu.config import TrainConfig
+    from shardemu.models import custom_model
+    from shardemu.predict.planning import plan
+
+    cfg = custom_model("gpt", 4, 64, 4, 128, 64)
+    train = TrainConfig(batch=8, seq=64, precision="bf16")
+    for par, size in ((Parallelism(pipe=2, replica=2), 1), (Parallelism(replica=2), 4)):
+        banded, bare = (
+            plan(cfg, par, train, A100, microbatch_size=size, band=band).prediction
+            for band in (True, False)
+        )
+        assert banded.band is not None and bare.band is None
+        assert bare.step_time_s == banded.step_time_s and bare.breakdown == banded.breakdown
