@@ -93,7 +93,7 @@ def causal_fraction(model: Model, seq: int) -> float:
     return (n + 1) / (2 * n)
 
 
-def least_training_step(model: Model, batch: int, seq: int) -> float:
+def least_training_flops(model: Model, batch: int, seq: int) -> float:
     """What no training step computes less of: `training_step` less half of a causal
     model's attention core (Q K^T and probs V, forward and their two backward products),
     which a causal fused kernel skips at most (`causal_fraction` >= 1/2)."""

@@ -47,7 +47,7 @@ class Bounds:
         self.params = count_params(self.model)
         two = self.model.replace(num_layers=2)
         self.layer_params = count_params(two) - count_params(two.replace(num_layers=1))
-        self.least_flops = flops.least_training_step(self.model, self.batch, self.seq)
+        self.least_flops = flops.least_training_flops(self.model, self.batch, self.seq)
         self.faster: list[SearchRow] = []  # the fitting rows of faster precisions
         self._least_bytes: dict[Candidate, int | None] = {}
 

@@ -35,9 +35,8 @@ def memory_bound(
     rules: Rules,
     context: int = 1,
 ) -> Microbatch:
-    """`counted_microbatch`'s bytes (`count_key`), with nothing compiled and no pieces:
-    a search judges memory first, and most layouts that do not fit would compile only to
-    find that out. Exact, but for what a layer keeps for its backward without full
+    """`counted_microbatch`'s bytes (`count_key`), with nothing compiled and no pieces.
+    Exact, but for what a layer keeps for its backward without full
     recomputation: those residuals' shardings are XLA's choice, made as it compiles, so
     each counts at least its bytes over the `tensor` x `context` devices (the most it
     is split over), or exactly where the piece declares its sharding. (The vjp of GPT-3

@@ -101,9 +101,8 @@ def _stage_bytes(
         weights += 2 * mb.layer_bytes * per_part - round(mb.layer_bytes * layers * split)
     if mb.zero_stage == 3 and mb.zero > 1 and shared:
         share = round(mb.shared_bytes / mb.zero)
-        used = (
-            mb.reads[1] if loss else mb.reads[0]
-        )  # gathered whole: the head's, or the embedding's
+        # gathered whole: what the head reads (the last stage, `loss`), or the embedding
+        used = mb.reads[1] if loss else mb.reads[0]
         weights += share + used - mb.shared_bytes
         # of the gradients: a share (FP32 when accumulated: counted whole above), and
         # the whole one written there before its reduce-scatter

@@ -75,9 +75,9 @@ def least_step_seconds(flops: float, devices: int, hw: Hardware, fp8: bool = Fal
 
 def least_training_step(model: Model, train: TrainConfig, devices: int, hw: Hardware) -> float:
     """`least_step_seconds` of a training step of `train`'s batch and sequence: the
-    least FLOPs it computes (`flops.least_training_step`), FP8's peak where `train`
+    least FLOPs it computes (`flops.least_training_flops`), FP8's peak where `train`
     runs FP8."""
-    step = flops.least_training_step(model, train.batch, train.seq)
+    step = flops.least_training_flops(model, train.batch, train.seq)
     return least_step_seconds(step, devices, hw, train.precision == "fp8")
 
 
