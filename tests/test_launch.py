@@ -2,6 +2,7 @@
 collectives, four virtual devices each, the same losses as one device; and a process
 that dies takes the run down with one clear line, instead of a hang."""
 
+import json
 import math
 import signal
 import subprocess
@@ -54,26 +55,28 @@ def as_one_device(records: list[dict], single_device_reference) -> None:
 
 
 @pytest.mark.slow
-def test_a_phased_run_across_two_processes_resumes_as_one_and_a_lost_process_stops_it(
+def test_two_processes_resume_a_phased_run_as_one_and_a_lost_process_stops_it(
     tmp_path, single_device_reference
 ):
     """Phased execution (two phases, rts 2: each replica stores half of every weight in
-    its host tier and gathers the rest over replica, across the processes) on two
-    processes of four devices. They save their shards of each checkpoint into process
-    0's run directory (`checkpoint.shared_run_path`), and two processes resume from it:
-    the losses of the steps before and after as one device's (plain `jax.jit`: the
-    same witness the one-process phased runs are held to, test_phased.py). Then one of
-    the resumed run's processes is killed: the launcher stops the other, removes the
-    killed one's scratch copy of the run and says so in one line, instead of a hang.
-    Before programs were issued one at a time across processes (`devices.settled`),
-    this run hung in gloo all-reduces, now and then in steps and every time in saves.
-    (One run covers both, the phased engine being the one whose pieces cross processes
-    most: a second, resident run of two processes cost 20 CPU-seconds of the suite.)"""
+    its host tier and gathers the rest over replica, across the processes): a run of one
+    process (in this one) saves two checkpoints, and two processes of four devices
+    resume from it. They save their shards of each checkpoint into process 0's run
+    directory (`checkpoint.shared_run_path`): the losses of the steps before and after
+    as one device's (plain `jax.jit`: the same witness the one-process phased runs are
+    held to, test_phased.py). Then one of the resumed run's processes is killed: the
+    launcher stops the other, removes the killed one's scratch copy of the run and says
+    so in one line, instead of a hang. Before programs were issued one at a time across
+    processes (`devices.settled`), this run hung in gloo all-reduces, now and then in
+    steps and every time in saves. (One run covers both, the phased engine being the
+    one whose pieces cross processes most; a run that two processes start from nothing
+    is the pipelined test's below. A second launch here, and a resident one, cost 15
+    to 20 CPU-seconds of the suite each.)"""
     out = tmp_path / "two"
     phased = ["--phased", "--phases", "2", "--rts", "2"]
-    on_two_processes(*ARGS, *phased, "--steps", "2", "--checkpoint-every", "1", "--out", str(out))
+    first = shardemu(*ARGS, *phased, "--steps", "2", "--checkpoint-every", "1", "--out", str(out))
+    assert first.returncode == 0, first.stderr
     assert checkpoints(out) == ["1", "2"]
-    assert '"device_count": 8' in (out / "config.json").read_text()
 
     launcher = subprocess.Popen(
         [sys.executable, "-m", "shardemu", "run", "--resume", str(out), "--steps", "100000",
@@ -87,6 +90,7 @@ def test_a_phased_run_across_two_processes_resumes_as_one_and_a_lost_process_sto
         time.sleep(0.2)
     assert launcher.poll() is None, launcher.stderr.read()
     as_one_device(read_metrics(out)[:4], single_device_reference)
+    assert json.loads((out / "config.json").read_text())["device_count"] == 8
 
     pids = children(launcher.pid)
     assert len(pids) == 2
