@@ -17,10 +17,7 @@ sharded runs alike (subprocesses started by the tests inherit them):
   split into parts for parallel threads: three workers already keep both cores busy,
   and splitting only adds work (a sharded gradient program's compile 0.60 -> 0.45
   CPU-seconds; the whole suite 341 s -> 286 s of pytest, one run each on this 2-core
-  machine). The machine code it emits computes the same. Nor does it run LLVM's
-  expensive optimisation passes (`xla_llvm_disable_expensive_passes`: that compile
-  0.45 -> 0.41 CPU-seconds, three runs each): float arithmetic is not reassociated
-  either way (XLA's fast math is off), so the numbers a step computes are the same.
+  machine). The machine code it emits computes the same.
 
 Python's cyclic garbage collector runs less often (its first generation collected every
 50,000 allocations, not 700): tracing allocates millions of short-lived objects, and
@@ -42,7 +39,7 @@ import tempfile
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-    + " --xla_cpu_parallel_codegen_split_count=1 --xla_llvm_disable_expensive_passes=true"
+    + " --xla_cpu_parallel_codegen_split_count=1"
 ).strip()
 
 gc.set_threshold(50_000, 50, 1000)
