@@ -154,6 +154,30 @@ def test_grouped_query_attention_drops_its_scores_too(b: int, groups: int) -> No
         assert plain >= scores > lean
 
 
+@pytest.mark.parametrize(("b", "r", "cp"), [(1, 4, 2), (2, 2, 2), (1, 1, 4), (2, 3, 4)])
+def test_a_context_parallel_core_drops_its_scores_too(b: int, r: int, cp: int) -> None:
+    """Context parallelism (`cp` ranks): a rank's queries, s / cp of them, against the
+    whole sequence's keys and values (all-gathered): [.., r q / cp, s] scores, neither
+    square nor a multiple of q by r, which XLA computes on as [.., r, s / cp, s] in any
+    order. Fused, they leave the dots and the other kernels as [s, s] scores do."""
+    groups, d, s = 2, 16, 128
+
+    def core(q, k, v):  # noqa: ANN001, ANN202
+        scores = jnp.einsum("bqgrd,bkgd->bgrqk", q, k)
+        p = jax.nn.softmax(scores, axis=-1)
+        return jnp.einsum("bgrqk,bkgd->bqgrd", p, v)
+
+    q = jax.ShapeDtypeStruct((b, s // cp, groups, r, d), jnp.float32)
+    kv = jax.ShapeDtypeStruct((b, s, groups, d), jnp.float32)
+    text = jax.jit(core).lower(q, kv, kv).compile(DEFAULT_FUSION).as_text()
+    (matmuls, plain), (fused, lean) = kernels(text), kernels(text, fused_attention=True)
+    assert all(m.attention for m in matmuls) and len(matmuls) == 2
+    scores = 4 * b * groups * r * s // cp * s
+    saved = sorted(m.bytes - f.bytes for m, f in zip(matmuls, fused, strict=True))
+    assert saved == [scores] * 2
+    assert plain >= scores > lean
+
+
 def test_an_experts_batched_matmul_is_not_attention() -> None:
     """An expert's matmul has one batch dimension (the experts), like a key/value
     group's scores with the other unit dimension dropped, and may have the same

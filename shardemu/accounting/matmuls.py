@@ -57,6 +57,9 @@ from shardemu.accounting.ledger import Matmul
 # Gemma's 256); an expert's matmul contracts a model width, above it in any model but a
 # toy's
 MAX_HEAD_WIDTH = 256
+# the most query heads a key/value head serves on one device: a multi-query model's
+# heads (Falcon-40B's 128 over 8 groups is 16; PaLM's multi-query 48), at most 128 here
+MAX_QUERY_GROUP = 128
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _BATCH = re.compile(r"lhs_batch_dims=\{([\d,]*)\}")
 _RHS_BATCH = re.compile(r"rhs_batch_dims=\{([\d,]*)\}")
@@ -152,14 +155,18 @@ def _no_units(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _score_layouts(dims: tuple[int, ...]) -> set[tuple[int, ...]]:
     """The layouts (1s dropped: `_no_units`) of an attention core's scores whose matmul
-    array is `dims`: [.., s, s]; or, for grouped-query attention, whose matmul merges a
+    array is `dims`: [.., q, s]; or, for grouped-query attention, whose matmul merges a
     group's r query heads with the queries ([.., r q, s] or [.., s, r q]), those two and
-    the [.., r, s, s] its softmax computes on, r in any of the three places."""
+    the [.., r, q, s] its softmax computes on, in any order. With context parallelism q
+    is a rank's share of the s keys (s / cp), so r q need not be a multiple of s, nor s
+    of r q: every r up to `MAX_QUERY_GROUP` that divides the merged dimension is taken,
+    with either of the two as the merged one."""
     *lead, x, y = dims
-    small, large = min(x, y), max(x, y)
-    layouts = [dims, (*lead, small, large), (*lead, large, small)]
-    if large != small:  # the group's r heads in any place among the two s (XLA's transposes)
-        layouts += [(*lead, *p) for p in itertools.permutations((large // small, small, small))]
+    layouts = [dims, (*lead, y, x)]
+    for merged, keys in ((x, y), (y, x)):
+        for r in range(2, min(merged, MAX_QUERY_GROUP) + 1):
+            if merged % r == 0:
+                layouts += [(*lead, *p) for p in itertools.permutations((r, merged // r, keys))]
     return {_no_units(tuple(shape)) for shape in layouts}
 
 
@@ -293,11 +300,11 @@ def _dots(
 
 def _scores(rest: str, arrays: tuple[str, str, str]) -> int | None:
     """Which of a batched dot's arrays is [.., s, s] (its two non-batch dimensions
-    equal), or, for grouped-query attention, [.., r q, s] in either order (XLA merges
-    the r query heads of a key/value group with the queries: one dimension a multiple
-    of the other, and the head width, the dot's third dimension, below both; at most
-    `MAX_HEAD_WIDTH` where one batch dimension is left); None for a dot without batch
-    dimensions (one sequence and one group a device: not found)."""
+    equal), or, for grouped-query attention or context parallelism, [.., r q, s] in
+    either order (XLA merges the r query heads of a key/value group with the queries; a
+    context-parallel rank's q queries are s / cp of the s keys): the head width, the
+    dot's third dimension, below both and at most `MAX_HEAD_WIDTH`; None for a dot
+    without batch dimensions (one sequence and one group a device: not found)."""
     lhs_batch, rhs_batch = _BATCH.search(rest), _RHS_BATCH.search(rest)
     if not lhs_batch or not rhs_batch or not _dims(lhs_batch.group(1)):
         return None
@@ -312,18 +319,17 @@ def _scores(rest: str, arrays: tuple[str, str, str]) -> int | None:
             return index
     if any(len(free) != 2 for free in frees):
         return None
-    # two batch dimensions (batch, key/value groups), or one where XLA dropped the other
-    # (one sequence a device, or one group): then its third dimension must be a head's
-    # width, which an expert's batched matmul (a model width) is not
-    one_batch = min(len(d) for d in dims) < 4
+    # not square: grouped-query attention ([.., r q, s], XLA merging a key/value group's
+    # r query heads with the queries) or context parallelism ([.., q, cp q]: a rank's
+    # queries against every key), or both. The array's third dimension (the other
+    # operand's, or the contracted one) must be a head's width, below both of its own:
+    # an expert's batched matmul contracts a model width (`MAX_HEAD_WIDTH`)
     contracted = _dims(_CONTRACTING.search(rest).group(1))  # type: ignore[union-attr]
     width = math.prod(dims[0][a] for a in contracted if a < len(dims[0]))
     out = frees[2]
     third = (out[1], out[0], width)  # each array's other dimension: rhs's, lhs's, contracted
     for index, free in enumerate(frees):
-        small, large = min(free), max(free)
-        head = not one_batch or third[index] <= MAX_HEAD_WIDTH
-        if large % small == 0 and third[index] < small and head:
+        if third[index] < min(free) and third[index] <= MAX_HEAD_WIDTH:
             return index
     return None
 
