@@ -19,15 +19,15 @@ def test_groups_are_made_in_order_and_ready_waits_for_the_one_being_made():
             assert release.wait(10)
         made.append(key)
 
-    groups = [((1,), (2,)), ((3,),), ((2,), (4,))]
+    groups = [(1, 2), (3,), (2, 4)]
     with CountsAhead(count, groups, workers=1) as ahead:
         assert started.wait(10)
-        ahead.ready((3,))  # not started: taken back at once, the caller's to make
+        ahead.ready(3)  # not started: taken back at once, the caller's to make
         release.set()
-        ahead.ready((2,))  # its group is being made: returns once the group is made
+        ahead.ready(2)  # its group is being made: returns once the group is made
         assert made[:2] == [1, 2]
-        ahead.ready((4,))  # made by now, or taken back
-        ahead.ready((5,))  # never asked ahead: nothing to wait for
+        ahead.ready(4)  # made by now, or taken back
+        ahead.ready(5)  # never asked ahead: nothing to wait for
     assert 3 not in made
     assert made.count(2) == 1  # a key in two groups is made once, with the first
 
@@ -39,8 +39,8 @@ def test_a_failed_count_is_left_to_the_caller():
         made.append(key)
         raise ValueError(f"no layout {key}")
 
-    with CountsAhead(count, [((1,),)]) as ahead:
-        ahead.ready((1,))  # returns: the caller's own call raises, with its traceback
+    with CountsAhead(count, [(1,)]) as ahead:
+        ahead.ready(1)  # returns: the caller's own call raises, with its traceback
         with pytest.raises(ValueError, match="no layout 1"):
             count(1)
     assert made == [1, 1]

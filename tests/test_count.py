@@ -67,7 +67,7 @@ def test_models_alike_in_shape_are_counted_apart():
 
     cfg = custom_model("gpt", 2, 32, 4, 64, 32)
     forward = [
-        counted_microbatch(*count_key(
+        counted_microbatch(count_key(
             Model(cfg.replace(gelu_approximate=tanh)), Parallelism(tensor=2), 1, 32, "none", "fp32",
             "materialized",
         )).pieces["forward"][0]

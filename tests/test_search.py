@@ -106,7 +106,7 @@ def test_memory_bound_is_the_count_or_less():
         key = count_key(
             Model(TINY), Parallelism(tensor=tensor), 1, SEQ, recompute, "bf16", attention
         )
-        bound, counted = memory_bound(*key), counted_microbatch(*key)
+        bound, counted = memory_bound(key), counted_microbatch(key)
         assert (bound.layer_bytes, bound.shared_bytes, bound.opt_bytes) == (
             counted.layer_bytes, counted.shared_bytes, counted.opt_bytes
         )  # fmt: skip

@@ -11,13 +11,13 @@ thread makes them (`resident_count.counted_microbatch`, cached per process).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 
 class CountsAhead:
-    """`fn(*key)` for each key of each group, a group's keys in turn, the groups in
+    """`fn(key)` for each key of each group, a group's keys in turn, the groups in
     order over `workers` background threads. Before using a key's count the caller
     calls `ready(key)`: it waits for the key's group if it is being made, and takes
     the group back if it has not started, so the caller makes its keys itself (no
@@ -25,25 +25,28 @@ class CountsAhead:
     yields it."""
 
     def __init__(
-        self, fn: Callable[..., Any], groups: Iterable[tuple[tuple, ...]] = (), workers: int = 2
+        self,
+        fn: Callable[[Any], Any],
+        groups: Iterable[tuple[Hashable, ...]] = (),
+        workers: int = 2,
     ) -> None:
         self._fn = fn
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="count-ahead")
-        self._futures: dict[tuple, Future] = {}
+        self._futures: dict[Hashable, Future] = {}
         self.add(groups)
 
-    def add(self, groups: Iterable[tuple[tuple, ...]]) -> None:
+    def add(self, groups: Iterable[tuple[Hashable, ...]]) -> None:
         """Queue more groups, after those queued (a key queued before is not again),
         each as soon as `groups` yields it: the caller may work out the next groups
         while the first are made."""
         for group in groups:
             keys = [k for k in dict.fromkeys(group) if k not in self._futures]
             if keys:
-                future = self._pool.submit(lambda keys=keys: [self._fn(*k) for k in keys])
+                future = self._pool.submit(lambda keys=keys: [self._fn(k) for k in keys])
                 self._futures |= dict.fromkeys(keys, future)
 
-    def ready(self, key: tuple) -> None:
-        """Return once `fn(*key)` is made, or is the caller's to make."""
+    def ready(self, key: Hashable) -> None:
+        """Return once `fn(key)` is made, or is the caller's to make."""
         future = self._futures.pop(key, None)
         if future is None or future.cancel():
             return

@@ -17,30 +17,25 @@ from jax.sharding import NamedSharding
 from shardemu.accounting.count import PROCESS_COUNTER
 from shardemu.accounting.matmuls import squeezed
 from shardemu.accounting.sizes import bytes_per_device
-from shardemu.models import Model
-from shardemu.parallel.rules import Rules
-from shardemu.predict.resident_count import Microbatch, one_stage, optimizer_state, shared_reads
+from shardemu.predict.resident_count import (
+    CountKey,
+    Microbatch,
+    one_stage,
+    optimizer_state,
+    shared_reads,
+)
 from shardemu.stages.pieces import Piece
 
 
 @functools.lru_cache(maxsize=256)
-def memory_bound(
-    model: Model,
-    tensor: int,
-    microbatch_size: int,
-    seq: int,
-    full: bool,
-    precision: str,
-    fused_attention: bool,
-    rules: Rules,
-    context: int = 1,
-) -> Microbatch:
+def memory_bound(key: CountKey) -> Microbatch:
     """`counted_microbatch`'s bytes (`count_key`), with nothing compiled and no pieces.
     Exact, but for what a layer keeps for its backward without full
     recomputation: those residuals' shardings are XLA's choice, made as it compiles, so
     each counts at least its bytes over the `tensor` x `context` devices (the most it
     is split over), or exactly where the piece declares its sharding. (The vjp of GPT-3
     175B's layer at tensor 8: at least 1.22 GB a device, 2.49 GB counted.)"""
+    model, tensor, microbatch_size, seq, full, precision, fused_attention, rules, context = key
     built, st, shared, layer, batch, settings = one_stage(
         model, tensor, microbatch_size, seq, precision, rules, context
     )

@@ -113,10 +113,10 @@ def plan_resident(
     model = key.model
     layout = f"{par} microbatch {microbatch_size} {schedule} recompute={recompute}"
     if must_fit:  # nothing compiled for a layout whose least bytes are over the memory
-        bound = _on_mesh(memory_bound(*key), key, train, par, recompute)
+        bound = _on_mesh(memory_bound(key), key, train, par, recompute)
         least = device_bytes(bound, key, recompute, par, lay, sched)
         require_fit({"device": least}, hardware, layout, at_least=True)
-    mb = _on_mesh(counted_microbatch(*key), key, train, par, recompute)
+    mb = _on_mesh(counted_microbatch(key), key, train, par, recompute)
     held = device_bytes(mb, key, recompute, par, lay, sched)
     keep = kept(mb, key, recompute)
     if must_fit:

@@ -275,17 +275,7 @@ def count_key(
 
 
 @functools.lru_cache(maxsize=256)
-def counted_microbatch(
-    model: Model,
-    tensor: int,
-    microbatch_size: int,
-    seq: int,
-    full: bool,
-    precision: str,
-    fused_attention: bool,
-    rules: Rules,
-    context: int = 1,
-) -> Microbatch:
+def counted_microbatch(key: CountKey) -> Microbatch:
     """`count_microbatch` once per process for each setting (`count_key`): a search plans
     one count at many pipeline depths, replicas, schedules and batch sizes, and counts
     ahead of its planning (`search.py`). With fused attention,
@@ -294,6 +284,7 @@ def counted_microbatch(
     run only the blocks on and below the diagonal (`flops.causal_fraction`), evenly over
     the context devices, which Llama 3 and Megatron-Core balance with two chunks a
     device: the kernels' time, not the FLOPs counted."""
+    model, tensor, microbatch_size, seq, full, precision, fused_attention, rules, context = key
     mb = count_microbatch(
         model,
         tensor,

@@ -213,5 +213,5 @@ def device_bytes_at_least(
         None,
         rules,
     )
-    bound = zero(memory_bound(*key), zero_stage, par)
+    bound = zero(memory_bound(key), zero_stage, par)
     return device_bytes(bound, key, recompute, par, lay, sched)
