@@ -3,6 +3,7 @@ the same plan timed whole: every number of the report within 1e-9, for each peri
 schedule and the overlap settings that change when a stage waits; and the lazily
 assembled ledger's file and totals against its placed events."""
 
+import dataclasses
 import json
 import math
 
@@ -13,6 +14,7 @@ from shardemu.accounting.ledger import Ledger
 from shardemu.accounting.ledger_file import encode, read_events
 from shardemu.config import Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import custom_model
+from shardemu.predict.costmodel import build_timeline
 from shardemu.predict.overlap import Overlap
 from shardemu.predict.plan_phased import plan_phased
 from shardemu.predict.plan_resident import plan_resident
@@ -78,6 +80,17 @@ def test_a_plan_from_two_short_steps_equals_the_whole_plan(name):
     assert isinstance(short.ledger, AssembledLedger)
     assert short.ledger.compact() == encode(whole.ledger.events)
     assert short.ledger.events == whole.ledger.events
+    # timed from its slots' counted events as they are (`AssembledLedger.runs`), as from
+    # its placed events: the same spans, each span's event the placed one but for its
+    # phase and stage, which the span holds
+    overlap = settings.get("overlap", Overlap())
+    runs, placed = (
+        build_timeline(x, HW, par, overlap) for x in (whole.ledger, whole.ledger.events)
+    )
+    assert runs.step_time_s == placed.step_time_s and runs.breakdown == placed.breakdown
+    assert [s[:6] for s in runs.spans] == [s[:6] for s in placed.spans]
+    for a, b in zip(runs.spans, placed.spans, strict=True):
+        assert dataclasses.replace(a.event, phase=a.phase, stage=a.stage) == b.event
 
 
 def test_a_periodic_plans_run_directory_holds_the_whole_step_and_its_window(tmp_path):

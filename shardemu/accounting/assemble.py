@@ -58,6 +58,14 @@ class AssembledLedger(Ledger):
             self._events = assemble(self._schedule, self._slot_events, self._before, self._after)
         return self._events
 
+    def runs(self) -> list[tuple[int | None, int | None, Sequence[Event]]]:
+        """The step as runs of (microbatch, stage, events): `before` and `after` as they
+        are (None, None), each slot's events with its microbatch and stage, none of them
+        placed (a timeline sets each event's microbatch and stage as it goes:
+        `costmodel.build_timeline`)."""
+        slots = [(s.microbatch, s.stage, self._slot_events(s)) for s in self._schedule.in_order]
+        return [(None, None, self._before), *slots, (None, None, self._after)]
+
     def step_totals(self, step: int) -> dict[str, Any]:
         """`Ledger.step_totals`, each slot's events totalled once per list of them
         (`summed`), not placed."""

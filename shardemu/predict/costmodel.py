@@ -54,9 +54,11 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from shardemu.accounting.assemble import AssembledLedger
 from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism
 from shardemu.predict.hardware import GB, Hardware
@@ -158,11 +160,18 @@ def duration(event: Event, hw: Hardware, par: Parallelism) -> float:
 
 
 def build_timeline(
-    events: list[Event], hw: Hardware, par: Parallelism, overlap: Overlap = DEFAULT_OVERLAP
+    events: Sequence[Event] | AssembledLedger,
+    hw: Hardware,
+    par: Parallelism,
+    overlap: Overlap = DEFAULT_OVERLAP,
 ) -> Timeline:
     """Place one step's events (program order) on per-stage streams; see the module
     docstring for the dependency rules. Each rule waits for the latest end among the
-    spans it names, so only that end is kept (a search places millions of events)."""
+    spans it names, so only that end is kept (a search places millions of events).
+    An assembled step (`AssembledLedger`) is timed from its slots' counted events as
+    they are, each set to its slot's microbatch and stage here rather than copied
+    (`Event.placed`); its spans hold those events, and the span its phase and stage."""
+    runs = events.runs() if isinstance(events, AssembledLedger) else [(None, None, events)]
     spans: list[Span] = []
     stream_free: dict[tuple[int, str], float] = defaultdict(float)
     # phases are waited on by value; each event's is looked up by its object's id (one
@@ -180,53 +189,59 @@ def build_timeline(
     timing: dict[int, tuple[str, float]] = {}  # by origin (`Event.placed`): stream, seconds
     hiding: dict[int, float] = {}  # per stage: matmul seconds left to hide collectives behind
     projections: dict[int, float] = {}  # by origin: a computation's projection seconds
-    for i, e in enumerate(events):
-        origin = e.__dict__.get("_origin", e)  # what `e` was placed from (`Event.placed`)
-        known = timing.get(id(origin))
-        if known is None:
-            known = timing[id(origin)] = (stream_of(e), duration(e, hw, par))
-        stream, seconds = known
-        if overlap.tp_overlap == "chunked":
-            seconds = _chunked(e, origin, seconds, hw, overlap, hiding, projections)
-        phase = phase_of.get(id(e.phase))
-        if phase is None:
-            phase = phase_of[id(e.phase)] = numbered.setdefault(e.phase, len(numbered))
-        ready = stream_free[(e.stage, stream)]
-        reduction = e.kind == "collective" and e.axis != "pipe" and e.carries == "gradients"
-        if e.kind == "compute":
-            ready = max(ready, phase_inputs.get(phase, 0.0), pending.pop(e.stage, 0.0))
-            if e.phase.kind == "update":
-                ready = max(ready, reductions.pop(e.stage, 0.0))
-            if e.phase.kind in _READS_SHARED:
-                ready = max(ready, shared_in[e.stage])
-        else:
-            if not _reads_stored_weights(e):
-                ready = max(ready, last_compute.get((phase, e.stage), 0.0))
-            if e.kind in ("h2d", "broadcast") or e.axis == "pipe":
-                # after the stage's last computation; a pipe send also after that
-                # computation's collectives (what it carries)
-                produced = pending.get(e.stage, 0.0) if e.axis == "pipe" else 0.0
-                ready = max(ready, last_compute_on_stage.get(e.stage, 0.0), produced)
-        if e.phase.kind == "update":
-            ready = max(ready, gradients_out)
-        end = ready + seconds
-        spans.append(Span(i, e.stage, stream, e.phase, ready, end, e))
-        stream_free[(e.stage, stream)] = end
-        if e.kind == "compute":
-            last_compute[(phase, e.stage)] = end
-            if e.on == "device":
-                last_compute_on_stage[e.stage] = end
-        elif reduction:
-            reductions[e.stage] = max(reductions.get(e.stage, 0.0), end)
-        else:
-            phase_inputs[phase] = max(phase_inputs[phase], end)
-            if e.phase.kind == "shared":
-                shared_in[e.stage] = max(shared_in[e.stage], end)
-        blocks = e.axis != "pipe" or overlap.pipe_sends == "blocking"
-        if e.kind == "collective" and not reduction and blocks:
-            pending[e.stage] = max(pending.get(e.stage, 0.0), end)
-        if e.kind in ("d2h", "reduce") and e.carries == "gradients":
-            gradients_out = max(gradients_out, end)
+    i = -1
+    for micro, slot_stage, run in runs:
+        for e in run:
+            i += 1
+            origin = e.__dict__.get("_origin", e)  # what `e` was placed from (`Event.placed`)
+            known = timing.get(id(origin))
+            if known is None:
+                known = timing[id(origin)] = (stream_of(e), duration(e, hw, par))
+            stream, seconds = known
+            on = e.stage if slot_stage is None else slot_stage
+            if overlap.tp_overlap == "chunked":
+                seconds = _chunked(e, on, origin, seconds, hw, overlap, hiding, projections)
+            kind = e.phase.kind
+            at = e.phase if micro is None else e.phase.at(micro)
+            phase = phase_of.get(id(at))
+            if phase is None:
+                phase = phase_of[id(at)] = numbered.setdefault(at, len(numbered))
+            ready = stream_free[(on, stream)]
+            reduction = e.kind == "collective" and e.axis != "pipe" and e.carries == "gradients"
+            if e.kind == "compute":
+                ready = max(ready, phase_inputs.get(phase, 0.0), pending.pop(on, 0.0))
+                if kind == "update":
+                    ready = max(ready, reductions.pop(on, 0.0))
+                if kind in _READS_SHARED:
+                    ready = max(ready, shared_in[on])
+            else:
+                if not _reads_stored_weights(e):
+                    ready = max(ready, last_compute.get((phase, on), 0.0))
+                if e.kind in ("h2d", "broadcast") or e.axis == "pipe":
+                    # after the stage's last computation; a pipe send also after that
+                    # computation's collectives (what it carries)
+                    produced = pending.get(on, 0.0) if e.axis == "pipe" else 0.0
+                    ready = max(ready, last_compute_on_stage.get(on, 0.0), produced)
+            if kind == "update":
+                ready = max(ready, gradients_out)
+            end = ready + seconds
+            spans.append(Span(i, on, stream, at, ready, end, e))
+            stream_free[(on, stream)] = end
+            if e.kind == "compute":
+                last_compute[(phase, on)] = end
+                if e.on == "device":
+                    last_compute_on_stage[on] = end
+            elif reduction:
+                reductions[on] = max(reductions.get(on, 0.0), end)
+            else:
+                phase_inputs[phase] = max(phase_inputs[phase], end)
+                if kind == "shared":
+                    shared_in[on] = max(shared_in[on], end)
+            blocks = e.axis != "pipe" or overlap.pipe_sends == "blocking"
+            if e.kind == "collective" and not reduction and blocks:
+                pending[on] = max(pending.get(on, 0.0), end)
+            if e.kind in ("d2h", "reduce") and e.carries == "gradients":
+                gradients_out = max(gradients_out, end)
     step = max((s.end for s in spans), default=0.0)
     timeline = Timeline(spans, step)
     timeline.critical_stage, timeline.breakdown = _breakdown(spans, step)
@@ -243,6 +258,7 @@ def _reads_stored_weights(e: Event) -> bool:
 
 def _chunked(
     e: Event,
+    stage: int,
     origin: Event,
     seconds: float,
     hw: Hardware,
@@ -250,19 +266,19 @@ def _chunked(
     hiding: dict[int, float],
     projections: dict[int, float],
 ) -> float:
-    """`e`'s seconds under `tp_overlap="chunked"` (`overlap.py`): a device computation
+    """`e`'s seconds on `stage` under `tp_overlap="chunked"` (`overlap.py`): a device computation
     sets its stage's matmul time to hide behind; each of its hidden collectives, in
     order, takes what is left of it."""
     if e.kind == "compute" and e.on == "device":
         if id(origin) not in projections:
             projections[id(origin)] = projection_seconds(e, hw)
-        hiding[e.stage] = projections[id(origin)]
+        hiding[stage] = projections[id(origin)]
         return seconds
     if not overlap.hides(e):
         return seconds
-    budget = hiding.get(e.stage, 0.0)
+    budget = hiding.get(stage, 0.0)
     exposed = exposed_chunked(seconds, budget, e.group)
-    hiding[e.stage] = max(0.0, budget - (seconds - exposed) * e.group / max(e.group - 1, 1))
+    hiding[stage] = max(0.0, budget - (seconds - exposed) * e.group / max(e.group - 1, 1))
     return exposed
 
 

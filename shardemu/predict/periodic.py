@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from shardemu.accounting.assemble import AssembledLedger
 from shardemu.accounting.ledger import Event
 from shardemu.config import Parallelism
 from shardemu.parallel.schedules import Schedule, make_schedule
@@ -60,7 +61,7 @@ def extrapolated(a: Any, b: Any, ms: tuple[int, int], m: int) -> Any:
 
 
 def periodic_prediction(
-    steps: Sequence[list[Event]],
+    steps: Sequence[Sequence[Event] | AssembledLedger],
     ms: tuple[int, int],
     m: int,
     hw: Hardware,
@@ -95,7 +96,7 @@ def periodic_prediction(
 
 
 def timed_step(
-    events_of: Callable[[Schedule | None], list[Event]],
+    events_of: Callable[[Schedule | None], Sequence[Event] | AssembledLedger],
     sched: Schedule | None,
     extrapolate: bool,
     hw: Hardware,

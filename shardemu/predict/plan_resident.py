@@ -62,7 +62,7 @@ from shardemu.predict.resident_memory import (
     kept,
     resident_layout,
 )
-from shardemu.predict.resident_step import step_events, step_ledger
+from shardemu.predict.resident_step import step_ledger
 from shardemu.predict.roofline import least_training_step
 from shardemu.predict.sparse import (
     layer_factor,
@@ -229,10 +229,10 @@ def _predicted(
     ledger = step_ledger(mb, sched, lay, par, overlap)
     totals = _totals(ledger)
 
-    def events_of(schedule: Schedule | None) -> list[Event]:
+    def events_of(schedule: Schedule | None) -> AssembledLedger:
         if schedule is sched and timed is mb:
-            return ledger.events
-        return step_events(timed, schedule, lay, par, overlap)  # type: ignore[arg-type]
+            return ledger
+        return step_ledger(timed, schedule, lay, par, overlap)  # type: ignore[arg-type]
 
     timeline, prediction, _, ms = timed_step(
         events_of, sched, extrapolate, hardware, par, totals["model_flops"], tokens, memory,

@@ -8,9 +8,11 @@ The timeline the step time is read from is `costmodel.py`'s; its low-high band,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shardemu.accounting.assemble import AssembledLedger
 from shardemu.accounting.ledger import Event
 from shardemu.config import Parallelism
 from shardemu.errors import CapacityError
@@ -73,7 +75,7 @@ class Prediction:
 
 
 def predict(
-    events: list[Event],
+    events: Sequence[Event] | AssembledLedger,
     hw: Hardware,
     par: Parallelism,
     model_flops: float,

@@ -44,20 +44,13 @@ def _phase(kind: str, index: int, layers: tuple[int, int]) -> Phase:
     return Phase(kind, index, layers)  # type: ignore[arg-type]
 
 
-def step_events(
-    mb: Microbatch, sched: Schedule, lay: PipelineLayout, par: Parallelism, overlap: Overlap
-) -> list[Event]:
-    """The step's ledger: the schedule's slots (each virtual stage runs `lay`'s layers),
-    then each stage's gradient all-reduce (after its last backward, or only the shared
-    weights' there when the layers' reduce in buckets during their last backward:
-    `overlap.py`) and optimizer updates."""
-    return step_ledger(mb, sched, lay, par, overlap).events
-
-
 def step_ledger(
     mb: Microbatch, sched: Schedule, lay: PipelineLayout, par: Parallelism, overlap: Overlap
 ) -> AssembledLedger:
-    """`step_events`, assembled when they are first read."""
+    """The step's ledger, assembled when its events are first read: the schedule's slots
+    (each virtual stage runs `lay`'s layers), then each stage's gradient all-reduce
+    (after its last backward, or only the shared weights' there when the layers' reduce
+    in buckets during their last backward: `overlap.py`) and optimizer updates."""
     step = _StepEvents(mb, sched, lay, par, overlap)
     return AssembledLedger(sched, step.slot_events, after=step.after())
 
