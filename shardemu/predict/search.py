@@ -47,12 +47,12 @@ Prediction: a step of m microbatches (or passes) is the schedule's steady state
 repeated once every stage has started: from m = p microbatches, 1F1B's and the
 interleaved schedule's step times are linear in m (Narayanan et al. 2021, section 2.2:
 (m + p - 1) slots of a microbatch; interleaved, a bubble of (p - 1) / v slots).
-Each layout is planned at m1 = p and m2 = 2p microbatches and its step time
-extrapolated linearly to m (tests compare it with the full plan: equal to 1e-9; on
-GPT-3 175B's A100 layouts to 5e-13); memory is m2's, the full step's (1F1B holds
-min(m, p) microbatches; the interleaved schedule holds fewer at m = p than from 2p on,
-and gradients accumulate in FP32 only from m = 2). The best `top` are then planned at
-the full batch, and ranked by that.
+Each layout is planned with its step's m microbatches, which the planner times from
+two short steps (`periodic.py`: p and p + 1 microbatches for 1F1B, p and 2p for the
+interleaved schedule) and extrapolates linearly to m (tests compare it with the full
+plan: equal to 1e-9); its memory is the full step's. (The search planned p and 2p itself
+until 2026-11-26, and its 2p plan was itself timed from p and p + 1: the same line, a
+timeline more, and planned the best `top` again.) The best `top` are ranked by it.
 
 `modes="auto"` searches resident layouts, and phased ones only when no resident one
 fits (phased execution is "because the weights do not fit": MISSION.md).
@@ -68,7 +68,6 @@ from shardemu.config import ConfigError, ModelConfig, Parallelism, TrainConfig
 from shardemu.errors import CapacityError
 from shardemu.models import Model, as_model
 from shardemu.parallel.rules import Rules
-from shardemu.parallel.schedules import make_schedule
 from shardemu.predict.ahead import CountsAhead
 from shardemu.predict.bounds import Bounds
 from shardemu.predict.hardware import Hardware
@@ -82,9 +81,9 @@ from shardemu.predict.layouts import (
     resident_settings,
 )
 from shardemu.predict.microbatch import microbatch_candidates
+from shardemu.predict.plan import Plan
 from shardemu.predict.plan_phased import check_fit
 from shardemu.predict.planning import plan
-from shardemu.predict.prediction import Prediction
 from shardemu.predict.resident_count import CountKey, count_key, counted_microbatch
 from shardemu.predict.rows import Measures, SearchResult, SearchRow, Status
 
@@ -97,8 +96,8 @@ class Searcher(Bounds):
     log: Callable[[str], None] = lambda _: None
     ahead: CountsAhead | None = None  # the counts being made in the background
 
-    def plan(self, c: Candidate, microbatches: int) -> Prediction:
-        """The planner's prediction for `c` with `microbatches` microbatches (or passes)."""
+    def plan(self, c: Candidate, microbatches: int) -> Plan:
+        """The planner's plan of `c` with `microbatches` microbatches (or passes)."""
         if c.mode == "resident" and self.ahead is not None:
             self.ahead.ready(self.count_of(c))
         resident = {"recompute": c.recompute, "attention": self.space.attention}
@@ -114,7 +113,7 @@ class Searcher(Bounds):
             must_fit=True,
             band=False,  # ranked by the step alone: no band's ends timed
             **(resident if c.mode == "resident" else {}),
-        ).prediction  # type: ignore[return-value]
+        )
 
     def train_config(self, c: Candidate, microbatches: int) -> TrainConfig:
         """`c`'s training settings with `microbatches` microbatches (or passes), and the
@@ -138,28 +137,16 @@ class Searcher(Bounds):
         )
 
     def screen(self, c: Candidate) -> SearchRow:
-        """`c` predicted by extrapolating two short steps (module docstring), or planned
-        whole when its step is short anyway."""
+        """`c` planned with its step's microbatches: a long periodic step timed by the
+        planner from two short ones (`periodic.py`, status `extrapolated`; module
+        docstring), a short one whole (`planned`)."""
         m = self.microbatches(c)
-        m1, m2 = c.pipe, 2 * c.pipe
         try:
-            if c.mode == "resident":  # the full step's schedule, which the short plans
-                make_schedule(c.schedule, c.pipe, m, c.virtual)  # do not build, must exist
-            if m <= m2:
-                return _judged(c, m, Measures.of(self.plan(c, m), m), "planned")
-            second = self.plan(c, m2)  # the full step's memory: whether it fits
-            first = self.plan(c, m1)
+            planned = self.plan(c, m)
         except (CapacityError, ConfigError) as err:
             return _refusal(c, m, err)
-        s1, s2 = first.step_time_s, second.step_time_s
-        step = s1 + (m - m1) * (s2 - s1) / (m2 - m1)
-        measures = dataclasses.replace(
-            Measures.of(second, m2),
-            step_time_s=step,
-            tokens_per_s=self.batch * self.seq / step,
-            utilisation=second.utilisation * (m / m2) * (s2 / step),
-        )
-        return _judged(c, m, measures, "extrapolated")
+        how: Status = "extrapolated" if "period" in planned.report else "planned"
+        return _judged(c, m, Measures.of(planned.prediction, m), how)  # type: ignore[arg-type]
 
     def candidates(
         self, par: Parallelism, modes: tuple[Mode, ...], precision: str, size: int
@@ -382,16 +369,12 @@ def search(
                 f"memory ({len(rows)} tried, Space.modes {space.modes}); use more devices, "
                 f"a smaller `batch` or `seq`, or Space.modes both"
             )
-        best = []
-        for row in fitting[:top]:  # planned whole: the numbers the table shows
-            assert row.candidate is not None and row.microbatches is not None
-            full = Measures.of(s.plan(row.candidate, row.microbatches), row.microbatches)
-            status: Status = "planned" if full.fits else "does not fit"
-            best.append(
-                dataclasses.replace(
-                    row, status=status, measures=full, screened_step_time_s=row.step_time_s
-                )
-            )
+        # screened with the planner's own plan of the full step (`screen`): the numbers
+        # the table shows
+        best = [
+            dataclasses.replace(row, status="planned", screened_step_time_s=row.step_time_s)
+            for row in fitting[:top]
+        ]
     best.sort(key=lambda r: r.step_time_s)
     return SearchResult(
         s.model.name, hardware.name, devices, batch, seq, s.params, space, tuple(best),
