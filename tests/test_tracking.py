@@ -40,8 +40,9 @@ def wandb_records(run_dir):
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
-        if kind == 0:
-            break
+        if kind == 0:  # zeros: the block's padding, or none written yet past this point
+            pos += block - pos % block
+            continue
         chunks += raw[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
