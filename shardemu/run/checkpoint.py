@@ -73,6 +73,25 @@ def abstract_like(state: Any) -> Any:
     )
 
 
+def _state_handler() -> ocp.PyTreeCheckpointHandler:
+    """orbax's handler of a state's tree (what `StandardSave` uses), but for one setting:
+    each array is written from the shards of its first replica whole, not sliced
+    across its replicas on the devices first (`use_replica_parallel`, which spreads a
+    replicated array's writing over hosts). On one machine's virtual devices the slices
+    only added a compiled slice per shard and save: a tensor=2,replica=4 GPT-tiny saved
+    1,924 of them in four checkpoints (1.4 of its 2.4 s of saving), and test_checkpoint.py
+    took 33-35 CPU-s against 38-42. The files are the same tensorstore arrays (replicas
+    hold the same values), and a checkpoint of either kind restores."""
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)),
+        (np.ndarray, ocp.type_handlers.NumpyHandler()),
+        (int, ocp.type_handlers.ScalarHandler()),
+        (float, ocp.type_handlers.ScalarHandler()),
+        (np.number, ocp.type_handlers.ScalarHandler()),
+    )
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
 class Checkpoints:
     """The checkpoints of one run directory (the last two are kept)."""
 
@@ -82,14 +101,15 @@ class Checkpoints:
         self.path = Path(run_path).absolute() / CHECKPOINTS
         self.stages = tuple(stages)
         options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False)
-        self._manager = ocp.CheckpointManager(self.path, options=options)
+        handlers = {"state": _state_handler(), "meta": ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(self.path, options=options, item_handlers=handlers)
 
     def save(self, steps_done: int, state: Any, layout: dict[str, Any]) -> None:
         """The state after `steps_done` steps, and the layout it was made for."""
         meta = {"steps_done": steps_done, "data_position": steps_done, "layout": layout}
         if spanning.needed(self.stages):
             state = spanning.spanning(state, self.stages)
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
         self._manager.save(steps_done, args=args, force=True)
         self._manager.wait_until_finished()
         if jax.process_index() == 0:
@@ -118,7 +138,9 @@ class Checkpoints:
         """The state saved after `steps_done` steps, placed as `template` is."""
         joined = spanning.needed(self.stages)
         target = spanning.spanning_template(template, self.stages) if joined else template
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_like(target)))
+        abstract = abstract_like(target)
+        restore = ocp.checkpoint_utils.construct_restore_args(abstract)
+        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(abstract, restore_args=restore))
         state = self._manager.restore(steps_done, args=args).state
         return spanning.on_stages(state, template) if joined else state
 
