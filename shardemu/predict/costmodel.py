@@ -186,66 +186,104 @@ def build_timeline(
     pending: dict[int, float] = {}  # collectives since a stage's compute
     reductions: dict[int, float] = {}  # gradient reductions, per stage
     shared_in: dict[int, float] = defaultdict(float)  # the shared weights, per stage
-    timing: dict[int, tuple[str, float]] = {}  # by origin (`Event.placed`): stream, seconds
+    rules: dict[int, _Rules] = {}  # by origin (`Event.placed`): its stream, seconds, waits
     hiding: dict[int, float] = {}  # per stage: matmul seconds left to hide collectives behind
     projections: dict[int, float] = {}  # by origin: a computation's projection seconds
+    chunked, blocking = overlap.tp_overlap == "chunked", overlap.pipe_sends == "blocking"
     i = -1
     for micro, slot_stage, run in runs:
         for e in run:
             i += 1
             origin = e.__dict__.get("_origin", e)  # what `e` was placed from (`Event.placed`)
-            known = timing.get(id(origin))
-            if known is None:
-                known = timing[id(origin)] = (stream_of(e), duration(e, hw, par))
-            stream, seconds = known
+            r = rules.get(id(origin))
+            if r is None:
+                r = rules[id(origin)] = _rules_of(e, hw, par, blocking)
+            seconds = r.seconds
             on = e.stage if slot_stage is None else slot_stage
-            if overlap.tp_overlap == "chunked":
+            if chunked:
                 seconds = _chunked(e, on, origin, seconds, hw, overlap, hiding, projections)
-            kind = e.phase.kind
             at = e.phase if micro is None else e.phase.at(micro)
             phase = phase_of.get(id(at))
             if phase is None:
                 phase = phase_of[id(at)] = numbered.setdefault(at, len(numbered))
-            ready = stream_free[(on, stream)]
-            reduction = e.kind == "collective" and e.axis != "pipe" and e.carries == "gradients"
-            if e.kind == "compute":
+            ready = stream_free[(on, r.stream)]
+            if r.compute:
                 ready = max(ready, phase_inputs.get(phase, 0.0), pending.pop(on, 0.0))
-                if kind == "update":
+                if r.update:
                     ready = max(ready, reductions.pop(on, 0.0))
-                if kind in _READS_SHARED:
+                if r.reads_shared:
                     ready = max(ready, shared_in[on])
             else:
-                if not _reads_stored_weights(e):
+                if r.after_compute:
                     ready = max(ready, last_compute.get((phase, on), 0.0))
-                if e.kind in ("h2d", "broadcast") or e.axis == "pipe":
+                if r.after_stage:
                     # after the stage's last computation; a pipe send also after that
                     # computation's collectives (what it carries)
-                    produced = pending.get(on, 0.0) if e.axis == "pipe" else 0.0
+                    produced = pending.get(on, 0.0) if r.pipe else 0.0
                     ready = max(ready, last_compute_on_stage.get(on, 0.0), produced)
-            if kind == "update":
+            if r.update:
                 ready = max(ready, gradients_out)
             end = ready + seconds
-            spans.append(Span(i, on, stream, at, ready, end, e))
-            stream_free[(on, stream)] = end
-            if e.kind == "compute":
+            spans.append(Span(i, on, r.stream, at, ready, end, e))
+            stream_free[(on, r.stream)] = end
+            if r.compute:
                 last_compute[(phase, on)] = end
-                if e.on == "device":
+                if r.on_device:
                     last_compute_on_stage[on] = end
-            elif reduction:
+            elif r.reduction:
                 reductions[on] = max(reductions.get(on, 0.0), end)
             else:
                 phase_inputs[phase] = max(phase_inputs[phase], end)
-                if kind == "shared":
+                if r.shared:
                     shared_in[on] = max(shared_in[on], end)
-            blocks = e.axis != "pipe" or overlap.pipe_sends == "blocking"
-            if e.kind == "collective" and not reduction and blocks:
+            if r.holds:
                 pending[on] = max(pending.get(on, 0.0), end)
-            if e.kind in ("d2h", "reduce") and e.carries == "gradients":
+            if r.gradients_out:
                 gradients_out = max(gradients_out, end)
     step = max((s.end for s in spans), default=0.0)
     timeline = Timeline(spans, step)
     timeline.critical_stage, timeline.breakdown = _breakdown(spans, step)
     return timeline
+
+
+class _Rules(NamedTuple):
+    """What placing an event depends on, read off it once for every copy of it
+    (`Event.placed`) a timeline places: its stream and seconds, and which of the
+    module docstring's waits and records apply to it."""
+
+    stream: str
+    seconds: float
+    compute: bool
+    on_device: bool  # a computation on the device (not the host's)
+    update: bool  # in an optimizer update
+    reads_shared: bool  # a computation that reads the shared weights
+    shared: bool  # brings the shared weights in
+    reduction: bool  # a data-parallel reduction of gradients
+    after_compute: bool  # waits for its phase's computation on its stage
+    after_stage: bool  # waits for its stage's last computation (h2d, broadcast, pipe)
+    pipe: bool  # a send over `pipe`
+    holds: bool  # the stage's next computation waits for it (a collective it carries)
+    gradients_out: bool  # the gradients leaving for the host (the update waits)
+
+
+def _rules_of(e: Event, hw: Hardware, par: Parallelism, blocking: bool) -> _Rules:
+    collective, pipe = e.kind == "collective", e.axis == "pipe"
+    reduction = collective and not pipe and e.carries == "gradients"
+    return _Rules(
+        stream=stream_of(e),
+        seconds=duration(e, hw, par),
+        compute=e.kind == "compute",
+        on_device=e.on == "device",
+        update=e.phase.kind == "update",
+        reads_shared=e.phase.kind in _READS_SHARED,
+        shared=e.phase.kind == "shared",
+        reduction=reduction,
+        after_compute=not _reads_stored_weights(e),
+        after_stage=e.kind in ("h2d", "broadcast") or pipe,
+        pipe=pipe,
+        holds=collective and not reduction and (not pipe or blocking),
+        gradients_out=e.kind in ("d2h", "reduce") and e.carries == "gradients",
+    )
 
 
 def _reads_stored_weights(e: Event) -> bool:
