@@ -187,21 +187,18 @@ def build_timeline(
     reductions: dict[int, float] = {}  # gradient reductions, per stage
     shared_in: dict[int, float] = defaultdict(float)  # the shared weights, per stage
     rules: dict[int, _Rules] = {}  # by origin (`Event.placed`): its stream, seconds, waits
-    hiding: dict[int, float] = {}  # per stage: matmul seconds left to hide collectives behind
-    projections: dict[int, float] = {}  # by origin: a computation's projection seconds
-    chunked, blocking = overlap.tp_overlap == "chunked", overlap.pipe_sends == "blocking"
-    i = -1
+    chunking = _Chunking(hw, overlap) if overlap.tp_overlap == "chunked" else None
+    blocking = overlap.pipe_sends == "blocking"
     for micro, slot_stage, run in runs:
         for e in run:
-            i += 1
             origin = e.__dict__.get("_origin", e)  # what `e` was placed from (`Event.placed`)
             r = rules.get(id(origin))
             if r is None:
                 r = rules[id(origin)] = _rules_of(e, hw, par, blocking)
             seconds = r.seconds
             on = e.stage if slot_stage is None else slot_stage
-            if chunked:
-                seconds = _chunked(e, on, origin, seconds, hw, overlap, hiding, projections)
+            if chunking is not None:
+                seconds = chunking.seconds(e, on, origin, seconds)
             at = e.phase if micro is None else e.phase.at(micro)
             phase = phase_of.get(id(at))
             if phase is None:
@@ -224,7 +221,7 @@ def build_timeline(
             if r.update:
                 ready = max(ready, gradients_out)
             end = ready + seconds
-            spans.append(Span(i, on, r.stream, at, ready, end, e))
+            spans.append(Span(len(spans), on, r.stream, at, ready, end, e))
             stream_free[(on, r.stream)] = end
             if r.compute:
                 last_compute[(phase, on)] = end
@@ -240,6 +237,12 @@ def build_timeline(
                 pending[on] = max(pending.get(on, 0.0), end)
             if r.gradients_out:
                 gradients_out = max(gradients_out, end)
+    return _timeline_of(spans)
+
+
+def _timeline_of(spans: list[Span]) -> Timeline:
+    """The timeline of a step's placed spans: its step time (the last end), critical
+    stage and that stage's breakdown."""
     step = max((s.end for s in spans), default=0.0)
     timeline = Timeline(spans, step)
     timeline.critical_stage, timeline.breakdown = _breakdown(spans, step)
@@ -267,6 +270,7 @@ class _Rules(NamedTuple):
 
 
 def _rules_of(e: Event, hw: Hardware, par: Parallelism, blocking: bool) -> _Rules:
+    """`e`'s `_Rules` on `hw` (`blocking`: pipe sends hold the sender's next computation)."""
     collective, pipe = e.kind == "collective", e.axis == "pipe"
     reduction = collective and not pipe and e.carries == "gradients"
     return _Rules(
@@ -294,30 +298,31 @@ def _reads_stored_weights(e: Event) -> bool:
     return e.op == "all-gather" and e.carries == "weights" and e.phase.kind in _GATHERED
 
 
-def _chunked(
-    e: Event,
-    stage: int,
-    origin: Event,
-    seconds: float,
-    hw: Hardware,
-    overlap: Overlap,
-    hiding: dict[int, float],
-    projections: dict[int, float],
-) -> float:
-    """`e`'s seconds on `stage` under `tp_overlap="chunked"` (`overlap.py`): a device computation
-    sets its stage's matmul time to hide behind; each of its hidden collectives, in
-    order, takes what is left of it."""
-    if e.kind == "compute" and e.on == "device":
-        if id(origin) not in projections:
-            projections[id(origin)] = projection_seconds(e, hw)
-        hiding[stage] = projections[id(origin)]
-        return seconds
-    if not overlap.hides(e):
-        return seconds
-    budget = hiding.get(stage, 0.0)
-    exposed = exposed_chunked(seconds, budget, e.group)
-    hiding[stage] = max(0.0, budget - (seconds - exposed) * e.group / max(e.group - 1, 1))
-    return exposed
+class _Chunking:
+    """Seconds under `tp_overlap="chunked"` (`overlap.py`), in program order: a device
+    computation sets its stage's matmul time to hide behind; each of its hidden
+    collectives, in order, takes what is left of it."""
+
+    def __init__(self, hw: Hardware, overlap: Overlap) -> None:
+        self.hw, self.overlap = hw, overlap
+        self.hiding: dict[int, float] = {}  # per stage: matmul seconds left to hide behind
+        self.projections: dict[int, float] = {}  # by origin: a computation's projection seconds
+
+    def seconds(self, e: Event, stage: int, origin: Event, seconds: float) -> float:
+        """`e`'s seconds on `stage`, `seconds` without the overlap (`origin`: the event
+        `e` was placed from, whose projection is computed once)."""
+        if e.kind == "compute" and e.on == "device":
+            if id(origin) not in self.projections:
+                self.projections[id(origin)] = projection_seconds(e, self.hw)
+            self.hiding[stage] = self.projections[id(origin)]
+            return seconds
+        if not self.overlap.hides(e):
+            return seconds
+        budget = self.hiding.get(stage, 0.0)
+        exposed = exposed_chunked(seconds, budget, e.group)
+        left = budget - (seconds - exposed) * e.group / max(e.group - 1, 1)
+        self.hiding[stage] = max(0.0, left)
+        return exposed
 
 
 def compute_busy(spans: list[Span]) -> dict[int, float]:
