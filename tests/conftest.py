@@ -93,6 +93,15 @@ from shardemu.models import Model, get_preset  # noqa: E402
 NUM_DEVICES = 8
 
 
+def pytest_collection_finish(session) -> None:
+    """What is alive once the tests are imported (JAX, Flax, the test modules) stays
+    alive: moved out of the cyclic collector's sight (`gc.freeze`), so that its full
+    collections do not walk it again and again (test_pipeline.py 34.3-34.9 -> 32.3-32.5
+    CPU-s, two runs each)."""
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_sessionfinish(session) -> None:
     """The compilation cache goes with the session that made it (tens of MB a run)."""
     if _MADE_CACHE is not None:

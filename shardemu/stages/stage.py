@@ -260,11 +260,16 @@ def build_stages(
     """One `Stage` per mesh, with the specs of `rules` (already `stage_rules`) and
     `cfg`'s rts and rts'; optimizers without clipping (the update clips by the global
     norm it is given). Stages keep no state but their jitted pieces, so trainers of the
-    same settings in one process (a resumed run, a sweep) share them, traced once."""
-    return _stages(model, tuple(meshes), train, cfg, rules)
+    same settings in one process (a resumed run, a sweep, plans of other phase counts or
+    activation policies) share them, traced and compiled once: of `cfg`, the stages
+    depend on rts, rts' and weight streaming alone."""
+    pieces_cfg = PhasedConfig(
+        rts=cfg.rts, rts_optimizer=cfg.rts_opt, weight_streaming=cfg.weight_streaming
+    )
+    return _stages(model, tuple(meshes), train, pieces_cfg, rules)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=64)
 def _stages(
     model: Model,
     meshes: tuple[Mesh, ...],
