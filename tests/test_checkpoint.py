@@ -206,6 +206,34 @@ def test_a_second_sigterm_while_compiling_exits_143_with_one_line(tmp_path):
         assert read_metrics(out)
 
 
+def test_a_signal_just_after_the_run_directory_is_claimed_stops_the_run_cleanly(
+    tmp_path, monkeypatch
+):
+    """SIGINT the moment `.lock` is written (in this process: `RunDir._claim` raises it)
+    is a stop request like any other: the run stops before its first step, exit 130,
+    one line, and nothing left behind (no lock). The handlers used to be installed only
+    after the directory was claimed, so a signal in between killed the process and left
+    the directory locked (test_a_second_sigterm_while_compiling's SIGTERMs, now and then)."""
+    import signal as signals
+
+    from shardemu.report.rundir import RunDir
+
+    claim = RunDir._claim
+
+    def claim_and_signal(self):
+        claim(self)
+        signals.raise_signal(signals.SIGINT)
+
+    monkeypatch.setattr(RunDir, "_claim", claim_and_signal)
+    out = tmp_path / "run"
+    result = shardemu("run", *TINY, "--steps", "3", "--out", str(out))
+    assert result.returncode == 130, result.stderr
+    assert (
+        result.stderr.strip() == "error: SIGINT before the first step finished: nothing was written"
+    )
+    assert not (out / ".lock").exists()
+
+
 def test_divergence_stops_with_exit_3_and_valid_metrics(tmp_path):
     out = tmp_path / "diverged"
     result = shardemu("run", *TINY, "--steps", "4", "--lr", "1e30", "--out", str(out))

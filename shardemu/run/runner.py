@@ -112,7 +112,10 @@ def train(
     resumed = run.resume_from(resume) if resume is not None else Resumed()
     out = Path(out or resume or default_run_dir(model.name))
     reopen = resume is not None and out.resolve() == Path(resume).resolve()
-    return run.execute(RunDir(out, reopen=reopen), resumed, on_step)
+    # a signal is a stop request from before the run directory is claimed: one that came
+    # between the two used to kill the process and leave the directory locked
+    with StopSignals() as signals:
+        return run.execute(RunDir(out, reopen=reopen), resumed, on_step, signals)
 
 
 class Run:
@@ -197,21 +200,26 @@ class Run:
         return Resumed(source, 0, read_metrics(resume), read_ledger(resume), Path(resume))
 
     def execute(
-        self, run: RunDir, resumed: Resumed, on_step: Callable[[dict[str, Any]], None] | None
+        self,
+        run: RunDir,
+        resumed: Resumed,
+        on_step: Callable[[dict[str, Any]], None] | None,
+        signals: StopSignals,
     ) -> RunResult:
-        """Train into `run` from where `resumed` says; a run that fails before its first
-        step leaves no directory behind, and the trackers and checkpoints always close."""
+        """Train into `run` from where `resumed` says, stopping where `signals` (entered)
+        asks; a run that fails before its first step leaves no directory behind, and the
+        trackers and checkpoints always close."""
+        signals.on_abort = lambda: abort_run(run)
         trackers: Trackers | None = None
         try:
-            with StopSignals(on_abort=lambda: abort_run(run)) as signals:
-                # the state first: a resume that cannot restore it changes no file
-                state, compile_s, resumed = self._start(resumed, run)
-                for record in resumed.records:
-                    run.log(record)
-                trackers = open_trackers(self.tracking, run)
-                trackers.log_config(config_record(self._config_record(resumed)))
-                state, records = self._train(state, resumed, run, trackers, on_step, signals)
-                return self._finish(run, trackers, resumed, state, records, compile_s, signals)
+            # the state first: a resume that cannot restore it changes no file
+            state, compile_s, resumed = self._start(resumed, run)
+            for record in resumed.records:
+                run.log(record)
+            trackers = open_trackers(self.tracking, run)
+            trackers.log_config(config_record(self._config_record(resumed)))
+            state, records = self._train(state, resumed, run, trackers, on_step, signals)
+            return self._finish(run, trackers, resumed, state, records, compile_s, signals)
         except NonFiniteError as err:
             run.write_summary(f"# shardemu run: {self.model.cfg.name}\n\nstopped: {err}\n")
             raise
