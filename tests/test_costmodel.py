@@ -432,3 +432,31 @@ def test_an_expert_group_spans_its_tensor_groups():
     inside = dataclasses.replace(a2a, axis="tensor")
     assert duration(a2a, hw, par) == pytest.approx(1 / hw.inter_node_gbps)
     assert duration(inside, hw, par) == pytest.approx(1 / hw.intra_node_gbps)
+
+
+def test_a_ring_across_nodes_moves_its_bytes_over_its_devices_links_in_each_node():
+    """On DGX A100 nodes (a 25 GB/s NIC a GPU, NVLink at 300 GB/s between them), an
+    all-gather of 64 GPUs at tensor 1 (FSDP: all 8 of each node in the group) moves each
+    device's bytes at 8 x 25 GB/s; at tensor 2, 4 of the group a node, 100 GB/s; at
+    tensor 8 (Megatron's data parallelism: one a node), 25 GB/s. Inside a node: NVLink.
+    An all-to-all sends each device's share over its own NIC: 25 GB/s. A profile
+    without a NIC a device (an IPU-M2000's gateway) keeps its one link's figure."""
+    from shardemu.predict.costmodel import duration
+
+    hw = PROFILES["a100-80gb"]
+
+    def seconds(op: str, tensor: int, replica: int, group: int, profile=hw) -> float:
+        par = Parallelism(tensor=tensor, replica=replica)
+        event = Event(0, Phase("step"), "collective", "", bytes=int(1e9) * par.num_devices,
+                      axis="replica", devices=par.num_devices, op=op, group=group)  # fmt: skip
+        return duration(event, profile, par)
+
+    assert seconds("all-gather", 1, 64, 64) == pytest.approx(1 / 200)
+    assert seconds("reduce-scatter", 2, 32, 32) == pytest.approx(1 / 100)
+    assert seconds("all-reduce", 8, 8, 8) == pytest.approx(1 / 25)
+    assert seconds("all-gather", 1, 8, 8) == pytest.approx(1 / 300)  # one node: NVLink
+    assert seconds("all-to-all", 1, 64, 64) == pytest.approx(1 / 25)
+    shared = dataclasses.replace(hw, nic_per_device=False)
+    assert seconds("all-gather", 1, 64, 64, shared) == pytest.approx(1 / 25)
+    with pytest.raises(HardwareError, match="nic_per_device must be true or false, got 1"):
+        dataclasses.replace(hw, nic_per_device=1)

@@ -154,9 +154,28 @@ def duration(event: Event, hw: Hardware, par: Parallelism) -> float:
         return event.bytes * per_device / (hw.host_link_gbps * GB)
     if event.kind in ("broadcast", "reduce"):  # bytes per SwarmX link; devices = systems
         return hw.swarmx_seconds(event.bytes, event.devices)
-    intra = axis_span(event.axis or "", par) <= hw.devices_per_node
-    bandwidth = hw.intra_node_gbps if intra else hw.inter_node_gbps
-    return event.bytes * per_device / (bandwidth * GB)
+    return event.bytes * per_device / (collective_gbps(event, hw, par) * GB)
+
+
+RING_OPS = frozenset({"all-reduce", "all-gather", "reduce-scatter"})
+
+
+def collective_gbps(event: Event, hw: Hardware, par: Parallelism) -> float:
+    """GB/s per device for a collective's bytes: the node's links when its group stays in
+    one node; across nodes, a device's own link, or (`Hardware.nic_per_device`, a ring
+    collective) the links of the group's devices in one node together, at most the
+    node's own bandwidth. (FSDP over 64 A100s gathers at 8 x 25 GB/s a GPU; Megatron's
+    data parallelism at tensor 8, one device of each group a node, at 25.)"""
+    axis = event.axis or ""
+    span = axis_span(axis, par)
+    if span <= hw.devices_per_node:
+        return hw.intra_node_gbps
+    if not (hw.nic_per_device and event.op in RING_OPS):
+        return hw.inter_node_gbps
+    # the group's devices (`Event.group`, from the compiled replica groups) lie evenly
+    # over the devices its axis spans
+    in_node = max(1, hw.devices_per_node * event.group // span)
+    return min(hw.intra_node_gbps, in_node * hw.inter_node_gbps)
 
 
 def build_timeline(

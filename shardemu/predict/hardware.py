@@ -4,10 +4,11 @@
 A profile describes one device (an IPU, a CS-2 system, a GPU, a TPU chip) and the links
 around it. Devices are grouped into nodes of `devices_per_node` (an IPU-M2000, an 8-GPU
 NVLink box, a TPU host); a collective whose devices all sit in one node uses
-`intra_node_gbps`, else `inter_node_gbps`. All bandwidths are per device and per
-direction, in GB/s (10^9 bytes/s). `efficiency` is the one calibration constant per
-profile: the fraction of peak FLOP/s that compute achieves (see benchmarks/validation.py;
-it is not tuned per result).
+`intra_node_gbps`, else `inter_node_gbps` (times the group's devices in a node, for a
+ring collective on a profile with a NIC a device: `nic_per_device`). All bandwidths
+are per device and per direction, in GB/s (10^9 bytes/s). `efficiency` is the one
+calibration constant per profile: the fraction of peak FLOP/s that compute achieves
+(see benchmarks/validation.py; it is not tuned per result).
 
 Every figure cites its source next to it. Users add profiles from TOML or JSON with the
 same keys (`load_profile`), validated with errors that name the key and the fix.
@@ -104,6 +105,16 @@ class Hardware:
     efficiency_spread: float = 0.3
     memory_fragmentation: float = 0.0
     memory_fragmentation_max: float = 0.0
+    # Each device has its own link out of its node (`inter_node_gbps`: a GPU's NIC in a
+    # DGX), and reaches its node's other links over `intra_node_gbps`: a ring collective
+    # (all-reduce, all-gather, reduce-scatter) whose group holds k devices of each node
+    # splits its traffic over their k links (NCCL: "we can use NVLink to split the
+    # operations in N parts then balance the traffic onto the N NICs", NVIDIA/nccl issue
+    # 601), so each device moves its bytes at k x `inter_node_gbps`, at most
+    # `intra_node_gbps` (`costmodel.collective_gbps`). False: one device's link is all a
+    # collective across nodes has (an IPU-M2000's gateway, whose figure is already a
+    # share of the machine's).
+    nic_per_device: bool = False
 
     def __post_init__(self) -> None:
         for key in (
@@ -125,6 +136,11 @@ class Hardware:
                     f"hardware {self.name!r}: {key} = {value!r} is more memory than any "
                     f"machine holds (at most {2**63 / GB:.3g} GB)"
                 )
+        if not isinstance(self.nic_per_device, bool):
+            raise HardwareError(
+                f"hardware {self.name!r}: nic_per_device must be true or false, got "
+                f"{self.nic_per_device!r}"
+            )
         for key, least in (("devices_per_node", 1), ("swarmx_fanout", 2)):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:

@@ -105,6 +105,7 @@ def _gpu(
         efficiency_spread=SPREAD_BORROWED,  # the H100 sets its own: SPREAD_MEASURED
         **MEASURED_ON_H100,
         **GPU_FRAGMENTATION,
+        nic_per_device=True,  # DGX / HGX nodes: a NIC a GPU (`ib`), NVLink between them
     )
 
 
