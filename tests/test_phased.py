@@ -9,6 +9,7 @@ product would compile 36 step variants per model). The ledger's bytes are checke
 against the shard sizes of the rules table; abstract mode's ledger against real mode's.
 """
 
+import collections
 import dataclasses
 
 import jax
@@ -257,6 +258,14 @@ def test_pipeline_stages_with_phases(tiny_model, reference, assert_params_close)
     check_against_reference(trainer, state, results, reference, assert_params_close)
     assert trainer.ledger.step_totals(0)["bytes_collective"]["pipe"] > 0
     assert [t.held for t in trainer.tiers] == [{}, {}]
+    # the plan's host tier per device is what the run's host arrays hold on the device
+    # holding the most (each stage its own phases; the first the shared weights too)
+    held = collections.Counter()
+    for array in jax.tree.leaves(state):
+        for shard in array.addressable_shards:
+            held[shard.device] += shard.data.nbytes
+    plan = trainer.plan()
+    assert plan.host_bytes == max(held.values())  # (both stages' layers: 752,652 > 450,440)
 
 
 def test_device_memory_picks_the_fewest_phases_that_fit(tiny_model, runs):
