@@ -86,9 +86,10 @@ class AssembledLedger(Ledger):
         return out
 
     def compact(self) -> dict[str, Any]:
-        """ledger.json's document of these events (`ledger_file.encode`)."""
-        slots = self._schedule.in_order
-        placed = ((self._slot_events(s), s.microbatch, s.stage) for s in slots)
+        """ledger.json's document of these events (`ledger_file.encode`): the slots'
+        runs (`runs`), none placed."""
+        slots = self.runs()[1:-1]
+        placed = ((events, micro, stage) for micro, stage, events in slots)
         return encode_placed(self._before, placed, self._after)
 
 
