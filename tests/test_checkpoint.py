@@ -214,15 +214,13 @@ def test_a_signal_just_after_the_run_directory_is_claimed_stops_the_run_cleanly(
     one line, and nothing left behind (no lock). The handlers used to be installed only
     after the directory was claimed, so a signal in between killed the process and left
     the directory locked (test_a_second_sigterm_while_compiling's SIGTERMs, now and then)."""
-    import signal as signals
-
     from shardemu.report.rundir import RunDir
 
     claim = RunDir._claim
 
     def claim_and_signal(self):
         claim(self)
-        signals.raise_signal(signals.SIGINT)
+        signal.raise_signal(signal.SIGINT)
 
     monkeypatch.setattr(RunDir, "_claim", claim_and_signal)
     out = tmp_path / "run"

@@ -9,6 +9,7 @@ fits; the plan's rows say per phase what it stores, gathers, keeps and moves.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -217,16 +218,12 @@ def host_tier_bytes(state: Any, layout: Layout) -> dict[str, int]:
     and their optimizer state, and on the first stage the shared weights, where
     `PhasedTrainer` stores them. (Every stage's layers summed, as before 2026-11-26,
     charged each device a whole pipeline's: GPT-3 on an IPU-POD256 at pipe 8, 76.5 GB
-    an IPU against 9.6.)"""
-    per_stage: dict[int, tuple[int, int]] = {}
+    an IPU against 9.9.)"""
+    weights = Counter({0: bytes_per_device(state.shared)})
+    optimizer = Counter({0: bytes_per_device(state.opt_shared)})
     for i, (layers, opt) in enumerate(zip(state.layers, state.opt_layers, strict=True)):
         stage = layout.stage_of(i).index
-        weights, optimizer = per_stage.get(stage, (0, 0))
-        per_stage[stage] = (weights + bytes_per_device(layers), optimizer + bytes_per_device(opt))
-    weights, optimizer = per_stage.get(0, (0, 0))
-    per_stage[0] = (
-        weights + bytes_per_device(state.shared),
-        optimizer + bytes_per_device(state.opt_shared),
-    )
-    most = max(per_stage.values(), key=sum)
-    return {"host_weight_bytes": most[0], "host_optimizer_bytes": most[1]}
+        weights[stage] += bytes_per_device(layers)
+        optimizer[stage] += bytes_per_device(opt)
+    most = max(weights, key=lambda stage: weights[stage] + optimizer[stage])
+    return {"host_weight_bytes": weights[most], "host_optimizer_bytes": optimizer[most]}
