@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from shardemu.accounting.ledger import Event, Phase
+from shardemu.accounting.ledger import Event, Matmul, Phase
 from shardemu.config import Parallelism
 from shardemu.errors import HardwareError
 from shardemu.predict.hardware import GB
@@ -43,6 +43,21 @@ def test_a_compute_bound_step_spans_the_efficiency_spread():
     exact = dataclasses.replace(hw, efficiency_spread=0.0)  # a figure known exactly
     _, p = predict([compute(FLOPS)], exact, ONE, FLOPS, tokens=1)
     assert p.band.step_time_s == (p.step_time_s, p.step_time_s)
+
+
+def test_a_fused_attention_core_spans_the_spread_at_its_own_rate():
+    """A fused attention core of 4e12 FLOPs (causal: half computed) beside a 1e12 GEMM,
+    no roofline: each at its kernel's efficiency (`attention_efficiency`, the A100's
+    0.62, and `efficiency`, 0.73), and both scaled by e^(-+spread) at the band's ends."""
+    hw = dataclasses.replace(A100, memory_gbps=None, efficiency_spread=0.2)
+    core = Matmul(4e12, 0, attention=True, share=0.5, fused=True)
+    event = compute(5e12, run_flops=5e12, matmuls=(core, Matmul(1e12, 0)))
+    _, p = predict([event], hw, ONE, 5e12, tokens=1)
+    peak = hw.peak_tflops * 1e12
+    by_hand = [
+        2e12 / (peak * 0.62 * f) + 1e12 / (peak * 0.73 * f) for f in (1, math.e**0.2, math.e**-0.2)
+    ]
+    assert (p.step_time_s, *p.band.step_time_s) == pytest.approx(by_hand, rel=1e-12)
 
 
 def test_a_memory_bound_kernel_spans_fused_to_emitted_bytes():

@@ -112,15 +112,17 @@ class Phase:
 class Matmul(NamedTuple):
     """One matmul kernel per device and run of its compiled piece (`matmuls.py`): its
     FLOPs, the bytes of its operands and output, whether both operands are FP8, whether
-    it is an attention core's batched product (its [s, s] scores), and the share of
-    its FLOPs the target's kernel computes (a causal fused attention core skips the
-    blocks above the diagonal: `flops.causal_fraction`)."""
+    it is an attention core's batched product (its [s, s] scores), the share of its
+    FLOPs the target's kernel computes (a causal fused attention core skips the blocks
+    above the diagonal: `flops.causal_fraction`), and whether a fused attention kernel
+    (FlashAttention) computes it, at its own rate (`Hardware.attention_efficiency`)."""
 
     flops: float
     bytes: int
     fp8: bool = False
     attention: bool = False
     share: float = 1.0
+    fused: bool = False
 
 
 @dataclass(frozen=True)

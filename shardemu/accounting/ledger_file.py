@@ -168,10 +168,16 @@ def _event(step: int, micro: int | None, stage: int, piece: dict[str, Any]) -> E
     layers = tuple(p["layers"]) if p["layers"] is not None else None
     phase = Phase(p["kind"], p["index"], layers, micro)
     body = {f: piece[f] for f in _BODY if f in piece}  # a field added since: its default
-    # [FLOPs, bytes, FP8, attention, share]; a file written before FP8 has only the first
-    # two, one written before causal shares the first four
+    # [FLOPs, bytes, FP8, attention, share, fused]; a file written before FP8 has only the
+    # first two, one written before causal shares the first four, before fused the five
     body["matmuls"] = tuple(
-        Matmul(float(m[0]), int(m[1]), *(bool(x) for x in m[2:4]), *(float(x) for x in m[4:5]))
+        Matmul(
+            float(m[0]),
+            int(m[1]),
+            *(bool(x) for x in m[2:4]),
+            *(float(x) for x in m[4:5]),
+            *(bool(x) for x in m[5:6]),
+        )  # fmt: skip
         for m in piece["matmuls"]
     )
     return Event(step=step, phase=phase, stage=stage, **body)

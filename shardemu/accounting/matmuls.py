@@ -200,7 +200,14 @@ class Kernels:
             return sum(_bytes(x, width(i)) for i, x in enumerate(d.arrays) if i != dropped)
 
         return tuple(
-            Matmul(d.flops, moved(d), d.fp8, d.scores is not None) for d in self.dots
+            Matmul(
+                d.flops,
+                moved(d),
+                d.fp8,
+                d.scores is not None,
+                fused=fused_attention and d.scores is not None,
+            )  # fmt: skip
+            for d in self.dots
         ), self.memory(fused_attention)
 
     def memory(self, fused_attention: bool = False, target: bool = False) -> int:

@@ -4,7 +4,8 @@ of the profile's estimates.
 A step's counts are exact (XLA's, for the shapes the target runs); what turns them into
 seconds and fits holds estimates (`Hardware`):
 
-- `efficiency`, the fraction of peak that compute achieves, known within a factor
+- `efficiency`, the fraction of peak that compute achieves (and with it the fused
+  attention and FP8 kernels' own, where a profile gives them), known within a factor
   e^(+-efficiency_spread): measured on the H100, borrowed elsewhere, assumed on the IPU
   and the CS-2 (`profiles.py` says which);
 - which kernels the non-matmul bytes move through, where a roofline times them: those
@@ -58,15 +59,20 @@ def ends(hw: Hardware) -> tuple[Hardware, Hardware]:
     """(fast, slow): `hw` with its estimates at either end of their spread. Kernel fusion
     matters only to a roofline (a profile with `memory_gbps`); efficiency stays <= 1."""
     roofline = hw.memory_gbps is not None
+
+    def scaled(sign: int) -> dict[str, float | None]:  # every efficiency, one factor
+        factor = math.exp(sign * hw.efficiency_spread)
+        return {
+            key: None if value is None else min(1.0, value * factor)
+            for key in ("efficiency", "attention_efficiency", "fp8_efficiency")
+            for value in (getattr(hw, key),)
+        }
+
     fast = dataclasses.replace(
-        hw,
-        efficiency=min(1.0, hw.efficiency * math.exp(hw.efficiency_spread)),
-        kernel_fusion="fused" if roofline else hw.kernel_fusion,
+        hw, **scaled(1), kernel_fusion="fused" if roofline else hw.kernel_fusion
     )
     slow = dataclasses.replace(
-        hw,
-        efficiency=hw.efficiency * math.exp(-hw.efficiency_spread),
-        kernel_fusion="emitted" if roofline else hw.kernel_fusion,
+        hw, **scaled(-1), kernel_fusion="emitted" if roofline else hw.kernel_fusion
     )
     return fast, slow
 

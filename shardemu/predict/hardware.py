@@ -34,6 +34,20 @@ GB = 1e9
 # their own efficiencies (0.4, 0.5), for which we have no measurement either.
 KERNEL_FUSION = ("emitted", "fused")  # `Hardware.kernel_fusion`
 MEASURED_ON_H100 = {"efficiency": 0.73, "matmul_latency_us": 13.5, "memory_efficiency": 0.83}
+# The two matmul kernels whose rate a GEMM's efficiency does not give, measured on an H100
+# SXM at its 700 W limit (benchmarks/kernel_rates.py, PyTorch 2.11, CUDA 13;
+# benchmarks/measured/kernel_rates_torch.json; calibration, 2026-11-26):
+# - FP8 (`fp8_efficiency`): torch._scaled_mm (cuBLASLt, E4M3, per-tensor scales, BF16
+#   output, as torchao's float8 training calls it) on Llama 3 8B's projections at 16k
+#   tokens and on 8192^3: 1211-1348 TFLOP/s, median 0.65 of 1979 (BF16 in the same run:
+#   0.74 of 989, the GEMM calibration's 0.73);
+# - fused attention (`attention_efficiency`): FlashAttention-2, PyTorch's SDPA default on
+#   Hopper (cuDNN's is opt-in: pytorch/pytorch issue 138649, 2024; still so in 2026,
+#   huggingface/transformers PR 48163), head width 128, sequences 2k to 128k, causal and
+#   not, forward + backward with FLOPs as FlashAttention counts them (3.5 x the
+#   forward's): 246-328 TFLOP/s, median 0.33 of 989; the 2k causal core 0.25. cuDNN's
+#   kernel ran at 0.55 (median; JAX's cuDNN path 0.54): a profile file can give it.
+MEASURED_KERNELS_H100 = {"attention_efficiency": 0.33, "fp8_efficiency": 0.65}
 # How well those are known (`Hardware.efficiency_spread`): on the H100, the fit's median
 # |log error| (0.12, same calibration); on the GPUs and TPUs that borrow them, 0.2, our
 # assumption, between that and the 0.3 we assume where nothing was measured.
@@ -115,6 +129,14 @@ class Hardware:
     # collective across nodes has (an IPU-M2000's gateway, whose figure is already a
     # share of the machine's).
     nic_per_device: bool = False
+    # The rates of the two matmul kernels that a plain GEMM's `efficiency` does not
+    # describe (`roofline.py`), as fractions of their peak: a fused attention core
+    # (FlashAttention: its forward's two products and its backward's five, the scores
+    # recomputed, as FlashAttention counts them; `Matmul.fused`) of `peak_tflops`, and
+    # an FP8 matmul of `fp8_tflops`. None: `efficiency` (a profile that does not tell
+    # them apart). Both follow `efficiency` across the band (`band.py`).
+    attention_efficiency: float | None = None
+    fp8_efficiency: float | None = None
 
     def __post_init__(self) -> None:
         for key in (
@@ -171,8 +193,11 @@ class Hardware:
                 f"hardware {self.name!r}: kernel_fusion must be one of "
                 f"{', '.join(KERNEL_FUSION)}, got {self.kernel_fusion!r}"
             )
-        for key in ("efficiency", "memory_efficiency"):
+        optional = ("attention_efficiency", "fp8_efficiency")  # left out: `efficiency`
+        for key in ("efficiency", "memory_efficiency", *optional):
             value = getattr(self, key)
+            if value is None and key in optional:
+                continue
             if not (_real(value) and 0 < value <= 1):
                 raise HardwareError(
                     f"hardware {self.name!r}: {key} must be in (0, 1], got {value!r}"
@@ -233,6 +258,14 @@ class Hardware:
                 f"fp8_tflops = {self.fp8_tflops!r} disagree; a device computes in fp8 "
                 f"exactly when it has an FP8 matmul peak (give both, or neither)"
             )
+
+    def rates(self) -> tuple[float, float, float]:
+        """FLOP/s of a plain matmul, an FP8 matmul and a fused attention core (each its
+        peak x its efficiency; FP8 at the 16-bit peak on a profile without one, which
+        `roofline.run_seconds` refuses before it multiplies FP8 operands)."""
+        fp8 = (self.fp8_tflops or self.peak_tflops) * (self.fp8_efficiency or self.efficiency)
+        attention = self.peak_tflops * (self.attention_efficiency or self.efficiency)
+        return self.peak_tflops * self.efficiency * 1e12, fp8 * 1e12, attention * 1e12
 
     def sparse_time(self, density: float, block: int) -> float:
         """The time of a block-sparse matmul at `density` with `block`-sized blocks, as a

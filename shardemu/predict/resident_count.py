@@ -308,6 +308,7 @@ def counted_microbatch(key: CountKey) -> Microbatch:
             False,
             True,
             fraction,
+            fused=True,
         )
         mb = _add_backward_flops(mb, scores, kernel)
     return mb

@@ -5,11 +5,12 @@ FLOPs at the compute rate and its bytes at the memory bandwidth. Per run of a pi
 
 - each matmul XLA emitted (`accounting/matmuls.py`) takes
   max(FLOPs / (peak x efficiency), bytes / (memory_gbps x memory_efficiency))
-  + matmul_latency_us (its peak `fp8_tflops` when it multiplies FP8 operands; of its
-  FLOPs the `Matmul.share` its kernel computes: a causal fused attention core's): the
-  latency is the efficiency curve of small matmuls (a fixed cost per kernel: launch,
-  tile prologue, a last partial wave), which dominates below about 10^10 FLOPs on an
-  H100;
+  + matmul_latency_us (of its FLOPs the `Matmul.share` its kernel computes: a causal
+  fused attention core's), at its kernel's rate (`Hardware.rates`): `fp8_tflops` x
+  `fp8_efficiency` when it multiplies FP8 operands, peak x `attention_efficiency`
+  inside a fused attention kernel (FlashAttention); the latency is the efficiency
+  curve of small matmuls (a fixed cost per kernel: launch, tile prologue, a last
+  partial wave), which dominates below about 10^10 FLOPs on an H100;
 - the piece's other kernels (softmax, layer norm, GELU, the optimizer's update) take
   max(their FLOPs / (peak x efficiency), their bytes / bandwidth): memory-bound wherever
   they are, as they almost always are. Their bytes are those of the kernels XLA's CPU
@@ -21,8 +22,10 @@ The parameters of the built-in GPU profiles were measured with XLA on an H100
 (fitted to 248 matmul shapes, median |log error| 0.12), and 83% of the HBM bandwidth
 (2.77 TB/s of 3.35 for an elementwise kernel over 4 GiB). No parameter was fitted to
 whole layers: predicted GPT layers of width 768 to 8192 match measured ones within 19%
-(median 5.5%; docs/results.md). A profile without `memory_gbps` (or an event counted
-before the roofline existed) times computations as FLOPs / (peak x efficiency).
+(median 5.5%; docs/results.md). The FP8 and fused-attention rates were measured on an
+H100 too (`benchmarks/kernel_rates.py`; `profiles.py`). A profile without `memory_gbps`
+(or an event counted before the roofline existed) times computations as their FLOPs at
+their kernels' rates.
 """
 
 from __future__ import annotations
@@ -42,35 +45,37 @@ def run_seconds(
     run_flops: float, matmuls: tuple[Matmul, ...], memory_bytes: int, hw: Hardware
 ) -> float:
     """Seconds of one run of a piece on one device (see the module docstring)."""
-    rate = hw.peak_tflops * hw.efficiency * 1e12
-    fp8_flops = sum(m.flops for m in matmuls if m.fp8)
-    if fp8_flops and hw.fp8_tflops is None:
+    rate, fp8_rate, attention_rate = hw.rates()
+    if hw.fp8_tflops is None and any(m.fp8 for m in matmuls):
         raise HardwareError(
             f"hardware {hw.name!r} has no FP8 matmul peak (fp8_tflops), but the program "
             f"multiplies FP8 operands; give the profile fp8_tflops, or plan another precision"
         )
-    fp8_rate = (hw.fp8_tflops or hw.peak_tflops) * hw.efficiency * 1e12
+
+    def computed(m: Matmul) -> float:  # seconds of its FLOPs at its kernel's rate
+        return m.flops * m.share / (fp8_rate if m.fp8 else attention_rate if m.fused else rate)
+
     if hw.memory_gbps is None:
-        return (run_flops - fp8_flops) / rate + fp8_flops / fp8_rate
+        rest = max(run_flops - sum(m.flops for m in matmuls), 0.0)
+        return rest / rate + sum(map(computed, matmuls))
     bandwidth = hw.memory_gbps * hw.memory_efficiency * GB
     latency = hw.matmul_latency_us * 1e-6
-    seconds = sum(
-        max(m.flops * m.share / (fp8_rate if m.fp8 else rate), m.bytes / bandwidth) + latency
-        for m in matmuls
-    )
+    seconds = sum(max(computed(m), m.bytes / bandwidth) + latency for m in matmuls)
     rest = max(run_flops - sum(m.flops for m in matmuls), 0.0)
     return seconds + max(rest / rate, memory_bytes / bandwidth)
 
 
 def least_step_seconds(flops: float, devices: int, hw: Hardware, fp8: bool = False) -> float:
     """No step that computes `flops` FLOPs over `devices` devices of `hw` is faster:
-    each run of a piece takes at least its FLOPs at peak x efficiency (`run_seconds`:
-    each matmul's term, and the rest's, is at least its FLOPs at that rate; with `fp8`,
-    the faster of the 16-bit and FP8 peaks), a stage's computations run one after
-    another on its compute stream (`costmodel.build_timeline`), and some stage computes
-    at least the average share. So no layout's utilisation exceeds the efficiency."""
-    peak = max(hw.peak_tflops, hw.fp8_tflops or 0.0) if fp8 else hw.peak_tflops
-    return flops / (devices * peak * hw.efficiency * 1e12)
+    each run of a piece takes at least its FLOPs at the fastest rate a kernel of it can
+    have (`run_seconds`: each matmul's term, and the rest's, is at least its FLOPs at
+    its kernel's rate, `Hardware.rates`; FP8's only with `fp8`), a stage's computations
+    run one after another on its compute stream (`costmodel.build_timeline`), and some
+    stage computes at least the average share. So no layout's utilisation exceeds the
+    fastest kernel's efficiency."""
+    rate, fp8_rate, attention_rate = hw.rates()
+    fastest = max(rate, attention_rate, fp8_rate if fp8 and hw.fp8_tflops else 0.0)
+    return flops / (devices * fastest)
 
 
 def least_training_step(model: Model, train: TrainConfig, devices: int, hw: Hardware) -> float:
