@@ -93,6 +93,8 @@ def test_fits_are_judged_after_the_allocators_fragmentation():
         ("efficiency_spread = -0.1", "efficiency_spread must be in [0, 1]"),
         ("memory_fragmentation = 0.4", "memory_fragmentation (0.4) and memory_fragmentation_max"),
         ("memory_fragmentation_max = 1.0", "< 1 (fractions of the device memory)"),
+        ("attention_efficiency = 1.2", "attention_efficiency must be in (0, 1], got 1.2"),
+        ('fp8_efficiency = "high"', "fp8_efficiency must be in (0, 1], got 'high'"),
     ],
 )
 def test_a_profile_with_impossible_spreads_is_refused(tmp_path, line, message):

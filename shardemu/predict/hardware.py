@@ -48,6 +48,9 @@ MEASURED_ON_H100 = {"efficiency": 0.73, "matmul_latency_us": 13.5, "memory_effic
 #   forward's): 246-328 TFLOP/s, median 0.33 of 989; the 2k causal core 0.25. cuDNN's
 #   kernel ran at 0.55 (median; JAX's cuDNN path 0.54): a profile file can give it.
 MEASURED_KERNELS_H100 = {"attention_efficiency": 0.33, "fp8_efficiency": 0.65}
+# FlashAttention-2 reaches "50-73% of the theoretical maximum FLOPs/s on A100" (Dao 2023,
+# "FlashAttention-2", abstract): its middle for forward + backward, our assumption.
+A100_ATTENTION = 0.62
 # How well those are known (`Hardware.efficiency_spread`): on the H100, the fit's median
 # |log error| (0.12, same calibration); on the GPUs and TPUs that borrow them, 0.2, our
 # assumption, between that and the 0.3 we assume where nothing was measured.
@@ -193,15 +196,6 @@ class Hardware:
                 f"hardware {self.name!r}: kernel_fusion must be one of "
                 f"{', '.join(KERNEL_FUSION)}, got {self.kernel_fusion!r}"
             )
-        optional = ("attention_efficiency", "fp8_efficiency")  # left out: `efficiency`
-        for key in ("efficiency", "memory_efficiency", *optional):
-            value = getattr(self, key)
-            if value is None and key in optional:
-                continue
-            if not (_real(value) and 0 < value <= 1):
-                raise HardwareError(
-                    f"hardware {self.name!r}: {key} must be in (0, 1], got {value!r}"
-                )
         if not isinstance(self.block_sparse_speed, list | tuple) or not all(
             isinstance(pair, list | tuple) for pair in self.block_sparse_speed
         ):
@@ -223,8 +217,16 @@ class Hardware:
                 )
 
     def _check_estimates(self) -> None:
-        """The band's spreads: efficiency_spread >= 0, and 0 <= memory_fragmentation <=
+        """The efficiencies in (0, 1] (the kernels' own left out or so), and the band's
+        spreads: efficiency_spread >= 0, 0 <= memory_fragmentation <=
         memory_fragmentation_max < 1."""
+        optional = ("attention_efficiency", "fp8_efficiency")  # left out: `efficiency`
+        for key in ("efficiency", "memory_efficiency", *optional):
+            value = getattr(self, key)
+            if not (value is None and key in optional or _real(value) and 0 < value <= 1):
+                raise HardwareError(
+                    f"hardware {self.name!r}: {key} must be in (0, 1], got {value!r}"
+                )
         spread = self.efficiency_spread
         if not (_real(spread) and 0 <= spread <= 1):
             raise HardwareError(

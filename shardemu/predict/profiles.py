@@ -10,11 +10,13 @@ import json
 import logging
 import tomllib
 from pathlib import Path
+from typing import Any
 
 from shardemu.config import BLOCK_SIZES
 from shardemu.config.files import read_text
 from shardemu.errors import HardwareError
 from shardemu.predict.hardware import (
+    A100_ATTENTION,
     GPU_FRAGMENTATION,
     MEASURED_KERNELS_H100,
     MEASURED_ON_H100,
@@ -84,10 +86,13 @@ def _gpu(
     ib: float,
     desc: str,
     fp8: float | None = None,
+    **figures: Any,
 ) -> Hardware:
     """An NVIDIA GPU: `tflops` BF16/FP16 dense; FP32 matmuls run on the tensor cores as
     TF32 (`tf32`), as XLA's default precision and cuBLAS's TF32 mode do on Ampere and
-    Hopper; `fp8` dense FP8 (Hopper and later; `--precision fp8`)."""
+    Hopper; `fp8` dense FP8 (Hopper and later; `--precision fp8`); `figures`, the
+    profile's own estimates over the borrowed ones."""
+    estimates = {"efficiency_spread": SPREAD_BORROWED, **MEASURED_ON_H100, **figures}
     return Hardware(
         name=name,
         peak_tflops=tflops,
@@ -103,8 +108,7 @@ def _gpu(
         host_tflops=2.0,
         description=desc,
         memory_gbps=hbm_gbps,
-        efficiency_spread=SPREAD_BORROWED,  # the H100 sets its own: SPREAD_MEASURED
-        **MEASURED_ON_H100,
+        **estimates,  # the H100 sets its own spread: SPREAD_MEASURED
         **GPU_FRAGMENTATION,
         nic_per_device=True,  # DGX / HGX nodes: a NIC a GPU (`ib`), NVLink between them
     )
@@ -142,11 +146,6 @@ def _tpu(
         **MEASURED_ON_H100,
     )
 
-
-# FlashAttention-2 reaches "50-73% of the theoretical maximum FLOPs/s on A100" (Dao 2023,
-# "FlashAttention-2", abstract): its middle for forward + backward is our assumption,
-# unmeasured here (`Hardware.attention_efficiency`; the H100's was measured).
-A100_ATTENTION = 0.62
 
 PROFILES: dict[str, Hardware] = {
     **{f"ipu-pod{n}": _ipu(f"ipu-pod{n}", n) for n in (16, 64, 128, 256)},
@@ -195,51 +194,45 @@ PROFILES: dict[str, Hardware] = {
     # 1555 GB/s / 80 GB HBM2e at 2039 GB/s;
     # NVLink 3: 600 GB/s per GPU (300 per direction); PCIe Gen4 x16: 32 GB/s per direction.
     # DGX A100: 8 GPUs per node, 8 x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU.
-    "a100-40gb": dataclasses.replace(
-        _gpu(
-            "a100-40gb",
-            312.0,
-            156.0,
-            40.0,
-            1555.0,
-            300.0,
-            32.0,
-            25.0,
-            "NVIDIA A100 40GB, DGX A100 nodes, HDR IB",
-        ),
+    "a100-40gb": _gpu(
+        "a100-40gb",
+        312.0,
+        156.0,
+        40.0,
+        1555.0,
+        300.0,
+        32.0,
+        25.0,
+        "NVIDIA A100 40GB, DGX A100 nodes, HDR IB",
         attention_efficiency=A100_ATTENTION,
     ),
-    "a100-80gb": dataclasses.replace(
-        _gpu(
-            "a100-80gb",
-            312.0,
-            156.0,
-            80.0,
-            2039.0,
-            300.0,
-            32.0,
-            25.0,
-            "NVIDIA A100 80GB, DGX A100 nodes, HDR IB",
-        ),
+    "a100-80gb": _gpu(
+        "a100-80gb",
+        312.0,
+        156.0,
+        80.0,
+        2039.0,
+        300.0,
+        32.0,
+        25.0,
+        "NVIDIA A100 80GB, DGX A100 nodes, HDR IB",
         attention_efficiency=A100_ATTENTION,
     ),
     # NVIDIA H100 datasheet: SXM5 989 TFLOP/s BF16 dense, 494.5 TF32 dense (989 with
     # sparsity), 1979 FP8 dense (3958 with sparsity); 80 GB HBM3 at 3.35 TB/s; NVLink 4: 900 GB/s
     # per GPU (450 per direction); PCIe Gen5 x16: 64 GB/s per direction. DGX H100: 8 GPUs,
     # 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
-    "h100-sxm": dataclasses.replace(
-        _gpu(
-            "h100-sxm",
-            989.0,
-            494.5,
-            80.0,
-            3350.0,
-            450.0,
-            64.0,
-            50.0,
-            "NVIDIA H100 SXM5, DGX H100 nodes, NDR IB",
-            fp8=1979.0,
-        ),
+    "h100-sxm": _gpu(
+        "h100-sxm",
+        989.0,
+        494.5,
+        80.0,
+        3350.0,
+        450.0,
+        64.0,
+        50.0,
+        "NVIDIA H100 SXM5, DGX H100 nodes, NDR IB",
+        fp8=1979.0,
         efficiency_spread=SPREAD_MEASURED,  # where the roofline's figures were measured
         **MEASURED_KERNELS_H100,
     ),
@@ -249,19 +242,17 @@ PROFILES: dict[str, Hardware] = {
     # 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
     # Its FP8 and fused-attention rates are the H100's (the same SMs and clocks; both
     # kernels are compute-bound): borrowed, unmeasured on an H200.
-    "h200-sxm": dataclasses.replace(
-        _gpu(
-            "h200-sxm",
-            989.0,
-            494.5,
-            141.0,
-            4800.0,
-            450.0,
-            64.0,
-            50.0,
-            "NVIDIA H200 SXM, DGX H200 nodes, NDR IB",
-            fp8=1979.0,
-        ),
+    "h200-sxm": _gpu(
+        "h200-sxm",
+        989.0,
+        494.5,
+        141.0,
+        4800.0,
+        450.0,
+        64.0,
+        50.0,
+        "NVIDIA H200 SXM, DGX H200 nodes, NDR IB",
+        fp8=1979.0,
         **MEASURED_KERNELS_H100,
     ),
     # NVIDIA B200 in an HGX / DGX B200 at 1000 W (NVIDIA Blackwell architecture technical
@@ -270,9 +261,8 @@ PROFILES: dict[str, Hardware] = {
     # datasheet: 1,440 GB of HBM3e for 8 GPUs (180 GB each) at 8 TB/s per GPU; NVLink 5
     # at 1.8 TB/s per GPU (900 GB/s per direction); 8 x 400 Gb/s ConnectX-7 = 50 GB/s
     # per GPU; the host link is PCIe Gen5 x16 (64 GB/s per direction) as on DGX H100.
-    # The roofline's efficiency and per-matmul latency are the H100's (unmeasured here);
-    # its FP8 and fused-attention kernels run at that efficiency (nothing measured: the
-    # H100's FlashAttention-2 figure is a Hopper kernel's).
+    # The roofline's efficiency and per-matmul latency are the H100's (unmeasured here),
+    # its FP8 and fused attention's too (the H100's FlashAttention-2 is a Hopper kernel).
     "b200": _gpu(
         "b200",
         2250.0,
