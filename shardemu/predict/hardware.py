@@ -41,13 +41,18 @@ MEASURED_ON_H100 = {"efficiency": 0.73, "matmul_latency_us": 13.5, "memory_effic
 #   output, as torchao's float8 training calls it) on Llama 3 8B's projections at 16k
 #   tokens and on 8192^3: 1211-1348 TFLOP/s, median 0.65 of 1979 (BF16 in the same run:
 #   0.74 of 989, the GEMM calibration's 0.73);
-# - fused attention (`attention_efficiency`): FlashAttention-2, PyTorch's SDPA default on
-#   Hopper (cuDNN's is opt-in: pytorch/pytorch issue 138649, 2024; still so in 2026,
-#   huggingface/transformers PR 48163), head width 128, sequences 2k to 128k, causal and
-#   not, forward + backward with FLOPs as FlashAttention counts them (3.5 x the
-#   forward's): 246-328 TFLOP/s, median 0.33 of 989; the 2k causal core 0.25. cuDNN's
-#   kernel ran at 0.55 (median; JAX's cuDNN path 0.54): a profile file can give it.
-MEASURED_KERNELS_H100 = {"attention_efficiency": 0.33, "fp8_efficiency": 0.65}
+# - fused attention (`attention_efficiency`): head width 128, sequences 2k to 128k,
+#   causal and not, forward + backward with FLOPs as FlashAttention counts them (3.5 x
+#   the forward's): cuDNN's kernel, which PyTorch 2.11's scaled_dot_product_attention
+#   picks on an H100 (benchmarks/measured/torch_llama_layers.json, `default_sdpa`) and
+#   JAX's cuDNN path runs, 438-569 TFLOP/s, median 0.55 of 989 (JAX's 0.54);
+#   FlashAttention-2, PyTorch's default from 2.5.1 (cuDNN's opt-in: pytorch/pytorch
+#   issue 138649, October 2024) until cuDNN's, 246-328 TFLOP/s, median 0.33: a run of
+#   that time gives `FLASH_ATTENTION_2_H100`.
+# A Llama 3 8B layer in PyTorch on the same H100 (benchmarks/torch_llama_layers.py),
+# predicted from these figures within 0-7% (benchmarks/torch_llama_check.py): validation.
+MEASURED_KERNELS_H100 = {"attention_efficiency": 0.55, "fp8_efficiency": 0.65}
+FLASH_ATTENTION_2_H100 = 0.33
 # FlashAttention-2 reaches "50-73% of the theoretical maximum FLOPs/s on A100" (Dao 2023,
 # "FlashAttention-2", abstract): its middle for forward + backward, our assumption.
 A100_ATTENTION = 0.62

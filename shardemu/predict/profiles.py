@@ -262,7 +262,7 @@ PROFILES: dict[str, Hardware] = {
     # at 1.8 TB/s per GPU (900 GB/s per direction); 8 x 400 Gb/s ConnectX-7 = 50 GB/s
     # per GPU; the host link is PCIe Gen5 x16 (64 GB/s per direction) as on DGX H100.
     # The roofline's efficiency and per-matmul latency are the H100's (unmeasured here),
-    # its FP8 and fused attention's too (the H100's FlashAttention-2 is a Hopper kernel).
+    # its FP8 and fused attention's too (the H100's attention figure is a Hopper kernel's).
     "b200": _gpu(
         "b200",
         2250.0,

@@ -30,7 +30,9 @@ from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
 from shardemu.predict.activations import selective_op_sets
+from shardemu.predict.hardware import Hardware
 from shardemu.predict.plan_phased import padded_for
+from shardemu.predict.roofline import compute_seconds
 from shardemu.stages.executor import Executor
 from shardemu.stages.pieces import Piece
 from shardemu.stages.specs import AXIS_LABELS, stage_meshes, stage_rules
@@ -381,3 +383,18 @@ def selective_keep(mb: Microbatch, key: CountKey) -> Microbatch:
     itemsize = jnp.dtype(cfg.param_dtype).itemsize
     scores = b * (cfg.num_heads // key.tensor) * (s // key.context) * s * itemsize
     return dataclasses.replace(mb, keep_bytes=max(mb.keep_bytes - 2 * scores, 0))
+
+
+def layer_seconds(model: Model, microbatch_size: int, seq: int, hw: Hardware, precision: str,
+                  attention: str) -> float:  # fmt: skip
+    """Seconds of one layer's forward and backward for one microbatch on one device of
+    `hw`, nothing recomputed: its counted pieces on the roofline. What a layer measured
+    on the target is held to (benchmarks/torch_llama_check.py)."""
+    key = count_key(model, Parallelism(), microbatch_size, seq, "none", precision, attention)
+    pieces = counted_microbatch(key).pieces
+    return sum(
+        compute_seconds(e, hw)
+        for p in ("forward", "backward")
+        for e in pieces[p]
+        if e.kind == "compute"
+    )
