@@ -14,7 +14,10 @@ error with the other kernels' bytes as the CPU emitted them and fused.
 Nothing was fitted to these layers: the rates come from kernel benchmarks
 (`benchmarks/kernel_rates.py`, the GEMM calibration), so the rows are validation.
 
-    python benchmarks/torch_llama_check.py [--out benchmarks/results/torch_llama_check.json]
+    python benchmarks/torch_llama_check.py [--measured FILE] [--out FILE]
+
+`--measured benchmarks/measured/torch_llama_layers_h200.json` checks the same layers
+timed on an H200 against the `h200-sxm` profile.
 """
 
 from __future__ import annotations
@@ -37,17 +40,20 @@ from shardemu.predict.profiles import PROFILES  # noqa: E402
 from shardemu.predict.resident_count import layer_seconds  # noqa: E402
 
 MEASURED = Path(__file__).parent / "measured" / "torch_llama_layers.json"
+PROFILE = {"NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H200": "h200-sxm"}  # the device's
 KERNEL = {"CUDNN_ATTENTION": MEASURED_KERNELS_H100["attention_efficiency"],
           "FLASH_ATTENTION": FLASH_ATTENTION_2_H100}  # fmt: skip
 FORCED = {"cudnn": "CUDNN_ATTENTION", "flash2": "FLASH_ATTENTION"}
-LLAMA, H100 = as_model(get_preset("llama3-8b")), PROFILES["h100-sxm"]
+LLAMA = as_model(get_preset("llama3-8b"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/results/torch_llama_check.json")
+    parser.add_argument("--measured", default=str(MEASURED))
     args = parser.parse_args()
-    measured = json.loads(MEASURED.read_text())
+    measured = json.loads(Path(args.measured).read_text())
+    profile = PROFILES[PROFILE[measured["device"]]]
     rows = []
     for r in measured["rows"]:
         kernel = r["default_sdpa"] if r["sdpa"] == "default" else FORCED[r["sdpa"]]
@@ -55,12 +61,13 @@ def main() -> None:
         row = {**r, "kernel": kernel, "measured_layer_s": layer}
         for fusion in ("emitted", "fused"):
             hw = dataclasses.replace(
-                H100, kernel_fusion=fusion, attention_efficiency=KERNEL[kernel]
+                profile, kernel_fusion=fusion, attention_efficiency=KERNEL[kernel]
             )
             seconds = layer_seconds(LLAMA, r["batch"], r["seq"], hw, "bf16", "fused")
             row[fusion] = {"predicted_layer_s": seconds, "error": seconds / layer - 1}
         rows.append(row)
-    table = Table(title=f"Llama 3 8B layer, {measured['device']}, PyTorch {measured['torch']}")
+    title = f"Llama 3 8B layer, {measured['device']} ({profile.name}), PyTorch {measured['torch']}"
+    table = Table(title=title)
     for col in ("batch x seq", "torch", "attention kernel", "measured ms", "emitted ms",
                 "error", "fused ms", "error"):  # fmt: skip
         table.add_column(col, justify="right")

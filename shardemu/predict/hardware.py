@@ -51,6 +51,9 @@ MEASURED_ON_H100 = {"efficiency": 0.73, "matmul_latency_us": 13.5, "memory_effic
 #   that time gives `FLASH_ATTENTION_2_H100`.
 # A Llama 3 8B layer in PyTorch on the same H100 (benchmarks/torch_llama_layers.py),
 # predicted from these figures within 0-7% (benchmarks/torch_llama_check.py): validation.
+# On a lent H200 (700 W) the same kernels ran at 0.54 (cuDNN), 0.33 (FlashAttention-2),
+# 0.67 (FP8) and its layers within 4% (kernel_rates_torch_h200.json,
+# torch_llama_layers_h200.json): the H200 takes the H100's figures.
 MEASURED_KERNELS_H100 = {"attention_efficiency": 0.55, "fp8_efficiency": 0.65}
 FLASH_ATTENTION_2_H100 = 0.33
 # FlashAttention-2 reaches "50-73% of the theoretical maximum FLOPs/s on A100" (Dao 2023,

@@ -240,8 +240,8 @@ PROFILES: dict[str, Hardware] = {
     # BF16 dense, 494.5 TF32 dense, 1979 FP8 dense) with 141 GB of HBM3e at 4.8 TB/s;
     # NVLink 4 at 900 GB/s per GPU (450 per direction), PCIe Gen5 x16; DGX H200: 8 GPUs,
     # 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
-    # Its FP8 and fused-attention rates are the H100's (the same SMs and clocks; both
-    # kernels are compute-bound): borrowed, unmeasured on an H200.
+    # Its FP8 and fused-attention rates are the H100's, which an H200 matched within 3%
+    # (benchmarks/measured/kernel_rates_torch_h200.json; `MEASURED_KERNELS_H100`).
     "h200-sxm": _gpu(
         "h200-sxm",
         989.0,
