@@ -240,11 +240,11 @@ MEASURED_LAYERS = (
 
 def test_a_llama_layer_measured_in_pytorch_on_an_h100_is_its_roofline() -> None:
     """TorchTitan's Llama 3 8B layer timed in PyTorch on an H100 (forward and backward,
-    BF16, local batch 2 x 8192, `benchmarks/torch_llama_layers.py`) against the same
+    BF16, local batch 2 x 8192, `benchmarks/torch_layers.py`) against the same
     layer counted here and timed on the `h100-sxm` roofline with the measured rate of
     the attention kernel each row ran (cuDNN's, PyTorch's pick, or FlashAttention-2
     forced): two witnesses, no figure fitted to them; within 8% (6.9% at worst,
-    `benchmarks/torch_llama_check.py`)."""
+    `benchmarks/torch_layers_check.py`)."""
     from shardemu.models import as_model, get_preset
     from shardemu.predict.hardware import FLASH_ATTENTION_2_H100, MEASURED_KERNELS_H100
     from shardemu.predict.profiles import PROFILES
@@ -261,3 +261,32 @@ def test_a_llama_layer_measured_in_pytorch_on_an_h100_is_its_roofline() -> None:
         hw = dataclasses.replace(PROFILES["h100-sxm"], attention_efficiency=rate[kernel])
         predicted = layer_seconds(as_model(get_preset("llama3-8b")), 2, 8192, hw, "bf16", "fused")
         assert predicted == pytest.approx(r["fwd_bwd_seconds"] / r["layers"], rel=0.08), r
+
+
+def test_an_fp16_layout_is_counted_as_the_16_bit_program_a_gpu_runs() -> None:
+    """XLA's CPU backend widens float16 elementwise work into extra kernels: a BERT
+    layer's forward, saving what its backward needs, moves 40% more bytes besides its
+    matmuls in float16 than the same program in bfloat16 (the witness: if XLA stops
+    doing so, this fails and the workaround can go). A GPU runs both as the same 2-byte
+    kernels, so an fp16-mixed plan counts its layers in bfloat16 (`count_key`)."""
+    from shardemu.accounting.matmuls import Kernels
+    from shardemu.models import as_model, get_preset
+    from shardemu.models.bert import BertLayer
+    from shardemu.predict.resident_count import count_key
+
+    moved = {}
+    for dtype in ("bfloat16", "float16"):
+        layer = BertLayer(get_preset("bert-tiny").replace(param_dtype=dtype))
+        x = jax.ShapeDtypeStruct((4, 64, 64), jnp.dtype(dtype))
+        mask = jax.ShapeDtypeStruct((4, 1, 64), jnp.bool_)
+        params = jax.eval_shape(layer.init, jax.random.key(0), x, mask)
+        forward = jax.jit(
+            lambda p, x, m, layer=layer: jax.vjp(lambda p, x: layer.apply(p, x, m)[0], p, x)
+        )
+        compiled = forward.lower(params, x, mask).compile(compiler_options=DEFAULT_FUSION)
+        moved[dtype] = Kernels(compiled.as_text(), 2).read()[1]
+    assert moved["float16"] > 1.3 * moved["bfloat16"], moved
+    key = count_key(
+        as_model(get_preset("bert-tiny")), Parallelism(), 4, 64, "none", "fp16-mixed", "fused"
+    )
+    assert (key.model.cfg.param_dtype, key.precision) == ("bfloat16", "fp16-mixed")

@@ -49,8 +49,8 @@ MEASURED_ON_H100 = {"efficiency": 0.73, "matmul_latency_us": 13.5, "memory_effic
 #   FlashAttention-2, PyTorch's default from 2.5.1 (cuDNN's opt-in: pytorch/pytorch
 #   issue 138649, October 2024) until cuDNN's, 246-328 TFLOP/s, median 0.33: a run of
 #   that time gives `FLASH_ATTENTION_2_H100`.
-# A Llama 3 8B layer in PyTorch on the same H100 (benchmarks/torch_llama_layers.py),
-# predicted from these figures within 0-7% (benchmarks/torch_llama_check.py): validation.
+# A Llama 3 8B layer in PyTorch on the same H100 (benchmarks/torch_layers.py),
+# predicted from these figures within 0-7% (benchmarks/torch_layers_check.py): validation.
 # On a lent H200 (700 W) the same kernels ran at 0.54 (cuDNN), 0.33 (FlashAttention-2),
 # 0.67 (FP8) and its layers within 4% (kernel_rates_torch_h200.json,
 # torch_llama_layers_h200.json): the H200 takes the H100's figures.

@@ -265,8 +265,15 @@ def count_key(
     rules: Rules | None = None,
 ) -> CountKey:
     """The count a layout's plan uses, its parameters and activations sharded by `rules`
-    (Megatron-LM's when None: the same count as when they are given)."""
+    (Megatron-LM's when None: the same count as when they are given). An `fp16-mixed`
+    layout is counted in bfloat16: the same 2-byte arrays and kernels on a GPU, but XLA's
+    CPU backend widens float16 elementwise work into extra kernels (BERT-Large's layer
+    forward, saving for its backward, moves 11.0 GB besides its matmuls in float16
+    against 6.5 GB in bfloat16; tests/test_roofline.py), which the target never runs.
+    Its loss scaling and its memory stay fp16-mixed's (`precision`)."""
     computed = compute_model(padded_for(model, par), precision)
+    if precision == "fp16-mixed":
+        computed = computed.replace(param_dtype="bfloat16")
     full, fused = recompute == "full", attention == "fused"
     rules = rules_or_default(
         rules, False, context=par.context, tensor=par.tensor, kv_heads=model.cfg.kv_heads
@@ -389,7 +396,7 @@ def layer_seconds(model: Model, microbatch_size: int, seq: int, hw: Hardware, pr
                   attention: str) -> float:  # fmt: skip
     """Seconds of one layer's forward and backward for one microbatch on one device of
     `hw`, nothing recomputed: its counted pieces on the roofline. What a layer measured
-    on the target is held to (benchmarks/torch_llama_check.py)."""
+    on the target is held to (benchmarks/torch_layers_check.py)."""
     key = count_key(model, Parallelism(), microbatch_size, seq, "none", precision, attention)
     pieces = counted_microbatch(key).pieces
     return sum(

@@ -1,23 +1,23 @@
-"""The roofline against Llama layers measured in PyTorch on an H100.
+"""The roofline against transformer layers measured in PyTorch on an H100 and an H200.
 
-`benchmarks/torch_llama_layers.py` timed TorchTitan's Llama 3 8B layer (forward and
-backward, BF16, one H100 80GB HBM3 at 700 W, PyTorch 2.11) at local batch 2 x
-sequence 8192 and 1 x 32768, eager and compiled, with the attention kernel PyTorch
-picks (cuDNN's on an H100) and with FlashAttention-2 or cuDNN's forced
-(`benchmarks/measured/torch_llama_layers.json`). This script counts the same layer here
-(`resident_count.layer_seconds`: XLA's count of shardemu's Llama layer, attention
-fused, no recomputation, its forward and backward pieces on the `h100-sxm` roofline),
-the attention core at the measured rate of the kernel the row ran
-(`hardware.MEASURED_KERNELS_H100`, `FLASH_ATTENTION_2_H100`), and prints each row's
-error with the other kernels' bytes as the CPU emitted them and fused.
+`benchmarks/torch_layers.py` timed layers forward and backward in PyTorch 2.11 on one
+GPU at 700 W (`benchmarks/measured/`): TorchTitan's Llama 3 8B layer in BF16 at local
+batch 2 x 8192 and 1 x 32768 (`torch_llama_layers.json`, on an H100 80GB HBM3;
+`torch_llama_layers_h200.json`, on an H200), and BERT-Large's in FP16 at 256 x 128
+(`torch_bert_layers.json`, H100), eager and compiled, with the attention kernel PyTorch
+picks (cuDNN's on both GPUs) and with FlashAttention-2 or cuDNN's forced. This script
+counts the same layer here (`resident_count.layer_seconds`: XLA's count of shardemu's
+layer, attention fused, no recomputation, its forward and backward pieces on the
+device's profile's roofline), the attention core at the measured rate of the kernel
+the row ran (`hardware.MEASURED_KERNELS_H100`, `FLASH_ATTENTION_2_H100`), and prints
+each row's error with the other kernels' bytes as the CPU emitted them and fused.
+Dropout (BERT's rows at 0.1) is not in shardemu's layers: those rows say how much it
+costs.
 
 Nothing was fitted to these layers: the rates come from kernel benchmarks
 (`benchmarks/kernel_rates.py`, the GEMM calibration), so the rows are validation.
 
-    python benchmarks/torch_llama_check.py [--measured FILE] [--out FILE]
-
-`--measured benchmarks/measured/torch_llama_layers_h200.json` checks the same layers
-timed on an H200 against the `h200-sxm` profile.
+    python benchmarks/torch_layers_check.py [--measured FILE] [--out FILE]
 """
 
 from __future__ import annotations
@@ -44,16 +44,18 @@ PROFILE = {"NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H200": "h200-sxm"}  # th
 KERNEL = {"CUDNN_ATTENTION": MEASURED_KERNELS_H100["attention_efficiency"],
           "FLASH_ATTENTION": FLASH_ATTENTION_2_H100}  # fmt: skip
 FORCED = {"cudnn": "CUDNN_ATTENTION", "flash2": "FLASH_ATTENTION"}
-LLAMA = as_model(get_preset("llama3-8b"))
+PRECISION = {"llama3-8b": "bf16", "bert-large": "fp16-mixed"}  # what the rows ran
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/torch_llama_check.json")
+    parser.add_argument("--out", default="benchmarks/results/torch_layers_check.json")
     parser.add_argument("--measured", default=str(MEASURED))
     args = parser.parse_args()
     measured = json.loads(Path(args.measured).read_text())
     profile = PROFILES[PROFILE[measured["device"]]]
+    name = measured.get("model", "llama3-8b")  # the first files held Llama's alone
+    model = as_model(get_preset(name))
     rows = []
     for r in measured["rows"]:
         kernel = r["default_sdpa"] if r["sdpa"] == "default" else FORCED[r["sdpa"]]
@@ -63,19 +65,20 @@ def main() -> None:
             hw = dataclasses.replace(
                 profile, kernel_fusion=fusion, attention_efficiency=KERNEL[kernel]
             )
-            seconds = layer_seconds(LLAMA, r["batch"], r["seq"], hw, "bf16", "fused")
+            seconds = layer_seconds(model, r["batch"], r["seq"], hw, PRECISION[name], "fused")
             row[fusion] = {"predicted_layer_s": seconds, "error": seconds / layer - 1}
         rows.append(row)
-    title = f"Llama 3 8B layer, {measured['device']} ({profile.name}), PyTorch {measured['torch']}"
+    title = f"{name} layer, {measured['device']} ({profile.name}), PyTorch {measured['torch']}"
     table = Table(title=title)
-    for col in ("batch x seq", "torch", "attention kernel", "measured ms", "emitted ms",
+    for col in ("batch x seq", "torch", "attention kernel", "dropout", "measured ms", "emitted ms",
                 "error", "fused ms", "error"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
         e, f = r["emitted"], r["fused"]
         table.add_row(
             f"{r['batch']} x {r['seq']}", "compiled" if r["compiled"] else "eager", r["kernel"],
-            f"{r['measured_layer_s'] * 1e3:.1f}", f"{e['predicted_layer_s'] * 1e3:.1f}",
+            str(r.get("dropout", 0.0)), f"{r['measured_layer_s'] * 1e3:.1f}",
+            f"{e['predicted_layer_s'] * 1e3:.1f}",
             f"{e['error']:+.1%}", f"{f['predicted_layer_s'] * 1e3:.1f}", f"{f['error']:+.1%}",
         )  # fmt: skip
     Console(width=140).print(table)
