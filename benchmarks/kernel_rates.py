@@ -78,23 +78,29 @@ def _median(seconds: Callable[[], float]) -> float:
     return statistics.median(seconds() for _ in range(5))
 
 
+def cuda_seconds(fn: Callable[[], Any]) -> float:
+    """Median seconds of `fn` on PyTorch's CUDA device (CUDA events around each call;
+    `_median`), what every PyTorch row here and in `torch_layers.py` is timed by."""
+    import torch
+
+    def once() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    return _median(once)
+
+
 def torch_rates(out: str) -> None:
     """Attention and matmul rows through PyTorch on its CUDA device."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    def timed(fn: Callable[[], Any]) -> float:
-        def once() -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / 1e3
-
-        return _median(once)
-
+    timed = cuda_seconds
     record = Record(out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__})
     for backend, name in (
         (SDPBackend.FLASH_ATTENTION, "flash2"),

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from kernel_rates import cuda_seconds  # this folder's: the one CUDA-event timer
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -135,20 +135,6 @@ def frequencies(seq: int) -> torch.Tensor:
     return torch.polar(torch.ones_like(angles), angles)
 
 
-def timed(fn: Any) -> float:
-    def once() -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-    for _ in range(2):
-        once()
-    return statistics.median(once() for _ in range(5))
-
-
 def default_backend(family: Family, batch: int, seq: int) -> str:
     """The kernel `scaled_dot_product_attention` picks for this layer's core when none
     is forced (`torch._fused_sdp_choice`)."""
@@ -177,14 +163,14 @@ def measure(family: Family, layers: int, shape: tuple[int, int], compiled: bool,
         return torch.autograd.grad(y, [x, *weights], grad)
 
     if sdpa == "default":
-        seconds = timed(step)
+        seconds = cuda_seconds(step)
     else:  # one backend forced
 
         def forced() -> Any:
             with sdpa_kernel(BACKENDS[sdpa]):
                 return step()
 
-        seconds = timed(forced)
+        seconds = cuda_seconds(forced)
     peak = torch.cuda.max_memory_allocated()
     return {"layers": layers, "batch": batch, "seq": seq, "compiled": compiled, "sdpa": sdpa,
             "dropout": dropout, "default_sdpa": default_backend(family, batch, seq),
