@@ -110,6 +110,8 @@ def test_the_roofline_runs_each_matmul_at_its_kernels_rate():
     by_hand = (2e12 / 1979e12 / 0.65 + 1e12 / 989e12 / 0.73 + 2e11 / 989e12 / 0.55
                + 4e11 / 989e12 / 0.73)  # fmt: skip
     assert seconds == pytest.approx(by_hand + 4 * 13.5e-6 + 1e-3 / 0.83, rel=1e-12)
+    left_out = PROFILES["tpu-v5p"].kernel_efficiencies()  # no figures of its own
+    assert left_out == {"matmul": 0.73, "fused_attention": 0.73, "fp8": 0.73}
     flat = dataclasses.replace(h100, memory_gbps=None)
     rest = 1e9 / 989e12 / 0.73
     assert run_seconds(3.8e12 + 1e9, matmuls, 0, flat) == pytest.approx(by_hand + rest, rel=1e-12)

@@ -269,6 +269,16 @@ class Hardware:
                 f"exactly when it has an FP8 matmul peak (give both, or neither)"
             )
 
+    def kernel_efficiencies(self) -> dict[str, float]:
+        """The fraction of its peak each kind of matmul kernel runs at, as the roofline
+        times it (`rates`; a left-out figure resolved to `efficiency`): what a report
+        states it used."""
+        return {
+            "matmul": self.efficiency,
+            "fused_attention": self.attention_efficiency or self.efficiency,
+            "fp8": self.fp8_efficiency or self.efficiency,
+        }
+
     def rates(self) -> tuple[float, float, float]:
         """FLOP/s of a plain matmul, an FP8 matmul and a fused attention core (each its
         peak x its efficiency; FP8 at the 16-bit peak on a profile without one, which

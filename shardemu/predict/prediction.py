@@ -40,8 +40,9 @@ class Prediction:
     """The numbers a user asks of a step first: its time, the time's breakdown, the
     stage on the critical path, utilisation (model FLOPs / (devices * peak * step time),
     as model FLOPs utilisation: Chowdhery et al. 2022, Appendix B), tokens per second,
-    memory per device per tier (None when the caller gave none), and which kernels the
-    roofline timed (`Hardware.kernel_fusion`)."""
+    memory per device per tier (None when the caller gave none), which kernels the
+    roofline timed (`Hardware.kernel_fusion`) and at what fraction of their peak
+    (`Hardware.kernel_efficiencies`)."""
 
     hardware: str
     step_time_s: float
@@ -52,11 +53,13 @@ class Prediction:
     memory_per_device: dict[str, TierUse] | None = None
     kernel_fusion: str = "emitted"
     band: Band | None = None  # the step at both ends of the estimates' spread (`band.py`)
+    kernel_efficiencies: dict[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {
             "hardware": self.hardware,
             "kernel_fusion": self.kernel_fusion,
+            "kernel_efficiencies": self.kernel_efficiencies,
             "step_time_s": self.step_time_s,
             "breakdown": self.breakdown,
             "critical_stage": self.critical_stage,
@@ -129,6 +132,7 @@ def prediction_of(
         },
         kernel_fusion=hw.kernel_fusion,
         band=band,
+        kernel_efficiencies=hw.kernel_efficiencies(),
     )
 
 
