@@ -264,13 +264,10 @@ def count_key(
     attention: str,
     rules: Rules | None = None,
 ) -> CountKey:
-    """The count a layout's plan uses, its parameters and activations sharded by `rules`
-    (Megatron-LM's when None: the same count as when they are given). An `fp16-mixed`
-    layout is counted in bfloat16: the same 2-byte arrays and kernels on a GPU, but XLA's
-    CPU backend widens float16 elementwise work into extra kernels (BERT-Large's layer
-    forward, saving for its backward, moves 11.0 GB besides its matmuls in float16
-    against 6.5 GB in bfloat16; tests/test_roofline.py), which the target never runs.
-    Its loss scaling and its memory stay fp16-mixed's (`precision`)."""
+    """The count a layout's plan uses, sharded by `rules` (Megatron-LM's when None).
+    `fp16-mixed` counts in bfloat16, its loss scaling and memory fp16's: XLA's CPU
+    backend widens float16 elementwise work into kernels a GPU never runs (BERT-Large's
+    layer forward 11.0 GB besides its matmuls, 6.5 in bfloat16; test_roofline.py)."""
     computed = compute_model(padded_for(model, par), precision)
     if precision == "fp16-mixed":
         computed = computed.replace(param_dtype="bfloat16")
@@ -394,9 +391,8 @@ def selective_keep(mb: Microbatch, key: CountKey) -> Microbatch:
 
 def layer_seconds(model: Model, microbatch_size: int, seq: int, hw: Hardware, precision: str,
                   attention: str) -> float:  # fmt: skip
-    """Seconds of one layer's forward and backward for one microbatch on one device of
-    `hw`, nothing recomputed: its counted pieces on the roofline. What a layer measured
-    on the target is held to (benchmarks/torch_layers_check.py)."""
+    """One layer's forward and backward on one device of `hw`, nothing recomputed: what
+    a layer measured on the target is held to (benchmarks/torch_layers_check.py)."""
     key = count_key(model, Parallelism(), microbatch_size, seq, "none", precision, attention)
     pieces = counted_microbatch(key).pieces
     return sum(
