@@ -395,9 +395,5 @@ def layer_seconds(model: Model, microbatch_size: int, seq: int, hw: Hardware, pr
     a layer measured on the target is held to (benchmarks/torch_layers_check.py)."""
     key = count_key(model, Parallelism(), microbatch_size, seq, "none", precision, attention)
     pieces = counted_microbatch(key).pieces
-    return sum(
-        compute_seconds(e, hw)
-        for p in ("forward", "backward")
-        for e in pieces[p]
-        if e.kind == "compute"
-    )
+    events = pieces["forward"] + pieces["backward"]
+    return sum(compute_seconds(e, hw) for e in events if e.kind == "compute")
