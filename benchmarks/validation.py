@@ -1,4 +1,4 @@
-"""Predicted vs published: the cost model against training runs (A100, H100, TPU v4, IPU).
+"""Predicted vs published: the cost model against training runs (A100, H100, TPU, IPU).
 
 Each case is planned in abstract mode (`plan_resident`: one microbatch counted by XLA per
 layer, a step assembled from the pipeline schedule, placed on the hardware profile's
@@ -289,6 +289,32 @@ CASES = [
             zero=3,
         )
         for model, name, seq, b, recompute, wps in TORCHTITAN_A100
+    ),
+    Case(
+        "Llama 2 70B, 256 TPU v6e, FSDP, batch 2 a chip",
+        "AI-Hypercomputer/tpu-recipes, training/trillium/Llama2-70B-MaxText/README.md: "
+        "llama2_70b_4096_sc on a v6e-256, 9.052 s a step, 905.021 tokens/s a chip",
+        LLAMA2_70B,
+        Parallelism(replica=256),
+        # the logged step's total_weights, 2,097,152 tokens, are 512 sequences of 4096:
+        # 2 a chip (the README lists per_device_batch_size 3 for the config; its log's
+        # step is what was measured)
+        512,
+        4096,
+        2,
+        "tpu-v6e",
+        "1f1b",
+        1,
+        # its remat policy "qkv_proj_offloaded" keeps the Q, K and V projections (in host
+        # memory) and recomputes the rest: full recomputation here, which recomputes them
+        # too (about 10% of the layer's forward matmul FLOPs more) and moves no offload
+        "full",
+        "sequences_per_s",
+        905.021 * 256 / 4096,
+        "MaxText: FSDP over all 256 chips (ici_fsdp_transpose_parallelism), Pallas flash "
+        "attention, BF16; the rate is tokens a second a chip times 256 over the sequence",
+        attention="fused",
+        zero=3,
     ),
 ]
 

@@ -261,8 +261,8 @@ PROFILES: dict[str, Hardware] = {
     # datasheet: 1,440 GB of HBM3e for 8 GPUs (180 GB each) at 8 TB/s per GPU; NVLink 5
     # at 1.8 TB/s per GPU (900 GB/s per direction); 8 x 400 Gb/s ConnectX-7 = 50 GB/s
     # per GPU; the host link is PCIe Gen5 x16 (64 GB/s per direction) as on DGX H100.
-    # The roofline's efficiency and per-matmul latency are the H100's (unmeasured here),
-    # its FP8 and fused attention's too (the H100's attention figure is a Hopper kernel's).
+    # The roofline's efficiency, matmul latency, FP8 and attention rates: the H100's GEMM
+    # figures (unmeasured here; the H100's attention figure is a Hopper kernel's).
     "b200": _gpu(
         "b200",
         2250.0,
@@ -283,8 +283,7 @@ PROFILES: dict[str, Hardware] = {
     # GPU (900 per direction) to all 72 GPUs of the rack (one node here); each Grace's
     # 480 GB of LPDDR5X serves its two GPUs over NVLink-C2C at 900 GB/s (450 per
     # direction); between racks 400 Gb/s InfiniBand a GPU (50 GB/s). The roofline's
-    # efficiency and per-matmul latency are the H100's (unmeasured here), its FP8 and
-    # fused-attention kernels' too (as the B200's).
+    # figures as the B200's.
     "gb200-nvl72": dataclasses.replace(
         _gpu(
             "gb200-nvl72",
@@ -321,11 +320,12 @@ PROFILES: dict[str, Hardware] = {
     "tpu-v5e": _tpu(
         "tpu-v5e", 197.0, 16.0, 819.0, 512 * 1.073741824 / 8, 200.0, chips_per_host=8, torus="2D"
     ),
-    # Google Cloud TPU docs, "TPU v6e" (Trillium): 918 TFLOP/s BF16 per chip, 32 GB HBM
-    # at 1638 GB/s, 800 GB/s bidirectional ICI per chip (400 per direction), 8 chips and
-    # 1536 GiB of DRAM per host (192 GiB a chip), 256 chips per pod in a 2D torus.
+    # Google Cloud TPU docs, "TPU v6e" (Trillium): 918 TFLOP/s BF16 per chip, 32 GiB of HBM
+    # ("Trillium's 32GiB of HBM": maxtext, docs/guides/optimization/custom_model.md) at
+    # 1638 GB/s, 800 GB/s bidirectional ICI per chip (400 per direction), 8 chips and 1536
+    # GiB of DRAM per host (192 GiB a chip), 256 chips a pod in a 2D torus.
     "tpu-v6e": _tpu(
-        "tpu-v6e", 918.0, 32.0, 1638.0, 1536 * 1.073741824 / 8, 400.0, chips_per_host=8, torus="2D"
+        "tpu-v6e", 918.0, 32 * 1.073741824, 1638.0, 1536 * 1.073741824 / 8, 400.0, 8, "2D"
     ),
 }
 
