@@ -291,6 +291,33 @@ CASES = [
         for model, name, seq, b, recompute, wps in TORCHTITAN_A100
     ),
     Case(
+        "Llama 3 70B, 64 H100, FP8, p8 t4 r2, interleaved 5",
+        "NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary-archive.md, 26.04.01 NeMo "
+        "container, DGX-H100: 1664 tokens/s a GPU (731 model TFLOP/s)",
+        get_preset("llama3-70b"),
+        Parallelism(pipe=8, tensor=4, replica=2),
+        256,
+        8192,
+        1,
+        "h100-sxm",
+        "interleaved",
+        5,
+        # its recipe (perf_recipes/llama/h100/llama3.py, llama3_70b_pretrain_64gpu_h100_
+        # fp8cs_config, over recipes/llama/h100/llama3.py): no recomputation, FP8
+        # current scaling, sequence parallel with userbuffers' TP overlap, the
+        # distributed optimizer (ZeRO 1), overlapped gradient reduce and parameter gather
+        "none",
+        "sequences_per_s",
+        1664 * 64 / 8192,
+        "its pipeline layout puts the embedding and the loss in chunks of their own (80 "
+        "layers in 40 chunks of 2 here); TE's cuDNN attention",
+        Overlap(tp_overlap="chunked"),
+        attention="fused",
+        precision="fp8",
+        zero=1,
+        sequence_parallel=True,
+    ),
+    Case(
         "Llama 2 70B, 256 TPU v6e, FSDP, batch 2 a chip",
         "AI-Hypercomputer/tpu-recipes, training/trillium/Llama2-70B-MaxText/README.md: "
         "llama2_70b_4096_sc on a v6e-256, 9.052 s a step, 905.021 tokens/s a chip",
