@@ -67,3 +67,52 @@ def test_lines_without_collectives_are_ignored_and_unknown_groups_refused():
     assert collectives("%d = f32[8,16]{1,0} dot(f32[8,4] %a, f32[4,16] %b)", MESH) == []
     with pytest.raises(ValueError, match="unrecognised replica groups"):
         collectives("%ar = f32[4]{0} all-reduce(f32[4]{0} %x), replica_groups=?<>", MESH)
+
+
+def test_an_all_reduce_the_cpu_slices_after_elementwise_work_is_a_reduce_scatter():
+    """XLA's CPU pipeline all-reduces a sequence-parallel layer's input gradient and
+    slices it, where a GPU emits a reduce-scatter. Two tuple elements (the gradient
+    through two projections) summed before the slice are one reduce-scatter of one
+    buffer (the GPU reassociates the sum of all-reduces); a buffer scaled by a scalar
+    first (FP8's descaling) is one of its own; an element read whole stays an
+    all-reduce (a layer norm's parameter gradient)."""
+    hlo = """
+HloModule m
+
+%sum (p0: f32[8,16], p1: f32[8,16]) -> bf16[8,16] {
+  %p0 = f32[8,16]{1,0} parameter(0)
+  %p1 = f32[8,16]{1,0} parameter(1)
+  %a = f32[8,16]{1,0} add(%p0, %p1)
+  ROOT %c = bf16[8,16]{1,0} convert(%a)
+}
+
+%scale (q0: f32[], q1: f32[8,16]) -> f32[8,16] {
+  %q0 = f32[] parameter(0)
+  %q1 = f32[8,16]{1,0} parameter(1)
+  %b = f32[8,16]{1,0} broadcast(%q0), dimensions={}
+  ROOT %m = f32[8,16]{1,0} multiply(%b, %q1)
+}
+
+ENTRY %e (x: f32[8,16], y: f32[8,16], z: f32[16], w: f32[8,16], s: f32[], i: s32[]) -> bf16[4,16] {
+  %x = f32[8,16]{1,0} parameter(0)
+  %y = f32[8,16]{1,0} parameter(1)
+  %z = f32[16]{0} parameter(2)
+  %w = f32[8,16]{1,0} parameter(3)
+  %s = f32[] parameter(4)
+  %i = s32[] parameter(5)
+  %ar = (f32[8,16], f32[8,16], f32[16]) all-reduce(%x, %y, %z), replica_groups=[2,2]<=[4]
+  %g0 = f32[8,16]{1,0} get-tuple-element(%ar), index=0
+  %g1 = f32[8,16]{1,0} get-tuple-element(%ar), index=1
+  %summed = bf16[8,16]{1,0} fusion(%g0, %g1), kind=kLoop, calls=%sum
+  %ds = bf16[4,16]{1,0} dynamic-slice(%summed, %i, %i), dynamic_slice_sizes={4,16}
+  %ar2 = f32[8,16]{1,0} all-reduce(%w), replica_groups=[2,2]<=[4]
+  %scaled = f32[8,16]{1,0} fusion(%s, %ar2), kind=kLoop, calls=%scale
+  ROOT %ds2 = f32[4,16]{1,0} dynamic-slice(%scaled, %i, %i), dynamic_slice_sizes={4,16}
+}
+"""
+    found = sorted((c.op, c.buffer_bytes) for c in collectives(hlo, MESH))
+    assert found == [
+        ("all-reduce", 16 * 4),
+        ("reduce-scatter", F32_8x16),
+        ("reduce-scatter", F32_8x16),
+    ]

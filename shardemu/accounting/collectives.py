@@ -111,31 +111,48 @@ def _sent(op: str, n: int, buffer: int) -> float:
     return factor * (n - 1) / n * buffer
 
 
-def _scattered(computations: dict[str, list[Instr]], mesh_size: int) -> dict[str, frozenset[int]]:
-    """All-reduces (by name, the indices of their tuple elements) that XLA's CPU
-    pipeline emitted for a reduce-scatter: a user takes a dynamic slice of 1/n of the
+def _scattered(
+    computations: dict[str, list[Instr]], mesh_size: int
+) -> dict[str, frozenset[frozenset[int]]]:
+    """All-reduces (by name, groups of the indices of their tuple elements) that XLA's
+    CPU pipeline emitted for reduce-scatters: a user takes a dynamic slice of 1/n of the
     reduced buffer (n the all-reduce's group; the SPMD partitioner's per-device slice,
     alone or in a fusion), directly, through its tuple element or through a convert
-    back from the f32 the CPU reduces 16-bit buffers in, where a GPU or TPU
-    pipeline emits the reduce-scatter itself (sequence parallelism's, Korthikanti et
-    al. 2022; ZeRO-2's gradients, Rajbhandari et al. 2020). Other users that read the
-    whole reduced buffer (the layer norms' parameter gradients) are the CPU
+    back from the f32 the CPU reduces 16-bit buffers in, where a GPU or TPU pipeline
+    emits the reduce-scatter itself (sequence parallelism's, Korthikanti et al. 2022;
+    ZeRO-2's gradients, Rajbhandari et al. 2020), also through elementwise work on the
+    reduced buffer before the slice. A group of several elements is summed before the
+    slice (a layer's input gradient through Q, K and V, or through SwiGLU's
+    two input projections, all-reduced as one tuple): one reduce-scatter of one
+    element's buffer, as XLA's GPU pipeline emits it after reassociating the sum of
+    all-reduces (`AllReduceReassociate`, then `ReduceScatterCreator`). Other users that
+    read the whole reduced buffer (the layer norms' parameter gradients) are the CPU
     partitioner's choice."""
-    out: dict[str, set[int]] = defaultdict(set)
+    out: dict[str, set[frozenset[int]]] = defaultdict(set)
     for body in computations.values():
         group: dict[str, int] = {}  # an all-reduce -> its group size
-        reduced: dict[str, tuple[str, int]] = {}  # an array -> (its all-reduce, element)
+        reduced: dict[str, tuple[str, frozenset[int]]] = {}  # array -> (all-reduce, elements)
+        shapes = {name: shape for name, shape, _, _ in body}
         for name, shape, op, rest in body:
             args = operands(rest)
+            ins = [a for a in args if a in reduced]  # reduced buffers it reads
             if op == "all-reduce":
                 group[name] = len(_groups(rest, mesh_size)[0])
                 if not shape.startswith("("):
-                    reduced[name] = (name, 0)
+                    reduced[name] = (name, frozenset({0}))
             elif op == "get-tuple-element" and args and args[0] in group:
-                reduced[name] = (args[0], int(_INDEX.search(rest)[1]))  # type: ignore[index]
-            elif len(args) == 1 and args[0] in reduced and _converts(op, rest, computations):
-                reduced[name] = reduced[args[0]]  # the CPU's f32 reduction cast back
-        shapes = {name: shape for name, shape, _, _ in body}
+                reduced[name] = (args[0], frozenset({int(_INDEX.search(rest)[1])}))  # type: ignore[index]
+            elif (
+                ins
+                and len({reduced[a][0] for a in ins}) == 1
+                and all(_elements(shapes[a]) == _elements(shape) for a in ins)
+                and _elementwise(op, rest, computations)
+            ):  # slicing f(reduced, x) is f(the reduce-scatter, x's slice): the CPU's f32
+                # reduction cast back, FP8's descaling, a sum of the elements of one tuple
+                reduced[name] = (
+                    reduced[ins[0]][0],
+                    frozenset().union(*(reduced[a][1] for a in ins)),
+                )
         for _, shape, op, rest in body:
             args = operands(rest)
             callee = computations.get(c[1], []) if (c := CALLED.search(rest)) else []
@@ -148,15 +165,17 @@ def _scattered(computations: dict[str, list[Instr]], mesh_size: int) -> dict[str
                     op == "fusion" and _slices_param(callee, position, n)
                 ):
                     out[reduced[arg][0]].add(reduced[arg][1])
-    return {name: frozenset(indices) for name, indices in out.items()}
+    return {name: frozenset(groups) for name, groups in out.items()}
 
 
-def _converts(op: str, rest: str, computations: dict) -> bool:
-    """Whether an instruction only converts, copies or reshapes its operand."""
-    moves = {"convert", "bitcast", "copy", "reshape", "parameter"}
+def _elementwise(op: str, rest: str, computations: dict) -> bool:
+    """Whether an instruction (or every instruction of its fusion) is elementwise:
+    converts, copies, reshapes, arithmetic, scalars broadcast."""
+    allowed = {"convert", "bitcast", "copy", "reshape", "parameter", "add", "subtract",
+               "multiply", "divide", "broadcast", "constant"}  # fmt: skip
     if op == "fusion" and (callee := CALLED.search(rest)):
-        return {o for _, _, o, _ in computations.get(callee[1], [])} <= moves
-    return op in moves
+        return {o for _, _, o, _ in computations.get(callee[1], [])} <= allowed
+    return op in allowed
 
 
 def _slices_param(callee: list, index: int, n: int) -> bool:
@@ -201,9 +220,11 @@ def collectives(
         name = _NAME.match(line)
         parts = scattered.get(name[1], frozenset()) if name and "-start(" not in line else ()
         if op == "all-reduce" and parts:  # the sliced elements' whole buffers are its input
-            n = len(groups[0])
-            for op_, part in (("reduce-scatter", parts), ("all-reduce", None)):
-                buffer = sum(s for i, s in enumerate(sizes) if (i in parts) == (part is not None))
+            n, sliced = len(groups[0]), frozenset().union(*parts)
+            # a group summed before its slice is one buffer, its largest element's
+            scatter = sum(max(sizes[i] for i in part) for part in parts)
+            whole = sum(s for i, s in enumerate(sizes) if i not in sliced)
+            for op_, buffer in (("reduce-scatter", scatter), ("all-reduce", whole)):
                 if buffer:
                     found.append(
                         Collective(op_, _axes(groups, mesh), n, buffer, _sent(op_, n, buffer))
