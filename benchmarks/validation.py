@@ -27,7 +27,7 @@ from pathlib import Path
 
 from shardemu.devices import use_virtual_devices
 
-use_virtual_devices(12)  # the widest tensor group: PaLM's 12
+use_virtual_devices(48)  # the widest groups: PaLM's tensor 12, tensor 8 x context 2
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -311,6 +311,33 @@ CASES = [
         1664 * 64 / 8192,
         "its pipeline layout puts the embedding and the loss in chunks of their own (80 "
         "layers in 40 chunks of 2 here); TE's cuDNN attention",
+        Overlap(tp_overlap="chunked"),
+        attention="fused",
+        precision="fp8",
+        zero=1,
+        sequence_parallel=True,
+    ),
+    Case(
+        "Llama 3.1 405B, 1024 H100, FP8, p8 t8 c2 r8, interleaved 8",
+        "NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary-archive.md, 26.04.01 NeMo "
+        "container, DGX-H100: 328 tokens/s a GPU (827 model TFLOP/s)",
+        # 128 layers for 126, so 8 stages x 8 chunks divide them (+1.6% of the FLOPs)
+        get_preset("llama3-405b").replace(num_layers=128),
+        Parallelism(pipe=8, tensor=8, replica=8, context=2),
+        1536,
+        8192,
+        1,
+        "h100-sxm",
+        "interleaved",
+        8,
+        # llama31_405b_pretrain_1024gpu_h100_fp8cs_config: as the 70B row's recipe, with
+        # context parallelism 2
+        "none",
+        "sequences_per_s",
+        328 * 1024 / 8192,
+        "one key/value group a device at tensor 8, one sequence a microbatch: its attention "
+        "core's dots have no batch dimension and are not found as attention "
+        "(docs/results.md), so its scores are timed as memory traffic",
         Overlap(tp_overlap="chunked"),
         attention="fused",
         precision="fp8",
