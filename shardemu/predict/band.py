@@ -62,11 +62,10 @@ def ends(hw: Hardware) -> tuple[Hardware, Hardware]:
 
     def scaled(sign: int) -> dict[str, float | None]:  # every efficiency, one factor
         factor = math.exp(sign * hw.efficiency_spread)
-        return {
-            key: None if value is None else min(1.0, value * factor)
-            for key in ("efficiency", "attention_efficiency", "fp8_efficiency")
-            for value in (getattr(hw, key),)
+        values = {
+            k: getattr(hw, k) for k in ("efficiency", "attention_efficiency", "fp8_efficiency")
         }
+        return {k: None if v is None else min(1.0, v * factor) for k, v in values.items()}
 
     fast = dataclasses.replace(
         hw, **scaled(1), kernel_fusion="fused" if roofline else hw.kernel_fusion

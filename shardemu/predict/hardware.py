@@ -283,9 +283,10 @@ class Hardware:
         """FLOP/s of a plain matmul, an FP8 matmul and a fused attention core (each its
         peak x its efficiency; FP8 at the 16-bit peak on a profile without one, which
         `roofline.run_seconds` refuses before it multiplies FP8 operands)."""
-        fp8 = (self.fp8_tflops or self.peak_tflops) * (self.fp8_efficiency or self.efficiency)
-        attention = self.peak_tflops * (self.attention_efficiency or self.efficiency)
-        return self.peak_tflops * self.efficiency * 1e12, fp8 * 1e12, attention * 1e12
+        kernel = self.kernel_efficiencies()
+        peak = self.peak_tflops * 1e12
+        fp8_peak = (self.fp8_tflops or self.peak_tflops) * 1e12
+        return peak * kernel["matmul"], fp8_peak * kernel["fp8"], peak * kernel["fused_attention"]
 
     def sparse_time(self, density: float, block: int) -> float:
         """The time of a block-sparse matmul at `density` with `block`-sized blocks, as a
