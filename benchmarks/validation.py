@@ -290,59 +290,59 @@ CASES = [
         )
         for model, name, seq, b, recompute, wps in TORCHTITAN_A100
     ),
-    Case(
-        "Llama 3 70B, 64 H100, FP8, p8 t4 r2, interleaved 5",
-        "NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary-archive.md, 26.04.01 NeMo "
-        "container, DGX-H100: 1664 tokens/s a GPU (731 model TFLOP/s)",
-        get_preset("llama3-70b"),
-        Parallelism(pipe=8, tensor=4, replica=2),
-        256,
-        8192,
-        1,
-        "h100-sxm",
-        "interleaved",
-        5,
-        # its recipe (perf_recipes/llama/h100/llama3.py, llama3_70b_pretrain_64gpu_h100_
-        # fp8cs_config, over recipes/llama/h100/llama3.py): no recomputation, FP8
-        # current scaling, sequence parallel with userbuffers' TP overlap, the
-        # distributed optimizer (ZeRO 1), overlapped gradient reduce and parameter gather
-        "none",
-        "sequences_per_s",
-        1664 * 64 / 8192,
-        "its pipeline layout puts the embedding and the loss in chunks of their own (80 "
-        "layers in 40 chunks of 2 here); TE's cuDNN attention",
-        Overlap(tp_overlap="chunked"),
-        attention="fused",
-        precision="fp8",
-        zero=1,
-        sequence_parallel=True,
-    ),
-    Case(
-        "Llama 3.1 405B, 1024 H100, FP8, p8 t8 c2 r8, interleaved 8",
-        "NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary-archive.md, 26.04.01 NeMo "
-        "container, DGX-H100: 328 tokens/s a GPU (827 model TFLOP/s)",
-        # 128 layers for 126, so 8 stages x 8 chunks divide them (+1.6% of the FLOPs)
-        get_preset("llama3-405b").replace(num_layers=128),
-        Parallelism(pipe=8, tensor=8, replica=8, context=2),
-        1536,
-        8192,
-        1,
-        "h100-sxm",
-        "interleaved",
-        8,
-        # llama31_405b_pretrain_1024gpu_h100_fp8cs_config: as the 70B row's recipe, with
-        # context parallelism 2
-        "none",
-        "sequences_per_s",
-        328 * 1024 / 8192,
-        "one key/value group a device at tensor 8, one sequence a microbatch: its attention "
-        "core's dots have no batch dimension and are not found as attention "
-        "(docs/results.md), so its scores are timed as memory traffic",
-        Overlap(tp_overlap="chunked"),
-        attention="fused",
-        precision="fp8",
-        zero=1,
-        sequence_parallel=True,
+    # NVIDIA-NeMo/Megatron-Bridge's H100 FP8 recipes (perf_recipes/llama/h100/, over
+    # recipes/llama/h100/): no recomputation, FP8 current scaling, sequence parallel with
+    # userbuffers' TP overlap, the distributed optimizer (ZeRO 1), overlapped gradient
+    # reduce and parameter gather, TE's cuDNN attention, micro-batch 1, sequence 8192
+    *(
+        Case(
+            name,
+            "NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary-archive.md, 26.04.01 NeMo "
+            f"container, DGX-H100: {tokens} tokens/s a GPU ({recipe})",
+            model,
+            par,
+            batch,
+            8192,
+            1,
+            "h100-sxm",
+            "interleaved",
+            virtual,
+            "none",
+            "sequences_per_s",
+            tokens * par.num_devices / 8192,
+            note,
+            Overlap(tp_overlap="chunked"),
+            attention="fused",
+            precision="fp8",
+            zero=1,
+            sequence_parallel=True,
+        )
+        for name, recipe, model, par, batch, virtual, tokens, note in (
+            (
+                "Llama 3 70B, 64 H100, FP8, p8 t4 r2, interleaved 5",
+                "llama3_70b_pretrain_64gpu_h100_fp8cs_config",
+                get_preset("llama3-70b"),
+                Parallelism(pipe=8, tensor=4, replica=2),
+                256,
+                5,
+                1664,
+                "its pipeline layout puts the embedding and the loss in chunks of their own (80 "
+                "layers in 40 chunks of 2 here)",
+            ),
+            # 128 layers for 126, so 8 stages x 8 chunks divide them (+1.6% of the FLOPs)
+            (
+                "Llama 3.1 405B, 1024 H100, FP8, p8 t8 c2 r8, interleaved 8",
+                "llama31_405b_pretrain_1024gpu_h100_fp8cs_config",
+                get_preset("llama3-405b").replace(num_layers=128),
+                Parallelism(pipe=8, tensor=8, replica=8, context=2),
+                1536,
+                8,
+                328,
+                "one key/value group a device at tensor 8, one sequence a microbatch: its "
+                "attention core's dots have no batch dimension and are not found as attention "
+                "(docs/results.md), so its scores are timed as memory traffic",
+            ),
+        )  # fmt: skip
     ),
     Case(
         "Llama 2 70B, 256 TPU v6e, FSDP, batch 2 a chip",
