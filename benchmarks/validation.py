@@ -476,8 +476,17 @@ def run(case: Case) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/validation.json")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="run only the cases whose name holds this text (and no memory rows)",
+    )
     args = parser.parse_args()
-    rows = [run(case) for case in CASES]
+    rows = [run(case) for case in CASES if args.only in case.name]
+    if not rows:
+        raise SystemExit(
+            f"--only {args.only!r} matches no case; names: " + "; ".join(c.name for c in CASES)
+        )
     table = Table(title="shardemu cost model vs published training results")
     for col in ("case", "hardware (eff.)", "metric", "published", "predicted", "error",
                 "band", "step s", "bubble s", "exposed comm s"):  # fmt: skip
@@ -505,7 +514,7 @@ def main() -> None:
           f"{summary['median_abs_error']:.1%}, worst {summary['worst_abs_error']:.1%}; the "
           f"published figure inside the band in {summary['published_in_band']}; "
           f"{summary['plans_that_fit']} plans fit")  # fmt: skip
-    memory = [run_memory(case) for case in MEMORY_CASES]
+    memory = [run_memory(case) for case in MEMORY_CASES if not args.only]
     table = Table(title="planned device memory vs published readings and outcomes")
     for col in ("case", "hardware", "predicted GiB", "published GiB", "error", "fits", "ran"):
         table.add_column(col, justify="right")

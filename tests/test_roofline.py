@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from shardemu.accounting.attention_core import AttentionShape
 from shardemu.accounting.count import Counter, piece_events
 from shardemu.accounting.ledger import Phase
 from shardemu.accounting.matmuls import kernels
@@ -128,6 +129,14 @@ def test_fused_attention_drops_exactly_the_scores() -> None:
     assert memory[128][1] / memory[32][1] <= 4.01  # 128 / 32
 
 
+def _grouped_core(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Grouped-query attention's core: [b, q, G, r, d] queries, [b, s, G, d] keys and
+    values."""
+    scores = jnp.einsum("bqgrd,bkgd->bgrqk", q, k)
+    p = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bgrqk,bkgd->bqgrd", p, v)
+
+
 @pytest.mark.parametrize(("b", "groups"), [(2, 2), (1, 2), (2, 1)])
 def test_grouped_query_attention_drops_its_scores_too(b: int, groups: int) -> None:
     """Grouped-query attention (Llama's layout: r = A / G query heads a key/value head,
@@ -139,15 +148,10 @@ def test_grouped_query_attention_drops_its_scores_too(b: int, groups: int) -> No
     or leaves anywhere in a transposed copy."""
     r, d = 3, 16
 
-    def core(q, k, v):  # noqa: ANN001, ANN202
-        scores = jnp.einsum("bqgrd,bkgd->bgrqk", q, k)
-        p = jax.nn.softmax(scores, axis=-1)
-        return jnp.einsum("bgrqk,bkgd->bqgrd", p, v)
-
     for s in (32, 128):
         q = jax.ShapeDtypeStruct((b, s, groups, r, d), jnp.float32)
         kv = jax.ShapeDtypeStruct((b, s, groups, d), jnp.float32)
-        text = jax.jit(core).lower(q, kv, kv).compile(DEFAULT_FUSION).as_text()
+        text = jax.jit(_grouped_core).lower(q, kv, kv).compile(DEFAULT_FUSION).as_text()
         (matmuls, plain), (fused, lean) = kernels(text), kernels(text, fused_attention=True)
         assert all(m.attention for m in matmuls) and len(matmuls) == 2
         scores = 4 * b * groups * r * s * s
@@ -164,14 +168,9 @@ def test_a_context_parallel_core_drops_its_scores_too(b: int, r: int, cp: int) -
     order. Fused, they leave the dots and the other kernels as [s, s] scores do."""
     groups, d, s = 2, 16, 128
 
-    def core(q, k, v):  # noqa: ANN001, ANN202
-        scores = jnp.einsum("bqgrd,bkgd->bgrqk", q, k)
-        p = jax.nn.softmax(scores, axis=-1)
-        return jnp.einsum("bgrqk,bkgd->bqgrd", p, v)
-
     q = jax.ShapeDtypeStruct((b, s // cp, groups, r, d), jnp.float32)
     kv = jax.ShapeDtypeStruct((b, s, groups, d), jnp.float32)
-    text = jax.jit(core).lower(q, kv, kv).compile(DEFAULT_FUSION).as_text()
+    text = jax.jit(_grouped_core).lower(q, kv, kv).compile(DEFAULT_FUSION).as_text()
     (matmuls, plain), (fused, lean) = kernels(text), kernels(text, fused_attention=True)
     assert all(m.attention for m in matmuls) and len(matmuls) == 2
     scores = 4 * b * groups * r * s // cp * s
@@ -180,11 +179,46 @@ def test_a_context_parallel_core_drops_its_scores_too(b: int, r: int, cp: int) -
     assert plain >= scores > lean
 
 
+@pytest.mark.parametrize(("r", "cp"), [(4, 1), (4, 2), (1, 1)])
+def test_an_unbatched_core_is_found_by_the_models_shape(r: int, cp: int) -> None:
+    """One sequence and one key/value group a device (Llama 3 405B at tensor 8): XLA
+    drops both unit dimensions, and the core's dots keep no batch dimension, shaped as
+    projections ([r q, d] x [s, d]). Without the model's `AttentionShape` they are not
+    found; with it every dot of the forward and the backward is the core's, and fused
+    the forward's two save the scores' bytes each. A projection of the model's width
+    with the same shape given is not taken for one."""
+    d, s = 16, 128
+    shape = AttentionShape(d, s, s // cp, r)
+    q = jax.ShapeDtypeStruct((1, s // cp, 1, r, d), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, s, 1, d), jnp.float32)
+    text = jax.jit(_grouped_core).lower(q, kv, kv).compile(DEFAULT_FUSION).as_text()
+    assert "lhs_batch_dims" not in text  # the case: no batch dimension left
+    (unfound, _), (plain, _) = kernels(text), kernels(text, attention=shape)
+    (fused, _) = kernels(text, fused_attention=True, attention=shape)
+    assert not any(m.attention for m in unfound) and all(m.attention for m in plain)
+    saved = [m.bytes - f.bytes for m, f in zip(plain, fused, strict=True)]
+    assert saved == [4 * r * s // cp * s] * 2
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return _grouped_core(q, k, v).sum()
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv)
+    (backward, _) = kernels(grads.compile(DEFAULT_FUSION).as_text(), attention=shape)
+    assert len(backward) >= 4 and all(m.attention for m in backward)
+    x, w = (
+        jax.ShapeDtypeStruct((s, 4 * d), jnp.float32),
+        jax.ShapeDtypeStruct((4 * d, s), jnp.float32),
+    )
+    projection = jax.jit(jax.grad(lambda x, w: jnp.tanh(x @ w).sum())).lower(x, w)
+    (projections, _) = kernels(projection.compile(DEFAULT_FUSION).as_text(), attention=shape)
+    assert projections and not any(m.attention for m in projections)
+
+
 def test_an_experts_batched_matmul_is_not_attention() -> None:
     """An expert's matmul has one batch dimension (the experts), like a key/value
     group's scores with the other unit dimension dropped, and may have the same
     multiples; it contracts a model width (512 here) where attention contracts a head's
-    (`matmuls.MAX_HEAD_WIDTH`), so it is not taken for an attention core."""
+    (`attention_core.MAX_HEAD_WIDTH`), so it is not taken for an attention core."""
     tokens = jax.ShapeDtypeStruct((4, 1024, 512), jnp.float32)  # [experts, capacity, d]
     w = jax.ShapeDtypeStruct((4, 512, 2048), jnp.float32)  # [experts, d, d_ff]
     text = jax.jit(lambda x, w: jnp.einsum("ecd,edf->ecf", x, w)).lower(tokens, w)

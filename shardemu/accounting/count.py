@@ -21,6 +21,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from shardemu.accounting.attention_core import AttentionShape
 from shardemu.accounting.collectives import Collective, collectives
 from shardemu.accounting.ledger import Carries, Event, Matmul, Phase, Where
 from shardemu.accounting.matmuls import Kernels, compute_itemsize
@@ -104,7 +105,8 @@ class Counter:
         """Compile the jitted `fn` over the abstract `args` (once per signature: a piece
         another thread is compiling is waited for, not compiled twice). `context`: the settings `fn`
         itself depends on (its optimizer, its rules), so that pieces of one name built
-        with other settings are counted apart."""
+        with other settings are counted apart; an `AttentionShape` among them finds the
+        attention core's dots that keep no batch dimension (`attention_core.py`)."""
         key = _key(name, mesh, args, context)
         if key not in self._counted:
             with self._lock:  # another thread compiling it (`count_ahead`, or `count`)?
@@ -141,7 +143,8 @@ class Counter:
     def _read(self, key: tuple, compiled: Any, mesh: Mesh, args: tuple) -> None:
         """Keep the counts of `compiled` under `key`."""
         text = compiled.as_text()
-        module = Kernels(text, compute_itemsize(args))
+        attention = next((c for c in key[1] if isinstance(c, AttentionShape)), None)
+        module = Kernels(text, compute_itemsize(args), attention)
         self._counted[key] = Counted(
             float(compiled.cost_analysis().get("flops", 0.0)),
             mesh.size,

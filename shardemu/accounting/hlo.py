@@ -35,6 +35,7 @@ COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 CALLED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
 OPERAND = re.compile(r"%([\w.\-]+)")
 ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 
 Instr = tuple[str, str, str, str]  # name, shape, opcode, the rest of the line
 
@@ -52,6 +53,11 @@ def parse(hlo_text: str) -> dict[str, list[Instr]]:
         elif current is not None and (m := INSTR.match(line)):
             current.append(m.groups())  # type: ignore[arg-type]
     return computations
+
+
+def dims(text: str) -> tuple[int, ...]:
+    """The dimensions in an array's or an attribute's comma-separated list."""
+    return tuple(int(d) for d in text.split(",") if d)
 
 
 def operands(rest: str) -> list[str]:

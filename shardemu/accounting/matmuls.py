@@ -30,7 +30,8 @@ The attention core is what a transformer layer computes with batched matmuls (a 
 with batch dimensions: heads x batch); of each such dot's two operands and output, the
 one whose two non-batch dimensions are equal is the [s, s] tensor (when the head width
 equals s, all three are the same size, so which one is dropped does not change the
-bytes). Those tensors' bytes are left out of the dots and of every other kernel that
+bytes); `attention_core.py` finds it, and the grouped, context-parallel and unbatched
+variants. Those tensors' bytes are left out of the dots and of every other kernel that
 reads or writes an array of their shape. FlashAttention reads K and V once per block of
 queries, Theta(s^2 d^2 / M) bytes for on-chip memory M (Dao et al., Theorem 2); they
 are counted once here, which is optimistic by a few percent of the core's time at
@@ -40,29 +41,27 @@ d = 128 and M ~ 200 KB.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from shardemu.accounting.attention_core import AttentionShape, no_units, score_layouts, scores_index
 from shardemu.accounting.fusion import fused_bytes
-from shardemu.accounting.hlo import ARRAY, CALLED, DTYPE_BYTES, Instr, operands, parse
+from shardemu.accounting.hlo import (
+    ARRAY,
+    CALLED,
+    CONTRACTING,
+    DTYPE_BYTES,
+    Instr,
+    dims,
+    operands,
+    parse,
+)
 from shardemu.accounting.ledger import Matmul
 
-# the widest attention head of the models we know (64 to 256: GPT-3's 128, Llama's 128,
-# Gemma's 256); an expert's matmul contracts a model width, above it in any model but a
-# toy's
-MAX_HEAD_WIDTH = 256
-# the most query heads a key/value head serves on one device: a multi-query model's
-# heads (Falcon-40B's 128 over 8 groups is 16; PaLM's multi-query 48), at most 128 here
-MAX_QUERY_GROUP = 128
-_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
-_BATCH = re.compile(r"lhs_batch_dims=\{([\d,]*)\}")
-_RHS_BATCH = re.compile(r"rhs_batch_dims=\{([\d,]*)\}")
 # instructions that move no bytes of their own (or whose bytes are counted elsewhere:
 # loop and call bodies are walked as computations, collectives by collectives.py)
 _FREE = {
@@ -111,10 +110,6 @@ _MOVES = {
 _EPILOGUE = _MOVES | {"multiply", "divide"}
 
 
-def _dims(text: str) -> tuple[int, ...]:
-    return tuple(int(d) for d in text.split(",") if d)
-
-
 def compute_itemsize(args: Any) -> int:
     """Bytes per element of the narrowest floating-point array among a piece's
     arguments: the dtype it computes in (its weights' or activations')."""
@@ -131,8 +126,8 @@ def _bytes(shape: str, itemsize: int, skip: frozenset[tuple[int, ...]] = frozens
     arrays whose dimensions (1s dropped) are in `skip`."""
     return sum(
         elements * min(width, itemsize)
-        for width, elements, dims in _arrays(shape)
-        if dims not in skip
+        for width, elements, layout in _arrays(shape)
+        if layout not in skip
     )
 
 
@@ -142,32 +137,9 @@ def _arrays(shape: str) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
     parsed once per shape string, which a module repeats in every instruction that
     reads the value (a count reads each module four times)."""
     return tuple(
-        (DTYPE_BYTES.get(dtype, 4), math.prod(_dims(dims)), _no_units(_dims(dims)))
-        for dtype, dims in ARRAY.findall(shape)
+        (DTYPE_BYTES.get(dtype, 4), math.prod(dims(text)), no_units(dims(text)))
+        for dtype, text in ARRAY.findall(shape)
     )
-
-
-def _no_units(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """`shape` without its 1s: XLA leaves a unit dimension (one sequence, one key/value
-    group a device) anywhere in a transposed copy of the scores."""
-    return tuple(d for d in shape if d != 1)
-
-
-def _score_layouts(dims: tuple[int, ...]) -> set[tuple[int, ...]]:
-    """The layouts (1s dropped: `_no_units`) of an attention core's scores whose matmul
-    array is `dims`: [.., q, s]; or, for grouped-query attention, whose matmul merges a
-    group's r query heads with the queries ([.., r q, s] or [.., s, r q]), those two and
-    the [.., r, q, s] its softmax computes on, in any order. With context parallelism q
-    is a rank's share of the s keys (s / cp), so r q need not be a multiple of s, nor s
-    of r q: every r up to `MAX_QUERY_GROUP` that divides the merged dimension is taken,
-    with either of the two as the merged one."""
-    *lead, x, y = dims
-    layouts = [dims, (*lead, y, x)]
-    for merged, keys in ((x, y), (y, x)):
-        for r in range(2, min(merged, MAX_QUERY_GROUP) + 1):
-            if merged % r == 0:
-                layouts += [(*lead, *p) for p in itertools.permutations((r, merged // r, keys))]
-    return {_no_units(tuple(shape)) for shape in layouts}
 
 
 def squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -180,14 +152,18 @@ class Kernels:
     """One parse of a compiled module's HLO, read as XLA emitted it or with its
     attention core fused (a count wants both)."""
 
-    def __init__(self, hlo_text: str, itemsize: int | None = None) -> None:
+    def __init__(
+        self, hlo_text: str, itemsize: int | None = None, attention: AttentionShape | None = None
+    ) -> None:
         """`itemsize`: bytes per element of the program's compute dtype; elements the
-        backend widened beyond it count at it (None: as the HLO says)."""
+        backend widened beyond it count at it (None: as the HLO says). `attention`: the
+        model's, to find its core's dots that keep no batch dimension
+        (`attention_core.py`)."""
         self.computations = parse(hlo_text)
         self.shapes = {n: shape for body in self.computations.values() for n, shape, _, _ in body}
         self.width = itemsize or max(DTYPE_BYTES.values())
         self.origins = _Origins(self.computations)
-        self.dots = _dots(self.computations, self.shapes, self.origins)
+        self.dots = _dots(self.computations, self.shapes, self.origins, attention)
 
     def read(self, fused_attention: bool = False) -> tuple[tuple[Matmul, ...], int]:
         """The matmuls and the bytes the other kernels move as XLA emitted them; with
@@ -217,7 +193,7 @@ class Kernels:
             layout
             for d in self.dots
             if fused_attention and d.scores is not None
-            for layout in _score_layouts(_dims(ARRAY.search(d.arrays[d.scores]).group(2)))  # type: ignore[union-attr]
+            for layout in score_layouts(dims(ARRAY.search(d.arrays[d.scores]).group(2)))  # type: ignore[union-attr]
         )
         scaled = frozenset(d.kernel for d in self.dots if d.fp8)
         return _memory_bytes(
@@ -226,10 +202,13 @@ class Kernels:
 
 
 def kernels(
-    hlo_text: str, itemsize: int | None = None, fused_attention: bool = False
+    hlo_text: str,
+    itemsize: int | None = None,
+    fused_attention: bool = False,
+    attention: AttentionShape | None = None,
 ) -> tuple[tuple[Matmul, ...], int]:
     """The module's matmuls and the bytes its other kernels move (`Kernels.read`)."""
-    return Kernels(hlo_text, itemsize).read(fused_attention)
+    return Kernels(hlo_text, itemsize, attention).read(fused_attention)
 
 
 @dataclass(frozen=True)
@@ -284,7 +263,10 @@ class _Origins:
 
 
 def _dots(
-    computations: dict[str, list[Instr]], shapes: dict[str, str], origins: _Origins
+    computations: dict[str, list[Instr]],
+    shapes: dict[str, str],
+    origins: _Origins,
+    attention: AttentionShape | None,
 ) -> list[_Dot]:
     """Every dot in the module (loop bodies once, as cost analysis counts them)."""
     out = []
@@ -294,51 +276,16 @@ def _dots(
                 continue
             names = operands(rest)[:2]
             lhs, rhs = (shapes[o] for o in names)
-            contracting = _CONTRACTING.search(rest)
-            lhs_dims = _dims(ARRAY.search(lhs).group(2))  # type: ignore[union-attr]
-            axes = _dims(contracting.group(1)) if contracting else ()
-            out_elements = math.prod(_dims(ARRAY.search(shape).group(2)))  # type: ignore[union-attr]
+            contracting = CONTRACTING.search(rest)
+            lhs_dims = dims(ARRAY.search(lhs).group(2))  # type: ignore[union-attr]
+            axes = dims(contracting.group(1)) if contracting else ()
+            out_elements = math.prod(dims(ARRAY.search(shape).group(2)))  # type: ignore[union-attr]
             flops = 2.0 * out_elements * math.prod(lhs_dims[a] for a in axes)
             arrays = (lhs, rhs, shape)
             fp8 = all(origins.fp8(o) for o in names)
-            out.append(_Dot(flops, arrays, _scores(rest, arrays), fp8, origins.kernel(dot)))
+            scores = scores_index(rest, arrays, attention)
+            out.append(_Dot(flops, arrays, scores, fp8, origins.kernel(dot)))
     return out
-
-
-def _scores(rest: str, arrays: tuple[str, str, str]) -> int | None:
-    """Which of a batched dot's arrays is [.., s, s] (its two non-batch dimensions
-    equal), or, for grouped-query attention or context parallelism, [.., r q, s] in
-    either order (XLA merges the r query heads of a key/value group with the queries; a
-    context-parallel rank's q queries are s / cp of the s keys): the head width, the
-    dot's third dimension, below both and at most `MAX_HEAD_WIDTH`; None for a dot
-    without batch dimensions (one sequence and one group a device: not found)."""
-    lhs_batch, rhs_batch = _BATCH.search(rest), _RHS_BATCH.search(rest)
-    if not lhs_batch or not rhs_batch or not _dims(lhs_batch.group(1)):
-        return None
-    batches = (_dims(lhs_batch.group(1)), _dims(rhs_batch.group(1)), None)
-    dims = [_dims(ARRAY.search(shape).group(2)) for shape in arrays]  # type: ignore[union-attr]
-    frees = [
-        [d[i] for i in range(len(d)) if i not in (batch or range(len(d) - 2))]
-        for d, batch in zip(dims, batches, strict=True)
-    ]
-    for index, free in enumerate(frees):
-        if len(free) == 2 and free[0] == free[1]:
-            return index
-    if any(len(free) != 2 for free in frees):
-        return None
-    # not square: grouped-query attention ([.., r q, s], XLA merging a key/value group's
-    # r query heads with the queries) or context parallelism ([.., q, cp q]: a rank's
-    # queries against every key), or both. The array's third dimension (the other
-    # operand's, or the contracted one) must be a head's width, below both of its own:
-    # an expert's batched matmul contracts a model width (`MAX_HEAD_WIDTH`)
-    contracted = _dims(_CONTRACTING.search(rest).group(1))  # type: ignore[union-attr]
-    width = math.prod(dims[0][a] for a in contracted if a < len(dims[0]))
-    out = frees[2]
-    third = (out[1], out[0], width)  # each array's other dimension: rhs's, lhs's, contracted
-    for index, free in enumerate(frees):
-        if third[index] < min(free) and third[index] <= MAX_HEAD_WIDTH:
-            return index
-    return None
 
 
 def _memory_bytes(

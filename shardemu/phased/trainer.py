@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from shardemu.accounting.attention_core import AttentionShape
 from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Ledger
 from shardemu.accounting.sizes import bytes_per_device
@@ -95,7 +96,8 @@ class PhasedTrainer:
         self.stages: tuple[Stage, ...] = self.pieces.stages
         self.counter = PROCESS_COUNTER if counter is None else counter
         # what a piece compiles to depends on these settings as well as on its inputs
-        self._context = (model, train, self.rules, cfg.rts, cfg.rts_opt)
+        attention = AttentionShape.of(model.cfg, train.seq, par.context)
+        self._context = (model, train, self.rules, cfg.rts, cfg.rts_opt, attention)
         self.dry_runs: dict[tuple, planner.DryRun] = {}  # by (layout slices, counting)
         self._abstract_states: dict[tuple, PhasedState] = {}  # by layout slices
         # one layer's weights as a phase computes with them (gathered, tensor-sharded)

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from shardemu.accounting.attention_core import AttentionShape
 from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Ledger
 from shardemu.accounting.sizes import bytes_per_device
@@ -82,7 +83,9 @@ class PipelinedTrainer:
         self.stages: tuple[Stage, ...] = self.pieces.stages
         self.holders = shared_holders(self.layout)
         self.counter = PROCESS_COUNTER if counter is None else counter
-        self._context = (model, train, self.rules, cfg.rts, cfg.rts_opt)  # as PhasedTrainer's
+        # as PhasedTrainer's
+        attention = AttentionShape.of(model.cfg, train.seq, par.context)
+        self._context = (model, train, self.rules, cfg.rts, cfg.rts_opt, attention)
         self.ledger = Ledger()
         self.tiers = [Tier(f"device (stage {s})", None) for s in range(par.pipe)]
         self.steps_done = 0

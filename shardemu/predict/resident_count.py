@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardemu.accounting import flops
+from shardemu.accounting.attention_core import AttentionShape
 from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Event, Ledger, Matmul, Phase
 from shardemu.accounting.matmuls import squeezed
@@ -206,10 +207,9 @@ def one_stage(
     context: int = 1,
 ) -> tuple:
     """(built stages, the stage, its shared weights, one layer's weights, a microbatch,
-    the counting context), abstract and sharded, on one pipeline stage of `context` x
-    `tensor` JAX devices. The counting context (the model and the rules) keeps apart the
-    counts of pieces whose inputs look alike but compute or place their outputs
-    otherwise."""
+    the counting context), abstract and sharded, on one stage of `context` x `tensor`
+    JAX devices. The counting context (the model, the rules, its attention's shape)
+    keeps apart pieces whose inputs look alike but compute otherwise."""
     par = Parallelism(tensor=tensor, context=context)
     mesh = mesh_from(par, jax.devices()[: par.num_devices])
     train = TrainConfig(batch=microbatch_size, seq=seq, precision=precision)
@@ -221,7 +221,8 @@ def one_stage(
     shared = with_shardings(built.shared_shapes, st.shared_compute)
     layer = with_shardings(built.layer_shape_one, st.layer_compute)
     batch = model.abstract_batch(microbatch_size, seq, st.batch)
-    return built, st, shared, layer, batch, (model, rules)
+    counting = (model, rules, AttentionShape.of(model.cfg, seq, context))
+    return built, st, shared, layer, batch, counting
 
 
 def optimizer_state(tx: Any, weights: Any, shardings: Any) -> Any:

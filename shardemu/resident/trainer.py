@@ -25,6 +25,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardemu.accounting.attention_core import AttentionShape
 from shardemu.accounting.count import Counted, Counter, piece_events, with_shardings
 from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import ConfigError, TrainConfig
@@ -293,7 +294,8 @@ class Trainer:
         unrolled and counted once per signature by `counter`."""
         params, opt_state, batch = self.abstract_inputs()
         r = self._replicated
-        context = (self.model.cfg, self._program_settings, self.rules)
+        attention = AttentionShape.of(self.model.cfg, self.train.seq, self.par.context)
+        context = (self.model.cfg, self._program_settings, self.rules, attention)
         grad_shardings = self._grad_zero or self.param_shardings
         with unrolled_layers():
             grads = self._count(
