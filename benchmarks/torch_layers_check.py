@@ -6,7 +6,7 @@ batch 2 x 8192 and 1 x 32768 (`torch_llama_layers.json`, on an H100 80GB HBM3;
 `torch_llama_layers_h200.json`, on an H200), and BERT-Large's in FP16 at 256 x 128
 (`torch_bert_layers.json`, H100), eager and compiled, with the attention kernel PyTorch
 picks (cuDNN's on both GPUs) and with FlashAttention-2 or cuDNN's forced. This script
-counts the same layer here (`resident_count.layer_seconds`: XLA's count of shardemu's
+counts the same layer here (`layer_check.layer_seconds`: XLA's count of shardemu's
 layer, attention fused, no recomputation, its forward and backward pieces on the
 device's profile's roofline), the attention core at the measured rate of the kernel
 the row ran (`hardware.MEASURED_KERNELS_H100`, `FLASH_ATTENTION_2_H100`), and prints
@@ -36,8 +36,8 @@ from rich.table import Table  # noqa: E402
 
 from shardemu.models import as_model, get_preset  # noqa: E402
 from shardemu.predict.hardware import FLASH_ATTENTION_2_H100, MEASURED_KERNELS_H100  # noqa: E402
+from shardemu.predict.layer_check import layer_seconds  # noqa: E402
 from shardemu.predict.profiles import PROFILES  # noqa: E402
-from shardemu.predict.resident_count import layer_seconds  # noqa: E402
 
 MEASURED = Path(__file__).parent / "measured" / "torch_llama_layers.json"
 PROFILE = {"NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H200": "h200-sxm"}  # the device's

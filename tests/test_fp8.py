@@ -138,3 +138,42 @@ def test_fp8_profiles_and_their_refusals():
     with pytest.raises(HardwareError, match="give both, or neither"):
         dataclasses.replace(plain, fp8_tflops=20.0)
     assert dataclasses.replace(plain, precisions=("bf16", "fp8"), fp8_tflops=20.0).fp8_tflops == 20
+
+
+def test_weight_casts_are_counted_apart_and_timed_once_a_step():
+    """Transformer Engine under Megatron-Core casts a weight to FP8 at a step's first
+    microbatch and keeps the copy (`accounting/cached_casts.py`). A count told which
+    arrays are the weights splits a piece's kernels exactly: those on the weights alone
+    (the amax, scale and cast, at least 3 bytes an element: one read of BF16, one FP8
+    write) and the rest, whose sum is the whole count's. A resident count in FP8 moves
+    them from the layer pieces into the layer's update, which is otherwise BF16's."""
+    from shardemu.accounting.cached_casts import CachedWeights
+    from shardemu.config import Parallelism
+    from shardemu.predict.resident_count import count_key, counted_microbatch
+
+    mesh = make_mesh(devices=jax.devices()[:1])
+    one = NamedSharding(mesh, P())
+    x = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16, sharding=one)
+    w = jax.ShapeDtypeStruct((128, 512), jnp.bfloat16, sharding=one)
+
+    def loss(x: jax.Array, w: jax.Array) -> jax.Array:
+        return jnp.sum(fp8.einsum("td,df->tf", x, w, True).astype(jnp.float32) ** 2)
+
+    piece = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    whole = Counter().count("piece", piece, mesh, (x, w))
+    split = Counter().count(
+        "piece", piece, mesh, (x, w), (CachedWeights.of(w, frozenset({"piece"})),)
+    )
+    assert whole.cast_bytes == (0, 0) and split.cast_bytes[0] >= 3 * 128 * 512
+    assert split.memory_bytes + split.cast_bytes[0] == whole.memory_bytes
+
+    model = Model(get_preset("llama-tiny"))
+    fp8_mb, bf16_mb = (
+        counted_microbatch(count_key(model, Parallelism(), 2, 32, "none", p, "materialized"))
+        for p in ("fp8", "bf16")
+    )
+    (update,), (plain,) = (
+        [e for e in mb.pieces["update0"] if e.kind == "compute"] for mb in (fp8_mb, bf16_mb)
+    )
+    weights = sum(x.size for x in jax.tree.leaves(model.abstract_params()[0][model.stack_key]))
+    assert update.memory_bytes - plain.memory_bytes >= 3 * weights // model.cfg.num_layers

@@ -283,8 +283,8 @@ def test_a_llama_layer_measured_in_pytorch_on_an_h100_is_its_roofline() -> None:
     `benchmarks/torch_layers_check.py`)."""
     from shardemu.models import as_model, get_preset
     from shardemu.predict.hardware import FLASH_ATTENTION_2_H100, MEASURED_KERNELS_H100
+    from shardemu.predict.layer_check import layer_seconds
     from shardemu.predict.profiles import PROFILES
-    from shardemu.predict.resident_count import layer_seconds
 
     rate = {
         "cudnn": MEASURED_KERNELS_H100["attention_efficiency"],

@@ -22,6 +22,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from shardemu.accounting.attention_core import AttentionShape
+from shardemu.accounting.cached_casts import CachedWeights
 from shardemu.accounting.collectives import Collective, collectives
 from shardemu.accounting.ledger import Carries, Event, Matmul, Phase, Where
 from shardemu.accounting.matmuls import Kernels, compute_itemsize
@@ -81,6 +82,9 @@ class Counted:
     # the other kernels' bytes fused as an accelerator fuses them (`fusion.py`), with
     # the attention core materialized and fused
     target_bytes: tuple[int, int] = (0, 0)
+    # the kernels on weights whose casts are made once a step (`cached_casts.py`), left
+    # out of the bytes above: as emitted, and fused
+    cast_bytes: tuple[int, int] = (0, 0)
 
 
 class Counter:
@@ -106,7 +110,8 @@ class Counter:
         another thread is compiling is waited for, not compiled twice). `context`: the settings `fn`
         itself depends on (its optimizer, its rules), so that pieces of one name built
         with other settings are counted apart; an `AttentionShape` among them finds the
-        attention core's dots that keep no batch dimension (`attention_core.py`)."""
+        attention core's dots that keep no batch dimension (`attention_core.py`), and
+        `CachedWeights` counts their casts apart (`cached_casts.py`)."""
         key = _key(name, mesh, args, context)
         if key not in self._counted:
             with self._lock:  # another thread compiling it (`count_ahead`, or `count`)?
@@ -144,7 +149,10 @@ class Counter:
         """Keep the counts of `compiled` under `key`."""
         text = compiled.as_text()
         attention = next((c for c in key[1] if isinstance(c, AttentionShape)), None)
-        module = Kernels(text, compute_itemsize(args), attention)
+        cached = next(
+            (c for c in key[1] if isinstance(c, CachedWeights) and key[0] in c.pieces), None
+        )
+        module = Kernels(text, compute_itemsize(args), attention, cached)
         self._counted[key] = Counted(
             float(compiled.cost_analysis().get("flops", 0.0)),
             mesh.size,
@@ -153,6 +161,7 @@ class Counter:
             *module.read(),
             module.read(fused_attention=True),
             (module.memory(target=True), module.memory(fused_attention=True, target=True)),
+            (module.casts(), module.casts(target=True)),
         )
 
     def __len__(self) -> int:

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from shardemu.accounting.attention_core import AttentionShape, no_units, score_layouts, scores_index
+from shardemu.accounting.cached_casts import CachedWeights
 from shardemu.accounting.fusion import fused_bytes
 from shardemu.accounting.hlo import (
     ARRAY,
@@ -153,12 +154,18 @@ class Kernels:
     attention core fused (a count wants both)."""
 
     def __init__(
-        self, hlo_text: str, itemsize: int | None = None, attention: AttentionShape | None = None
+        self,
+        hlo_text: str,
+        itemsize: int | None = None,
+        attention: AttentionShape | None = None,
+        cached: CachedWeights | None = None,
     ) -> None:
         """`itemsize`: bytes per element of the program's compute dtype; elements the
         backend widened beyond it count at it (None: as the HLO says). `attention`: the
         model's, to find its core's dots that keep no batch dimension
-        (`attention_core.py`)."""
+        (`attention_core.py`). `cached`: weights whose casts are made once a step
+        (`cached_casts.py`), left out of `memory` and counted by `casts`."""
+        self.cached = cached
         self.computations = parse(hlo_text)
         self.shapes = {n: shape for body in self.computations.values() for n, shape, _, _ in body}
         self.width = itemsize or max(DTYPE_BYTES.values())
@@ -195,10 +202,73 @@ class Kernels:
             if fused_attention and d.scores is not None
             for layout in score_layouts(dims(ARRAY.search(d.arrays[d.scores]).group(2)))  # type: ignore[union-attr]
         )
-        scaled = frozenset(d.kernel for d in self.dots if d.fp8)
-        return _memory_bytes(
-            self.computations, self.shapes, self.width, scores, self.origins, scaled, target
-        )
+        return self._moved(scores, target)
+
+    def casts(self, target: bool = False) -> int:
+        """The bytes of the kernels on the cached weights alone (`cached_casts.py`),
+        which `memory` leaves out: 0 without them."""
+        return self._moved(frozenset(), target, casts=True) if self.cached else 0
+
+    def _moved(self, skip: frozenset[tuple[int, ...]], target: bool, casts: bool = False) -> int:
+        """Bytes the module's kernels other than matmuls read and write (see the module
+        docstring), elements at most the compute width (1 byte for an FP8 array the
+        backend widened: `_Origins.fp8`), arrays of the dims in `skip` left out. A
+        kernel that only scales an FP8 matmul's product by scalars and casts it is the
+        matmul's epilogue on an accelerator (cuBLASLt applies FP8 scale factors in the
+        GEMM: `cublasLtMatmul`'s A, B and D scale pointers), so it moves nothing here.
+        A kernel on the cached weights alone (`cached_casts.py`) is left out, or, with
+        `casts`, is all that is counted. With `target`, the kernels as the accelerator
+        fuses them (`fusion.py`); else as XLA's CPU backend emitted them."""
+        computations, shapes, origins = self.computations, self.shapes, self.origins
+        fp8_products = frozenset(d.kernel for d in self.dots if d.fp8)
+        sizes: dict[str, int] = {}
+
+        def size(name: str) -> int:
+            if name not in sizes:
+                width = 1 if origins.fp8(name) else self.width
+                sizes[name] = _bytes(shapes[name], width, skip)
+            return sizes[name]
+
+        def kind(instr: Instr) -> str:
+            """boundary (a matmul, a collective, a loop, or the part not counted: no
+            kernel here), free (data movement or an FP8 epilogue: folded into a
+            neighbour) or kernel."""
+            name, shape, op, rest = instr
+            if op in _FREE:
+                return "boundary"
+            if op == "fusion":
+                callee = CALLED.search(rest)
+                fused = {
+                    o for _, _, o, _ in computations.get(callee.group(1) if callee else "", [])
+                }
+                if "dot" in fused:
+                    return "boundary"
+                arrays = [o for o in operands(rest) if o in shapes and "[]" not in shapes[o]]
+                if fused <= _MOVES or (
+                    fused <= _EPILOGUE and arrays and set(arrays) <= fp8_products
+                ):
+                    return "free"
+            elif target and op in _MOVES:
+                return "free"
+            cast = self.cached is not None and self.cached.holds(
+                [a[2] for x in (shape, *(shapes[o] for o in operands(rest) if o in shapes))
+                 for a in _arrays(x)]
+            )  # fmt: skip
+            return "kernel" if cast == casts else "boundary"
+
+        called = {c for body in computations.values() for i in body for c in CALLED.findall(i[3])}
+        total = 0
+        for comp, body in computations.items():
+            if comp in called:  # fused computations and reducers: inside a kernel
+                continue
+            kinds = {instr[0]: kind(instr) for instr in body}
+            if target:
+                total += fused_bytes(body, kinds, size)
+                continue
+            for name, _, _, rest in body:
+                if kinds[name] == "kernel":
+                    total += size(name) + sum(size(o) for o in operands(rest) if o in shapes)
+        return total
 
 
 def kernels(
@@ -286,60 +356,3 @@ def _dots(
             scores = scores_index(rest, arrays, attention)
             out.append(_Dot(flops, arrays, scores, fp8, origins.kernel(dot)))
     return out
-
-
-def _memory_bytes(
-    computations: dict[str, list[Instr]],
-    shapes: dict[str, str],
-    itemsize: int,
-    skip: frozenset[tuple[int, ...]],
-    origins: _Origins,
-    fp8_products: frozenset[str] = frozenset(),
-    target: bool = False,
-) -> int:
-    """Bytes the module's kernels other than matmuls read and write (see the module
-    docstring), elements at most `itemsize` wide (1 byte for an FP8 array the backend
-    widened: `_Origins.fp8`), arrays of the dims in `skip` left out. A kernel that only
-    scales an FP8 matmul's product (`fp8_products`) by scalars and casts it is the
-    matmul's epilogue on an accelerator (cuBLASLt applies FP8 scale factors in the
-    GEMM: `cublasLtMatmul`'s A, B and D scale pointers), so it moves nothing here.
-    With `target`, the kernels as the accelerator fuses them (`fusion.py`); else as
-    XLA's CPU backend emitted them."""
-
-    sizes: dict[str, int] = {}
-
-    def size(name: str) -> int:
-        if name not in sizes:
-            sizes[name] = _bytes(shapes[name], 1 if origins.fp8(name) else itemsize, skip)
-        return sizes[name]
-
-    def kind(instr: Instr) -> str:
-        """boundary (a matmul, a collective, a loop: no kernel here), free (data
-        movement or an FP8 epilogue: folded into a neighbour) or kernel."""
-        _, _, op, rest = instr
-        if op in _FREE:
-            return "boundary"
-        if op != "fusion":
-            return "free" if target and op in _MOVES else "kernel"
-        callee = CALLED.search(rest)
-        fused = {o for _, _, o, _ in computations.get(callee.group(1) if callee else "", [])}
-        if "dot" in fused:
-            return "boundary"
-        arrays = [o for o in operands(rest) if o in shapes and "[]" not in shapes[o]]
-        if fused <= _MOVES or (fused <= _EPILOGUE and arrays and set(arrays) <= fp8_products):
-            return "free"
-        return "kernel"
-
-    called = {c for body in computations.values() for i in body for c in CALLED.findall(i[3])}
-    total = 0
-    for comp, body in computations.items():
-        if comp in called:  # fused computations and reducers: inside a kernel
-            continue
-        kinds = {instr[0]: kind(instr) for instr in body}
-        if target:
-            total += fused_bytes(body, kinds, size)
-            continue
-        for name, _, _, rest in body:
-            if kinds[name] == "kernel":
-                total += size(name) + sum(size(o) for o in operands(rest) if o in shapes)
-    return total

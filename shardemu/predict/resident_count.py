@@ -3,7 +3,8 @@
 (`stages/stage.py`) are compiled over shapes and counted (`accounting/count.py`): the
 embedding, one layer's forward (keeping its vjp residuals, or only its input with
 `recompute="full"`) and backward, the head and loss, the embedding's backward, and the
-optimizer updates on the device. `memory_bound` finds a layout's least bytes by tracing
+optimizer updates on the device (FP8's weight casts with them: `weight_casts.py`).
+`memory_bound` finds a layout's least bytes by tracing
 alone (`memory_bound.py`); `plan_resident.py` assembles a step from these.
 """
 
@@ -20,6 +21,7 @@ import numpy as np
 
 from shardemu.accounting import flops
 from shardemu.accounting.attention_core import AttentionShape
+from shardemu.accounting.cached_casts import CachedWeights
 from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Event, Ledger, Matmul, Phase
 from shardemu.accounting.matmuls import squeezed
@@ -31,9 +33,8 @@ from shardemu.parallel.mesh import mesh_from
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
 from shardemu.predict.activations import selective_op_sets
-from shardemu.predict.hardware import Hardware
 from shardemu.predict.plan_phased import padded_for
-from shardemu.predict.roofline import compute_seconds
+from shardemu.predict.weight_casts import LAYER_PIECES, once_a_step, with_casts
 from shardemu.stages.executor import Executor
 from shardemu.stages.pieces import Piece
 from shardemu.stages.specs import AXIS_LABELS, stage_meshes, stage_rules
@@ -120,6 +121,8 @@ def count_microbatch(
     for e in ledger.events:
         key = str(e.phase) if e.phase.kind == "update" else e.phase.kind
         pieces.setdefault(key, []).append(e)
+    casts = once_a_step(counter, listing.pieces, full_recompute)  # FP8's weights
+    pieces["update0"] = with_casts(pieces["update0"], casts)
     layer_bytes, shared_bytes = bytes_per_device(layer), bytes_per_device(shared)
     reads = shared_reads(st, shared, batch)
     return Microbatch(
@@ -221,7 +224,8 @@ def one_stage(
     shared = with_shardings(built.shared_shapes, st.shared_compute)
     layer = with_shardings(built.layer_shape_one, st.layer_compute)
     batch = model.abstract_batch(microbatch_size, seq, st.batch)
-    counting = (model, rules, AttentionShape.of(model.cfg, seq, context))
+    cached = (CachedWeights.of(layer, LAYER_PIECES),) if precision == "fp8" else ()
+    counting = (model, rules, AttentionShape.of(model.cfg, seq, context), *cached)
     return built, st, shared, layer, batch, counting
 
 
@@ -388,13 +392,3 @@ def selective_keep(mb: Microbatch, key: CountKey) -> Microbatch:
     itemsize = jnp.dtype(cfg.param_dtype).itemsize
     scores = b * (cfg.num_heads // key.tensor) * (s // key.context) * s * itemsize
     return dataclasses.replace(mb, keep_bytes=max(mb.keep_bytes - 2 * scores, 0))
-
-
-def layer_seconds(model: Model, microbatch_size: int, seq: int, hw: Hardware, precision: str,
-                  attention: str) -> float:  # fmt: skip
-    """One layer's forward and backward on one device of `hw`, nothing recomputed: what
-    a layer measured on the target is held to (benchmarks/torch_layers_check.py)."""
-    key = count_key(model, Parallelism(), microbatch_size, seq, "none", precision, attention)
-    pieces = counted_microbatch(key).pieces
-    events = pieces["forward"] + pieces["backward"]
-    return sum(compute_seconds(e, hw) for e in events if e.kind == "compute")
