@@ -130,9 +130,8 @@ CASES = [
     Case(
         "Llama 3 405B, 8192 H100",
         "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4: 430 TFLOP/s per GPU, 43% MFU",
-        # 126 layers in the paper; 128 here so 16 stages x 2 chunks divide them. SwiGLU
-        # d_ff 53248 = 2-matrix MLP of 79872; grouped-query attention modelled as MHA.
-        custom_model("gpt", 128, 16384, 128, 128256, 8192).replace(mlp_dim=79872),
+        # 126 layers in the paper; 128 here so 16 stages x 2 chunks divide them
+        get_preset("llama3-405b").replace(num_layers=128),
         Parallelism(pipe=16, tensor=8, replica=64),
         2048,
         8192,
@@ -143,7 +142,7 @@ CASES = [
         "full",
         "mfu",
         0.43,
-        "128 layers for 126; GQA and SwiGLU approximated at equal MLP FLOPs",
+        "the Llama family (grouped-query attention, SwiGLU), 128 layers for 126",
         # the default Overlap(): FSDP's gradient reduce-scatter overlaps the backward and
         # pipeline sends are asynchronous (Dubey et al. 2024, §3.3)
         attention="fused",  # a 2024 H100 stack's fused attention (FlashAttention-2,
