@@ -338,8 +338,8 @@ CASES = [
                 8,
                 328,
                 "one key/value group a device at tensor 8, one sequence a microbatch: its "
-                "attention core's dots have no batch dimension and are not found as attention "
-                "(docs/results.md), so its scores are timed as memory traffic",
+                "attention core's dots have no batch dimension, found by the model's attention "
+                "shape (accounting/attention_core.py)",
             ),
         )  # fmt: skip
     ),
