@@ -145,11 +145,13 @@ def test_weight_casts_are_counted_apart_and_timed_once_a_step():
     microbatch and keeps the copy (`accounting/cached_casts.py`). A count told which
     arrays are the weights splits a piece's kernels exactly: those on the weights alone
     (the amax, scale and cast, at least 3 bytes an element: one read of BF16, one FP8
-    write) and the rest, whose sum is the whole count's. A resident count in FP8 moves
-    them from the layer pieces into the layer's update, which is otherwise BF16's."""
+    write) and the rest, whose sum is the whole count's. A resident plan in FP8 times
+    them with the layer's update, which is otherwise BF16's; under ZeRO stage 3, which
+    gathers the weights for each microbatch, in the forward and the backward again."""
     from shardemu.accounting.cached_casts import CachedWeights
     from shardemu.config import Parallelism
     from shardemu.predict.resident_count import count_key, counted_microbatch
+    from shardemu.predict.zero import placed_casts
 
     mesh = make_mesh(devices=jax.devices()[:1])
     one = NamedSharding(mesh, P())
@@ -172,8 +174,16 @@ def test_weight_casts_are_counted_apart_and_timed_once_a_step():
         counted_microbatch(count_key(model, Parallelism(), 2, 32, "none", p, "materialized"))
         for p in ("fp8", "bf16")
     )
-    (update,), (plain,) = (
-        [e for e in mb.pieces["update0"] if e.kind == "compute"] for mb in (fp8_mb, bf16_mb)
-    )
+    once, gathered = placed_casts(fp8_mb), placed_casts(dataclasses.replace(fp8_mb, zero_stage=3))
+
+    def moved(mb, piece: str) -> int:  # noqa: ANN001
+        return next(e.memory_bytes for e in mb.pieces[piece] if e.kind == "compute")
+
     weights = sum(x.size for x in jax.tree.leaves(model.abstract_params()[0][model.stack_key]))
-    assert update.memory_bytes - plain.memory_bytes >= 3 * weights // model.cfg.num_layers
+    assert moved(once, "update0") - moved(bf16_mb, "update0") >= 3 * weights // model.cfg.num_layers
+    assert moved(once, "forward") == moved(fp8_mb, "forward")
+    # under ZeRO 3 the weights are gathered for each microbatch: cast in each forward
+    assert moved(gathered, "update0") == moved(bf16_mb, "update0")
+    assert (
+        moved(gathered, "forward") - moved(fp8_mb, "forward") >= 3 * weights // model.cfg.num_layers
+    )

@@ -70,7 +70,7 @@ from shardemu.predict.sparse import (
     scale_compute,
     sparse_report,
 )
-from shardemu.predict.zero import zero
+from shardemu.predict.zero import placed_casts, zero
 
 
 def plan_resident(
@@ -184,9 +184,10 @@ def _on_mesh(
     """A microbatch counted on one context x tensor group (or its memory bound), as each
     device of `par` holds and runs it: its experts split over `expert`, its optimizer
     state over `replica` under ZeRO, its weight gradients reduced over `context` once a
-    step (`context_parallel.py`)."""
+    step (`context_parallel.py`), FP8's weight casts where the weights stay
+    (`zero.placed_casts`)."""
     mb = per_step_reductions(mb, par.context, par.tensor)
-    return zero(expert_parallel(mb, key, par.expert, recompute), train.zero, par)
+    return placed_casts(zero(expert_parallel(mb, key, par.expert, recompute), train.zero, par))
 
 
 def _refuse_uncovered(par: Parallelism, train: TrainConfig, overlap: Overlap) -> None:

@@ -3,7 +3,7 @@
 (`stages/stage.py`) are compiled over shapes and counted (`accounting/count.py`): the
 embedding, one layer's forward (keeping its vjp residuals, or only its input with
 `recompute="full"`) and backward, the head and loss, the embedding's backward, and the
-optimizer updates on the device (FP8's weight casts with them: `weight_casts.py`).
+optimizer updates on the device (FP8's weight casts apart: `weight_casts.py`).
 `memory_bound` finds a layout's least bytes by tracing
 alone (`memory_bound.py`); `plan_resident.py` assembles a step from these.
 """
@@ -34,7 +34,7 @@ from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.phased.program import EMBED, EMBED_BWD, HEAD, recompute_flops
 from shardemu.predict.activations import selective_op_sets
 from shardemu.predict.plan_phased import padded_for
-from shardemu.predict.weight_casts import LAYER_PIECES, once_a_step, with_casts
+from shardemu.predict.weight_casts import LAYER_PIECES, WeightCasts, counted_casts
 from shardemu.stages.executor import Executor
 from shardemu.stages.pieces import Piece
 from shardemu.stages.specs import AXIS_LABELS, stage_meshes, stage_rules
@@ -70,6 +70,7 @@ class Microbatch:
     reads: tuple[int, int] = (0, 0)
     zero: int = 1
     zero_stage: int = 0
+    casts: WeightCasts = WeightCasts()  # FP8's, left out of `pieces` (`weight_casts.py`)
 
 
 def count_microbatch(
@@ -121,13 +122,13 @@ def count_microbatch(
     for e in ledger.events:
         key = str(e.phase) if e.phase.kind == "update" else e.phase.kind
         pieces.setdefault(key, []).append(e)
-    casts = once_a_step(counter, listing.pieces, full_recompute)  # FP8's weights
-    pieces["update0"] = with_casts(pieces["update0"], casts)
     layer_bytes, shared_bytes = bytes_per_device(layer), bytes_per_device(shared)
     reads = shared_reads(st, shared, batch)
+    casts = counted_casts(counter, listing.pieces, full_recompute)  # FP8's weights'
     return Microbatch(
-        pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes), bytes_per_device(x), reads=reads
-    )
+        pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes), bytes_per_device(x),
+        reads=reads, casts=casts,
+    )  # fmt: skip
 
 
 def shared_reads(st: Any, shared: Any, batch: Any) -> tuple[int, int]:

@@ -1,7 +1,10 @@
-"""FP8 weight casts timed once a step, as Transformer Engine makes them under
-Megatron-Core (`accounting/cached_casts.py`), not once a microbatch as the JAX program
-makes them: a resident plan's count leaves them out of its layer pieces, and here they
-join the layer's update, the other work a step does once for each layer."""
+"""FP8 weight casts timed where the target makes them (`accounting/cached_casts.py`):
+Transformer Engine under Megatron-Core casts a layer's weights at a step's first
+microbatch and keeps the FP8 copies for the others, so a resident plan's count leaves
+the casts out of its layer pieces and times them once a step, with the layer's update.
+Under ZeRO stage 3 a layer's weights are gathered for each microbatch and freed after
+it, so there is no copy to keep: the casts stay in every microbatch's pieces, as the
+JAX program makes them (`zero.placed_casts`)."""
 
 from __future__ import annotations
 
@@ -14,28 +17,41 @@ from shardemu.stages.pieces import Piece
 
 # the pieces that cast a layer's weights (its forward and backward, recomputing or not)
 LAYER_PIECES = frozenset({Piece.FWD, Piece.FWD_KEEP, Piece.BWD, Piece.BWD_KEEP})
+Bytes = tuple[int, int]  # as XLA's CPU emits the kernels, and fused (`Counted.cast_bytes`)
 
 
-def once_a_step(counter: Counter, pieces: Iterable[tuple], full_recompute: bool) -> tuple[int, int]:
-    """The bytes (as emitted, fused) of one layer's weight casts in a step, from the
-    counted `pieces` (`Counter.count`'s arguments, counted already): the backward's when
-    it recomputes the forward (whose casts it makes again), else the forward's (the
-    casts) and the backward's (the transposed copies its GEMMs read)."""
-    names = (Piece.BWD,) if full_recompute else (Piece.FWD_KEEP, Piece.BWD_KEEP)
-    casts = [counter.count(*piece).cast_bytes for piece in pieces if piece[0] in names]
-    return sum(c[0] for c in casts), sum(c[1] for c in casts)
+@dataclasses.dataclass(frozen=True)
+class WeightCasts:
+    """The bytes of one layer's weight casts that its counted pieces leave out: its
+    forward's, its backward's, and what a step casts once (the backward's alone when
+    it recomputes the forward, whose casts it makes again; else both)."""
+
+    forward: Bytes = (0, 0)
+    backward: Bytes = (0, 0)
+    once: Bytes = (0, 0)
 
 
-def with_casts(update: list[Event], casts: tuple[int, int]) -> list[Event]:
-    """A layer's update events, its computation moving the casts' bytes too."""
+def counted_casts(counter: Counter, pieces: Iterable[tuple], full_recompute: bool) -> WeightCasts:
+    """A layer's `WeightCasts`, from the counted `pieces` (`Counter.count`'s arguments,
+    counted already)."""
+    by_name = {piece[0]: counter.count(*piece).cast_bytes for piece in pieces}
+    forward = by_name.get(Piece.FWD if full_recompute else Piece.FWD_KEEP, (0, 0))
+    backward = by_name.get(Piece.BWD if full_recompute else Piece.BWD_KEEP, (0, 0))
+    once = backward if full_recompute else (forward[0] + backward[0], forward[1] + backward[1])
+    return WeightCasts(forward, backward, once)
+
+
+def with_bytes(events: list[Event], casts: Bytes) -> list[Event]:
+    """`events` with their (first) computation moving the casts' bytes too."""
     emitted, fused = casts
-    return [
-        dataclasses.replace(
-            e,
-            memory_bytes=e.memory_bytes + emitted,
-            fused_memory_bytes=e.fused_memory_bytes + fused,
-        )
-        if e.kind == "compute"
-        else e
-        for e in update
-    ]
+    out, done = [], not (emitted or fused)
+    for e in events:
+        if not done and e.kind == "compute":
+            e = dataclasses.replace(
+                e,
+                memory_bytes=e.memory_bytes + emitted,
+                fused_memory_bytes=e.fused_memory_bytes + fused,
+            )
+            done = True
+        out.append(e)
+    return out

@@ -17,6 +17,7 @@ import dataclasses
 
 from shardemu.config import Parallelism
 from shardemu.predict.resident_count import Microbatch
+from shardemu.predict.weight_casts import WeightCasts, with_bytes
 
 
 def zero(mb: Microbatch, stage: int, par: Parallelism) -> Microbatch:
@@ -36,3 +37,19 @@ def zero(mb: Microbatch, stage: int, par: Parallelism) -> Microbatch:
         return mb
     opt = (round(mb.opt_bytes[0] / r), round(mb.opt_bytes[1] / r))
     return dataclasses.replace(mb, opt_bytes=opt, zero=r, zero_stage=stage)
+
+
+def placed_casts(mb: Microbatch) -> Microbatch:
+    """`mb` with its weights' FP8 casts (`weight_casts.py`) in its pieces: once a step,
+    with the layer's update, where a device keeps the layer's weights from one
+    microbatch to the next; every microbatch, in the forward and the backward that make
+    them, under ZeRO stage 3, which gathers them for each microbatch and frees them."""
+    casts, pieces = mb.casts, dict(mb.pieces)
+    if casts == WeightCasts():  # none: not FP8, or a memory bound (nothing counted)
+        return mb
+    if mb.zero_stage == 3:
+        pieces["forward"] = with_bytes(pieces["forward"], casts.forward)
+        pieces["backward"] = with_bytes(pieces["backward"], casts.backward)
+    else:
+        pieces["update0"] = with_bytes(pieces["update0"], casts.once)
+    return dataclasses.replace(mb, pieces=pieces, casts=WeightCasts())
