@@ -14,6 +14,7 @@ Memory rows (`MEMORY_CASES`): the device bytes a plan holds against published me
 readings and out-of-memory outcomes.
 
     python benchmarks/validation.py [--out benchmarks/results/validation.json]
+    python benchmarks/validation.py --only "FP8" --out /tmp/fp8.json  # matching cases only
 """
 
 from __future__ import annotations
