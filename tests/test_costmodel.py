@@ -425,7 +425,7 @@ def test_an_expert_group_spans_its_tensor_groups():
     """The mesh is (pipe, replica, expert, tensor): an all-to-all over `expert` on
     expert 2 x tensor 8 spans 16 devices, past an 8-GPU node: inter-node; over `tensor`
     alone it stays inside."""
-    from shardemu.predict.costmodel import duration
+    from shardemu.predict.durations import duration
 
     hw, par = PROFILES["h100-sxm"], Parallelism(tensor=8, replica=2, expert=2)
     a2a = Event(0, Phase("step"), "collective", "", bytes=8e9, axis="expert", devices=8)
@@ -441,7 +441,7 @@ def test_a_ring_across_nodes_moves_its_bytes_over_its_devices_links_in_each_node
     tensor 8 (Megatron's data parallelism: one a node), 25 GB/s. Inside a node: NVLink.
     An all-to-all sends each device's share over its own NIC: 25 GB/s. A profile
     without a NIC a device (an IPU-M2000's gateway) keeps its one link's figure."""
-    from shardemu.predict.costmodel import duration
+    from shardemu.predict.durations import duration
 
     hw = PROFILES["a100-80gb"]
 

@@ -14,7 +14,7 @@ from shardemu.accounting.ledger import Ledger
 from shardemu.accounting.ledger_file import encode, read_events
 from shardemu.config import Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import custom_model
-from shardemu.predict.costmodel import build_timeline
+from shardemu.predict.costmodel import build_timeline, step_seconds
 from shardemu.predict.overlap import Overlap
 from shardemu.predict.plan_phased import plan_phased
 from shardemu.predict.plan_resident import plan_resident
@@ -88,6 +88,11 @@ def test_a_plan_from_two_short_steps_equals_the_whole_plan(name):
         build_timeline(x, HW, par, overlap) for x in (whole.ledger, whole.ledger.events)
     )
     assert runs.step_time_s == placed.step_time_s and runs.breakdown == placed.breakdown
+    # a band's ends are timed without spans (`step_seconds`): the same step time
+    assert all(
+        step_seconds(x, HW, par, overlap) == runs.step_time_s
+        for x in (whole.ledger, whole.ledger.events)
+    )
     assert [s[:6] for s in runs.spans] == [s[:6] for s in placed.spans]
     for a, b in zip(runs.spans, placed.spans, strict=True):
         assert dataclasses.replace(a.event, phase=a.phase, stage=a.stage) == b.event

@@ -2,7 +2,7 @@
 
 The piece is tanh(x @ w) * 2: one matmul, and one elementwise kernel that reads and
 writes the [m, n] product. Its counts go through the real path (Counter.count ->
-piece_events -> costmodel.duration), the expected times are written out by hand.
+piece_events -> durations.duration), the expected times are written out by hand.
 
 Kernel bytes depend on which ops XLA's CPU backend fuses: everything here compiles with
 its default fusion emitters, as a user's process does (the suite's XLA_FLAGS turn them
@@ -25,7 +25,7 @@ from shardemu.accounting.count import Counter, piece_events
 from shardemu.accounting.ledger import Phase
 from shardemu.accounting.matmuls import kernels
 from shardemu.config import Parallelism, TrainConfig
-from shardemu.predict.costmodel import duration
+from shardemu.predict.durations import duration
 from shardemu.predict.hardware import Hardware
 
 M, K, N = 64, 128, 256

@@ -34,15 +34,7 @@ previous event and after what it depends on:
 Weight streaming's SwarmX `broadcast` and `reduce` events have streams of their own and
 the dependencies of a host-to-device transfer and of gradients leaving, respectively.
 
-Durations: a device computation = its roofline (`roofline.py`: each matmul at the
-matmul rate or the memory bandwidth, plus a fixed cost; the other kernels' bytes at the
-memory bandwidth); on the host, FLOPs / host FLOP/s. A transfer = bytes per device /
-host-link bandwidth. A SwarmX broadcast or reduce = bytes per link / the slower of
-the system's I/O and MemoryX, plus a latency per level of the tree
-(`Hardware.swarmx_seconds`). A collective = bytes each device sends (the ledger holds
-the ring algorithm's: `collectives.py`) / the link bandwidth of its axis, intra-node
-when the axis's device group fits in one node (the mesh is laid out pipe, replica,
-expert, tensor with tensor innermost), else inter-node.
+Durations: each event's on the profile (`durations.py`).
 
 The step time is when the last event ends. Its breakdown is measured on the stage whose
 compute is busiest: compute, and the rest of the step split by what that stage was
@@ -52,7 +44,6 @@ host update, or nothing of its own (another stage: the pipeline bubble).
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -61,9 +52,10 @@ from typing import NamedTuple
 from shardemu.accounting.assemble import AssembledLedger
 from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism
-from shardemu.predict.hardware import GB, Hardware
+from shardemu.predict.durations import duration, stream_of
+from shardemu.predict.hardware import Hardware
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap, exposed_chunked
-from shardemu.predict.roofline import compute_seconds, projection_seconds
+from shardemu.predict.roofline import projection_seconds
 
 BREAKDOWN = (
     "compute_s",
@@ -119,65 +111,6 @@ class Timeline:
         return dict(totals)
 
 
-def stream_of(event: Event) -> str:
-    if event.kind == "compute":
-        return "host" if event.on == "host" else "compute"
-    if event.kind == "collective":
-        return f"collective:{event.axis}"
-    return event.kind
-
-
-@functools.lru_cache(maxsize=1024)  # asked once per collective a timeline places
-def axis_span(axis: str, par: Parallelism) -> int:
-    """How many consecutive devices a group along `axis` (e.g. "replica+tensor")
-    spans, in the mesh's (pipe, replica, expert, context, tensor) layout."""
-    names = set(axis.split("+"))
-    if "pipe" in names:
-        return par.num_devices
-    if "replica" in names:
-        return par.replica * par.expert * par.context * par.tensor
-    if "expert" in names:
-        return par.expert * par.context * par.tensor
-    if "context" in names:
-        return par.context * par.tensor
-    return par.tensor
-
-
-def duration(event: Event, hw: Hardware, par: Parallelism) -> float:
-    """Seconds one event takes on `hw` (see the module docstring)."""
-    per_device = 1 / max(event.devices, 1)
-    if event.kind == "compute" and event.on == "host":
-        return event.flops * per_device / (hw.host_tflops * 1e12)
-    if event.kind == "compute":
-        return compute_seconds(event, hw)
-    if event.kind in ("h2d", "d2h"):
-        return event.bytes * per_device / (hw.host_link_gbps * GB)
-    if event.kind in ("broadcast", "reduce"):  # bytes per SwarmX link; devices = systems
-        return hw.swarmx_seconds(event.bytes, event.devices)
-    return event.bytes * per_device / (collective_gbps(event, hw, par) * GB)
-
-
-RING_OPS = frozenset({"all-reduce", "all-gather", "reduce-scatter"})
-
-
-def collective_gbps(event: Event, hw: Hardware, par: Parallelism) -> float:
-    """GB/s per device for a collective's bytes: the node's links when its group stays in
-    one node; across nodes, a device's own link, or (`Hardware.nic_per_device`, a ring
-    collective) the links of the group's devices in one node together, at most the
-    node's own bandwidth. (FSDP over 64 A100s gathers at 8 x 25 GB/s a GPU; Megatron's
-    data parallelism at tensor 8, one device of each group a node, at 25.)"""
-    axis = event.axis or ""
-    span = axis_span(axis, par)
-    if span <= hw.devices_per_node:
-        return hw.intra_node_gbps
-    if not (hw.nic_per_device and event.op in RING_OPS):
-        return hw.inter_node_gbps
-    # the group's devices (`Event.group`, from the compiled replica groups) lie evenly
-    # over the devices its axis spans
-    in_node = max(1, hw.devices_per_node * event.group // span)
-    return min(hw.intra_node_gbps, in_node * hw.inter_node_gbps)
-
-
 def build_timeline(
     events: Sequence[Event] | AssembledLedger,
     hw: Hardware,
@@ -190,14 +123,40 @@ def build_timeline(
     An assembled step (`AssembledLedger`) is timed from its slots' counted events as
     they are, each set to its slot's microbatch and stage here rather than copied
     (`Event.placed`); its spans hold those events, and the span its phase and stage."""
-    runs = events.runs() if isinstance(events, AssembledLedger) else [(None, None, events)]
     spans: list[Span] = []
+    _place(events, hw, par, overlap, spans)
+    return _timeline_of(spans)
+
+
+def step_seconds(
+    events: Sequence[Event] | AssembledLedger,
+    hw: Hardware,
+    par: Parallelism,
+    overlap: Overlap = DEFAULT_OVERLAP,
+) -> float:
+    """`build_timeline(...).step_time_s`, no span kept: a prediction's band times four
+    more steps for their step times alone (`band.py`)."""
+    return _place(events, hw, par, overlap, None)
+
+
+def _place(
+    events: Sequence[Event] | AssembledLedger,
+    hw: Hardware,
+    par: Parallelism,
+    overlap: Overlap,
+    spans: list[Span] | None,
+) -> float:
+    """`build_timeline`'s placing, each span appended to `spans` (None: none kept);
+    the step's end."""
+    runs = events.runs() if isinstance(events, AssembledLedger) else [(None, None, events)]
     stream_free: dict[tuple[int, str], float] = defaultdict(float)
     # phases are waited on by value; each event's is looked up by its object's id (one
     # int hash) and numbered once per distinct value (`Phase.__hash__` is Python code,
     # millions of calls a search)
     numbered: dict[Phase, int] = {}
-    phase_of: dict[int, int] = {}  # id(phase) -> its number (events keep their phases alive)
+    # id(phase) -> its number (events keep their phases alive); with no span kept, by
+    # (id(event's phase), microbatch), not making the microbatch's phase
+    phase_of: dict[object, int] = {}
     last_compute: dict[tuple[int, int], float] = {}  # (phase, stage) -> latest compute's end
     last_compute_on_stage: dict[int, float] = {}
     phase_inputs: dict[int, float] = defaultdict(float)  # non-compute spans, by phase
@@ -218,10 +177,15 @@ def build_timeline(
             on = e.stage if slot_stage is None else slot_stage
             if chunking is not None:
                 seconds = chunking.seconds(e, on, origin, seconds)
-            at = e.phase if micro is None else e.phase.at(micro)
-            phase = phase_of.get(id(at))
+            if spans is None:
+                key: object = (id(e.phase), micro)
+            else:
+                at = e.phase if micro is None else e.phase.at(micro)
+                key = id(at)
+            phase = phase_of.get(key)
             if phase is None:
-                phase = phase_of[id(at)] = numbered.setdefault(at, len(numbered))
+                value = e.phase if micro is None else e.phase.at(micro)
+                phase = phase_of[key] = numbered.setdefault(value, len(numbered))
             ready = stream_free[(on, r.stream)]
             if r.compute:
                 ready = max(ready, phase_inputs.get(phase, 0.0), pending.pop(on, 0.0))
@@ -240,7 +204,8 @@ def build_timeline(
             if r.update:
                 ready = max(ready, gradients_out)
             end = ready + seconds
-            spans.append(Span(len(spans), on, r.stream, at, ready, end, e))
+            if spans is not None:
+                spans.append(Span(len(spans), on, r.stream, at, ready, end, e))
             stream_free[(on, r.stream)] = end
             if r.compute:
                 last_compute[(phase, on)] = end
@@ -256,7 +221,7 @@ def build_timeline(
                 pending[on] = max(pending.get(on, 0.0), end)
             if r.gradients_out:
                 gradients_out = max(gradients_out, end)
-    return _timeline_of(spans)
+    return max(stream_free.values(), default=0.0)
 
 
 def _timeline_of(spans: list[Span]) -> Timeline:

@@ -136,7 +136,7 @@ class Hardware:
     # splits its traffic over their k links (NCCL: "we can use NVLink to split the
     # operations in N parts then balance the traffic onto the N NICs", NVIDIA/nccl issue
     # 601), so each device moves its bytes at k x `inter_node_gbps`, at most
-    # `intra_node_gbps` (`costmodel.collective_gbps`). False: one device's link is all a
+    # `intra_node_gbps` (`durations.collective_gbps`). False: one device's link is all a
     # collective across nodes has (an IPU-M2000's gateway, whose figure is already a
     # share of the machine's).
     nic_per_device: bool = False

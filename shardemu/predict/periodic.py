@@ -25,7 +25,13 @@ from shardemu.accounting.ledger import Event
 from shardemu.config import Parallelism
 from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.predict.band import band_of
-from shardemu.predict.costmodel import Timeline, build_timeline, compute_busy, stage_breakdown
+from shardemu.predict.costmodel import (
+    Timeline,
+    build_timeline,
+    compute_busy,
+    stage_breakdown,
+    step_seconds,
+)
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.overlap import Overlap
 from shardemu.predict.prediction import Prediction, predict, prediction_of
@@ -87,7 +93,7 @@ def periodic_prediction(
     breakdown = extrapolated(*parts, ms, m)
 
     def step_at(profile: Hardware) -> float:
-        a, b = (build_timeline(events, profile, par, overlap).step_time_s for events in steps)
+        a, b = (step_seconds(events, profile, par, overlap) for events in steps)
         return extrapolated(a, b, ms, m)
 
     ends = band_of(step_at, hw, step, (memory or {}).get("device")) if band else None

@@ -17,7 +17,7 @@ from shardemu.accounting.ledger import Event
 from shardemu.config import Parallelism
 from shardemu.errors import CapacityError
 from shardemu.predict.band import Band, band_of
-from shardemu.predict.costmodel import Timeline, build_timeline
+from shardemu.predict.costmodel import Timeline, build_timeline, step_seconds
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 
@@ -95,7 +95,7 @@ def predict(
     ends = None
     if band:
         ends = band_of(
-            lambda h: build_timeline(events, h, par, overlap).step_time_s,
+            lambda h: step_seconds(events, h, par, overlap),
             hw,
             step,
             (memory or {}).get("device"),
