@@ -36,6 +36,10 @@ _COLOURS = {
 
 
 _WIDTH_INCHES, _DPI = 12, 110  # timeline.png: 1,320 pixels wide
+# a lane's height: 0.35 in while the lanes fit in 40 in (4,400 pixels), then less, down
+# to the 0.12 in a 7-point label needs (a 64-stage pipeline's 256 lanes took 10,032
+# pixels at 0.35, 2.7 s to draw)
+_LANE_INCHES, _LANES_INCHES, _LEAST_LANE_INCHES = 0.35, 40.0, 0.12
 
 
 def lanes(timeline: Timeline) -> list[tuple[int, str]]:
@@ -162,7 +166,8 @@ def plot_timeline(timeline: Timeline, path: str | Path, title: str) -> Path:
 
     rows = lanes(timeline)
     index = {lane: i for i, lane in enumerate(rows)}
-    fig, ax = plt.subplots(figsize=(_WIDTH_INCHES, 0.35 * len(rows) + 1.6))
+    lane = max(_LEAST_LANE_INCHES, min(_LANE_INCHES, _LANES_INCHES / max(len(rows), 1)))
+    fig, ax = plt.subplots(figsize=(_WIDTH_INCHES, lane * len(rows) + 1.6))
     kinds_seen: dict[str, str] = {}
     boxes, colours = [], []
     # drawn to the figure's pixels: each bar covers the pixel columns it touches (one
