@@ -150,13 +150,11 @@ def _place(
     the step's end."""
     runs = events.runs() if isinstance(events, AssembledLedger) else [(None, None, events)]
     stream_free: dict[tuple[int, str], float] = defaultdict(float)
-    # phases are waited on by value; each event's is looked up by its object's id (one
-    # int hash) and numbered once per distinct value (`Phase.__hash__` is Python code,
-    # millions of calls a search)
+    # phases are waited on by value; each event's is looked up by its object's id and
+    # its microbatch (events keep their phases alive) and numbered once per distinct
+    # value (`Phase.__hash__` is Python code, millions of calls a search)
     numbered: dict[Phase, int] = {}
-    # id(phase) -> its number (events keep their phases alive); with no span kept, by
-    # (id(event's phase), microbatch), not making the microbatch's phase
-    phase_of: dict[object, int] = {}
+    phase_of: dict[tuple[int, int | None], int] = {}
     last_compute: dict[tuple[int, int], float] = {}  # (phase, stage) -> latest compute's end
     last_compute_on_stage: dict[int, float] = {}
     phase_inputs: dict[int, float] = defaultdict(float)  # non-compute spans, by phase
@@ -177,15 +175,11 @@ def _place(
             on = e.stage if slot_stage is None else slot_stage
             if chunking is not None:
                 seconds = chunking.seconds(e, on, origin, seconds)
-            if spans is None:
-                key: object = (id(e.phase), micro)
-            else:
-                at = e.phase if micro is None else e.phase.at(micro)
-                key = id(at)
+            key = (id(e.phase), micro)
             phase = phase_of.get(key)
             if phase is None:
-                value = e.phase if micro is None else e.phase.at(micro)
-                phase = phase_of[key] = numbered.setdefault(value, len(numbered))
+                at = e.phase if micro is None else e.phase.at(micro)
+                phase = phase_of[key] = numbered.setdefault(at, len(numbered))
             ready = stream_free[(on, r.stream)]
             if r.compute:
                 ready = max(ready, phase_inputs.get(phase, 0.0), pending.pop(on, 0.0))
@@ -205,6 +199,7 @@ def _place(
                 ready = max(ready, gradients_out)
             end = ready + seconds
             if spans is not None:
+                at = e.phase if micro is None else e.phase.at(micro)
                 spans.append(Span(len(spans), on, r.stream, at, ready, end, e))
             stream_free[(on, r.stream)] = end
             if r.compute:

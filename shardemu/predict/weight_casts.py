@@ -23,22 +23,29 @@ Bytes = tuple[int, int]  # as XLA's CPU emits the kernels, and fused (`Counted.c
 @dataclasses.dataclass(frozen=True)
 class WeightCasts:
     """The bytes of one layer's weight casts that its counted pieces leave out: its
-    forward's, its backward's, and what a step casts once (the backward's alone when
-    it recomputes the forward, whose casts it makes again; else both)."""
+    forward's and its backward's (`recomputes`: the backward recomputes the forward)."""
 
     forward: Bytes = (0, 0)
     backward: Bytes = (0, 0)
-    once: Bytes = (0, 0)
+    recomputes: bool = False
+
+    @property
+    def once(self) -> Bytes:
+        """What a step casts once: the backward's alone when it recomputes the forward,
+        whose casts it makes again; else both."""
+        if self.recomputes:
+            return self.backward
+        return (self.forward[0] + self.backward[0], self.forward[1] + self.backward[1])
 
 
 def counted_casts(counter: Counter, pieces: Iterable[tuple], full_recompute: bool) -> WeightCasts:
     """A layer's `WeightCasts`, from the counted `pieces` (`Counter.count`'s arguments,
     counted already)."""
-    by_name = {piece[0]: counter.count(*piece).cast_bytes for piece in pieces}
-    forward = by_name.get(Piece.FWD if full_recompute else Piece.FWD_KEEP, (0, 0))
-    backward = by_name.get(Piece.BWD if full_recompute else Piece.BWD_KEEP, (0, 0))
-    once = backward if full_recompute else (forward[0] + backward[0], forward[1] + backward[1])
-    return WeightCasts(forward, backward, once)
+    forward, backward = (
+        (Piece.FWD, Piece.BWD) if full_recompute else (Piece.FWD_KEEP, Piece.BWD_KEEP)
+    )
+    by_name = {p[0]: counter.count(*p).cast_bytes for p in pieces if p[0] in (forward, backward)}
+    return WeightCasts(by_name.get(forward, (0, 0)), by_name.get(backward, (0, 0)), full_recompute)
 
 
 def with_bytes(events: list[Event], casts: Bytes) -> list[Event]:

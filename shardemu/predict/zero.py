@@ -45,7 +45,7 @@ def placed_casts(mb: Microbatch) -> Microbatch:
     microbatch to the next; every microbatch, in the forward and the backward that make
     them, under ZeRO stage 3, which gathers them for each microbatch and frees them."""
     casts, pieces = mb.casts, dict(mb.pieces)
-    if casts == WeightCasts():  # none: not FP8, or a memory bound (nothing counted)
+    if casts.forward == casts.backward == (0, 0):  # not FP8, or a memory bound
         return mb
     if mb.zero_stage == 3:
         pieces["forward"] = with_bytes(pieces["forward"], casts.forward)
