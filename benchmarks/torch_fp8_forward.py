@@ -9,6 +9,13 @@ same layer in BF16, in the same run. The median of 5 calls after 2 warm-ups (CUD
 events). The backward (E5M2 gradients) is not timed: it needs a hand-written autograd
 function, and the forward alone already holds the quantization passes in question.
 
+With `--compile`, three more rows: each block through `torch.compile` (Inductor fuses
+the amax reductions and casts into its own kernels, next to the norms and the SwiGLU
+product, as Transformer Engine's fused norm-and-cast kernels do) in BF16, in FP8, and in
+FP8 with every weight cast once beforehand (`fp8_cached`: Transformer Engine's weight
+cache after a step's first microbatch, `is_first_microbatch`), so that the step from
+the emitted kernels to a fused stack is measured, not assumed.
+
     python benchmarks/torch_fp8_forward.py --out benchmarks/measured/torch_fp8_forward.json
 """
 
@@ -34,38 +41,51 @@ def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Fp8Linear(nn.Module):
-    """A bias-free linear layer whose product runs on FP8 operands."""
+    """A bias-free linear layer whose product runs on FP8 operands; with `cached`, its
+    weight is cast once here rather than at every call."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, cached: bool) -> None:
         super().__init__()
         self.weight = linear.weight  # [out, in]: its transpose is column-major, as cuBLASLt wants
+        self.cast = quantized(self.weight.detach()) if cached else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         x8, sx = quantized(rows)
-        w8, sw = quantized(self.weight)
+        w8, sw = self.cast if self.cast is not None else quantized(self.weight)
         out = torch._scaled_mm(x8, w8.t(), sx, sw, out_dtype=torch.bfloat16)
         return out.reshape(*x.shape[:-1], -1)
 
 
-def fp8(block: LlamaBlock) -> LlamaBlock:
+def fp8(block: LlamaBlock, cached: bool) -> LlamaBlock:
     for name in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"):
-        setattr(block, name, Fp8Linear(getattr(block, name)))
+        setattr(block, name, Fp8Linear(getattr(block, name), cached))
     return block
+
+
+# (row name, FP8 projections, weights cast once, through torch.compile)
+ROWS = (("bf16", False, False, False), ("fp8", True, False, False))
+COMPILED_ROWS = (
+    ("bf16_compiled", False, False, True),
+    ("fp8_compiled", True, False, True),
+    ("fp8_cached_compiled", True, True, True),
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="also the torch.compile rows")
     args = parser.parse_args()
     batch, seq = 2, 8192
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": "llama3-8b", "batch": batch, "seq": seq, "layers": args.layers}  # fmt: skip
-    for precision in ("bf16", "fp8"):
+    for row, on_fp8, cached, compiled in ROWS + (COMPILED_ROWS if args.compile else ()):
         torch.manual_seed(0)
         blocks = [LlamaBlock().to("cuda", torch.bfloat16) for _ in range(args.layers)]
-        blocks = [fp8(b) for b in blocks] if precision == "fp8" else blocks
+        blocks = [fp8(b, cached) for b in blocks] if on_fp8 else blocks
+        blocks = [torch.compile(b) for b in blocks] if compiled else blocks
         freqs = frequencies(seq)
         x = torch.randn(batch, seq, 4096, device="cuda", dtype=torch.bfloat16)
 
@@ -75,8 +95,8 @@ def main() -> None:
                     x = block(x, freqs)
             return x
 
-        out[f"{precision}_fwd_seconds"] = cuda_seconds(forward)
-        print(precision, out[f"{precision}_fwd_seconds"], flush=True)
+        out[f"{row}_fwd_seconds"] = cuda_seconds(forward)
+        print(row, out[f"{row}_fwd_seconds"], flush=True)
         del blocks, x
         torch.cuda.empty_cache()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -140,6 +140,20 @@ def test_fp8_profiles_and_their_refusals():
     assert dataclasses.replace(plain, precisions=("bf16", "fp8"), fp8_tflops=20.0).fp8_tflops == 20
 
 
+def test_an_fp8_layout_times_its_kernels_as_a_fused_stack_runs_them():
+    """FP8's amax and casts are fused into their neighbours on the stacks that train in
+    it (`Hardware.fp8_kernel_fusion`): the profile's other precisions keep its
+    `kernel_fusion`, and a profile may say otherwise for FP8 (a stack that casts in
+    passes of their own); an unknown value is refused, naming the choices."""
+    h100 = PROFILES["h100-sxm"]
+    fusion = {p: h100.at_precision(p).kernel_fusion for p in ("fp32", "bf16", "fp16-mixed", "fp8")}
+    assert fusion == {"fp32": "emitted", "bf16": "emitted", "fp16-mixed": "emitted", "fp8": "fused"}
+    naive = dataclasses.replace(h100, fp8_kernel_fusion="emitted")
+    assert naive.at_precision("fp8").kernel_fusion == "emitted"
+    with pytest.raises(HardwareError, match="fp8_kernel_fusion must be one of emitted, fused"):
+        dataclasses.replace(h100, fp8_kernel_fusion="te")
+
+
 def test_weight_casts_are_counted_apart_and_timed_once_a_step():
     """Transformer Engine under Megatron-Core casts a weight to FP8 at a step's first
     microbatch and keeps the copy (`accounting/cached_casts.py`). A count told which

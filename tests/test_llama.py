@@ -146,6 +146,7 @@ def test_todays_layouts_together_stay_within_fp8s_tolerance_and_are_planned(refe
     assert {("reduce-scatter", "replica"), ("all-gather", "replica")} <= ops
     assert {("reduce-scatter", "tensor"), ("all-gather", "tensor")} <= ops
     assert any(m.fp8 for e in events if e.kind == "compute" for m in e.matmuls)
+    assert planned.report["kernel_fusion"] == "fused"  # an FP8 stack's (test_fp8.py)
 
 
 @pytest.mark.slow
