@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -326,3 +328,31 @@ def test_an_fp16_layout_is_counted_as_the_16_bit_program_a_gpu_runs() -> None:
         as_model(get_preset("bert-tiny")), Parallelism(), 4, 64, "none", "fp16-mixed", "fused"
     )
     assert (key.model.cfg.param_dtype, key.precision) == ("bfloat16", "fp16-mixed")
+
+
+MEASURED_MATMULS = MEASURED_LAYERS.parent / "gpu_calibration_h100_matmuls.json"
+
+
+def test_the_h100_profile_times_the_measured_matmul_sweep() -> None:
+    """248 matmuls (64 to 16384 in each of m, k, n; bfloat16, and float32 as TF32) timed
+    with XLA on a lent H100 (`benchmarks/gpu_calibration.py`) against the `h100-sxm`
+    roofline: the calibration the GPU profiles rest on holds to the stored sweep
+    (`benchmarks/matmul_fit.py`: median |log error| 0.120, 0.056 for the 68 of at least
+    10^10 FLOPs, mean +0.018)."""
+    from shardemu.predict.layer_check import matmul_seconds
+    from shardemu.predict.profiles import PROFILES
+
+    rows = json.loads(MEASURED_MATMULS.read_text())["matmuls"]
+    assert len(rows) == 248
+    precision = {"bfloat16": ("bf16", 2), "float32": ("fp32", 4)}
+    errors, large = [], []
+    for r in rows:
+        name, itemsize = precision[r["dtype"]]
+        hw = PROFILES["h100-sxm"].at_precision(name)
+        error = math.log(matmul_seconds(r["m"], r["k"], r["n"], itemsize, hw) / r["seconds"])
+        errors.append(error)
+        if 2 * r["m"] * r["k"] * r["n"] >= 1e10:
+            large.append(abs(error))
+    assert statistics.median(map(abs, errors)) < 0.13
+    assert statistics.median(large) < 0.07 and len(large) == 68
+    assert abs(statistics.fmean(errors)) < 0.05

@@ -26,9 +26,12 @@ from shardemu.errors import HardwareError
 
 GB = 1e9
 # The roofline's GPU parameters, measured with XLA (JAX 0.11.2) on an H100 SXM
-# (benchmarks/gpu_calibration.py, benchmarks/results/gpu_calibration_h100.json): 248
-# bfloat16 and float32 matmuls from 64^3 to 16384^3 fit a large-matmul efficiency of
-# 0.73 and a fixed 13.5 us per matmul kernel (median |log error| 0.12); an elementwise
+# (benchmarks/gpu_calibration.py): 248 bfloat16 and float32 matmuls from 64^3 to 16384^3
+# fit a large-matmul efficiency of 0.73 and a fixed 13.5 us per matmul kernel (median
+# |log error| 0.12). The sweep, run again on a lent H100 on 2026-11-26, is stored
+# (benchmarks/measured/gpu_calibration_h100_matmuls.json) and `benchmarks/matmul_fit.py`
+# times it with the roofline: these figures 0.120 median |log error|, its least-squares
+# pair (0.72, 12.0 us) 0.111, so they stay; an elementwise
 # kernel over 4 GiB moves 2.77 TB/s of the datasheet's 3.35 (0.83). The A100 and TPU
 # profiles share them: our assumption, unmeasured there. The IPU and CS-2 profiles keep
 # their own efficiencies (0.4, 0.5), for which we have no measurement either.

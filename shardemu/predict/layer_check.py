@@ -1,14 +1,17 @@
-"""One layer timed on the target as a layer measured there is timed: its forward and
-backward, nothing recomputed, on one device (`benchmarks/torch_layers_check.py` holds
-PyTorch's measured layers to it; `tests/test_roofline.py` two of them)."""
+"""A layer, or one matmul, timed on the target as one measured there was timed: a
+layer's forward and backward, nothing recomputed, on one device
+(`benchmarks/torch_layers_check.py` holds PyTorch's measured layers to it;
+`tests/test_roofline.py` two of them); an m x k x n matmul as the roofline times it
+(`benchmarks/matmul_fit.py` and `tests/test_roofline.py` hold the measured sweep to it)."""
 
 from __future__ import annotations
 
+from shardemu.accounting.ledger import Matmul
 from shardemu.config import Parallelism
 from shardemu.models import Model
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.resident_count import count_key, counted_microbatch
-from shardemu.predict.roofline import compute_seconds
+from shardemu.predict.roofline import compute_seconds, run_seconds
 
 
 def layer_seconds(model: Model, microbatch_size: int, seq: int, hw: Hardware, precision: str,
@@ -18,3 +21,10 @@ def layer_seconds(model: Model, microbatch_size: int, seq: int, hw: Hardware, pr
     pieces = counted_microbatch(key).pieces
     events = pieces["forward"] + pieces["backward"]
     return sum(compute_seconds(e, hw) for e in events if e.kind == "compute")
+
+
+def matmul_seconds(m: int, k: int, n: int, itemsize: int, hw: Hardware) -> float:
+    """One [m, k] x [k, n] matmul of `itemsize`-byte elements on a device of `hw`: its
+    2 m k n FLOPs and the bytes of its operands and output, nothing else in the run."""
+    flops = 2.0 * m * k * n
+    return run_seconds(flops, (Matmul(flops, (m * k + k * n + m * n) * itemsize),), 0, hw)

@@ -19,7 +19,8 @@ FLOPs at the compute rate and its bytes at the memory bandwidth. Per run of a pi
 
 The parameters of the built-in GPU profiles were measured with XLA on an H100
 (`benchmarks/gpu_calibration.py`): large-matmul efficiency 0.73 and 13.5 us per matmul
-(fitted to 248 matmul shapes, median |log error| 0.12), and 83% of the HBM bandwidth
+(fitted to 248 matmul shapes, median |log error| 0.12; the sweep is stored in
+`benchmarks/measured/` and `benchmarks/matmul_fit.py` refits it), and 83% of the HBM bandwidth
 (2.77 TB/s of 3.35 for an elementwise kernel over 4 GiB). No parameter was fitted to
 whole layers: predicted GPT layers of width 768 to 8192 match measured ones within 19%
 (median 5.5%; docs/results.md). The FP8 and fused-attention rates were measured on an
