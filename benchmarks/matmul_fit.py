@@ -5,11 +5,13 @@
 runs as TF32 on the tensor cores; 8 chained pairs in one executable, the median of 5
 calls: `benchmarks/measured/gpu_calibration_h100_matmuls.json`, JAX 0.11.2, 700 W). This
 script times each of them with the planner's own roofline (`layer_check.matmul_seconds`:
-2 m k n FLOPs and its operands' and output's bytes, on the `h100-sxm` profile at the
-row's precision) over a grid of large-matmul efficiencies and per-kernel
-latencies, and prints the pair that minimises the squared log errors beside the profile's
-own (`hardware.MEASURED_ON_H100`): the calibration the GPU profiles rest on, reproducible
-from stored data.
+2 m k n FLOPs and its operands' and output's bytes, on the measured device's profile,
+`h100-sxm` or `h200-sxm`, at the row's precision) over a grid of large-matmul
+efficiencies and per-kernel latencies, and prints the pair that minimises the squared log
+errors beside the profile's own (`hardware.MEASURED_ON_H100`): the calibration the GPU
+profiles rest on, reproducible from stored data. The same sweep on a lent H200
+(`--measured benchmarks/measured/gpu_calibration_h200_matmuls.json`) checks whether the
+H200 may keep the H100's figures.
 
     python benchmarks/matmul_fit.py [--measured FILE] [--out benchmarks/results/matmul_fit.json]
 """
@@ -40,10 +42,10 @@ EFFICIENCIES = np.round(np.arange(0.50, 0.951, 0.01), 2)
 LATENCIES_US = np.arange(0.0, 30.01, 0.5)
 
 
-def log_errors(rows: list[dict], efficiency: float, latency_us: float) -> list[float]:
-    """log(predicted / measured) of each row on `h100-sxm` with these two figures."""
+def log_errors(rows: list[dict], profile: str, efficiency: float, latency_us: float) -> list[float]:
+    """log(predicted / measured) of each row on `profile` with these two figures."""
     base = dataclasses.replace(
-        PROFILES["h100-sxm"], efficiency=efficiency, matmul_latency_us=latency_us
+        PROFILES[profile], efficiency=efficiency, matmul_latency_us=latency_us
     )
     profiles: dict[str, Hardware] = {}
     out = []
@@ -64,6 +66,15 @@ def summary(errors: list[float]) -> dict[str, float]:
     }
 
 
+def least_squares(rows: list[dict], profile: str) -> tuple[float, float]:
+    """The (efficiency, latency) of the grid whose log errors on `rows` square to least."""
+    best = min(
+        ((e, t) for e in EFFICIENCIES for t in LATENCIES_US),
+        key=lambda p: sum(x * x for x in log_errors(rows, profile, float(p[0]), float(p[1]))),
+    )
+    return float(best[0]), float(best[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--measured", default=str(MEASURED))
@@ -71,21 +82,20 @@ def main() -> None:
     args = parser.parse_args()
     measured = json.loads(Path(args.measured).read_text())
     rows = measured["matmuls"]
-    best = min(
-        ((e, t) for e in EFFICIENCIES for t in LATENCIES_US),
-        key=lambda p: sum(x * x for x in log_errors(rows, float(p[0]), float(p[1]))),
-    )
+    profile = "h200-sxm" if "H200" in measured["device"] else "h100-sxm"
     fits = {
         "profile": (MEASURED_ON_H100["efficiency"], MEASURED_ON_H100["matmul_latency_us"]),
-        "fitted": (float(best[0]), float(best[1])),
+        "fitted": least_squares(rows, profile),
+        # the training dtype's rows alone: TF32 may run at another fraction of its peak
+        "fitted to bfloat16": least_squares([r for r in rows if r["dtype"] == "bfloat16"], profile),
     }
-    table = Table(title=f"{len(rows)} matmuls on {measured['device']} against the roofline")
+    table = Table(title=f"{len(rows)} matmuls on {measured['device']} against `{profile}`")
     for col in ("figures", "efficiency", "latency (us)", "rows", "median |log err|", "worst",
                 "mean log err"):  # fmt: skip
         table.add_column(col, justify="right")
-    out = {"device": measured["device"], "rows": len(rows), "fits": {}}
+    out = {"device": measured["device"], "profile": profile, "rows": len(rows), "fits": {}}
     for name, (efficiency, latency) in fits.items():
-        errors = log_errors(rows, efficiency, latency)
+        errors = log_errors(rows, profile, efficiency, latency)
         groups = {"all": errors}
         for dtype in PRECISION:
             groups[dtype] = [e for e, r in zip(errors, rows, strict=True) if r["dtype"] == dtype]

@@ -31,7 +31,10 @@ GB = 1e9
 # |log error| 0.12). The sweep, run again on a lent H100 on 2026-11-26, is stored
 # (benchmarks/measured/gpu_calibration_h100_matmuls.json) and `benchmarks/matmul_fit.py`
 # times it with the roofline: these figures 0.120 median |log error|, its least-squares
-# pair (0.72, 12.0 us) 0.111, so they stay; an elementwise
+# pair (0.72, 12.0 us) 0.111, so they stay. The same sweep on a lent H200
+# (gpu_calibration_h200_matmuls.json) gives its bfloat16 rows 0.116 and a mean log
+# error of +0.007 with them on `h200-sxm`, which keeps them (its TF32 matmuls ran 13%
+# slower than this model: `--precision fp32` on an H200 is that optimistic); an elementwise
 # kernel over 4 GiB moves 2.77 TB/s of the datasheet's 3.35 (0.83). The A100 and TPU
 # profiles share them: our assumption, unmeasured there. The IPU and CS-2 profiles keep
 # their own efficiencies (0.4, 0.5), for which we have no measurement either.
