@@ -324,6 +324,12 @@ def test_a_phased_choice_plans_fewer_sizes_and_chooses_as_planning_every_size_do
         assert auto["step_time_s"] == whole[choice["chosen"]]["step_time_s"]
         assert len(choice["step_time_s"]) == 1 and set(choice["device_bytes"]) == {"1", "2"}
         assert all(passed_over in why for why in choice["not_planned"].values())
+    # where none fits, the least memory (every size planned: the smallest), and no larger
+    # size screened, since it keeps at least the smaller's bytes (whole[2] > whole[1])
+    none = dataclasses.replace(roomy, name="none", device_memory_gb=(least - 1) / 1e9)
+    choice = plan_phased(gpt, par, train, phased, None, none, "auto").report["microbatch_choice"]
+    assert choice["chosen"] == 1 and set(choice["device_bytes"]) == {"1"}
+    assert choice["not_planned"] == {"2": "not screened: larger than 1, which does not fit"}
 
 
 @pytest.mark.slow
