@@ -153,6 +153,8 @@ def _counted(
     )
     if must_fit and hardware is not None:  # its memory first: nothing compiled if it does not fit
         _require_fit(model, par, pass_cfg, phased, rules, sched, hardware)
+    else:  # the pieces listed by a dry run for memory alone, then compiled two at a time
+        _one_pass(model, par, pass_cfg, phased, rules, counting=False)
     plan, events = _one_pass(model, par, pass_cfg, phased, rules)
     memory = _memory(plan, sched, phased)
     if phased.weight_streaming and hardware is not None:
