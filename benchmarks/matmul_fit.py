@@ -4,7 +4,7 @@
 256, 1024, 4096 and 16384, those that fit in 2 GiB; bfloat16 and float32, which JAX
 runs as TF32 on the tensor cores; 8 chained pairs in one executable, the median of 5
 calls: `benchmarks/measured/gpu_calibration_h100_matmuls.json`, JAX 0.11.2, 700 W). This
-script times each of them with the planner's own roofline (`layer_check.matmul_seconds`:
+script times each of them with the planner's own roofline (`layer_check.matmul_log_errors`:
 2 m k n FLOPs and its operands' and output's bytes, on the measured device's profile,
 `h100-sxm` or `h200-sxm`, at the row's precision) over a grid of large-matmul
 efficiencies and per-kernel latencies, and prints the pair that minimises the squared log
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -32,29 +31,19 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shardemu.predict.hardware import MEASURED_ON_H100, Hardware  # noqa: E402
-from shardemu.predict.layer_check import matmul_seconds  # noqa: E402
+from shardemu.predict.hardware import MEASURED_ON_H100  # noqa: E402
+from shardemu.predict.layer_check import MATMUL_DTYPES, matmul_log_errors  # noqa: E402
 from shardemu.predict.profiles import PROFILES  # noqa: E402
 
 MEASURED = Path(__file__).parent / "measured" / "gpu_calibration_h100_matmuls.json"
-PRECISION = {"bfloat16": ("bf16", 2), "float32": ("fp32", 4)}  # the profile's, bytes
 EFFICIENCIES = np.round(np.arange(0.50, 0.951, 0.01), 2)
 LATENCIES_US = np.arange(0.0, 30.01, 0.5)
 
 
 def log_errors(rows: list[dict], profile: str, efficiency: float, latency_us: float) -> list[float]:
     """log(predicted / measured) of each row on `profile` with these two figures."""
-    base = dataclasses.replace(
-        PROFILES[profile], efficiency=efficiency, matmul_latency_us=latency_us
-    )
-    profiles: dict[str, Hardware] = {}
-    out = []
-    for r in rows:
-        precision, itemsize = PRECISION[r["dtype"]]
-        hw = profiles.setdefault(precision, base.at_precision(precision))
-        predicted = matmul_seconds(r["m"], r["k"], r["n"], itemsize, hw)
-        out.append(math.log(predicted / r["seconds"]))
-    return out
+    hw = dataclasses.replace(PROFILES[profile], efficiency=efficiency, matmul_latency_us=latency_us)
+    return matmul_log_errors(rows, hw)
 
 
 def summary(errors: list[float]) -> dict[str, float]:
@@ -97,7 +86,7 @@ def main() -> None:
     for name, (efficiency, latency) in fits.items():
         errors = log_errors(rows, profile, efficiency, latency)
         groups = {"all": errors}
-        for dtype in PRECISION:
+        for dtype in MATMUL_DTYPES:
             groups[dtype] = [e for e, r in zip(errors, rows, strict=True) if r["dtype"] == dtype]
         big = [e for e, r in zip(errors, rows, strict=True) if 2 * r["m"] * r["k"] * r["n"] >= 1e10]
         groups["2mkn >= 1e10"] = big

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -344,20 +343,16 @@ def test_the_profiles_time_the_measured_matmul_sweep(device, dtypes) -> None:
     on the H100 median |log error| 0.120, 0.056 for the 68 of at least 10^10 FLOPs,
     mean +0.018; on the H200's bfloat16 rows 0.116 and mean +0.007, while its TF32
     matmuls ran 13% slower than the model, mean -0.131, and are not held here)."""
-    from shardemu.predict.layer_check import matmul_seconds
+    from shardemu.predict.layer_check import matmul_log_errors
     from shardemu.predict.profiles import PROFILES
 
     rows = json.loads(Path(str(MEASURED_MATMULS).format(device)).read_text())["matmuls"]
     assert len(rows) == 248
-    precision = {"bfloat16": ("bf16", 2), "float32": ("fp32", 4)}
-    errors, large = [], []
-    for r in (r for r in rows if r["dtype"] in dtypes):
-        name, itemsize = precision[r["dtype"]]
-        hw = PROFILES[f"{device}-sxm"].at_precision(name)
-        error = math.log(matmul_seconds(r["m"], r["k"], r["n"], itemsize, hw) / r["seconds"])
-        errors.append(error)
-        if 2 * r["m"] * r["k"] * r["n"] >= 1e10:
-            large.append(abs(error))
+    rows = [r for r in rows if r["dtype"] in dtypes]
+    errors = matmul_log_errors(rows, PROFILES[f"{device}-sxm"])
+    large = [
+        abs(e) for e, r in zip(errors, rows, strict=True) if 2 * r["m"] * r["k"] * r["n"] >= 1e10
+    ]
     assert statistics.median(map(abs, errors)) < 0.13
     assert statistics.median(large) < 0.08 and len(large) == 34 * len(dtypes)
     assert abs(statistics.fmean(errors)) < 0.05
