@@ -18,7 +18,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from shardemu.accounting.hlo import ARRAY, CONTRACTING, dims
+from shardemu.accounting.hlo import ARRAY, CONTRACTING, dims, no_units
 from shardemu.config import ModelConfig
 
 # the widest attention head of the models we know (64 to 256: GPT-3's 128, Llama's 128,
@@ -56,12 +56,6 @@ class AttentionShape:
         return any(
             sorted(free) == sorted((self.keys, r * self.queries)) for r in range(1, self.group + 1)
         )
-
-
-def no_units(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """`shape` without its 1s: XLA leaves a unit dimension (one sequence, one key/value
-    group a device) anywhere in a transposed copy of the scores."""
-    return tuple(d for d in shape if d != 1)
 
 
 def score_layouts(shape: tuple[int, ...]) -> set[tuple[int, ...]]:

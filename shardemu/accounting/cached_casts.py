@@ -24,6 +24,8 @@ from typing import Any
 
 import jax
 
+from shardemu.accounting.hlo import no_units
+
 
 @dataclass(frozen=True)
 class CachedWeights:
@@ -43,7 +45,7 @@ class CachedWeights:
         cast to FP8."""
         layouts: set[tuple[int, ...]] = set()
         for leaf in jax.tree.leaves(weights):
-            shape = tuple(d for d in leaf.sharding.shard_shape(leaf.shape) if d != 1)
+            shape = no_units(leaf.sharding.shard_shape(leaf.shape))
             if len(shape) < 2:
                 continue
             layouts.update(itertools.permutations(shape))

@@ -60,6 +60,12 @@ def dims(text: str) -> tuple[int, ...]:
     return tuple(int(d) for d in text.split(",") if d)
 
 
+def no_units(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """`shape` without its 1s: XLA leaves a unit dimension (one sequence, one key/value
+    group a device) anywhere in a transposed copy of an array."""
+    return tuple(d for d in shape if d != 1)
+
+
 def operands(rest: str) -> list[str]:
     """The instruction names an instruction's operand list (`rest`) refers to."""
     return OPERAND.findall(rest.split(")")[0])

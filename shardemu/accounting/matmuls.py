@@ -48,7 +48,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from shardemu.accounting.attention_core import AttentionShape, no_units, score_layouts, scores_index
+from shardemu.accounting.attention_core import AttentionShape, score_layouts, scores_index
 from shardemu.accounting.cached_casts import CachedWeights
 from shardemu.accounting.fusion import fused_bytes
 from shardemu.accounting.hlo import (
@@ -58,6 +58,7 @@ from shardemu.accounting.hlo import (
     DTYPE_BYTES,
     Instr,
     dims,
+    no_units,
     operands,
     parse,
 )
