@@ -151,10 +151,11 @@ def _counted(
     hardware, model, passes, pass_cfg, sched = _setting(
         model, par, train_cfg, hardware, microbatch_size
     )
-    if must_fit and hardware is not None:  # its memory first: nothing compiled if it does not fit
+    # its memory first, by a dry run that lists the pieces the counted pass then compiles
+    # two at a time (`planner.dry_run`): a plan that must fit is refused before any is
+    _one_pass(model, par, pass_cfg, phased, rules, counting=False)
+    if must_fit and hardware is not None:
         _require_fit(model, par, pass_cfg, phased, rules, sched, hardware)
-    else:  # the pieces listed by a dry run for memory alone, then compiled two at a time
-        _one_pass(model, par, pass_cfg, phased, rules, counting=False)
     plan, events = _one_pass(model, par, pass_cfg, phased, rules)
     memory = _memory(plan, sched, phased)
     if phased.weight_streaming and hardware is not None:
