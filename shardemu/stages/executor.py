@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import jax
 from jax.sharding import Mesh
 
-from shardemu.accounting.count import Counted, Counter, piece_events, signature
+from shardemu.accounting.count import Counted, Counter, piece_events, shaped, signature
 from shardemu.accounting.ledger import Carries, Event, Ledger, Phase, Where
 from shardemu.accounting.sizes import bytes_all_devices, bytes_per_device
 from shardemu.devices import settled
@@ -227,9 +227,7 @@ class Executor:
         carried in another form (a sparse weight's mask, as its block coordinates)."""
         if self.real:
             return put(tree, shardings)
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-        )
+        return jax.tree.map(lambda x, s: shaped(x.shape, x.dtype, s), tree, shardings)
 
     def _record_transfer(
         self,
@@ -322,9 +320,7 @@ class Executor:
 
 def one_layer(tree: Any) -> Any:
     """The abstract first layer of a stack of layers (axis 0)."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype, sharding=x.sharding), tree
-    )
+    return jax.tree.map(lambda x: shaped((1, *x.shape[1:]), x.dtype, x.sharding), tree)
 
 
 def _devices(tree: Any) -> int:
