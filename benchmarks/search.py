@@ -10,6 +10,7 @@ layout predicted by the same cost model:
   pass).
 
     python benchmarks/search.py [--case gpu|ipu|all] [--precision P[,P...]] [--max-microbatch B]
+        [--zero-stages S[,S...]] [--context-sizes C[,C...]]
 
 Prints a table and writes benchmarks/results/search.json. The search must predict its
 winner at least as fast as the published layout (the published layout is in its space).
@@ -72,14 +73,23 @@ def main() -> None:
     parser.add_argument("--case", choices=("gpu", "ipu", "all"), default="all")
     parser.add_argument("--precision", default=None, help="default: every one the profile has")
     parser.add_argument("--max-microbatch", type=int, default=Space(()).max_microbatch)
+    # issue 37: the grown space (ZeRO stages, context sizes) must be searched in 60 s too
+    parser.add_argument("--zero-stages", default="0", help="e.g. 0,1,2,3")
+    parser.add_argument("--context-sizes", default="1", help="e.g. 1,2")
     args = parser.parse_args()
+    grown = {
+        "zero_stages": tuple(int(z) for z in args.zero_stages.split(",")),
+        "context_sizes": tuple(int(c) for c in args.context_sizes.split(",")),
+    }
     names = list(CASES) if args.case == "all" else [args.case]
     cfg = get_preset(MODEL)
     spaces = {}
     for name in names:
         hw = PROFILES[CASES[name]["hardware"]]
         precisions = tuple(args.precision.split(",")) if args.precision else hw.precisions
-        spaces[name] = Space(precisions, CASES[name]["modes"], max_microbatch=args.max_microbatch)
+        spaces[name] = Space(
+            precisions, CASES[name]["modes"], max_microbatch=args.max_microbatch, **grown
+        )
     use_virtual_devices(max(
         search_devices(cfg, CASES[n]["devices"], BATCH, spaces[n]) for n in names
     ))  # fmt: skip
@@ -101,7 +111,8 @@ def main() -> None:
             "published": published(case),
         }
         row["best_vs_published"] = best["step_time_s"] / row["published"]["step_time_s"]
-        out[name] = row
+        grew = (args.zero_stages, args.context_sizes) != ("0", "1")
+        out[f"{name} zero {args.zero_stages} context {args.context_sizes}" if grew else name] = row
         print(
             f"{name}: searched in {row['search_s']:.0f} s ({result.counts['candidates']} "
             f"layouts, {result.counts['fit']} fit); best {best['label']} "

@@ -154,7 +154,7 @@ def _place(
     # its microbatch (events keep their phases alive) and numbered once per distinct
     # value (`Phase.__hash__` is Python code, millions of calls a search)
     numbered: dict[Phase, int] = {}
-    phase_of: dict[tuple[int, int | None], int] = {}
+    phase_of: dict[tuple[int, int | None], tuple[int, Phase]] = {}  # (number, the phase)
     last_compute: dict[tuple[int, int], float] = {}  # (phase, stage) -> latest compute's end
     last_compute_on_stage: dict[int, float] = {}
     phase_inputs: dict[int, float] = defaultdict(float)  # non-compute spans, by phase
@@ -176,10 +176,11 @@ def _place(
             if chunking is not None:
                 seconds = chunking.seconds(e, on, origin, seconds)
             key = (id(e.phase), micro)
-            phase = phase_of.get(key)
-            if phase is None:
+            known = phase_of.get(key)
+            if known is None:
                 at = e.phase if micro is None else e.phase.at(micro)
-                phase = phase_of[key] = numbered.setdefault(at, len(numbered))
+                known = phase_of[key] = (numbered.setdefault(at, len(numbered)), at)
+            phase, at = known
             ready = stream_free[(on, r.stream)]
             if r.compute:
                 ready = max(ready, phase_inputs.get(phase, 0.0), pending.pop(on, 0.0))
@@ -199,7 +200,6 @@ def _place(
                 ready = max(ready, gradients_out)
             end = ready + seconds
             if spans is not None:
-                at = e.phase if micro is None else e.phase.at(micro)
                 spans.append(Span(len(spans), on, r.stream, at, ready, end, e))
             stream_free[(on, r.stream)] = end
             if r.compute:
