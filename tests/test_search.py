@@ -16,7 +16,7 @@ from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.models import Model, custom_model
 from shardemu.predict.layouts import Space
 from shardemu.predict.memory_bound import memory_bound
-from shardemu.predict.plan_resident import plan_resident
+from shardemu.predict.plan_resident import least_resident_step, plan_resident
 from shardemu.predict.profiles import PROFILES
 from shardemu.predict.resident_count import count_key, counted_microbatch
 from shardemu.predict.roofline import least_step_seconds
@@ -40,6 +40,8 @@ PHASED_GB = 0.0011
 SPACE = Space(precisions=("bf16",), modes="resident", max_tensor=2, max_microbatch=1)
 # compute-bound (a slow peak, FP32 at half of it): FP32 layouts come out behind BF16's
 SLOW = dataclasses.replace(HW, name="a100-slow", peak_tflops=1e-3, fp32_tflops=5e-4)
+# a `top` no search here fills: prunes 5 and 6 never fire, every fitting layout is timed
+ALL = 1000
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +79,17 @@ def test_search_finds_what_brute_force_finds(searched):
     fits = {k: r for k, r in brute.items() if r["memory_per_device"]["device"]["fits"]}
     assert 0 < len(fits) < len(brute)  # the memory limit bites
     rows = {r.label: r for r in searched.candidates if r.fits}
-    assert set(rows) == set(fits)
-    for label, report in fits.items():  # extrapolated or planned whole: the same step
-        assert rows[label].step_time_s == pytest.approx(report["step_time_s"], rel=1e-9)
-        assert rows[label].device_bytes == report["memory_per_device"]["device"]["bytes"]
+    # prune 6: fitting layouts not timed, by their busiest stage's computations
+    bounded = {r.label: r for r in searched.candidates if r.least_step_time_s is not None}
+    assert bounded and all("busiest stage" in r.reason for r in bounded.values())
+    assert set(rows) | set(bounded) == set(fits) and not set(rows) & set(bounded)
+    for label, row in bounded.items():
+        assert fits[label]["step_time_s"] >= row.least_step_time_s
+        assert fits[label]["memory_per_device"]["device"]["bytes"] == row.device_bytes_at_least
+    for label, row in rows.items():  # extrapolated or planned whole: the same step
+        report = fits[label]
+        assert row.step_time_s == pytest.approx(report["step_time_s"], rel=1e-9)
+        assert row.device_bytes == report["memory_per_device"]["device"]["bytes"]
     assert any(r.status == "extrapolated" for r in rows.values())
     unfit = {r.label: r for r in searched.candidates if r.status == "does not fit"}
     # not timed, but their memory is the planner's, or found over the memory already by
@@ -94,6 +103,39 @@ def test_search_finds_what_brute_force_finds(searched):
     winner = min(fits, key=lambda k: fits[k]["step_time_s"])
     assert searched.best.label == winner
     assert [r.label for r in searched.top] == sorted(fits, key=lambda k: fits[k]["step_time_s"])[:3]
+    whole = [
+        {"label": k, "step_time_s": r["step_time_s"],
+         "device_bytes": r["memory_per_device"]["device"]["bytes"]}
+        for k, r in fits.items()
+    ]  # fmt: skip
+    assert {r.label for r in searched.pareto} == undominated(whole)
+
+
+@pytest.mark.parametrize(
+    "par, schedule, recompute, zero",
+    [
+        (Parallelism(1, 1, 1), "1f1b", "none", 0),  # one device: its step is its compute
+        (Parallelism(2, 1, 2), "1f1b", "full", 0),
+        (Parallelism(2, 2, 1), "interleaved", "selective", 0),
+        (Parallelism(1, 2, 2), "1f1b", "none", 3),
+    ],
+)
+def test_least_resident_step_bounds_the_plan(par, schedule, recompute, zero):
+    """Prune 6's bound (`least_resident_step`) against the plan timed whole: its busiest
+    stage's computations at most the step, equal to it on one device (nothing to wait
+    for), and the plan's own device bytes."""
+    virtual = 2 if schedule == "interleaved" else 1
+    train = TrainConfig(
+        batch=BATCH, seq=SEQ, schedule=schedule, virtual=virtual, precision="bf16", zero=zero
+    )
+    hw = PROFILES["a100-80gb"]
+    least, held = least_resident_step(TINY, par, train, 1, hw, recompute)
+    report = plan_resident(TINY, par, train, 1, hw, recompute, extrapolate=False, band=False).report
+    assert held == report["memory_per_device"]["device"]["bytes"]
+    if par.num_devices == 1:
+        assert least == pytest.approx(report["step_time_s"], rel=1e-12)
+    else:
+        assert 0 < least < report["step_time_s"]
 
 
 def test_memory_bound_is_the_count_or_less():
@@ -138,7 +180,8 @@ def test_slower_precision_pruned_by_its_bound_changes_no_result():
     assert [r.label for r in got.top] == [r["label"] for r in fits[:3]]
     assert {r.label for r in got.pareto} == undominated(fits)
     behind = [r for r in got.candidates if r.least_step_time_s is not None]
-    assert behind and all(r.precision == "fp32" for r in behind)
+    by_rate = [r for r in behind if "model FLOPs" in r.reason]  # prune 5, not 6
+    assert by_rate and all(r.precision == "fp32" for r in by_rate)
     for row in behind:
         report = brute[row.label]
         assert report["step_time_s"] >= row.least_step_time_s
@@ -238,7 +281,7 @@ def test_zero_stages_are_searched_and_found_as_their_plans(searched):
     each fitting one's step time and device bytes those of its whole plan, and none
     holding more than its stage-0 twin."""
     space = dataclasses.replace(SPACE, zero_stages=(0, 3))
-    result = search(TINY, HW, DEVICES, BATCH, SEQ, space, top=3)
+    result = search(TINY, HW, DEVICES, BATCH, SEQ, space, top=ALL)
     staged = {r.label: r for r in result.candidates if r.candidate and r.candidate.zero == 3}
     plain = {r.label: r for r in searched.candidates}
     assert staged and all(r.par.replica > 1 for r in staged.values())
@@ -253,7 +296,8 @@ def test_zero_stages_are_searched_and_found_as_their_plans(searched):
         assert row.step_time_s == pytest.approx(report["step_time_s"], rel=1e-9)
         assert row.device_bytes == report["memory_per_device"]["device"]["bytes"]
         assert not twin.fits or row.device_bytes <= twin.device_bytes
-    assert sum(r.fits for r in result.candidates) > sum(r.fits for r in searched.candidates)
+    fit_before = sum(r.fits or r.least_step_time_s is not None for r in searched.candidates)
+    assert sum(r.fits for r in result.candidates) > fit_before
 
 
 def test_context_sizes_are_searched_and_found_as_their_plans(searched):
@@ -261,7 +305,7 @@ def test_context_sizes_are_searched_and_found_as_their_plans(searched):
     without context are the plain search's, and each of context 2 is a mesh of all the
     devices, its row's step time and device bytes those of its whole plan."""
     space = dataclasses.replace(SPACE, context_sizes=(1, 2))
-    result = search(TINY, HW, DEVICES, BATCH, SEQ, space, top=3)
+    result = search(TINY, HW, DEVICES, BATCH, SEQ, space, top=ALL)
     split = [r for r in result.candidates if r.candidate and r.candidate.context == 2]
     assert split and all(" c2 " in r.label and r.par.num_devices == DEVICES for r in split)
     rest = {r.label for r in result.candidates} - {r.label for r in split}

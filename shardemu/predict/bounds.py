@@ -48,7 +48,7 @@ class Bounds:
         two = self.model.replace(num_layers=2)
         self.layer_params = count_params(two) - count_params(two.replace(num_layers=1))
         self.least_flops = flops.least_training_flops(self.model, self.batch, self.seq)
-        self.faster: list[SearchRow] = []  # the fitting rows of faster precisions
+        self.found: list[SearchRow] = []  # the fitting rows found so far
         self._least_bytes: dict[Candidate, int | None] = {}
 
     def resident_rules(self, par: Parallelism) -> Rules:
@@ -113,24 +113,32 @@ class Bounds:
         return self.may_fit_memory(self.least_bytes(c)) and self.behind(c) is None
 
     def behind(self, c: Candidate) -> SearchRow | None:
-        """Prune 5 (module docstring): resident `c`'s row when layouts of faster
-        precisions (`faster`) rule it out of the top and of the Pareto front, else
-        None."""
+        """Prune 5 (module docstring): resident `c`'s row when the layouts found so far
+        (`found`) rule it out of the top and of the Pareto front by its precision's least
+        step and its least bytes, else None."""
         least = self.least_step(c.precision)
-        faster = [r for r in self.faster if r.step_time_s < least]
-        if len(faster) < self.top:
-            return None
+        if sum(r.step_time_s < least for r in self.found) < self.top:
+            return None  # nothing traced
         least_bytes = self.least_bytes(c)
         if not self.may_fit_memory(least_bytes):
             return None  # over the memory: `screen` says so, with nothing compiled
+        return self.beaten(c, least, least_bytes, f"its model FLOPs at {c.precision}'s rate")
+
+    def beaten(self, c: Candidate, least: float, least_bytes: int, what: str) -> SearchRow | None:
+        """`c`'s row, pruned, where `top` layouts found (`found`) are faster than
+        `least` seconds (`what` it is) and one of them holds no more than `least_bytes`:
+        it can be neither among the top nor on the memory/time Pareto front. Else None."""
+        faster = [r for r in self.found if r.step_time_s < least]
+        if len(faster) < self.top:
+            return None
         smaller = [r for r in faster if r.measures and r.measures.device_bytes <= least_bytes]
         if not smaller:
             return None
         d = min(smaller, key=lambda r: r.step_time_s)
         why = (
-            f"at least {least:.4g} s (its model FLOPs at {c.precision}'s compute rate) and "
-            f"{least_bytes / 1e9:.4g} GB a device: {len(faster)} layouts are faster, and "
-            f"{d.label} takes {d.step_time_s:.4g} s in {d.device_bytes / 1e9:.4g} GB"
+            f"at least {least:.4g} s ({what}) and {least_bytes / 1e9:.4g} GB a device: "
+            f"{len(faster)} layouts are faster, and {d.label} takes {d.step_time_s:.4g} s in "
+            f"{d.device_bytes / 1e9:.4g} GB"
         )
         return SearchRow.of(
             c,

@@ -304,6 +304,28 @@ class _Chunking:
         return exposed
 
 
+def least_step_seconds_of(steps: AssembledLedger, hw: Hardware, par: Parallelism) -> float:
+    """No timeline of `steps` ends before its busiest stage's computations do: they run
+    one after another on the stage's compute stream (`_place`), whatever waits between
+    them. A lower bound of its step time from each slot's events summed once, none
+    placed (the search's prune 6)."""
+    busy: dict[int, float] = defaultdict(float)
+    per_list: dict[int, float] = {}  # each slot list's compute seconds, by the list's id
+
+    def seconds(events: Sequence[Event]) -> float:
+        return sum(duration(e, hw, par) for e in events if stream_of(e) == "compute")
+
+    for _, stage, events in steps.runs():
+        if stage is None:  # before and after the slots: each event on its own stage
+            for e in events:
+                busy[e.stage] += seconds((e,))
+            continue
+        if id(events) not in per_list:
+            per_list[id(events)] = seconds(events)
+        busy[stage] += per_list[id(events)]
+    return max(busy.values(), default=0.0)
+
+
 def compute_busy(spans: list[Span]) -> dict[int, float]:
     """Compute seconds per stage, stages in the order they first compute."""
     busy: dict[int, float] = defaultdict(float)

@@ -39,7 +39,7 @@ from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.parallel.schedules import Schedule
 from shardemu.pipelined.layout import PipelineLayout
 from shardemu.predict.context_parallel import per_step_reductions
-from shardemu.predict.costmodel import Timeline
+from shardemu.predict.costmodel import Timeline, least_step_seconds_of
 from shardemu.predict.expert_parallel import expert_parallel
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import Recompute
@@ -57,6 +57,7 @@ from shardemu.predict.resident_count import (
     selective_op,
 )
 from shardemu.predict.resident_memory import (
+    Kept,
     device_bytes,
     device_bytes_at_least,
     kept,
@@ -99,40 +100,13 @@ def plan_resident(
     ones (`periodic.py`), unless `extrapolate` is False; its band is timed unless `band`
     is False. Needs `par.context` x `par.tensor` JAX devices (one stage's context x
     tensor group)."""
-    batch, seq, schedule, virtual = train.batch, train.seq, train.schedule, train.virtual
-    precision, sparsity = train.precision, train.sparsity
     t0 = time.perf_counter()
-    model = as_model(model)
-    _refuse_uncovered(par, train, overlap)
-    rules = _rules(rules, model, par, train)
-    hardware = hardware.at_precision(arithmetic(model.cfg, precision))
-    lay, sched, key = resident_layout(
-        model, par, batch, seq, microbatch_size, schedule, virtual, recompute, precision,
-        attention, train.stage_layers, rules,
-    )  # fmt: skip
-    model = key.model
-    layout = f"{par} microbatch {microbatch_size} {schedule} recompute={recompute}"
-    if must_fit:  # nothing compiled for a layout whose least bytes are over the memory
-        bound = _on_mesh(memory_bound(key), key, train, par, recompute)
-        least = device_bytes(bound, key, recompute, par, lay, sched)
-        require_fit({"device": least}, hardware, layout, at_least=True)
-    mb = _on_mesh(counted_microbatch(key), key, train, par, recompute)
-    held = device_bytes(mb, key, recompute, par, lay, sched)
-    keep = kept(mb, key, recompute)
-    if must_fit:
-        require_fit({"device": held}, hardware, layout)
-    if recompute == "selective":
-        mb = selective(mb, key)
-    elif recompute == "selective-op":
-        mb = selective_op(mb, key)
-    timed = mb
-    if sparsity is not None:  # the layers' matmuls at the hardware's block-sparse speed
-        factor = layer_factor(hardware, model, seq, sparsity)
-        layers = {k: scale_compute(mb.pieces[k], factor) for k in ("forward", "backward")}
-        timed = dataclasses.replace(mb, pieces={**mb.pieces, **layers})
+    c = _counted(model, par, train, microbatch_size, hardware, recompute, overlap, attention,
+                 must_fit, rules)  # fmt: skip
+    model, sched, lay, batch, seq = c.key.model, c.sched, c.lay, train.batch, train.seq
     ledger, totals, timeline, prediction, ms = _predicted(
-        mb, timed, sched, lay, par, overlap, extrapolate, hardware, {"device": held}, batch * seq,
-        band,
+        c.mb, c.timed, sched, lay, par, overlap, extrapolate, c.hardware, {"device": c.held},
+        batch * seq, band,
     )  # fmt: skip
     report = {
         "model": model.name,
@@ -140,14 +114,93 @@ def plan_resident(
         "devices": par.num_devices,
         "param_count": count_params(model),
         **_settings(train, microbatch_size, sched, lay, recompute, overlap, attention),
-        "activation_bytes_per_layer": keep.to_json(),
-        **_counts(totals, model, par, batch, seq, prediction.step_time_s, sparsity),
+        "activation_bytes_per_layer": c.keep.to_json(),
+        **_counts(totals, model, par, batch, seq, prediction.step_time_s, train.sparsity),
         **prediction.to_json(),
-        **sparse_report(hardware, sparsity),
+        **sparse_report(c.hardware, train.sparsity),
         **({"period": period_report(ms, sched.microbatches)} if ms else {}),
         "elapsed_s": time.perf_counter() - t0,
     }
     return Plan(report, ledger, timeline, prediction)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Counted:
+    """A resident layout up to its step: the profile at its precision, its layout,
+    schedule and count key, its microbatch counted on the mesh (`mb`) and as its layers
+    are timed (`timed`: recomputation and sparsity applied), and its device bytes."""
+
+    hardware: Hardware
+    lay: PipelineLayout
+    sched: Schedule
+    key: CountKey
+    mb: Microbatch
+    timed: Microbatch
+    held: int
+    keep: Kept  # what a layer keeps for its backward, in the report
+
+
+def _counted(
+    model: Model | ModelConfig,
+    par: Parallelism,
+    train: TrainConfig,
+    microbatch_size: int,
+    hardware: Hardware,
+    recompute: Recompute,
+    overlap: Overlap,
+    attention: str,
+    must_fit: bool,
+    rules: Rules | None,
+) -> _Counted:
+    """`plan_resident`'s layout counted, its step not yet assembled (its docstring)."""
+    model = as_model(model)
+    _refuse_uncovered(par, train, overlap)
+    rules = _rules(rules, model, par, train)
+    hardware = hardware.at_precision(arithmetic(model.cfg, train.precision))
+    lay, sched, key = resident_layout(
+        model, par, train.batch, train.seq, microbatch_size, train.schedule, train.virtual,
+        recompute, train.precision, attention, train.stage_layers, rules,
+    )  # fmt: skip
+    layout = f"{par} microbatch {microbatch_size} {train.schedule} recompute={recompute}"
+    if must_fit:  # nothing compiled for a layout whose least bytes are over the memory
+        bound = _on_mesh(memory_bound(key), key, train, par, recompute)
+        least = device_bytes(bound, key, recompute, par, lay, sched)
+        require_fit({"device": least}, hardware, layout, at_least=True)
+    mb = _on_mesh(counted_microbatch(key), key, train, par, recompute)
+    held = device_bytes(mb, key, recompute, par, lay, sched)
+    if must_fit:
+        require_fit({"device": held}, hardware, layout)
+    keep, timed = kept(mb, key, recompute), mb
+    if recompute == "selective":
+        mb = timed = selective(mb, key)
+    elif recompute == "selective-op":
+        mb = timed = selective_op(mb, key)
+    if train.sparsity is not None:  # the layers' matmuls at the hardware's block-sparse speed
+        factor = layer_factor(hardware, key.model, train.seq, train.sparsity)
+        layers = {k: scale_compute(mb.pieces[k], factor) for k in ("forward", "backward")}
+        timed = dataclasses.replace(mb, pieces={**mb.pieces, **layers})
+    return _Counted(hardware, lay, sched, key, mb, timed, held, keep)
+
+
+def least_resident_step(
+    model: Model | ModelConfig,
+    par: Parallelism,
+    train: TrainConfig,
+    microbatch_size: int,
+    hardware: Hardware,
+    recompute: Recompute = "full",
+    overlap: Overlap = DEFAULT_OVERLAP,
+    attention: str = "materialized",
+    rules: Rules | None = None,
+) -> tuple[float, int]:
+    """What no `plan_resident` of this layout beats, its microbatch counted but no step
+    timed: its busiest stage's computations over the whole step
+    (`costmodel.least_step_seconds_of`), and the plan's own device bytes. Refuses a
+    layout over the device memory as `plan_resident(must_fit=True)` does."""
+    c = _counted(model, par, train, microbatch_size, hardware, recompute, overlap, attention,
+                 True, rules)  # fmt: skip
+    steps = step_ledger(c.timed, c.sched, c.lay, par, overlap)
+    return least_step_seconds_of(steps, c.hardware, par), c.held
 
 
 def _settings(

@@ -18,7 +18,8 @@ microbatch sizes (powers of two that divide the batch per replica, up to
   fit the device tier (the phased planner's own choice), the batch as pipelined passes
   of the microbatch size.
 
-Pruning, in order, each exact (it never drops a layout that fits):
+Pruning, in order, each exact: 1-4 never drop a layout that fits, and 5 and 6 only one
+that can be neither among the best `top` nor on the memory/time Pareto front:
 
 1. a mesh whose weights, gradients and Adam state alone exceed the device memory
    (16 bytes a parameter in every precision, over pipe x tensor devices) has no
@@ -41,7 +42,15 @@ Pruning, in order, each exact (it never drops a layout that fits):
    fewer bytes than its least (`memory_bound`). Where `top` layouts already found are
    faster than that, and one of them is faster and holds no more, it can be neither
    among the top nor on the memory/time Pareto front, and is not counted or planned
-   (GPT-3 175B on A100s: every FP32 layout, a third of the counting).
+   (GPT-3 175B on A100s: every FP32 layout, a third of the counting);
+6. branch and bound within a precision: once `top` layouts are found, a resident
+   layout's microbatch is counted and its step assembled but not timed, and its busiest
+   stage's computations over the whole step (`costmodel.least_step_seconds_of`: a
+   stage's computations run one after another, whatever it waits for) bound its time.
+   Where `top` layouts found are faster than that and one of them holds no more than
+   its device bytes, it is neither among the top nor on the Pareto front, and is not
+   timed (the ZeRO stages and context sizes of one mesh share their counts, and timing
+   is most of a grown space's search).
 
 Prediction: a step of m microbatches (or passes) is the schedule's steady state
 repeated once every stage has started: from m = p microbatches, 1F1B's and the
@@ -83,6 +92,7 @@ from shardemu.predict.layouts import (
 from shardemu.predict.microbatch import microbatch_candidates
 from shardemu.predict.plan import Plan
 from shardemu.predict.plan_phased import check_fit
+from shardemu.predict.plan_resident import least_resident_step
 from shardemu.predict.planning import plan
 from shardemu.predict.resident_count import CountKey, count_key, counted_microbatch
 from shardemu.predict.rows import Measures, SearchResult, SearchRow, Status
@@ -146,7 +156,36 @@ class Searcher(Bounds):
         except (CapacityError, ConfigError) as err:
             return _refusal(c, m, err)
         how: Status = "extrapolated" if "period" in planned.report else "planned"
-        return _judged(c, m, Measures.of(planned.prediction, m), how)  # type: ignore[arg-type]
+        row = _judged(c, m, Measures.of(planned.prediction, m), how)  # type: ignore[arg-type]
+        if row.fits:
+            self.found.append(row)
+        return row
+
+    def outpaced(self, c: Candidate) -> SearchRow | None:
+        """Prune 6 (module docstring): resident `c`'s row when the layouts found so far
+        are faster than its busiest stage's computations and one of them holds no more
+        (`Bounds.beaten`), its microbatch counted but no step timed; else None."""
+        if len(self.found) < self.top:
+            return None  # nothing counted
+        if self.ahead is not None:
+            self.ahead.ready(self.count_of(c))
+        m = self.microbatches(c)
+        try:
+            least, held = least_resident_step(
+                self.model,
+                c.par,
+                self.train_config(c, m),
+                c.microbatch_size,
+                self.hardware,
+                c.recompute,
+                self.space.overlap,
+                self.space.attention,
+                self.rules,
+            )
+        except (CapacityError, ConfigError):
+            return None  # `screen` says why
+        # an extrapolated step (`periodic.py`) may round below the exact bound
+        return self.beaten(c, least * (1 - 1e-6), held, "its busiest stage's computations")
 
     def candidates(
         self, par: Parallelism, modes: tuple[Mode, ...], precision: str, size: int
@@ -196,7 +235,9 @@ class Searcher(Bounds):
         that holds at least what a setting that did not fit holds, in every respect,
         is not planned."""
         out: list[SearchRow | Candidate] = [
-            self.behind(c) or self.screen(c) for c in group if c.mode == "resident"
+            self.behind(c) or self.outpaced(c) or self.screen(c)
+            for c in group
+            if c.mode == "resident"
         ]
         failed: list[tuple[int, tuple[int, ...], str]] = []  # (rts, ranks, label)
         for c in sorted((c for c in group if c.mode == "phased"), key=memory_ranks):
@@ -274,7 +315,6 @@ class Searcher(Bounds):
         """Search `modes`' layouts in `precisions` (one rate class) into `rows`, their
         counts queued to be made ahead. A group's fitting phased layouts are screened
         after the next group is judged, so their pieces compile meanwhile."""
-        self.faster = [r for r in rows if r.fits]
         if self.ahead is not None:
             self.ahead.add(self.resident_counts(modes, precisions))
         groups: list[list[SearchRow | Candidate]] = []
@@ -297,7 +337,7 @@ class Searcher(Bounds):
                 if not any(fit(x) or bounded(x) for x in checked):
                     break  # prune 3: larger microbatches fit no better
             if precision == precisions[-1]:
-                fits = len(self.faster) + sum(fit(x) for group in groups for x in group)
+                fits = len(self.found) + sum(isinstance(x, Candidate) for x in waiting)
                 self.log(f"{par} {'/'.join(precisions)}: {fits} layouts fit so far")
         self.finish(waiting)
         rows += [row for group in groups for row in group]  # type: ignore[misc]
