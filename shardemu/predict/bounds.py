@@ -12,11 +12,13 @@ import jax.numpy as jnp
 
 from shardemu.accounting import flops
 from shardemu.config import ConfigError, Parallelism, TrainConfig
+from shardemu.errors import CapacityError
 from shardemu.models import Model, count_params
 from shardemu.numerics.precision import arithmetic, compute_model
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import STATE_BYTES_PER_PARAM, Candidate, Mode, Space
+from shardemu.predict.plan_resident import least_resident_step
 from shardemu.predict.resident_memory import device_bytes_at_least
 from shardemu.predict.roofline import least_step_seconds
 from shardemu.predict.rows import SearchRow
@@ -61,6 +63,29 @@ class Bounds:
             tensor=par.tensor,
             kv_heads=self.model.cfg.kv_heads,
         )
+
+    def train_config(self, c: Candidate, microbatches: int) -> TrainConfig:
+        """`c`'s training settings with `microbatches` microbatches (or passes), and the
+        space's sequence parallelism for a resident one."""
+        train = c.train_config(c.microbatch_size * c.replica * microbatches, self.seq)
+        if c.mode == "resident" and self.space.sequence_parallel:
+            train = dataclasses.replace(train, sequence_parallel=True)
+        return train
+
+    def least_resident(self, c: Candidate) -> tuple[float, int] | None:
+        """Resident `c`'s step bound and device bytes (`least_resident_step`: its
+        microbatch counted, no step timed) for prune 6; None where its plan would be
+        refused or not fit."""
+        train = self.train_config(c, self.microbatches(c))
+        try:
+            least, held = least_resident_step(
+                self.model, c.par, train, c.microbatch_size, self.hardware, c.recompute,
+                self.space.overlap, self.space.attention, self.rules,
+            )  # fmt: skip
+        except (CapacityError, ConfigError):
+            return None
+        # an extrapolated step (`periodic.py`) may round below the exact bound
+        return least * (1 - 1e-6), held
 
     def least_step(self, precision: str) -> float:
         """No layout in `precision` is faster (`roofline.least_step_seconds`)."""

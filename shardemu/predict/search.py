@@ -73,7 +73,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
-from shardemu.config import ConfigError, ModelConfig, Parallelism, TrainConfig
+from shardemu.config import ConfigError, ModelConfig, Parallelism
 from shardemu.errors import CapacityError
 from shardemu.models import Model, as_model
 from shardemu.parallel.rules import Rules
@@ -92,7 +92,6 @@ from shardemu.predict.layouts import (
 from shardemu.predict.microbatch import microbatch_candidates
 from shardemu.predict.plan import Plan
 from shardemu.predict.plan_phased import check_fit
-from shardemu.predict.plan_resident import least_resident_step
 from shardemu.predict.planning import plan
 from shardemu.predict.resident_count import CountKey, count_key, counted_microbatch
 from shardemu.predict.rows import Measures, SearchResult, SearchRow, Status
@@ -124,14 +123,6 @@ class Searcher(Bounds):
             band=False,  # ranked by the step alone: no band's ends timed
             **(resident if c.mode == "resident" else {}),
         )
-
-    def train_config(self, c: Candidate, microbatches: int) -> TrainConfig:
-        """`c`'s training settings with `microbatches` microbatches (or passes), and the
-        space's sequence parallelism for a resident one."""
-        train = c.train_config(c.microbatch_size * c.replica * microbatches, self.seq)
-        if c.mode == "resident" and self.space.sequence_parallel:
-            train = dataclasses.replace(train, sequence_parallel=True)
-        return train
 
     def count_of(self, c: Candidate) -> CountKey:
         """The microbatch count resident candidate `c`'s plans use."""
@@ -169,23 +160,10 @@ class Searcher(Bounds):
             return None  # nothing counted
         if self.ahead is not None:
             self.ahead.ready(self.count_of(c))
-        m = self.microbatches(c)
-        try:
-            least, held = least_resident_step(
-                self.model,
-                c.par,
-                self.train_config(c, m),
-                c.microbatch_size,
-                self.hardware,
-                c.recompute,
-                self.space.overlap,
-                self.space.attention,
-                self.rules,
-            )
-        except (CapacityError, ConfigError):
+        least = self.least_resident(c)
+        if least is None:
             return None  # `screen` says why
-        # an extrapolated step (`periodic.py`) may round below the exact bound
-        return self.beaten(c, least * (1 - 1e-6), held, "its busiest stage's computations")
+        return self.beaten(c, *least, "its busiest stage's computations")
 
     def candidates(
         self, par: Parallelism, modes: tuple[Mode, ...], precision: str, size: int
