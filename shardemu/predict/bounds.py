@@ -1,7 +1,8 @@
-"""What no layout can beat, found with nothing compiled, for the search (`search.py`,
-whose docstring numbers the prunes): a precision's least step, its model FLOPs at the
-compute rate (prune 5); a resident layout's least device bytes (prunes 2 and 5); whether a mode
-can fit a mesh at all (prune 1).
+"""What no layout can beat, for the search (`search.py`, whose docstring numbers the
+prunes). With nothing compiled: a precision's least step, its model FLOPs at the
+compute rate (prune 5); a resident layout's least device bytes (prunes 2 and 5); whether
+a mode can fit a mesh at all (prune 1). With its microbatch counted but no step timed: a
+resident layout's busiest stage's computations over the step (prune 6).
 """
 
 from __future__ import annotations
