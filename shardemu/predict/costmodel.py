@@ -304,25 +304,50 @@ class _Chunking:
         return exposed
 
 
-def least_step_seconds_of(steps: AssembledLedger, hw: Hardware, par: Parallelism) -> float:
-    """No timeline of `steps` ends before its busiest stage's computations do: they run
-    one after another on the stage's compute stream (`_place`), whatever waits between
-    them. A lower bound of its step time from each slot's events summed once, none
-    placed (the search's prune 6)."""
-    busy: dict[int, float] = defaultdict(float)
-    per_list: dict[int, float] = {}  # each slot list's compute seconds, by the list's id
+def least_step_seconds_of(
+    steps: AssembledLedger, hw: Hardware, par: Parallelism, overlap: Overlap = DEFAULT_OVERLAP
+) -> float:
+    """A lower bound of `steps`' step time, from each slot's events summed once, none
+    placed (the search's prune 6). Each stream of a stage runs its events one after
+    another (`_place`), so the step lasts at least any stream's busy time: its
+    computations', each collective axis's (FSDP's weight gathers, a data-parallel
+    reduction), and, longer than the computations alone, the chain of them and, in each
+    gap between two of them, the longest collective that waits for the first and holds
+    the second (a slot's computation's own tensor- or context-parallel collectives,
+    which read what it computed). Where `overlap` chunks collectives behind the
+    matmuls (`tp_overlap`), their seconds are not the events' own: the computations
+    alone bound it."""
+    busy: dict[tuple[int, str], float] = defaultdict(float)  # (stage, stream or "chain")
+    per_list: dict[int, dict[str, float]] = {}  # each slot list's, by the list's id
+    chained = overlap.tp_overlap == "none"
+    blocking = overlap.pipe_sends == "blocking"
 
-    def seconds(events: Sequence[Event]) -> float:
-        return sum(duration(e, hw, par) for e in events if stream_of(e) == "compute")
+    def seconds(events: Sequence[Event]) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        gap, after = 0.0, None  # the longest held collective since `after`'s computation
+        for e in events:
+            r = _rules_of(e, hw, par, blocking)
+            if r.stream == "compute":
+                out["chain"] += gap + r.seconds
+                gap, after = 0.0, e.phase
+            elif not chained:
+                continue
+            elif r.holds and r.after_compute and not r.pipe and e.phase is after:
+                gap = max(gap, r.seconds)
+            out[r.stream] += r.seconds
+        out["chain"] += gap
+        return out
 
     for _, stage, events in steps.runs():
         if stage is None:  # before and after the slots: each event on its own stage
             for e in events:
-                busy[e.stage] += seconds((e,))
+                for key, value in seconds((e,)).items():
+                    busy[(e.stage, key)] += value
             continue
         if id(events) not in per_list:
             per_list[id(events)] = seconds(events)
-        busy[stage] += per_list[id(events)]
+        for key, value in per_list[id(events)].items():
+            busy[(stage, key)] += value
     return max(busy.values(), default=0.0)
 
 

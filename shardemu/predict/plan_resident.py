@@ -200,7 +200,7 @@ def least_resident_step(
     c = _counted(model, par, train, microbatch_size, hardware, recompute, overlap, attention,
                  True, rules)  # fmt: skip
     steps = step_ledger(c.timed, c.sched, c.lay, par, overlap)
-    return least_step_seconds_of(steps, c.hardware, par), c.held
+    return least_step_seconds_of(steps, c.hardware, par, overlap), c.held
 
 
 def _settings(
