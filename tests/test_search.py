@@ -79,9 +79,9 @@ def test_search_finds_what_brute_force_finds(searched):
     fits = {k: r for k, r in brute.items() if r["memory_per_device"]["device"]["fits"]}
     assert 0 < len(fits) < len(brute)  # the memory limit bites
     rows = {r.label: r for r in searched.candidates if r.fits}
-    # prune 6: fitting layouts not timed, by their busiest stage's computations
+    # prune 6: fitting layouts not timed, by their busiest stream's seconds
     bounded = {r.label: r for r in searched.candidates if r.least_step_time_s is not None}
-    assert bounded and all("busiest stage" in r.reason for r in bounded.values())
+    assert bounded and all("busiest stream" in r.reason for r in bounded.values())
     assert set(rows) | set(bounded) == set(fits) and not set(rows) & set(bounded)
     for label, row in bounded.items():
         assert fits[label]["step_time_s"] >= row.least_step_time_s
@@ -122,8 +122,8 @@ def test_search_finds_what_brute_force_finds(searched):
 )
 def test_least_resident_step_bounds_the_plan(par, schedule, recompute, zero):
     """Prune 6's bound (`least_resident_step`) against the plan timed whole: its busiest
-    stage's computations at most the step, equal to it on one device (nothing to wait
-    for), and the plan's own device bytes."""
+    stream's seconds at most the step, equal to it on one device (nothing to wait for),
+    and the plan's own device bytes."""
     virtual = 2 if schedule == "interleaved" else 1
     train = TrainConfig(
         batch=BATCH, seq=SEQ, schedule=schedule, virtual=virtual, precision="bf16", zero=zero

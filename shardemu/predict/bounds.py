@@ -2,7 +2,7 @@
 prunes). With nothing compiled: a precision's least step, its model FLOPs at the
 compute rate (prune 5); a resident layout's least device bytes (prunes 2 and 5); whether
 a mode can fit a mesh at all (prune 1). With its microbatch counted but no step timed: a
-resident layout's busiest stage's computations over the step (prune 6).
+resident layout's busiest stream over the step (prune 6).
 """
 
 from __future__ import annotations

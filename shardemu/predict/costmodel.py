@@ -304,11 +304,12 @@ class _Chunking:
         return exposed
 
 
-def least_step_seconds_of(
+def busy_streams(
     steps: AssembledLedger, hw: Hardware, par: Parallelism, overlap: Overlap = DEFAULT_OVERLAP
-) -> float:
-    """A lower bound of `steps`' step time, from each slot's events summed once, none
-    placed (the search's prune 6). Each stream of a stage runs its events one after
+) -> dict[tuple[int, str], float]:
+    """What bounds `steps`' step time from below, from each slot's events summed once,
+    none placed (the search's prune 6: the largest value): busy seconds by (stage,
+    stream, or "chain"). Each stream of a stage runs its events one after
     another (`_place`), so the step lasts at least any stream's busy time: its
     computations', each collective axis's (FSDP's weight gathers, a data-parallel
     reduction), and, longer than the computations alone, the chain of them and, in each
@@ -348,7 +349,7 @@ def least_step_seconds_of(
             per_list[id(events)] = seconds(events)
         for key, value in per_list[id(events)].items():
             busy[(stage, key)] += value
-    return max(busy.values(), default=0.0)
+    return dict(busy)
 
 
 def compute_busy(spans: list[Span]) -> dict[int, float]:

@@ -39,14 +39,20 @@ from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.parallel.schedules import Schedule
 from shardemu.pipelined.layout import PipelineLayout
 from shardemu.predict.context_parallel import per_step_reductions
-from shardemu.predict.costmodel import Timeline, least_step_seconds_of
+from shardemu.predict.costmodel import Timeline, busy_streams
 from shardemu.predict.expert_parallel import expert_parallel
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import Recompute
 from shardemu.predict.memory_bound import memory_bound
 from shardemu.predict.microbatch import Screen, choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
-from shardemu.predict.periodic import period_report, timed_step
+from shardemu.predict.periodic import (
+    extrapolated,
+    period_report,
+    short_steps,
+    shortened,
+    timed_step,
+)
 from shardemu.predict.plan import Plan
 from shardemu.predict.prediction import Prediction, require_fit
 from shardemu.predict.resident_count import (
@@ -183,24 +189,27 @@ def _counted(
 
 
 def least_resident_step(
-    model: Model | ModelConfig,
-    par: Parallelism,
-    train: TrainConfig,
-    microbatch_size: int,
-    hardware: Hardware,
-    recompute: Recompute = "full",
-    overlap: Overlap = DEFAULT_OVERLAP,
-    attention: str = "materialized",
-    rules: Rules | None = None,
-) -> tuple[float, int]:
+    model: Model | ModelConfig, par: Parallelism, train: TrainConfig, microbatch_size: int,
+    hardware: Hardware, recompute: Recompute = "full", overlap: Overlap = DEFAULT_OVERLAP,
+    attention: str = "materialized", rules: Rules | None = None,
+) -> tuple[float, int]:  # fmt: skip
     """What no `plan_resident` of this layout beats, its microbatch counted but no step
-    timed: its busiest stage's computations over the whole step
-    (`costmodel.least_step_seconds_of`), and the plan's own device bytes. Refuses a
-    layout over the device memory as `plan_resident(must_fit=True)` does."""
+    timed: its busiest stream's seconds over the whole step (`costmodel.busy_streams`),
+    and the plan's own device bytes. Refuses a layout over the device memory as
+    `plan_resident(must_fit=True)` does."""
     c = _counted(model, par, train, microbatch_size, hardware, recompute, overlap, attention,
                  True, rules)  # fmt: skip
-    steps = step_ledger(c.timed, c.sched, c.lay, par, overlap)
-    return least_step_seconds_of(steps, c.hardware, par, overlap), c.held
+
+    def busy(sched: Schedule) -> dict[tuple[int, str], float]:
+        steps = step_ledger(c.timed, sched, c.lay, par, overlap)
+        return busy_streams(steps, c.hardware, par, overlap)
+
+    # linear in the microbatches from p on, as the step's time (`periodic.py`)
+    ms = short_steps(c.sched)
+    if ms is None:
+        return max(busy(c.sched).values(), default=0.0), c.held
+    short, long = (busy(shortened(c.sched, k)) for k in ms)
+    return max(extrapolated(short, long, ms, c.sched.microbatches).values()), c.held
 
 
 def _settings(

@@ -44,13 +44,13 @@ that can be neither among the best `top` nor on the memory/time Pareto front:
    among the top nor on the memory/time Pareto front, and is not counted or planned
    (GPT-3 175B on A100s: every FP32 layout, a third of the counting);
 6. branch and bound within a precision: once `top` layouts are found, a resident
-   layout's microbatch is counted and its step assembled but not timed, and its busiest
-   stage's computations over the whole step (`costmodel.least_step_seconds_of`: a
-   stage's computations run one after another, whatever it waits for) bound its time.
-   Where `top` layouts found are faster than that and one of them holds no more than
-   its device bytes, it is neither among the top nor on the Pareto front, and is not
-   timed (the ZeRO stages and context sizes of one mesh share their counts, and timing
-   is most of a grown space's search).
+   layout's microbatch is counted and its step assembled but not timed, and the busiest
+   stream of any stage bounds its time (`costmodel.busy_streams`: a stage's
+   computations, or each collective axis, one event at a time; the computations'
+   chain with the tensor- and context-parallel collectives that wait for them). Where
+   `top` layouts found are faster than that and one holds no more than its device
+   bytes, it is neither among the top nor on the Pareto front, and is not timed (the
+   ZeRO stages and context sizes of one mesh share their counts).
 
 Prediction: a step of m microbatches (or passes) is the schedule's steady state
 repeated once every stage has started: from m = p microbatches, 1F1B's and the
@@ -154,8 +154,8 @@ class Searcher(Bounds):
 
     def outpaced(self, c: Candidate) -> SearchRow | None:
         """Prune 6 (module docstring): resident `c`'s row when the layouts found so far
-        are faster than its busiest stage's computations and one of them holds no more
-        (`Bounds.beaten`), its microbatch counted but no step timed; else None."""
+        are faster than its busiest stream and one of them holds no more (`beaten`),
+        its microbatch counted but no step timed; else None."""
         if len(self.found) < self.top:
             return None  # nothing counted
         if self.ahead is not None:
@@ -163,7 +163,7 @@ class Searcher(Bounds):
         least = self.least_resident(c)
         if least is None:
             return None  # `screen` says why
-        return self.beaten(c, *least, "its busiest stage's computations")
+        return self.beaten(c, *least, "its busiest stream's seconds")
 
     def candidates(
         self, par: Parallelism, modes: tuple[Mode, ...], precision: str, size: int
