@@ -44,7 +44,7 @@ host update, or nothing of its own (another stage: the pipeline bubble).
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -339,16 +339,18 @@ def busy_streams(
         out["chain"] += gap
         return out
 
-    for _, stage, events in steps.runs():
-        if stage is None:  # before and after the slots: each event on its own stage
-            for e in events:
-                for key, value in seconds((e,)).items():
-                    busy[(e.stage, key)] += value
-            continue
-        if id(events) not in per_list:
-            per_list[id(events)] = seconds(events)
-        for key, value in per_list[id(events)].items():
-            busy[(stage, key)] += value
+    runs = steps.runs()
+    lists = {id(events): events for _, stage, events in runs if stage is not None}
+    # each slot list's seconds once, times the slots that run it on each stage
+    times = Counter((stage, id(events)) for _, stage, events in runs if stage is not None)
+    for (stage, key), n in times.items():
+        if key not in per_list:
+            per_list[key] = seconds(lists[key])
+        for stream, value in per_list[key].items():
+            busy[(stage, stream)] += n * value
+    for e in (e for _, stage, events in runs if stage is None for e in events):
+        for stream, value in seconds((e,)).items():  # before and after the slots
+            busy[(e.stage, stream)] += value
     return dict(busy)
 
 
