@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from shardemu.config import Parallelism
+from shardemu.config import ConfigError, Parallelism
+from shardemu.errors import CapacityError
 from shardemu.predict.layouts import Candidate, Mode, Space
 from shardemu.predict.prediction import Prediction
 
@@ -178,3 +179,26 @@ class SearchResult:
             "candidates": [r.to_json() for r in self.candidates],
             "elapsed_s": self.elapsed_s,
         }
+
+
+def judged_row(c: Candidate, m: int, measures: Measures, how: Status) -> SearchRow:
+    """`c`'s row with the step it was judged by: `how` it was timed, if it fits."""
+    return SearchRow.of(
+        c, how if measures.fits else "does not fit", microbatches=m, measures=measures
+    )
+
+
+def refusal_row(c: Candidate, m: int, err: CapacityError | ConfigError) -> SearchRow:
+    """`c`'s row when its planner refused it: a layout over a memory tier is kept with
+    its device bytes (or their lower bound) and not timed (prune 2); a setting the
+    planner refuses, with its reason."""
+    if not isinstance(err, CapacityError):
+        return SearchRow.of(c, "refused", microbatches=m, reason=str(err))
+    needed = {"device_bytes_at_least" if err.at_least else "needed_bytes": err.needed}
+    return SearchRow.of(c, "does not fit", microbatches=m, reason=str(err), **needed)
+
+
+def mesh_pruned_row(par: Parallelism, precision: str, mode: Mode, reason: str) -> SearchRow:
+    """A whole mesh and mode pruned at one precision (prune 1)."""
+    label = f"p{par.pipe} t{par.tensor} r{par.replica} {precision} {mode}"
+    return SearchRow(label, mode, par, precision, "pruned", reason=reason)

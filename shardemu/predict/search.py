@@ -94,7 +94,15 @@ from shardemu.predict.plan import Plan
 from shardemu.predict.plan_phased import check_fit
 from shardemu.predict.planning import plan
 from shardemu.predict.resident_count import CountKey, count_key, counted_microbatch
-from shardemu.predict.rows import Measures, SearchResult, SearchRow, Status
+from shardemu.predict.rows import (
+    Measures,
+    SearchResult,
+    SearchRow,
+    Status,
+    judged_row,
+    mesh_pruned_row,
+    refusal_row,
+)
 
 
 @dataclasses.dataclass
@@ -145,9 +153,9 @@ class Searcher(Bounds):
         try:
             planned = self.plan(c, m)
         except (CapacityError, ConfigError) as err:
-            return _refusal(c, m, err)
+            return refusal_row(c, m, err)
         how: Status = "extrapolated" if "period" in planned.report else "planned"
-        row = _judged(c, m, Measures.of(planned.prediction, m), how)  # type: ignore[arg-type]
+        row = judged_row(c, m, Measures.of(planned.prediction, m), how)  # type: ignore[arg-type]
         if row.fits:
             self.found.append(row)
         return row
@@ -202,7 +210,7 @@ class Searcher(Bounds):
                 self.model, c.par, train, phased, self.hardware, c.microbatch_size, self.rules
             )
         except (CapacityError, ConfigError) as err:
-            return _refusal(c, m, err)
+            return refusal_row(c, m, err)
         return None
 
     def check_group(self, group: list[Candidate]) -> list[SearchRow | Candidate]:
@@ -305,7 +313,7 @@ class Searcher(Bounds):
             return isinstance(x, SearchRow) and x.least_step_time_s is not None
 
         for par, precision, pruned, sizes in self.mesh_plans(modes, precisions):
-            groups.append([_pruned(par, precision, mode, why) for mode, why in pruned.items()])
+            groups.append([mesh_pruned_row(par, precision, m, why) for m, why in pruned.items()])
             use = tuple(m for m in modes if m not in pruned)
             for size in sizes if use else []:
                 checked = self.check_group(self.candidates(par, use, precision, size))
@@ -319,29 +327,6 @@ class Searcher(Bounds):
                 self.log(f"{par} {'/'.join(precisions)}: {fits} layouts fit so far")
         self.finish(waiting)
         rows += [row for group in groups for row in group]  # type: ignore[misc]
-
-
-def _judged(c: Candidate, m: int, measures: Measures, how: Status) -> SearchRow:
-    """`c`'s row with the step it was judged by: `how` it was timed, if it fits."""
-    return SearchRow.of(
-        c, how if measures.fits else "does not fit", microbatches=m, measures=measures
-    )
-
-
-def _refusal(c: Candidate, m: int, err: CapacityError | ConfigError) -> SearchRow:
-    """`c`'s row when its planner refused it: a layout over a memory tier is kept with
-    its device bytes (or their lower bound) and not timed (prune 2); a setting the
-    planner refuses, with its reason."""
-    if not isinstance(err, CapacityError):
-        return SearchRow.of(c, "refused", microbatches=m, reason=str(err))
-    needed = {"device_bytes_at_least" if err.at_least else "needed_bytes": err.needed}
-    return SearchRow.of(c, "does not fit", microbatches=m, reason=str(err), **needed)
-
-
-def _pruned(par: Parallelism, precision: str, mode: Mode, reason: str) -> SearchRow:
-    """A whole mesh and mode pruned at one precision (prune 1)."""
-    label = f"p{par.pipe} t{par.tensor} r{par.replica} {precision} {mode}"
-    return SearchRow(label, mode, par, precision, "pruned", reason=reason)
 
 
 def search(
