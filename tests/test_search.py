@@ -118,6 +118,7 @@ def test_search_finds_what_brute_force_finds(searched):
         (Parallelism(2, 1, 2), "1f1b", "full", 0),
         (Parallelism(2, 2, 1), "interleaved", "selective", 0),
         (Parallelism(1, 2, 2), "1f1b", "none", 3),
+        (Parallelism(4, 1, 1), "1f1b", "none", 0),  # the fill and drain bound it
     ],
 )
 def test_least_resident_step_bounds_the_plan(par, schedule, recompute, zero):
@@ -362,3 +363,23 @@ def test_selective_op_is_searched_where_the_attention_core_is_fused(searched):
         ).report  # fmt: skip
         assert row.step_time_s == pytest.approx(report["step_time_s"], rel=1e-9)
         assert row.device_bytes == report["memory_per_device"]["device"]["bytes"]
+
+
+def test_a_pipeline_bound_holds_its_fill_and_drain():
+    """On four stages of one device each, a whole step's busy streams
+    (`step_bound.busy_streams`, the plan's own ledger): each stage's chain with the
+    earlier stages' first and last slots added is longer than its chain with the
+    updates after the slots, and no longer than the step."""
+    from shardemu.predict.step_bound import busy_streams
+
+    par, hw = Parallelism(4, 1, 1), PROFILES["a100-80gb"]
+    train = TrainConfig(batch=BATCH, seq=SEQ, precision="bf16")
+    planned = plan_resident(TINY, par, train, 1, hw, "none", extrapolate=False, band=False)
+    busy = busy_streams(planned.ledger, hw.at_precision("bf16"), par)
+    assert {(s, "pipeline") for s in range(4)} <= set(busy)
+    for stage in (1, 2, 3):  # the first stage has no stage before it to wait for
+        assert busy[(stage, "chain")] < busy[(stage, "pipeline")]
+    assert max(busy.values()) <= planned.report["step_time_s"]
+    # the step is the last stage's chain, filled and drained, and what the stages wait
+    # on besides (their sends): the bound is most of it
+    assert busy[(3, "pipeline")] > 0.5 * planned.report["step_time_s"]

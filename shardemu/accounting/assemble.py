@@ -58,6 +58,11 @@ class AssembledLedger(Ledger):
             self._events = assemble(self._schedule, self._slot_events, self._before, self._after)
         return self._events
 
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule whose slots `runs` gives, in its time order."""
+        return self._schedule
+
     def runs(self) -> list[tuple[int | None, int | None, Sequence[Event]]]:
         """The step as runs of (microbatch, stage, events): `before` and `after` as they
         are (None, None), each slot's events with its microbatch and stage, none of them

@@ -44,7 +44,7 @@ host update, or nothing of its own (another stage: the pipeline bubble).
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -162,7 +162,7 @@ def _place(
     pending: dict[int, float] = {}  # collectives since a stage's compute
     reductions: dict[int, float] = {}  # gradient reductions, per stage
     shared_in: dict[int, float] = defaultdict(float)  # the shared weights, per stage
-    rules: dict[int, _Rules] = {}  # by origin (`Event.placed`): its stream, seconds, waits
+    rules: dict[int, EventRules] = {}  # by origin (`Event.placed`): its stream, seconds, waits
     chunking = _Chunking(hw, overlap) if overlap.tp_overlap == "chunked" else None
     blocking = overlap.pipe_sends == "blocking"
     for micro, slot_stage, run in runs:
@@ -170,7 +170,7 @@ def _place(
             origin = e.__dict__.get("_origin", e)  # what `e` was placed from (`Event.placed`)
             r = rules.get(id(origin))
             if r is None:
-                r = rules[id(origin)] = _rules_of(e, hw, par, blocking)
+                r = rules[id(origin)] = rules_of(e, hw, par, blocking)
             seconds = r.seconds
             on = e.stage if slot_stage is None else slot_stage
             if chunking is not None:
@@ -228,7 +228,7 @@ def _timeline_of(spans: list[Span]) -> Timeline:
     return timeline
 
 
-class _Rules(NamedTuple):
+class EventRules(NamedTuple):
     """What placing an event depends on, read off it once for every copy of it
     (`Event.placed`) a timeline places: its stream and seconds, and which of the
     module docstring's waits and records apply to it."""
@@ -248,11 +248,11 @@ class _Rules(NamedTuple):
     gradients_out: bool  # the gradients leaving for the host (the update waits)
 
 
-def _rules_of(e: Event, hw: Hardware, par: Parallelism, blocking: bool) -> _Rules:
-    """`e`'s `_Rules` on `hw` (`blocking`: pipe sends hold the sender's next computation)."""
+def rules_of(e: Event, hw: Hardware, par: Parallelism, blocking: bool) -> EventRules:
+    """`e`'s `EventRules` on `hw` (`blocking`: pipe sends hold the sender's next computation)."""
     collective, pipe = e.kind == "collective", e.axis == "pipe"
     reduction = collective and not pipe and e.carries == "gradients"
-    return _Rules(
+    return EventRules(
         stream=stream_of(e),
         seconds=duration(e, hw, par),
         compute=e.kind == "compute",
@@ -302,56 +302,6 @@ class _Chunking:
         left = budget - (seconds - exposed) * e.group / max(e.group - 1, 1)
         self.hiding[stage] = max(0.0, left)
         return exposed
-
-
-def busy_streams(
-    steps: AssembledLedger, hw: Hardware, par: Parallelism, overlap: Overlap = DEFAULT_OVERLAP
-) -> dict[tuple[int, str], float]:
-    """What bounds `steps`' step time from below, from each slot's events summed once,
-    none placed (the search's prune 6: the largest value): busy seconds by (stage,
-    stream, or "chain"). Each stream of a stage runs its events one after
-    another (`_place`), so the step lasts at least any stream's busy time: its
-    computations', each collective axis's (FSDP's weight gathers, a data-parallel
-    reduction), and, longer than the computations alone, the chain of them and, in each
-    gap between two of them, the longest collective that waits for the first and holds
-    the second (a slot's computation's own tensor- or context-parallel collectives,
-    which read what it computed). Where `overlap` chunks collectives behind the
-    matmuls (`tp_overlap`), their seconds are not the events' own: the computations
-    alone bound it."""
-    busy: dict[tuple[int, str], float] = defaultdict(float)  # (stage, stream or "chain")
-    per_list: dict[int, dict[str, float]] = {}  # each slot list's, by the list's id
-    chained = overlap.tp_overlap == "none"
-    blocking = overlap.pipe_sends == "blocking"
-
-    def seconds(events: Sequence[Event]) -> dict[str, float]:
-        out: dict[str, float] = defaultdict(float)
-        gap, after = 0.0, None  # the longest held collective since `after`'s computation
-        for e in events:
-            r = _rules_of(e, hw, par, blocking)
-            if r.stream == "compute":
-                out["chain"] += gap + r.seconds
-                gap, after = 0.0, e.phase
-            elif not chained:
-                continue
-            elif r.holds and r.after_compute and not r.pipe and e.phase is after:
-                gap = max(gap, r.seconds)
-            out[r.stream] += r.seconds
-        out["chain"] += gap
-        return out
-
-    runs = steps.runs()
-    lists = {id(events): events for _, stage, events in runs if stage is not None}
-    # each slot list's seconds once, times the slots that run it on each stage
-    times = Counter((stage, id(events)) for _, stage, events in runs if stage is not None)
-    for (stage, key), n in times.items():
-        if key not in per_list:
-            per_list[key] = seconds(lists[key])
-        for stream, value in per_list[key].items():
-            busy[(stage, stream)] += n * value
-    for e in (e for _, stage, events in runs if stage is None for e in events):
-        for stream, value in seconds((e,)).items():  # before and after the slots
-            busy[(e.stage, stream)] += value
-    return dict(busy)
 
 
 def compute_busy(spans: list[Span]) -> dict[int, float]:

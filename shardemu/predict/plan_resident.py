@@ -39,7 +39,7 @@ from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.parallel.schedules import Schedule
 from shardemu.pipelined.layout import PipelineLayout
 from shardemu.predict.context_parallel import per_step_reductions
-from shardemu.predict.costmodel import Timeline, busy_streams
+from shardemu.predict.costmodel import Timeline
 from shardemu.predict.expert_parallel import expert_parallel
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import Recompute
@@ -77,6 +77,7 @@ from shardemu.predict.sparse import (
     scale_compute,
     sparse_report,
 )
+from shardemu.predict.step_bound import busy_streams
 from shardemu.predict.zero import placed_casts, zero
 
 
@@ -194,7 +195,7 @@ def least_resident_step(
     attention: str = "materialized", rules: Rules | None = None,
 ) -> tuple[float, int]:  # fmt: skip
     """What no `plan_resident` of this layout beats, its microbatch counted but no step
-    timed: its busiest stream's seconds over the whole step (`costmodel.busy_streams`),
+    timed: its busiest stream's seconds over the whole step (`step_bound.busy_streams`),
     and the plan's own device bytes. Refuses a layout over the device memory as
     `plan_resident(must_fit=True)` does."""
     c = _counted(model, par, train, microbatch_size, hardware, recompute, overlap, attention,

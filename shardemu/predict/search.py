@@ -45,9 +45,10 @@ that can be neither among the best `top` nor on the memory/time Pareto front:
    (GPT-3 175B on A100s: every FP32 layout, a third of the counting);
 6. branch and bound within a precision: once `top` layouts are found, a resident
    layout's microbatch is counted and its step assembled but not timed, and the busiest
-   stream of any stage bounds its time (`costmodel.busy_streams`: a stage's
+   stream of any stage bounds its time (`step_bound.busy_streams`: a stage's
    computations, or each collective axis, one event at a time; the computations'
-   chain with the tensor- and context-parallel collectives that wait for them). Where
+   chain with the tensor- and context-parallel collectives that wait for them, after
+   the pipeline's fill and before its drain). Where
    `top` layouts found are faster than that and one holds no more than its device
    bytes, it is neither among the top nor on the Pareto front, and is not timed (the
    ZeRO stages and context sizes of one mesh share their counts).
