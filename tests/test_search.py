@@ -16,7 +16,8 @@ from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.models import Model, custom_model
 from shardemu.predict.layouts import Space
 from shardemu.predict.memory_bound import memory_bound
-from shardemu.predict.plan_resident import least_resident_step, plan_resident
+from shardemu.predict.overlap import DEFAULT_OVERLAP
+from shardemu.predict.plan_resident import counted_layout, plan_resident
 from shardemu.predict.profiles import PROFILES
 from shardemu.predict.resident_count import count_key, counted_microbatch
 from shardemu.predict.roofline import least_step_seconds
@@ -121,8 +122,8 @@ def test_search_finds_what_brute_force_finds(searched):
         (Parallelism(4, 1, 1), "1f1b", "none", 0),  # the fill and drain bound it
     ],
 )
-def test_least_resident_step_bounds_the_plan(par, schedule, recompute, zero):
-    """Prune 6's bound (`least_resident_step`) against the plan timed whole: its busiest
+def test_least_step_bounds_the_plan(par, schedule, recompute, zero):
+    """Prune 6's bound (`CountedLayout.least_step`) against the plan timed whole: its busiest
     stream's seconds at most the step, equal to it on one device (nothing to wait for),
     and the plan's own device bytes."""
     virtual = 2 if schedule == "interleaved" else 1
@@ -130,7 +131,10 @@ def test_least_resident_step_bounds_the_plan(par, schedule, recompute, zero):
         batch=BATCH, seq=SEQ, schedule=schedule, virtual=virtual, precision="bf16", zero=zero
     )
     hw = PROFILES["a100-80gb"]
-    least, held = least_resident_step(TINY, par, train, 1, hw, recompute)
+    layout = counted_layout(
+        TINY, par, train, 1, hw, recompute, DEFAULT_OVERLAP, "materialized", True, None
+    )
+    least, held = layout.least_step(par, DEFAULT_OVERLAP), layout.held
     report = plan_resident(TINY, par, train, 1, hw, recompute, extrapolate=False, band=False).report
     assert held == report["memory_per_device"]["device"]["bytes"]
     if par.num_devices == 1:
@@ -383,3 +387,20 @@ def test_a_pipeline_bound_holds_its_fill_and_drain():
     # the step is the last stage's chain, filled and drained, and what the stages wait
     # on besides (their sends): the bound is most of it
     assert busy[(3, "pipeline")] > 0.5 * planned.report["step_time_s"]
+
+
+def test_a_twin_at_another_precision_is_its_own_plan():
+    """BF16 and FP16 layouts count alike (`count_key`) and the A100 runs both at one
+    rate: the search times one of each pair and gives the other its measures
+    (`twins.py`). Each twin's step and device bytes equal its own plan, timed whole at
+    its precision."""
+    space = dataclasses.replace(SPACE, precisions=("bf16", "fp16-mixed"))
+    got = search(TINY, HW, DEVICES, BATCH, SEQ, space, top=ALL)
+    twins = [r for r in got.candidates if r.reason and r.reason.startswith("the step of")]
+    assert twins and all(r.precision == "fp16-mixed" for r in twins)
+    for row in twins[:4]:
+        c = row.candidate
+        train = c.train_config(BATCH, SEQ)
+        report = plan_resident(TINY, c.par, train, c.microbatch_size, HW, c.recompute).report
+        assert row.step_time_s == pytest.approx(report["step_time_s"], rel=1e-9)
+        assert row.device_bytes == report["memory_per_device"]["device"]["bytes"]

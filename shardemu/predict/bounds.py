@@ -19,10 +19,11 @@ from shardemu.numerics.precision import arithmetic, compute_model
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import STATE_BYTES_PER_PARAM, Candidate, Mode, Space
-from shardemu.predict.plan_resident import least_resident_step
+from shardemu.predict.plan_resident import CountedLayout, counted_layout
 from shardemu.predict.resident_memory import device_bytes_at_least
 from shardemu.predict.roofline import least_step_seconds
 from shardemu.predict.rows import SearchRow
+from shardemu.predict.twins import Twins
 
 
 @dataclasses.dataclass
@@ -53,6 +54,7 @@ class Bounds:
         self.least_flops = flops.least_training_flops(self.model, self.batch, self.seq)
         self.found: list[SearchRow] = []  # the fitting rows found so far
         self._least_bytes: dict[Candidate, int | None] = {}
+        self.twins = Twins(self.layout)  # layouts timed, for their twins (`twins.py`)
 
     def resident_rules(self, par: Parallelism) -> Rules:
         """The rules resident layout `par`'s counts and bounds use (`plan_resident`'s
@@ -73,20 +75,26 @@ class Bounds:
             train = dataclasses.replace(train, sequence_parallel=True)
         return train
 
-    def least_resident(self, c: Candidate) -> tuple[float, int] | None:
-        """Resident `c`'s step bound and device bytes (`least_resident_step`: its
-        microbatch counted, no step timed) for prune 6; None where its plan would be
-        refused or not fit."""
+    def layout(self, c: Candidate) -> CountedLayout | None:
+        """Resident `c`'s layout counted with its step's microbatches, no step timed
+        (`counted_layout`); None where its plan would be refused or not fit."""
         train = self.train_config(c, self.microbatches(c))
         try:
-            least, held = least_resident_step(
+            return counted_layout(
                 self.model, c.par, train, c.microbatch_size, self.hardware, c.recompute,
-                self.space.overlap, self.space.attention, self.rules,
+                self.space.overlap, self.space.attention, True, self.rules,
             )  # fmt: skip
         except (CapacityError, ConfigError):
             return None
+
+    def least_resident(self, c: Candidate) -> tuple[float, int] | None:
+        """Resident `c`'s step bound (`CountedLayout.least_step`) and device bytes for
+        prune 6; None where its plan would be refused or not fit."""
+        layout = self.layout(c)
+        if layout is None:
+            return None
         # an extrapolated step (`periodic.py`) may round below the exact bound
-        return least * (1 - 1e-6), held
+        return layout.least_step(c.par, self.space.overlap) * (1 - 1e-6), layout.held
 
     def least_step(self, precision: str) -> float:
         """No layout in `precision` is faster (`roofline.least_step_seconds`)."""

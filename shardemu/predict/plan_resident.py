@@ -108,7 +108,7 @@ def plan_resident(
     is False. Needs `par.context` x `par.tensor` JAX devices (one stage's context x
     tensor group)."""
     t0 = time.perf_counter()
-    c = _counted(model, par, train, microbatch_size, hardware, recompute, overlap, attention,
+    c = counted_layout(model, par, train, microbatch_size, hardware, recompute, overlap, attention,
                  must_fit, rules)  # fmt: skip
     model, sched, lay, batch, seq = c.key.model, c.sched, c.lay, train.batch, train.seq
     ledger, totals, timeline, prediction, ms = _predicted(
@@ -132,7 +132,7 @@ def plan_resident(
 
 
 @dataclasses.dataclass(frozen=True)
-class _Counted:
+class CountedLayout:
     """A resident layout up to its step: the profile at its precision, its layout,
     schedule and count key, its microbatch counted on the mesh (`mb`) and as its layers
     are timed (`timed`: recomputation and sparsity applied), and its device bytes."""
@@ -146,19 +146,36 @@ class _Counted:
     held: int
     keep: Kept  # what a layer keeps for its backward, in the report
 
+    def least_step(self, par: Parallelism, overlap: Overlap) -> float:
+        """No timeline of its step on `par` ends sooner: its busiest stream
+        (`step_bound.busy_streams`), from the two short steps its plan is timed from,
+        extrapolated (linear in the microbatches from p on, as the step's time:
+        `periodic.py`), or its whole step where it is not periodic."""
 
-def _counted(
-    model: Model | ModelConfig,
-    par: Parallelism,
-    train: TrainConfig,
-    microbatch_size: int,
-    hardware: Hardware,
-    recompute: Recompute,
-    overlap: Overlap,
-    attention: str,
-    must_fit: bool,
-    rules: Rules | None,
-) -> _Counted:
+        def busy(sched: Schedule) -> dict[tuple[int, str], float]:
+            steps = step_ledger(self.timed, sched, self.lay, par, overlap)
+            return busy_streams(steps, self.hardware, par, overlap)
+
+        ms = short_steps(self.sched)
+        if ms is None:
+            return max(busy(self.sched).values(), default=0.0)
+        short, long = (busy(shortened(self.sched, k)) for k in ms)
+        return max(extrapolated(short, long, ms, self.sched.microbatches).values())
+
+    def same_step(self, other: CountedLayout) -> bool:
+        """Whether `other`'s step is this one's: the same profile rates, layout,
+        schedule, counted and timed microbatch and device bytes (a search's layouts that
+        differ in a precision that counts alike: `search.Searcher.screen`)."""
+        return (self.hardware, self.lay, self.sched, self.held, self.mb, self.timed) == (
+            other.hardware, other.lay, other.sched, other.held, other.mb, other.timed
+        )  # fmt: skip
+
+
+def counted_layout(
+    model: Model | ModelConfig, par: Parallelism, train: TrainConfig, microbatch_size: int,
+    hardware: Hardware, recompute: Recompute, overlap: Overlap, attention: str,
+    must_fit: bool, rules: Rules | None,
+) -> CountedLayout:  # fmt: skip
     """`plan_resident`'s layout counted, its step not yet assembled (its docstring)."""
     model = as_model(model)
     _refuse_uncovered(par, train, overlap)
@@ -186,31 +203,7 @@ def _counted(
         factor = layer_factor(hardware, key.model, train.seq, train.sparsity)
         layers = {k: scale_compute(mb.pieces[k], factor) for k in ("forward", "backward")}
         timed = dataclasses.replace(mb, pieces={**mb.pieces, **layers})
-    return _Counted(hardware, lay, sched, key, mb, timed, held, keep)
-
-
-def least_resident_step(
-    model: Model | ModelConfig, par: Parallelism, train: TrainConfig, microbatch_size: int,
-    hardware: Hardware, recompute: Recompute = "full", overlap: Overlap = DEFAULT_OVERLAP,
-    attention: str = "materialized", rules: Rules | None = None,
-) -> tuple[float, int]:  # fmt: skip
-    """What no `plan_resident` of this layout beats, its microbatch counted but no step
-    timed: its busiest stream's seconds over the whole step (`step_bound.busy_streams`),
-    and the plan's own device bytes. Refuses a layout over the device memory as
-    `plan_resident(must_fit=True)` does."""
-    c = _counted(model, par, train, microbatch_size, hardware, recompute, overlap, attention,
-                 True, rules)  # fmt: skip
-
-    def busy(sched: Schedule) -> dict[tuple[int, str], float]:
-        steps = step_ledger(c.timed, sched, c.lay, par, overlap)
-        return busy_streams(steps, c.hardware, par, overlap)
-
-    # linear in the microbatches from p on, as the step's time (`periodic.py`)
-    ms = short_steps(c.sched)
-    if ms is None:
-        return max(busy(c.sched).values(), default=0.0), c.held
-    short, long = (busy(shortened(c.sched, k)) for k in ms)
-    return max(extrapolated(short, long, ms, c.sched.microbatches).values()), c.held
+    return CountedLayout(hardware, lay, sched, key, mb, timed, held, keep)
 
 
 def _settings(

@@ -151,12 +151,19 @@ class Searcher(Bounds):
         planner from two short ones (`periodic.py`, status `extrapolated`; module
         docstring), a short one whole (`planned`)."""
         m = self.microbatches(c)
-        try:
-            planned = self.plan(c, m)
-        except (CapacityError, ConfigError) as err:
-            return refusal_row(c, m, err)
-        how: Status = "extrapolated" if "period" in planned.report else "planned"
-        row = judged_row(c, m, Measures.of(planned.prediction, m), how)  # type: ignore[arg-type]
+        twin = self.twins.of(c) if c.mode == "resident" else None
+        if twin is not None:  # one step: its measures (`twins.py`)
+            why = f"the step of {twin.label}: the same counts, layout and rates"
+            row = SearchRow.of(c, twin.status, microbatches=m, measures=twin.measures, reason=why)
+        else:
+            try:
+                planned = self.plan(c, m)
+            except (CapacityError, ConfigError) as err:
+                return refusal_row(c, m, err)
+            how: Status = "extrapolated" if "period" in planned.report else "planned"
+            row = judged_row(c, m, Measures.of(planned.prediction, m), how)  # type: ignore[arg-type]
+            if c.mode == "resident":
+                self.twins.add(c, row)
         if row.fits:
             self.found.append(row)
         return row
