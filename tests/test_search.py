@@ -394,7 +394,7 @@ def test_a_twin_at_another_precision_is_its_own_plan():
     rate: the search times one of each pair and gives the other its measures
     (`twins.py`). Each twin's step and device bytes equal its own plan, timed whole at
     its precision."""
-    space = dataclasses.replace(SPACE, precisions=("bf16", "fp16-mixed"))
+    space = dataclasses.replace(SPACE, precisions=("bf16", "fp16-mixed"), max_tensor=1)
     got = search(TINY, HW, DEVICES, BATCH, SEQ, space, top=ALL)
     twins = [r for r in got.candidates if r.reason and r.reason.startswith("the step of")]
     assert twins and all(r.precision == "fp16-mixed" for r in twins)
