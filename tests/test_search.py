@@ -1,8 +1,8 @@
 """`shardemu search` against brute force: every layout of a tiny GPT on 4 devices planned
 whole with `plan_resident`, the fitting ones ranked; the search (pruning, two short
-plans extrapolated) must find the same layouts fitting, the same step times and the
-same winner. Then the command line end to end, with the winner trained scaled down
-against one device."""
+plans extrapolated) must find the same layouts fitting (timed, or bounded by a step
+they take at least), the same step times, the same winner, top and Pareto front. Then
+the command line end to end, with the winner trained scaled down against one device."""
 
 import dataclasses
 import itertools
