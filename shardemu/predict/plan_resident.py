@@ -69,7 +69,7 @@ from shardemu.predict.resident_memory import (
     kept,
     resident_layout,
 )
-from shardemu.predict.resident_step import step_ledger
+from shardemu.predict.resident_step import StepLedgers, step_ledger
 from shardemu.predict.roofline import least_training_step
 from shardemu.predict.sparse import (
     layer_factor,
@@ -152,9 +152,10 @@ class CountedLayout:
         extrapolated (linear in the microbatches from p on, as the step's time:
         `periodic.py`), or its whole step where it is not periodic."""
 
+        steps, lists = StepLedgers(self.timed, self.lay, par, overlap), {}
+
         def busy(sched: Schedule) -> dict[tuple[int, str], float]:
-            steps = step_ledger(self.timed, sched, self.lay, par, overlap)
-            return busy_streams(steps, self.hardware, par, overlap)
+            return busy_streams(steps.of(sched), self.hardware, par, overlap, lists)
 
         ms = short_steps(self.sched)
         if ms is None:
@@ -286,10 +287,12 @@ def _predicted(
     ledger = step_ledger(mb, sched, lay, par, overlap)
     totals = _totals(ledger)
 
+    steps = StepLedgers(timed, lay, par, overlap)
+
     def events_of(schedule: Schedule | None) -> AssembledLedger:
         if schedule is sched and timed is mb:
             return ledger
-        return step_ledger(timed, schedule, lay, par, overlap)  # type: ignore[arg-type]
+        return steps.of(schedule)  # type: ignore[arg-type]
 
     timeline, prediction, _, ms = timed_step(
         events_of, sched, extrapolate, hardware, par, totals["model_flops"], tokens, memory,

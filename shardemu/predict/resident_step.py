@@ -51,8 +51,26 @@ def step_ledger(
     (each virtual stage runs `lay`'s layers), then each stage's gradient all-reduce
     (after its last backward, or only the shared weights' there when the layers' reduce
     in buckets during their last backward: `overlap.py`) and optimizer updates."""
-    step = _StepEvents(mb, sched, lay, par, overlap)
-    return AssembledLedger(sched, step.slot_events, after=step.after())
+    return StepLedgers(mb, lay, par, overlap).of(sched)
+
+
+class StepLedgers:
+    """`step_ledger`s of one microbatch, layout, mesh and overlap at any schedule (`of`):
+    a chunk's events do not depend on the schedule, so the steps made here share their
+    slots' event lists (the two short steps a plan is timed from: `periodic.py`)."""
+
+    def __init__(
+        self, mb: Microbatch, lay: PipelineLayout, par: Parallelism, overlap: Overlap
+    ) -> None:
+        self.mb, self.lay, self.par, self.overlap = mb, lay, par, overlap
+        self._chunks: Any = None  # the first step's `chunk_events`
+
+    def of(self, sched: Schedule) -> AssembledLedger:
+        step = _StepEvents(self.mb, sched, self.lay, self.par, self.overlap)
+        if self._chunks is None:
+            self._chunks = step.chunk_events
+        step.chunk_events = self._chunks
+        return AssembledLedger(sched, step.slot_events, after=step.after())
 
 
 def _share(total: int, i: int, parts: int) -> int:

@@ -36,11 +36,17 @@ from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 
 
 def busy_streams(
-    steps: AssembledLedger, hw: Hardware, par: Parallelism, overlap: Overlap = DEFAULT_OVERLAP
+    steps: AssembledLedger,
+    hw: Hardware,
+    par: Parallelism,
+    overlap: Overlap = DEFAULT_OVERLAP,
+    lists: dict[int, dict[str, float]] | None = None,
 ) -> dict[tuple[int, str], float]:
     """Busy seconds of `steps` by (stage, stream; "chain": the computations' chain;
     "pipeline": that chain with the fill and drain before and after it), each a lower
-    bound of its step time (module docstring): the search takes the largest."""
+    bound of its step time (module docstring): the search takes the largest. `lists`
+    keeps each slot list's seconds by the list's id, for steps that share their lists
+    (`resident_step.StepLedgers`) and are kept alive while it is used."""
     chained = overlap.tp_overlap == "none"
     blocking = overlap.pipe_sends == "blocking"
 
@@ -62,7 +68,10 @@ def busy_streams(
 
     runs = steps.runs()
     slots = list(zip(steps.schedule.in_order, (events for _, _, events in runs[1:-1]), strict=True))
-    per_list = {id(events): seconds(events) for _, events in slots}  # each list once
+    per_list = {} if lists is None else lists
+    for _, events in slots:  # each list once
+        if id(events) not in per_list:
+            per_list[id(events)] = seconds(events)
     busy: dict[tuple[int, str], float] = defaultdict(float)
     # each list's seconds times the slots that run it on each stage
     for (stage, key), n in Counter((slot.stage, id(events)) for slot, events in slots).items():
