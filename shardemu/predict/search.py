@@ -64,6 +64,10 @@ plan: equal to 1e-9); its memory is the full step's. (The search planned p and 2
 until 2026-11-26, and its 2p plan was itself timed from p and p + 1: the same line, a
 timeline more, and planned the best `top` again.) The best `top` are ranked by it.
 
+Twins (`twins.py`): a resident layout that differs from a timed one in precision alone,
+its counts, rates, layout and bytes equal (fp16-mixed and bf16 on an A100), takes that
+one's measures, its reason naming it.
+
 `modes="auto"` searches resident layouts, and phased ones only when no resident one
 fits (phased execution is "because the weights do not fit": MISSION.md).
 """
