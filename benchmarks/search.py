@@ -86,8 +86,9 @@ def exhaustive_check(cfg: ModelConfig, case: dict, space: Space, pruned: SearchR
         "same_top": fastest == [r.label for r in pruned.top],
         "same_pareto": [r.label for r in result.pareto] == [r.label for r in pruned.pareto],
     }
-    print(f"exhaustive: {check['search_s']:.0f} s with the counts made, {result.counts['fit']} "
-          f"fit; the same top {check['same_top']}, the same front {check['same_pareto']}")  # fmt: skip
+    fit, same = result.counts["fit"], (check["same_top"], check["same_pareto"])
+    print(f"exhaustive: {result.elapsed_s:.0f} s with the counts made, {fit} fit; the same top "
+          f"{same[0]}, the same Pareto front {same[1]}")  # fmt: skip
     return check
 
 
