@@ -54,6 +54,7 @@ class Bounds:
         self.least_flops = flops.least_training_flops(self.model, self.batch, self.seq)
         self.found: list[SearchRow] = []  # the fitting rows found so far
         self._least_bytes: dict[Candidate, int | None] = {}
+        self._layout: tuple[Candidate, CountedLayout | None] | None = None  # the last one
         self.twins = Twins(self.layout)  # layouts timed, for their twins (`twins.py`)
 
     def resident_rules(self, par: Parallelism) -> Rules:
@@ -77,15 +78,21 @@ class Bounds:
 
     def layout(self, c: Candidate) -> CountedLayout | None:
         """Resident `c`'s layout counted with its step's microbatches, no step timed
-        (`counted_layout`); None where its plan would be refused or not fit."""
+        (`counted_layout`); None where its plan would be refused or not fit. The last
+        candidate's is kept: prune 6 (`least_resident`) and then its twins' lookup
+        (`twins.py`) ask for the same one in turn."""
+        if self._layout is not None and self._layout[0] == c:
+            return self._layout[1]
         train = self.train_config(c, self.microbatches(c))
         try:
-            return counted_layout(
+            layout = counted_layout(
                 self.model, c.par, train, c.microbatch_size, self.hardware, c.recompute,
                 self.space.overlap, self.space.attention, True, self.rules,
             )  # fmt: skip
         except (CapacityError, ConfigError):
-            return None
+            layout = None
+        self._layout = (c, layout)
+        return layout
 
     def least_resident(self, c: Candidate) -> tuple[float, int] | None:
         """Resident `c`'s step bound (`CountedLayout.least_step`) and device bytes for

@@ -151,7 +151,6 @@ class CountedLayout:
         (`step_bound.busy_streams`), from the two short steps its plan is timed from,
         extrapolated (linear in the microbatches from p on, as the step's time:
         `periodic.py`), or its whole step where it is not periodic."""
-
         steps, lists = StepLedgers(self.timed, self.lay, par, overlap), {}
 
         def busy(sched: Schedule) -> dict[tuple[int, str], float]:

@@ -48,10 +48,10 @@ that can be neither among the best `top` nor on the memory/time Pareto front:
    stream of any stage bounds its time (`step_bound.busy_streams`: a stage's
    computations, or each collective axis, one event at a time; the computations'
    chain with the tensor- and context-parallel collectives that wait for them, after
-   the pipeline's fill and before its drain). Where
-   `top` layouts found are faster than that and one holds no more than its device
-   bytes, it is neither among the top nor on the Pareto front, and is not timed (the
-   ZeRO stages and context sizes of one mesh share their counts).
+   the pipeline's fill and before its drain). Where `top` layouts found are faster
+   than that and one holds no more than its device bytes, it is neither among the top
+   nor on the Pareto front, and is not timed (the ZeRO stages and context sizes of one
+   mesh share their counts).
 
 Prediction: a step of m microbatches (or passes) is the schedule's steady state
 repeated once every stage has started: from m = p microbatches, 1F1B's and the
