@@ -6,8 +6,9 @@ seconds and fits holds estimates (`Hardware`):
 
 - `efficiency`, the fraction of peak that compute achieves (and with it the fused
   attention and FP8 kernels' own, where a profile gives them), known within a factor
-  e^(+-efficiency_spread): measured on the H100, borrowed elsewhere, assumed on the IPU
-  and the CS-2 (`profiles.py` says which);
+  e^(+-efficiency_spread): measured on the H100, borrowed elsewhere, calibrated on one
+  published run on the IPU (its spread assumed), assumed on the CS-2 (`profiles.py` and
+  `graphcore.py` say which);
 - which kernels the non-matmul bytes move through, where a roofline times them: those
   XLA's CPU backend emitted (a ceiling) or the same work fused between matmuls as an
   accelerator stack fuses it (a floor; `Hardware.kernel_fusion`);

@@ -37,7 +37,8 @@ GB = 1e9
 # slower than this model: `--precision fp32` on an H200 is that optimistic); an elementwise
 # kernel over 4 GiB moves 2.77 TB/s of the datasheet's 3.35 (0.83). The A100 and TPU
 # profiles share them: our assumption, unmeasured there. The IPU and CS-2 profiles keep
-# their own efficiencies (0.4, 0.5), for which we have no measurement either.
+# their own efficiencies: the IPU's (0.306) calibrated on one published Bow Pod16 run
+# (predict/graphcore.py), the CS-2's (0.5) with no measurement.
 KERNEL_FUSION = ("emitted", "fused")  # `Hardware.kernel_fusion`
 MEASURED_ON_H100 = {"efficiency": 0.73, "matmul_latency_us": 13.5, "memory_efficiency": 0.83}
 # The two matmul kernels whose rate a GEMM's efficiency does not give, measured on an H100

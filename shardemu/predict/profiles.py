@@ -15,6 +15,7 @@ from typing import Any
 from shardemu.config import BLOCK_SIZES
 from shardemu.config.files import read_text
 from shardemu.errors import HardwareError
+from shardemu.predict.graphcore import IPU_PROFILES
 from shardemu.predict.hardware import (
     A100_ATTENTION,
     GPU_FRAGMENTATION,
@@ -26,53 +27,6 @@ from shardemu.predict.hardware import (
 )
 
 log = logging.getLogger("shardemu")
-
-
-def _ipu(name: str, ipus: int) -> Hardware:
-    """A GC200 IPU in an IPU-POD of `ipus` IPUs (IPU-M2000s of 4 IPUs each).
-
-    - 250 TFLOP/s FP16.16 per IPU (1 PFLOP/s per IPU-M2000 of 4), 62.5 TFLOP/s FP32:
-      Graphcore IPU-M2000 datasheet, "Overview" (250 TFLOP/s FP32 per machine). The IPU
-      computes in FP16 and FP32 only: no bfloat16 (Graphcore, "Mixed-Precision
-      Arithmetic for AI: A Hardware Perspective").
-    - 900 MB In-Processor-Memory per IPU: same datasheet; MISSION.md.
-    - Streaming Memory: "typically 256 GB" per IPU-M2000 (MISSION.md; Bow-2000 datasheet:
-      "up to 256GB Streaming Memory"), so 64 GB per IPU.
-    - Streaming Memory bandwidth: Graphcore does not publish one figure; 20 GB/s per IPU
-      is our estimate of the IPU-M2000's DDR4 path through the IPU-Gateway (measure and
-      override it with a profile file).
-    - IPU-Links: 320 GB/s per IPU (Colossus Mk2 GC200 figures, Graphcore; 10 links):
-      160 GB/s per direction inside an IPU-M2000.
-    - Block-sparse matmuls: PopSparse (Li et al. 2023, arXiv 2303.16999, abstract:
-      "our static sparse implementation outperforms equivalent dense calculations in
-      FP16 at lower sparsity (around 90%)", with large matrices and block size 16): at
-      least break-even at density 0.1 with 16 x 16 blocks, i.e. speed 0.1 of the dense
-      rate on the non-zero blocks. The paper's per-block-size figures are not in our
-      sources, so smaller blocks run masked dense (no gain), and static and dynamic
-      patterns share the figure although the paper finds dynamic slower.
-    - IPU-Fabric between IPU-M2000s: 2.8 Tbps per IPU-M2000 through the IPU-Gateway
-      (Graphcore launch, July 2020) = 350 GB/s per machine, 87.5 GB/s per IPU, halved per
-      direction: 43.75 GB/s.
-    - In-Processor-Memory bandwidth: 47.5 TB/s per IPU (GC200 datasheet); its per-kernel
-      fixed cost is not published, so none is charged.
-    """
-    return Hardware(
-        name=name,
-        peak_tflops=250.0,
-        device_memory_gb=0.9,
-        host_memory_gb=64.0,
-        host_link_gbps=20.0,
-        intra_node_gbps=160.0,
-        inter_node_gbps=43.75,
-        devices_per_node=4,
-        efficiency=0.4,
-        host_tflops=0.5,
-        description=f"Graphcore IPU-POD{ipus}: {ipus} GC200 IPUs in IPU-M2000s of 4",
-        block_sparse_speed=((16, 0.1),),
-        fp32_tflops=62.5,
-        precisions=("fp32", "fp16-mixed"),
-        memory_gbps=47_500.0,
-    )
 
 
 def _gpu(
@@ -148,10 +102,7 @@ def _tpu(
 
 
 PROFILES: dict[str, Hardware] = {
-    **{f"ipu-pod{n}": _ipu(f"ipu-pod{n}", n) for n in (16, 64, 128, 256)},
-    "ipu-gc200": dataclasses.replace(
-        _ipu("ipu-gc200", 4), description="one GC200 IPU (in an IPU-M2000)"
-    ),
+    **IPU_PROFILES,  # Graphcore's GC200 and Bow IPUs (predict/graphcore.py)
     # Cerebras CS-2 with MemoryX and SwarmX (Hot Chips 33, 2021; MISSION.md): 40 GB of
     # on-wafer SRAM, 850,000 cores; weights stream from MemoryX (up to 2.4 PB) over the
     # system's 1.2 Tb/s I/O (12 x 100 GbE: Cerebras CS-2 datasheet) = 150 GB/s, and SwarmX
