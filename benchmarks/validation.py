@@ -71,6 +71,19 @@ class Case:
 # `forward_backward_func`) and pipeline sends that wait for their request before the
 # stage computes on (`p2p_communication._communicate`): `predict/overlap.py`.
 MEGATRON_2021 = Overlap(grad_reduce="end", pipe_sends="blocking")
+# The IPU runs bulk-synchronous: local compute, global synchronisation and data exchange
+# alternate (Graphcore, Memory and Performance Optimisation Guide, section 2.1); gradients
+# are all-reduced once a step, after the accumulation.
+BULK_SYNCHRONOUS = Overlap(grad_reduce="end", pipe_sends="blocking")
+# Graphcore's TensorFlow 2 BERT phase 1 on Bow Pods (graphcore.cn Performance Results):
+# (size, pod, SDK, graphcore/examples config, micro-batch, replicas, sequences/s, our
+# layers a stage, Graphcore's layers a stage)
+BOW_BERT_RUNS = (
+    ("base", "Bow Pod16", "SDK 3.1", "pretrain_base_128_phase1.json", 32, 4, 15157.0,
+     (3, 4, 4, 1), "emb+0,4,4,4"),
+    ("large", "Bow Pod64", "SDK 3.0", "pretrain_large_128_phase1_POD64.json", 4, 16, 18199.0,
+     (4, 7, 7, 6), "emb+3,7,7,7"),
+)  # fmt: skip
 
 
 LLAMA2_13B = custom_model("llama", 40, 5120, 40, 32000, 4096, kv_heads=40, mlp=13824)
@@ -231,11 +244,8 @@ CASES = [
         "masked positions a sequence); ours is on the last stage, so it gets one layer. "
         "The published rate covers the whole run "
         "(start-up and checkpoints included)",
-        # the IPU runs bulk-synchronous: local compute, global synchronisation and data
-        # exchange alternate (Graphcore, Memory and Performance Optimisation Guide,
-        # section 2.1); gradients are all-reduced once a step, after the accumulation
-        Overlap(grad_reduce="end", pipe_sends="blocking"),
-        precision="fp16-mixed",  # the IPU computes FP16, not bfloat16 (predict/profiles.py)
+        BULK_SYNCHRONOUS,
+        precision="fp16-mixed",  # the IPU computes FP16, not bfloat16 (predict/graphcore.py)
         stage_layers=(3, 4, 4, 1),
     ),
     *(
@@ -261,34 +271,11 @@ CASES = [
             "last. Graphcore kept the LAMB state in Streaming Memory (optimizer_state_offchip), "
             "ours stays on the IPU: the plan does not fit its 900 MB, and is timed as planned. "
             "The calibration row (ipu_calibration.py) is BERT-Large on the Bow Pod16",
-            Overlap(grad_reduce="end", pipe_sends="blocking"),
+            BULK_SYNCHRONOUS,
             precision="fp16-mixed",
             stage_layers=layers,
         )
-        for size, pod, sdk, config, mb, replicas, published, layers, graphcore in (
-            (
-                "base",
-                "Bow Pod16",
-                "SDK 3.1",
-                "pretrain_base_128_phase1.json",
-                32,
-                4,
-                15157.0,
-                (3, 4, 4, 1),
-                "emb+0,4,4,4",
-            ),
-            (
-                "large",
-                "Bow Pod64",
-                "SDK 3.0",
-                "pretrain_large_128_phase1_POD64.json",
-                4,
-                16,
-                18199.0,
-                (4, 7, 7, 6),
-                "emb+3,7,7,7",
-            ),
-        )
+        for size, pod, sdk, config, mb, replicas, published, layers, graphcore in BOW_BERT_RUNS
     ),
     *(
         Case(

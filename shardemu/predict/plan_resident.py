@@ -108,8 +108,8 @@ def plan_resident(
     is False. Needs `par.context` x `par.tensor` JAX devices (one stage's context x
     tensor group)."""
     t0 = time.perf_counter()
-    c = counted_layout(model, par, train, microbatch_size, hardware, recompute, overlap, attention,
-                 must_fit, rules)  # fmt: skip
+    c = counted_layout(model, par, train, microbatch_size, hardware, recompute, overlap,
+                       attention, must_fit, rules)  # fmt: skip
     model, sched, lay, batch, seq = c.key.model, c.sched, c.lay, train.batch, train.seq
     ledger, totals, timeline, prediction, ms = _predicted(
         c.mb, c.timed, sched, lay, par, overlap, extrapolate, c.hardware, {"device": c.held},
