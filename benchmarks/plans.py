@@ -1,6 +1,7 @@
 """How long a plan takes, as a user waits for it: each row of `validation.py` and each
 `shardemu plan` example of the README, in a fresh process (imports and compilation
-included, nothing cached from another plan), timed on this machine.
+included, nothing cached from another plan: the command's compilation cache off),
+timed on this machine.
 
 Targets (issue 37): a validation row under 5 s; GPT-3 175B phased with `--hardware` and
 the 1T resident interleaved plan under 10 s. The README's examples are read from the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -43,9 +45,14 @@ def _out_in(argv: list[str], folder: str) -> list[str]:
 
 
 def timed(argv: list[str]) -> tuple[float, int, str]:
-    """Wall seconds, exit status and last stderr line of `python argv` from the repo."""
+    """Wall seconds, exit status and last stderr line of `python argv` from the repo,
+    the command's compilation cache off (`cli/compile_cache.py`): every plan compiles
+    its pieces, as a first plan does."""
+    env = {**os.environ, "SHARDEMU_CACHE": "off"}
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env
+    )
     last = (done.stderr.strip().splitlines() or [""])[-1]
     return time.perf_counter() - start, done.returncode, last
 

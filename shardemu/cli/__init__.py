@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from shardemu.cli.compile_cache import command_cache
 from shardemu.cli.config_file import apply_settings, read_settings
 from shardemu.cli.fields import flag_message
 from shardemu.cli.parser import build_parser, given_options
@@ -330,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("shardemu").addHandler(_WARNINGS)  # once: added only if not there
     try:
         args = parse(argv)
+        command_cache()
         if args.command == "run" and args.processes is not None and process_index() is None:
             return _launch(args, argv)
         COMMANDS[args.command](args)
