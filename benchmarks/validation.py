@@ -145,7 +145,14 @@ CASES = [
     Case(
         "Llama 3 405B, 8192 H100",
         "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4: 430 TFLOP/s per GPU, 43% MFU",
-        # 126 layers in the paper; 128 here so 16 stages x 2 chunks divide them
+        # 126 layers in the paper; 128 here, a model chunk each: its interleaved schedule
+        # takes one layer from the first and from the last stage so that the first
+        # stage's first chunk holds the embedding alone and the last stage's last chunk
+        # the output projection and loss alone (Dubey et al. 2024, §3.3.2, "Pipeline
+        # parallelism improvements"), so a chunk is one layer: 8 a stage on 16 stages
+        # (here the embedding and the head share the first and last layer's chunks).
+        # Full recomputation: with selective or none this layout's plan holds more than
+        # an H100's 80 GB (docs/results.md; 2 chunks a stage until 2026-11-27: -18.5%)
         get_preset("llama3-405b").replace(num_layers=128),
         Parallelism(pipe=16, tensor=8, replica=64),
         2048,
@@ -153,7 +160,7 @@ CASES = [
         1,
         "h100-sxm",
         "interleaved",
-        2,
+        8,
         "full",
         "mfu",
         0.43,
