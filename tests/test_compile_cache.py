@@ -22,6 +22,7 @@ def test_the_folder_follows_the_environment_and_a_users_jax_cache_is_theirs():
         "/d"
     )
     assert cache_settings({"SHARDEMU_CACHE": "Off"}, None) is None
+    assert cache_settings({"SHARDEMU_CACHE": " "}, None) == CacheSettings(home)  # unset
     # JAX's own cache, configured by the user in the environment or in JAX: left as it is
     assert cache_settings({"JAX_COMPILATION_CACHE_DIR": "/j"}, None) is None
     assert cache_settings({"SHARDEMU_CACHE": "/d"}, "/j") is None

@@ -45,8 +45,8 @@ def cache_settings(environ: Mapping[str, str], configured: str | None) -> CacheS
     folder (`configured`); None where the user configured JAX's own or turned it off."""
     if configured or environ.get("JAX_COMPILATION_CACHE_DIR"):
         return None
-    given = environ.get("SHARDEMU_CACHE", "")
-    if given.strip().lower() == OFF:
+    given = environ.get("SHARDEMU_CACHE", "").strip()
+    if given.lower() == OFF:
         return None
     if given:
         return CacheSettings(Path(given).expanduser())
