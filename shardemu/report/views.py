@@ -53,10 +53,10 @@ def lanes(timeline: Timeline) -> list[tuple[int, str]]:
     return sorted({(s.stage, s.stream) for s in timeline.spans}, key=key)
 
 
-def _name(span: Span) -> str:
+def _name(phase: str, span: Span) -> str:
     e = span.event
     what = e.op or e.carries or e.kind
-    return f"{span.phase} {what}".strip()
+    return f"{phase} {what}".strip()
 
 
 def trace_events(timeline: Timeline) -> list[dict]:
@@ -86,13 +86,19 @@ def trace_events(timeline: Timeline) -> list[dict]:
                 "args": {"name": f"stage {stage}"},
             }
         )
+    # a phase's name, by its object: spans share their phases (a 1T step's 131k spans,
+    # a few thousand phases), and naming one is Python code
+    phases: dict[int, str] = {}
     for span in timeline.spans:
         if span.duration <= 0:
             continue
         e = span.event
+        phase = phases.get(id(span.phase))
+        if phase is None:
+            phase = phases[id(span.phase)] = str(span.phase)
         events.append(
             {
-                "name": _name(span),
+                "name": _name(phase, span),
                 "cat": e.kind,
                 "ph": "X",
                 "ts": span.start * 1e6,
@@ -100,7 +106,7 @@ def trace_events(timeline: Timeline) -> list[dict]:
                 "pid": span.stage,
                 "tid": order[(span.stage, span.stream)],
                 "args": {
-                    "phase": str(span.phase),
+                    "phase": phase,
                     "bytes": e.bytes,
                     "flops": e.flops,
                     "carries": e.carries,
@@ -115,7 +121,7 @@ def trace_events(timeline: Timeline) -> list[dict]:
 def write_trace(timeline: Timeline, path: str | Path) -> Path:
     path = Path(path)
     payload = {"traceEvents": trace_events(timeline), "displayTimeUnit": "ms"}
-    path.write_text(json.dumps(payload) + "\n")
+    path.write_text(json.dumps(payload, separators=(",", ":")) + "\n")
     return path
 
 
