@@ -27,8 +27,7 @@ use_virtual_devices(16)
 
 from shardemu.config import Parallelism, TrainConfig  # noqa: E402
 from shardemu.models import get_preset  # noqa: E402
-from shardemu.predict.graphcore import IPU_EFFICIENCY  # noqa: E402
-from shardemu.predict.overlap import Overlap  # noqa: E402
+from shardemu.predict.graphcore import BULK_SYNCHRONOUS, IPU_EFFICIENCY  # noqa: E402
 from shardemu.predict.plan_resident import plan_resident  # noqa: E402
 from shardemu.predict.profiles import PROFILES  # noqa: E402
 
@@ -41,15 +40,13 @@ MODEL = get_preset("bert-large").replace(vocab_size=30_400, max_predictions=20)
 TRAIN = TrainConfig(
     batch=BATCH, seq=SEQ, schedule="1f1b", precision="fp16-mixed", stage_layers=(4, 7, 7, 6)
 )
-# bulk-synchronous: gradients all-reduced once a step, pipeline exchanges blocking
-OVERLAP = Overlap(grad_reduce="end", pipe_sends="blocking")
 
 
 def step_at(efficiency: float) -> float:
     hw = dataclasses.replace(PROFILES["bow-pod16"], efficiency=efficiency)
     plan = plan_resident(
         MODEL, Parallelism(pipe=4, replica=4), TRAIN, MICROBATCH, hw,
-        recompute="full", overlap=OVERLAP,
+        recompute="full", overlap=BULK_SYNCHRONOUS,
     )  # fmt: skip
     return plan.report["step_time_s"]
 

@@ -36,6 +36,7 @@ from rich.table import Table  # noqa: E402
 
 from shardemu.config import ModelConfig, Parallelism, TrainConfig  # noqa: E402
 from shardemu.models import custom_model, get_preset  # noqa: E402
+from shardemu.predict.graphcore import BULK_SYNCHRONOUS  # noqa: E402
 from shardemu.predict.overlap import Overlap  # noqa: E402
 from shardemu.predict.plan_resident import plan_resident, plan_resident_auto  # noqa: E402
 from shardemu.predict.profiles import PROFILES  # noqa: E402
@@ -71,10 +72,6 @@ class Case:
 # `forward_backward_func`) and pipeline sends that wait for their request before the
 # stage computes on (`p2p_communication._communicate`): `predict/overlap.py`.
 MEGATRON_2021 = Overlap(grad_reduce="end", pipe_sends="blocking")
-# The IPU runs bulk-synchronous: local compute, global synchronisation and data exchange
-# alternate (Graphcore, Memory and Performance Optimisation Guide, section 2.1); gradients
-# are all-reduced once a step, after the accumulation.
-BULK_SYNCHRONOUS = Overlap(grad_reduce="end", pipe_sends="blocking")
 # Graphcore's TensorFlow 2 BERT phase 1 on Bow Pods (graphcore.cn Performance Results):
 # (size, pod, SDK, graphcore/examples config, micro-batch, replicas, sequences/s, our
 # layers a stage, Graphcore's layers a stage)

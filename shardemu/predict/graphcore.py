@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardemu.predict.hardware import Hardware
+from shardemu.predict.overlap import Overlap
 
 # Calibrated 2026-11-27 (`python benchmarks/ipu_calibration.py`): the efficiency at which
 # BERT-Large phase 1 (sequence 128) on a Bow Pod16, as Graphcore's TensorFlow 2 example
@@ -22,6 +23,11 @@ from shardemu.predict.hardware import Hardware
 # BERT-Base phase 2 on a GC200 IPU-POD16 (docs/results.md). Before it, the profiles
 # assumed 0.4 unmeasured, and the GC200 row came out 23% fast.
 IPU_EFFICIENCY = 0.306
+
+# The IPU runs bulk-synchronous: local compute, global synchronisation and data exchange
+# alternate (Graphcore, Memory and Performance Optimisation Guide, section 2.1); gradients
+# are all-reduced once a step, after the accumulation, and pipeline exchanges block.
+BULK_SYNCHRONOUS = Overlap(grad_reduce="end", pipe_sends="blocking")
 
 
 def _ipu(name: str, ipus: int) -> Hardware:
