@@ -6,6 +6,7 @@ The toy hardware makes arithmetic easy: 1 TFLOP/s at full efficiency, 1 GB/s to 
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,7 +17,7 @@ from shardemu.predict.costmodel import Span, Timeline, build_timeline
 from shardemu.predict.hardware import Hardware, HardwareError
 from shardemu.predict.prediction import predict
 from shardemu.predict.profiles import PROFILES, get_hardware, load_profile
-from shardemu.report.views import merged_bars
+from shardemu.report.views import bar_columns, merged_bars, plot_timeline
 
 HW = Hardware(
     name="toy", peak_tflops=1.0, device_memory_gb=1.0, host_memory_gb=10.0,
@@ -466,3 +467,39 @@ def test_a_ring_across_nodes_moves_its_bytes_over_its_devices_links_in_each_node
     assert seconds("all-gather", 1, 64, 64, shared) == pytest.approx(1 / 25)
     with pytest.raises(HardwareError, match="nic_per_device must be true or false, got 1"):
         dataclasses.replace(hw, nic_per_device=1)
+
+
+def test_a_bar_colours_every_pixel_column_it_touches():
+    """timeline.png's columns (10 over a 10 s step): a bar covers the columns from its
+    start's through its end's, one where it is shorter than a column; a bar ending at
+    the step's end stays in the last column."""
+    covered = bar_columns([(0.0, 2.5), (4.2, 4.3), (7.0, 10.0)], 10.0, 10)
+    assert covered.tolist() == [c in (0, 1, 2, 4, 7, 8, 9) for c in range(10)]
+    assert not bar_columns([], 10.0, 10).any()
+
+
+def test_timeline_png_paints_each_lanes_bars_in_its_kinds_colour(tmp_path):
+    """Read back from the PNG: stage 0's forward bar over the step's first half lies
+    left of and above stage 1's backward bar over the second half (sharing the pixel
+    column of 1 s), each solid and as wide as the other within a column."""
+    from PIL import Image
+
+    spans = [
+        Span(0, 0, "compute", Phase("forward"), 0.0, 1.0, compute(F(0), 1.0)),
+        Span(1, 1, "compute", Phase("backward"), 1.0, 2.0, compute(F(0), 1.0)),
+    ]
+    plot_timeline(Timeline(spans, 2.0), tmp_path / "timeline.png", "two bars")
+    pixels = np.asarray(Image.open(tmp_path / "timeline.png").convert("RGB")).astype(int)
+
+    def bar(colour):  # the rows with a bar's run of this colour (a swatch is short)
+        mask = np.abs(pixels - colour).sum(axis=2) == 0
+        rows = np.flatnonzero(mask.sum(axis=1) > pixels.shape[1] * 0.2)
+        cols = np.flatnonzero(mask[rows].all(axis=0))  # a swatch is shorter, too
+        return rows, cols
+
+    (fr, fc), (br, bc) = bar((0x4C, 0x72, 0xB0)), bar((0xDD, 0x84, 0x52))
+    assert len(fr) > 5 and len(br) > 5
+    assert fc.max() <= bc.min() and fr.max() < br.min()  # the two touch at 1 s
+    width_f, width_b = np.ptp(fc) + 1, np.ptp(bc) + 1
+    assert len(fc) == width_f and len(bc) == width_b  # solid
+    assert abs(width_f - width_b) <= 1 and width_f > pixels.shape[1] * 0.3

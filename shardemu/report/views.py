@@ -159,54 +159,76 @@ def _merge(spans: Any, touch: float) -> Any:
     return np.stack([spans[first, 0], reach[last]], axis=1)
 
 
+def bar_columns(bars: list[tuple[float, float]], step: float, columns: int) -> Any:
+    """Which of `columns` equal columns across a step of `step` seconds the (start, end)
+    bars touch: each bar the columns from its start's through its end's, one at least,
+    so that none vanishes however short."""
+    import numpy as np
+
+    at = np.asarray(bars, dtype=float).reshape(-1, 2) * (columns / (step or 1.0))
+    first = np.clip(np.floor(at[:, 0]).astype(int), 0, columns - 1)
+    last = np.clip(np.floor(at[:, 1]).astype(int), first, columns - 1)
+    edges = np.zeros(columns + 1, np.int64)  # +1 where a bar starts, -1 past its end
+    np.add.at(edges, first, 1)
+    np.add.at(edges, last + 1, -1)
+    return np.cumsum(edges[:-1]) > 0
+
+
 def plot_timeline(timeline: Timeline, path: str | Path, title: str) -> Path:
-    """One lane per (stage, stream), bars coloured by phase kind, drawn as one
-    collection (one artist per span would take minutes for a large pipeline)."""
+    """One lane per (stage, stream), bars coloured by phase kind (a later kind over an
+    earlier one where they share a pixel column). The axes, labels and legend are drawn
+    by matplotlib; the bars are painted into its pixels (`bar_columns`), inside the
+    axes and around the legend: a 64-stage pipeline's 256 lanes took 1.9 s to draw as
+    60k rectangles, twice (layout, then save)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    from matplotlib.collections import PolyCollection
+    from matplotlib.colors import to_rgba_array
     from matplotlib.patches import Patch
+    from PIL import Image
 
     rows = lanes(timeline)
-    index = {lane: i for i, lane in enumerate(rows)}
     lane = max(_LEAST_LANE_INCHES, min(_LANE_INCHES, _LANES_INCHES / max(len(rows), 1)))
-    fig, ax = plt.subplots(figsize=(_WIDTH_INCHES, lane * len(rows) + 1.6))
-    kinds_seen: dict[str, str] = {}
-    boxes, colours = [], []
-    # drawn to the figure's pixels: each bar covers the pixel columns it touches (one
-    # at least, so none vanishes), and a lane draws at most one bar per column
-    pixel = timeline.step_time_s / (_WIDTH_INCHES * _DPI) or 1.0
-    for (stage, stream, kind), bars in merged_bars(timeline, gap=pixel).items():
-        colour = _COLOURS.get(kind, "#cccccc")
-        kinds_seen.setdefault(kind, colour)
-        columns = np.floor(np.asarray(bars) / pixel)
-        columns[:, 1] += 1  # through the column its end lies in
-        ms = _merge(columns, 0.0) * pixel * 1e3
-        y = index[(stage, stream)]
-        # each bar a rectangle: (start, y - 0.4), (end, y - 0.4), (end, y + 0.4), (start, y + 0.4)
-        x = np.stack([ms[:, 0], ms[:, 1], ms[:, 1], ms[:, 0]], axis=1)
-        ys = np.broadcast_to(np.array([y - 0.4, y - 0.4, y + 0.4, y + 0.4]), x.shape)
-        boxes.append(np.stack([x, ys], axis=2))
-        colours += [colour] * len(bars)
-    if boxes:
-        ax.add_collection(PolyCollection(np.concatenate(boxes), facecolors=colours, linewidths=0))
+    fig, ax = plt.subplots(figsize=(_WIDTH_INCHES, lane * len(rows) + 1.6), dpi=_DPI)
+    bars = merged_bars(timeline)
+    kinds = {kind: _COLOURS.get(kind, "#cccccc") for _, _, kind in bars}
     ax.set_xlim(0, timeline.step_time_s * 1e3 or 1)
-    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_ylim(len(rows) - 0.4, -0.6)  # stage 0 on top
     ax.set_yticks(range(len(rows)), [f"stage {s} {stream}" for s, stream in rows], fontsize=7)
-    ax.invert_yaxis()
     ax.set_xlabel("time in step (ms)")
     ax.ticklabel_format(axis="x", style="plain")
     ax.set_title(title, fontsize=9)
-    ax.legend(
-        handles=[Patch(color=c, label=k) for k, c in kinds_seen.items()],
+    legend = ax.legend(
+        handles=[Patch(color=c, label=k) for k, c in kinds.items()],
         fontsize=7,
         loc="upper right",
-        ncols=min(len(kinds_seen), 8),
+        ncols=min(len(kinds), 8),
     )
-    return save_figure(fig, Path(path))
+    fig.tight_layout()
+    fig.canvas.draw()
+    image = np.array(fig.canvas.buffer_rgba())  # row 0 on top; display y from the bottom
+    plt.close(fig)
+    height = image.shape[0]
+    box, key = ax.get_window_extent(), legend.get_window_extent()
+    left, right = int(np.ceil(box.x0)) + 1, int(np.floor(box.x1)) - 1  # inside the spines
+    free = np.ones(image.shape[:2], bool)  # where a bar may be painted: not the legend
+    free[
+        height - int(np.ceil(key.y1)) : height - int(key.y0), int(key.x0) : int(np.ceil(key.x1))
+    ] = False
+    index = {lane: i for i, lane in enumerate(rows)}
+    for (stage, stream, kind), spans in bars.items():
+        i = index[(stage, stream)]
+        ys = ax.transData.transform([(0, i - 0.4), (0, i + 0.4)])[:, 1]
+        top, bottom = height - int(round(ys.max())), height - int(round(ys.min()))
+        covered = bar_columns(spans, timeline.step_time_s, right - left)
+        paint = free[top : max(bottom, top + 1), left:right] & covered
+        image[top : max(bottom, top + 1), left:right][paint] = np.round(
+            to_rgba_array(kinds[kind])[0] * 255
+        ).astype(np.uint8)
+    Image.fromarray(image).save(path, dpi=(_DPI, _DPI))
+    return Path(path)
 
 
 def save_figure(fig: Any, path: Path, copy_to: Path | None = None) -> Path:
@@ -215,6 +237,9 @@ def save_figure(fig: Any, path: Path, copy_to: Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
+    # laid out once: with tight_layout's placeholder engine left in place, savefig
+    # would draw the whole figure a second time before saving it
+    fig.set_layout_engine(None)
     fig.savefig(path, dpi=_DPI)
     plt.close(fig)
     if copy_to is not None:
