@@ -26,8 +26,9 @@ Nothing in shardemu reads them. Three test files (engine, phased, sparsity) took
 and 119.1 s of pytest with them, 115.6 and 104.5 s without (alternating runs, one
 process); their backend compiles 61.1 -> 56.7 and 61.5 -> 52.3 s.
 
-Python's cyclic garbage collector runs less often (its first generation collected every
-50,000 allocations, not 700): tracing allocates millions of short-lived objects, and
+Python's cyclic garbage collector runs less often (`shardemu.allocation.THRESHOLDS`, as
+the commands and planners run it: its first generation collected every 50,000
+allocations, not 700): tracing allocates millions of short-lived objects, and
 test_llama.py with test_moe.py took 42.3 s with the default thresholds, 38.9 s with
 these (one process). Nothing a test checks depends on when garbage is collected.
 
@@ -53,9 +54,11 @@ os.environ["XLA_FLAGS"] = (
 os.environ["JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS"] = "false"
 os.environ["JAX_TRACEBACK_IN_LOCATIONS_LIMIT"] = "0"
 
-gc.set_threshold(50_000, 50, 1000)
-
 import jax  # noqa: E402
+
+from shardemu.allocation import THRESHOLDS  # noqa: E402
+
+gc.set_threshold(*THRESHOLDS)
 
 from shardemu.devices import use_virtual_devices  # noqa: E402
 

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from shardemu.allocation import fewer_collections
 from shardemu.cli.compile_cache import command_cache
 from shardemu.cli.config_file import apply_settings, read_settings
 from shardemu.cli.fields import flag_message
@@ -334,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         command_cache()
         if args.command == "run" and args.processes is not None and process_index() is None:
             return _launch(args, argv)
-        COMMANDS[args.command](args)
+        with fewer_collections():
+            COMMANDS[args.command](args)
     except SystemExit as done:  # --help, --version, or a usage error argparse has printed
         return int(done.code or 0)
     except ShardemuError as err:

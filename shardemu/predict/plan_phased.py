@@ -21,6 +21,7 @@ import jax
 from shardemu.accounting import flops
 from shardemu.accounting.assemble import passes_ledger
 from shardemu.accounting.ledger import Event, Ledger
+from shardemu.allocation import fewer_collections
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.errors import CapacityError
 from shardemu.models import Model, as_model, param_bytes, param_count
@@ -58,6 +59,7 @@ def plan_devices(par: Parallelism) -> int:
     return par.tensor * par.replica * par.context
 
 
+@fewer_collections()
 def plan_phased(
     model: Model | ModelConfig,
     par: Parallelism,

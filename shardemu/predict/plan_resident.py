@@ -32,6 +32,7 @@ from typing import Any
 from shardemu.accounting import flops
 from shardemu.accounting.assemble import AssembledLedger
 from shardemu.accounting.ledger import Event, Ledger
+from shardemu.allocation import fewer_collections
 from shardemu.config import ConfigError, ModelConfig, Parallelism, SparsityConfig, TrainConfig
 from shardemu.models import Model, as_model, count_params
 from shardemu.numerics.precision import arithmetic
@@ -81,6 +82,7 @@ from shardemu.predict.step_bound import busy_streams
 from shardemu.predict.zero import placed_casts, zero
 
 
+@fewer_collections()
 def plan_resident(
     model: Model | ModelConfig,
     par: Parallelism,

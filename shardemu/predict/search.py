@@ -78,6 +78,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
+from shardemu.allocation import fewer_collections
 from shardemu.config import ConfigError, ModelConfig, Parallelism
 from shardemu.errors import CapacityError
 from shardemu.models import Model, as_model
@@ -341,6 +342,7 @@ class Searcher(Bounds):
         rows += [row for group in groups for row in group]  # type: ignore[misc]
 
 
+@fewer_collections()
 def search(
     model: Model | ModelConfig,
     hardware: Hardware,
