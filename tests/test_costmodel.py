@@ -17,7 +17,7 @@ from shardemu.predict.costmodel import Span, Timeline, build_timeline
 from shardemu.predict.hardware import Hardware, HardwareError
 from shardemu.predict.prediction import predict
 from shardemu.predict.profiles import PROFILES, get_hardware, load_profile
-from shardemu.report.views import bar_columns, merged_bars, plot_timeline
+from shardemu.report.views import bar_columns, label_lanes, merged_bars, plot_timeline
 
 HW = Hardware(
     name="toy", peak_tflops=1.0, device_memory_gb=1.0, host_memory_gb=10.0,
@@ -503,3 +503,23 @@ def test_timeline_png_paints_each_lanes_bars_in_its_kinds_colour(tmp_path):
     width_f, width_b = np.ptp(fc) + 1, np.ptp(bc) + 1
     assert len(fc) == width_f and len(bc) == width_b  # solid
     assert abs(width_f - width_b) <= 1 and width_f > pixels.shape[1] * 0.3
+
+
+def test_a_timeline_of_many_lanes_labels_each_stage_and_says_its_lanes_once():
+    """Past 64 lanes, stages whose lanes are alike get a label each and the axis names
+    their lanes in order; where one stage's lanes differ, every lane keeps its label."""
+    from matplotlib.figure import Figure
+
+    streams = ("compute", "collective:pipe", "collective:tensor", "h2d")
+    rows = [(s, stream) for s in range(17) for stream in streams]
+    ax = Figure().subplots()
+    label_lanes(ax, rows)
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"stage {s}" for s in range(17)]
+    assert list(ax.get_yticks()) == list(range(0, 68, 4))
+    assert ax.get_ylabel().endswith(": compute, collective:pipe, collective:tensor, h2d")
+    ax = Figure().subplots()
+    label_lanes(ax, rows[:-1])  # the last stage has no h2d lane
+    assert [t.get_text() for t in ax.get_yticklabels()][-3:] == [
+        "stage 16 compute", "stage 16 collective:pipe", "stage 16 collective:tensor"
+    ]  # fmt: skip
+    assert ax.get_ylabel() == ""
