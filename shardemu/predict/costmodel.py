@@ -55,6 +55,7 @@ from shardemu.config import Parallelism
 from shardemu.predict.durations import duration, stream_of
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap, exposed_chunked
+from shardemu.predict.placing import placing_order
 from shardemu.predict.roofline import projection_seconds
 
 BREAKDOWN = (
@@ -147,76 +148,63 @@ def _place(
     spans: list[Span] | None,
 ) -> float:
     """`build_timeline`'s placing, each span appended to `spans` (None: none kept);
-    the step's end."""
-    runs = events.runs() if isinstance(events, AssembledLedger) else [(None, None, events)]
-    stream_free: dict[tuple[int, str], float] = defaultdict(float)
-    # phases are waited on by value; each event's is looked up by its object's id and
-    # its microbatch (events keep their phases alive) and numbered once per distinct
-    # value (`Phase.__hash__` is Python code, millions of calls a search)
-    numbered: dict[Phase, int] = {}
-    phase_of: dict[tuple[int, int | None], tuple[int, Phase]] = {}  # (number, the phase)
-    last_compute: dict[tuple[int, int], float] = {}  # (phase, stage) -> latest compute's end
-    last_compute_on_stage: dict[int, float] = {}
-    phase_inputs: dict[int, float] = defaultdict(float)  # non-compute spans, by phase
-    gradients_out = 0.0
-    pending: dict[int, float] = {}  # collectives since a stage's compute
-    reductions: dict[int, float] = {}  # gradient reductions, per stage
-    shared_in: dict[int, float] = defaultdict(float)  # the shared weights, per stage
-    rules: dict[int, EventRules] = {}  # by origin (`Event.placed`): its stream, seconds, waits
-    chunking = _Chunking(hw, overlap) if overlap.tp_overlap == "chunked" else None
+    the step's end. What does not depend on `hw` is looked up once per step
+    (`placing_order`); here each event's stream, phase and stage are list indices."""
+    order = placing_order(events)
     blocking = overlap.pipe_sends == "blocking"
-    for micro, slot_stage, run in runs:
-        for e in run:
-            origin = e.__dict__.get("_origin", e)  # what `e` was placed from (`Event.placed`)
-            r = rules.get(id(origin))
-            if r is None:
-                r = rules[id(origin)] = rules_of(e, hw, par, blocking)
-            seconds = r.seconds
-            on = e.stage if slot_stage is None else slot_stage
-            if chunking is not None:
-                seconds = chunking.seconds(e, on, origin, seconds)
-            key = (id(e.phase), micro)
-            known = phase_of.get(key)
-            if known is None:
-                at = e.phase if micro is None else e.phase.at(micro)
-                known = phase_of[key] = (numbered.setdefault(at, len(numbered)), at)
-            phase, at = known
-            ready = stream_free[(on, r.stream)]
-            if r.compute:
-                ready = max(ready, phase_inputs.get(phase, 0.0), pending.pop(on, 0.0))
-                if r.update:
-                    ready = max(ready, reductions.pop(on, 0.0))
-                if r.reads_shared:
-                    ready = max(ready, shared_in[on])
-            else:
-                if r.after_compute:
-                    ready = max(ready, last_compute.get((phase, on), 0.0))
-                if r.after_stage:
-                    # after the stage's last computation; a pipe send also after that
-                    # computation's collectives (what it carries)
-                    produced = pending.get(on, 0.0) if r.pipe else 0.0
-                    ready = max(ready, last_compute_on_stage.get(on, 0.0), produced)
+    rules = [rules_of(e, hw, par, blocking) for e in order.firsts]  # by origin
+    stream_free = [0.0] * order.streams
+    last_compute = [0.0] * order.phase_stages  # (phase, stage) -> latest compute's end
+    phase_inputs = [0.0] * order.phases  # non-compute spans, by phase
+    last_compute_on_stage = [0.0] * order.stages
+    pending = [0.0] * order.stages  # collectives since a stage's compute
+    reductions = [0.0] * order.stages  # gradient reductions, per stage
+    shared_in = [0.0] * order.stages  # the shared weights, per stage
+    gradients_out = 0.0
+    chunking = _Chunking(hw, overlap) if overlap.tp_overlap == "chunked" else None
+    for stream, pair, phase, on, o, e, at in order.items:
+        r = rules[o]
+        seconds = r.seconds
+        if chunking is not None:
+            seconds = chunking.seconds(e, on, order.origins[o], seconds)
+        ready = stream_free[stream]
+        if r.compute:
+            ready = max(ready, phase_inputs[phase], pending[on])
+            pending[on] = 0.0  # (every end is >= 0: a wait on 0.0 is none)
             if r.update:
-                ready = max(ready, gradients_out)
-            end = ready + seconds
-            if spans is not None:
-                spans.append(Span(len(spans), on, r.stream, at, ready, end, e))
-            stream_free[(on, r.stream)] = end
-            if r.compute:
-                last_compute[(phase, on)] = end
-                if r.on_device:
-                    last_compute_on_stage[on] = end
-            elif r.reduction:
-                reductions[on] = max(reductions.get(on, 0.0), end)
-            else:
-                phase_inputs[phase] = max(phase_inputs[phase], end)
-                if r.shared:
-                    shared_in[on] = max(shared_in[on], end)
-            if r.holds:
-                pending[on] = max(pending.get(on, 0.0), end)
-            if r.gradients_out:
-                gradients_out = max(gradients_out, end)
-    return max(stream_free.values(), default=0.0)
+                ready = max(ready, reductions[on])
+                reductions[on] = 0.0
+            if r.reads_shared:
+                ready = max(ready, shared_in[on])
+        else:
+            if r.after_compute:
+                ready = max(ready, last_compute[pair])
+            if r.after_stage:
+                # after the stage's last computation; a pipe send also after that
+                # computation's collectives (what it carries)
+                produced = pending[on] if r.pipe else 0.0
+                ready = max(ready, last_compute_on_stage[on], produced)
+        if r.update:
+            ready = max(ready, gradients_out)
+        end = ready + seconds
+        if spans is not None:
+            spans.append(Span(len(spans), on, r.stream, at, ready, end, e))
+        stream_free[stream] = end
+        if r.compute:
+            last_compute[pair] = end
+            if r.on_device:
+                last_compute_on_stage[on] = end
+        elif r.reduction:
+            reductions[on] = max(reductions[on], end)
+        else:
+            phase_inputs[phase] = max(phase_inputs[phase], end)
+            if r.shared:
+                shared_in[on] = max(shared_in[on], end)
+        if r.holds:
+            pending[on] = max(pending[on], end)
+        if r.gradients_out:
+            gradients_out = max(gradients_out, end)
+    return max(stream_free, default=0.0)
 
 
 def _timeline_of(spans: list[Span]) -> Timeline:
