@@ -33,15 +33,26 @@ import logging
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from shardemu.errors import CheckpointError
 from shardemu.run import spanning
+
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
+
+
+def _orbax() -> Any:
+    """orbax.checkpoint, imported where a run first checkpoints: 0.15 s of every command's
+    start (`shardemu plan` among them) that only a run with checkpoints needs."""
+    import orbax.checkpoint
+
+    return orbax.checkpoint
+
 
 CHECKPOINTS = "checkpoints"
 log = logging.getLogger("shardemu")
@@ -82,6 +93,7 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
     1,924 of them in four checkpoints (1.4 of its 2.4 s of saving), and test_checkpoint.py
     took 33-35 CPU-s against 38-42. The files are the same tensorstore arrays (replicas
     hold the same values), and a checkpoint of either kind restores."""
+    ocp = _orbax()
     registry = ocp.type_handlers.create_type_handler_registry(
         (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)),
         (np.ndarray, ocp.type_handlers.NumpyHandler()),
@@ -100,6 +112,7 @@ class Checkpoints:
         checkpoint across processes joins over `pipe` (`spanning.py`)."""
         self.path = Path(run_path).absolute() / CHECKPOINTS
         self.stages = tuple(stages)
+        ocp = _orbax()
         options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False)
         handlers = {"state": _state_handler(), "meta": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.path, options=options, item_handlers=handlers)
@@ -109,6 +122,7 @@ class Checkpoints:
         meta = {"steps_done": steps_done, "data_position": steps_done, "layout": layout}
         if spanning.needed(self.stages):
             state = spanning.spanning(state, self.stages)
+        ocp = _orbax()
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
         self._manager.save(steps_done, args=args, force=True)
         self._manager.wait_until_finished()
@@ -122,6 +136,7 @@ class Checkpoints:
 
     def check_layout(self, steps_done: int, layout: dict[str, Any]) -> None:
         """Refuse, before anything compiles, a run whose state is laid out otherwise."""
+        ocp = _orbax()
         meta = self._manager.restore(
             steps_done, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
         ).meta
@@ -139,6 +154,7 @@ class Checkpoints:
         joined = spanning.needed(self.stages)
         target = spanning.spanning_template(template, self.stages) if joined else template
         abstract = abstract_like(target)
+        ocp = _orbax()
         restore = ocp.checkpoint_utils.construct_restore_args(abstract)
         args = ocp.args.Composite(state=ocp.args.PyTreeRestore(abstract, restore_args=restore))
         state = self._manager.restore(steps_done, args=args).state
