@@ -22,6 +22,7 @@ Symbols: p stages (devices), m microbatches, v virtual stages (chunks) per devic
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Literal
@@ -140,13 +141,17 @@ def programs(name: str, p: int, m: int, v: int) -> list[list[Op]]:
 
 def simulate(programs: list[list[Op]], p: int, v: int) -> list[Slot]:
     """Place each device's program in time: an op starts at the first time step after
-    its dependencies finished and its device's previous op ended."""
+    its dependencies finished and its device's previous op ended. (A forward waits for
+    its microbatch's forward on the virtual stage before; a backward for its own
+    forward and the backward on the virtual stage after. Written out rather than as
+    lists of dependencies: the 1T plan's 512-microbatch schedule steps 139k times.)"""
     last_virtual = p * v - 1
     done: dict[tuple[Kind, int, int], int] = {}  # (kind, microbatch, virtual stage) -> end
+    never = math.inf  # the end of an op not done
     pointers = [0] * p
     free_at = [0] * p
     slots: list[Slot] = []
-    remaining = sum(len(prog) for prog in programs)
+    remaining = total = sum(len(prog) for prog in programs)
     time = 0
     while remaining:
         finished_now = []
@@ -156,10 +161,12 @@ def simulate(programs: list[list[Op]], p: int, v: int) -> list[Slot]:
             kind, mb, chunk = programs[s][pointers[s]]
             j = chunk * p + s
             if kind == "F":
-                deps = [("F", mb, j - 1)] if j > 0 else []
+                ready = j == 0 or done.get(("F", mb, j - 1), never) <= time
             else:
-                deps = [("F", mb, j)] + ([("B", mb, j + 1)] if j < last_virtual else [])
-            if all(done.get(d, time + 1) <= time for d in deps):
+                ready = done.get(("F", mb, j), never) <= time and (
+                    j == last_virtual or done.get(("B", mb, j + 1), never) <= time
+                )
+            if ready:
                 slots.append(Slot(time, s, mb, kind, chunk))
                 finished_now.append(((kind, mb, j), time + 1))
                 free_at[s] = time + 1
@@ -167,7 +174,7 @@ def simulate(programs: list[list[Op]], p: int, v: int) -> list[Slot]:
                 remaining -= 1
         done.update(finished_now)
         time += 1
-        if time > 10 * (sum(len(prog) for prog in programs) + p):
+        if time > 10 * (total + p):
             raise RuntimeError("pipeline schedule deadlocked: a program order is invalid")
     return slots
 
