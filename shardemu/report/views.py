@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from shardemu.predict.costmodel import Span, Timeline
+from shardemu.predict.costmodel import Timeline
 from shardemu.predict.rows import SearchResult, SearchRow
 
 log = logging.getLogger("shardemu")
@@ -54,12 +54,6 @@ def lanes(timeline: Timeline) -> list[tuple[int, str]]:
     return sorted({(s.stage, s.stream) for s in timeline.spans}, key=key)
 
 
-def _name(phase: str, span: Span) -> str:
-    e = span.event
-    what = e.op or e.carries or e.kind
-    return f"{phase} {what}".strip()
-
-
 def trace_events(timeline: Timeline) -> list[dict]:
     order = {lane: i for i, lane in enumerate(lanes(timeline))}
     events: list[dict] = []
@@ -91,7 +85,8 @@ def trace_events(timeline: Timeline) -> list[dict]:
     # a few thousand phases), and naming one is Python code
     phases: dict[int, str] = {}
     for span in timeline.spans:
-        if span.duration <= 0:
+        duration = span.end - span.start
+        if duration <= 0:
             continue
         e = span.event
         phase = phases.get(id(span.phase))
@@ -99,11 +94,11 @@ def trace_events(timeline: Timeline) -> list[dict]:
             phase = phases[id(span.phase)] = str(span.phase)
         events.append(
             {
-                "name": _name(phase, span),
+                "name": f"{phase} {e.op or e.carries or e.kind}".strip(),
                 "cat": e.kind,
                 "ph": "X",
                 "ts": span.start * 1e6,
-                "dur": span.duration * 1e6,
+                "dur": duration * 1e6,
                 "pid": span.stage,
                 "tid": order[(span.stage, span.stream)],
                 "args": {
@@ -139,10 +134,12 @@ def merged_bars(
 
     by_lane: dict[tuple[int, str, str], list[tuple[float, float]]] = {}
     for span in timeline.spans:
-        if span.duration > 0:
-            by_lane.setdefault((span.stage, span.stream, span.phase.kind), []).append(
-                (span.start, span.end)
-            )
+        if span.end > span.start:
+            key = (span.stage, span.stream, span.phase.kind)
+            bars = by_lane.get(key)
+            if bars is None:
+                bars = by_lane[key] = []
+            bars.append((span.start, span.end))
     touch = max(gap, 1e-9 * max(timeline.step_time_s, 1e-30))  # 1e-9: float noise
     return {
         lane: [(a, b) for a, b in _merge(np.asarray(spans), touch).tolist()]
