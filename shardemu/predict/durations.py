@@ -46,6 +46,15 @@ def axis_span(axis: str, par: Parallelism) -> int:
     return par.tensor
 
 
+def rules_key(event: Event) -> Event:
+    """The event whose stream and seconds `event` has on every profile: the copy of a
+    chunk's piece it is alike to (`resident_step._StepEvents.scaled`: the same work in
+    another chunk's phase), else the event it was placed from (`Event.placed`: another
+    microbatch or stage), else itself. Neither a duration nor a stream reads the phase
+    beyond its kind, or the stage."""
+    return event.__dict__.get("_alike") or event.__dict__.get("_origin", event)
+
+
 def duration(event: Event, hw: Hardware, par: Parallelism) -> float:
     """Seconds one event takes on `hw` (the module docstring)."""
     per_device = 1 / max(event.devices, 1)

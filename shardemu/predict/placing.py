@@ -4,8 +4,9 @@ depend on the hardware profile looked up once (`PlacingOrder`).
 A plan places each of its steps three times, on its profile and at either end of its
 band (`band.py`): the 1T-parameter plan's two short steps hold 66k and 131k events. What
 an event waits on is the same on every profile: its stage, its stream, its phase (by
-value, numbered), and which event it was placed from (`Event.placed`), whose rules and
-seconds are the profile's (`costmodel.rules_of`). Each is numbered here, so that
+value, numbered), and which event it was placed from (`Event.placed`) or shares its
+work with (`durations.rules_key`), whose rules and seconds are the profile's
+(`costmodel.rules_of`). Each is numbered here, so that
 placing indexes lists where it hashed tuples and `Phase` values for every event.
 """
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 from shardemu.accounting.assemble import AssembledLedger
 from shardemu.accounting.ledger import Event, Phase
-from shardemu.predict.durations import stream_of
+from shardemu.predict.durations import rules_key, stream_of
 
 # one event to place: (its stream's number (per stage), its (phase, stage) number, its
 # phase's number, its stage, its origin's number, the event, its phase at its microbatch)
@@ -72,7 +73,7 @@ def _order(runs: Sequence[tuple[int | None, int | None, Sequence[Event]]]) -> Pl
     stages = 0
     for micro, slot_stage, run in runs:
         for e in run:
-            origin = e.__dict__.get("_origin", e)  # what `e` was placed from
+            origin = rules_key(e)
             o = origin_of.get(id(origin))
             if o is None:
                 o = origin_of[id(origin)] = len(firsts)

@@ -100,6 +100,18 @@ class _StepEvents:
                 self.last_b[sl.stage] = sl
         # one list per (F or B, virtual stage, reduce); `assemble` sets the microbatch
         self.chunk_events = functools.cache(self._chunk_events)
+        self._alike: dict[tuple[int, float, str], Event] = {}  # `scaled`'s first copies
+
+    def scaled(self, e: Event, factor: float, tag: Phase) -> Event:
+        """`e` scaled for a chunk (`_scaled`) in phase `tag`. Its copies for the other
+        chunks' phases of `tag`'s kind keep the first as `_alike`: the same work, so the
+        same stream and seconds (`costmodel.rules_key`), timed once for all the chunks
+        (a 1,536-A100 search timed 3.1 million copies one by one)."""
+        copy = _scaled(e, factor, self.par.data, phase=tag)
+        first = self._alike.setdefault((id(e), factor, tag.kind), copy)
+        if first is not copy:
+            copy.__dict__["_alike"] = first
+        return copy
 
     def phase(self, kind: str, vs: int, micro: int | None = None) -> Phase:
         tag = _phase(kind, vs, self.lay.slices[vs])
@@ -148,16 +160,16 @@ class _StepEvents:
     def layers(self, kind: str, tag: Phase, reduce: bool) -> list[Event]:
         """A chunk's layers' forward or backward; with `reduce`, the backward in
         `buckets` equal parts, each followed by the all-reduce of its gradients."""
-        mb, r = self.mb, self.par.data
+        mb = self.mb
         piece = mb.pieces["forward" if kind == "F" else "backward"]
         n = self.lay.layers_of(tag.index)
         if self.fsdp:
             return self.gathered(kind, tag, piece, n)
         if not reduce:
-            return [_scaled(e, n, r, phase=tag) for e in piece]
+            return [self.scaled(e, n, tag) for e in piece]
         grads, experts, out = mb.layer_bytes * n, mb.expert_bytes * n, []
         buckets = self.overlap.buckets(grads)
-        part = [_scaled(e, n / buckets, r, phase=tag) for e in piece]
+        part = [self.scaled(e, n / buckets, tag) for e in piece]
         for i in range(buckets):
             shares = _share(grads, i, buckets), _share(experts, i, buckets)
             out += [*part, *self.all_reduce(shares[0], tag, 0, shares[1])]
@@ -170,8 +182,8 @@ class _StepEvents:
         of its computation (FSDP's forward and backward prefetch), gathered again for
         the backward (freed after the forward), and its backward's gradients
         reduce-scattered after it, every microbatch."""
-        mb, r, parts = self.mb, self.par.data, min(n, MAX_BUCKETS)
-        part = [_scaled(e, n / parts, r, phase=tag) for e in piece]
+        mb, parts = self.mb, min(n, MAX_BUCKETS)
+        part = [self.scaled(e, n / parts, tag) for e in piece]
         weights, experts = mb.layer_bytes * n, mb.expert_bytes * n
         shares = [_share(weights, i, parts) for i in range(parts)]
         gathers = [self.all_gather(w, mb.zero, tag, 0) for w in shares]
@@ -202,7 +214,7 @@ class _StepEvents:
             for e in (
                 self.layers(kind, tag, reduce)
                 if name in ("forward", "backward")
-                else [_scaled(e, 1, r, phase=tag) for e in self.mb.pieces[name]]
+                else [self.scaled(e, 1, tag) for e in self.mb.pieces[name]]
             )
         ]
         if self.fsdp:

@@ -30,7 +30,8 @@ from shardemu.accounting.assemble import AssembledLedger
 from shardemu.accounting.ledger import Event
 from shardemu.config import Parallelism
 from shardemu.parallel.schedules import Slot
-from shardemu.predict.costmodel import rules_of
+from shardemu.predict.costmodel import EventRules, rules_of
+from shardemu.predict.durations import rules_key
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
 
@@ -50,11 +51,16 @@ def busy_streams(
     chained = overlap.tp_overlap == "none"
     blocking = overlap.pipe_sends == "blocking"
 
+    rules: dict[int, EventRules] = {}  # by `rules_key`: the chunks' copies timed once
+
     def seconds(events: Sequence[Event]) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
         gap, after = 0.0, None  # the longest held collective since `after`'s computation
         for e in events:
-            r = rules_of(e, hw, par, blocking)
+            key = rules_key(e)
+            r = rules.get(id(key))
+            if r is None:
+                r = rules[id(key)] = rules_of(key, hw, par, blocking)
             if r.stream == "compute":
                 out["chain"] += gap + r.seconds
                 gap, after = 0.0, e.phase
