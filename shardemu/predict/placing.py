@@ -57,39 +57,67 @@ def placing_order(events: Sequence[Event] | AssembledLedger) -> PlacingOrder:
     return _order([(None, None, events)])
 
 
-def _order(runs: Sequence[tuple[int | None, int | None, Sequence[Event]]]) -> PlacingOrder:
-    origin_of: dict[int, int] = {}  # id(origin) -> its number
-    firsts: list[Event] = []
-    origins: list[Event] = []
-    stream_names: list[str] = []  # each origin's stream
-    streams: dict[tuple[int, str], int] = {}
-    phase_stages: dict[tuple[int, int], int] = {}
-    # phases are waited on by value; each event's is looked up by its object's id and
-    # its microbatch (events keep their phases alive) and numbered once per distinct
-    # value (`Phase.__hash__` is Python code)
-    numbered: dict[Phase, int] = {}
-    phase_of: dict[tuple[int, int | None], tuple[int, Phase]] = {}
-    items: list[Placed] = []
-    stages = 0
-    for micro, slot_stage, run in runs:
+class _Numbering:
+    """The numbers `_order` gives: origins (by `rules_key`), streams per stage, phases by
+    value, and (phase, stage) pairs."""
+
+    def __init__(self) -> None:
+        self.origin_of: dict[int, int] = {}  # id(rules_key) -> its number
+        self.firsts: list[Event] = []
+        self.origins: list[Event] = []
+        self.streams: dict[tuple[int, str], int] = {}
+        self.pairs: dict[tuple[int, int], int] = {}
+        # phases are waited on by value; each event's is looked up by its object's id
+        # and its microbatch (events keep their phases alive) and numbered once per
+        # distinct value (`Phase.__hash__` is Python code)
+        self.numbered: dict[Phase, int] = {}
+        self.phase_of: dict[tuple[int, int | None], tuple[int, Phase]] = {}
+
+    def template(self, run: Sequence[Event], slot_stage: int | None) -> list[tuple]:
+        """(stream, stage, origin, event) of each event of `run` on `slot_stage` (None:
+        each event's own stage): what does not change with the microbatch."""
+        out = []
         for e in run:
-            origin = rules_key(e)
-            o = origin_of.get(id(origin))
+            key = rules_key(e)
+            o = self.origin_of.get(id(key))
             if o is None:
-                o = origin_of[id(origin)] = len(firsts)
-                firsts.append(e)
-                origins.append(origin)
-                stream_names.append(stream_of(e))
+                o = self.origin_of[id(key)] = len(self.firsts)
+                self.firsts.append(e)
+                self.origins.append(key)
             on = e.stage if slot_stage is None else slot_stage
-            key = (id(e.phase), micro)
-            known = phase_of.get(key)
-            if known is None:
-                at = e.phase if micro is None else e.phase.at(micro)
-                known = phase_of[key] = (numbered.setdefault(at, len(numbered)), at)
-            phase, at = known
-            stream = streams.setdefault((on, stream_names[o]), len(streams))
-            pair = phase_stages.setdefault((phase, on), len(phase_stages))
+            stream = self.streams.setdefault((on, stream_of(self.firsts[o])), len(self.streams))
+            out.append((stream, on, o, e))
+        return out
+
+    def phase(self, e: Event, micro: int | None, on: int) -> tuple[int, int, Phase]:
+        """(phase number, (phase, stage) number, the phase at `micro`) of `e` on `on`."""
+        key = (id(e.phase), micro)
+        known = self.phase_of.get(key)
+        if known is None:
+            at = e.phase if micro is None else e.phase.at(micro)
+            known = self.phase_of[key] = (self.numbered.setdefault(at, len(self.numbered)), at)
+        phase, at = known
+        return phase, self.pairs.setdefault((phase, on), len(self.pairs)), at
+
+
+def _order(runs: Sequence[tuple[int | None, int | None, Sequence[Event]]]) -> PlacingOrder:
+    """The order of `runs`: each list's template made once per stage it runs on (a
+    step's slots share a few lists over every microbatch), and within a run each
+    distinct (phase, stage) numbered once (a slot's events share its phase)."""
+    n = _Numbering()
+    templates: dict[tuple[int, int | None], list[tuple]] = {}
+    items: list[Placed] = []
+    for micro, slot_stage, run in runs:
+        template = templates.get((id(run), slot_stage))
+        if template is None:
+            template = templates[(id(run), slot_stage)] = n.template(run, slot_stage)
+        local: dict[tuple[int, int], tuple[int, int, Phase]] = {}
+        for stream, on, o, e in template:
+            phased = local.get((id(e.phase), on))
+            if phased is None:
+                phased = local[(id(e.phase), on)] = n.phase(e, micro, on)
+            phase, pair, at = phased
             items.append((stream, pair, phase, on, o, e, at))
-            stages = max(stages, on + 1)
-    counts = (len(streams), len(phase_stages), len(numbered), stages)
-    return PlacingOrder(items, firsts, origins, *counts)
+    stages = 1 + max((on for on, _ in n.streams), default=-1)
+    counts = (len(n.streams), len(n.pairs), len(n.numbered), stages)
+    return PlacingOrder(items, n.firsts, n.origins, *counts)
