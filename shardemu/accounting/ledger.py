@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal, NamedTuple
 
 Kind = Literal["h2d", "d2h", "collective", "compute", "broadcast", "reduce"]
@@ -149,6 +149,15 @@ class Event:
     # the same kernels' bytes fused as an accelerator fuses them (`fusion.py`)
     fused_memory_bytes: int = 0
 
+    def replaced(self, **changes: Any) -> Event:
+        """`dataclasses.replace(self, **changes)` (its fields alone, not what `placed`
+        keeps beside them) without re-running `__init__`: 1.9 us a copy against 5.1, and
+        a search scales 200k pieces into chunks."""
+        event = object.__new__(Event)
+        own = self.__dict__
+        event.__dict__.update({f: own[f] for f in _EVENT_FIELDS}, **changes)
+        return event
+
     def placed(self, micro: int, stage: int) -> Event:
         """This event for microbatch `micro` on pipeline stage `stage`. A plain copy of
         the fields: `dataclasses.replace` re-runs `__init__`, and a GPT-3 step on an
@@ -159,6 +168,9 @@ class Event:
         event.__dict__.update(self.__dict__, phase=self.phase.at(micro), stage=stage)
         event.__dict__.setdefault("_origin", self)
         return event
+
+
+_EVENT_FIELDS = tuple(f.name for f in fields(Event))
 
 
 def totals(events: Iterable[Event]) -> dict[str, Any]:

@@ -11,7 +11,6 @@ devices (replicas do identical work).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -26,8 +25,7 @@ from shardemu.predict.resident_count import Microbatch
 
 def _scaled(e: Event, factor: float, replica: int, **changes: Any) -> Event:
     """`e` repeated `factor` times (layers of a chunk) on `replica` times the devices."""
-    return dataclasses.replace(
-        e,
+    return e.replaced(
         flops=e.flops * factor * replica,
         recompute_flops=e.recompute_flops * factor * replica,
         bytes=round(e.bytes * factor * replica),
