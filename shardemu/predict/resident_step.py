@@ -99,6 +99,9 @@ class _StepEvents:
         # one list per (F or B, virtual stage, reduce); `assemble` sets the microbatch
         self.chunk_events = functools.cache(self._chunk_events)
         self._alike: dict[tuple[int, float, str], Event] = {}  # `scaled`'s first copies
+        # made once per setting (a chunk's buckets are of at most two sizes), a list
+        # that callers copy, never change: its events are immutable
+        self.all_reduce = functools.cache(self._all_reduce)
 
     def scaled(self, e: Event, factor: float, tag: Phase) -> Event:
         """`e` scaled for a chunk (`_scaled`) in phase `tag`. Its copies for the other
@@ -115,12 +118,13 @@ class _StepEvents:
         tag = _phase(kind, vs, self.lay.slices[vs])
         return tag if micro is None else tag.at(micro)
 
-    def all_reduce(
+    def _all_reduce(
         self, grad_bytes: int, tag: Phase, stage: int = 0, expert_bytes: int = 0
     ) -> list[Event]:
-        """The ring all-reduce of `grad_bytes` per device over the data-parallel groups
-        (replica, and expert: the experts' `expert_bytes` of them over replica alone;
-        and context, whose devices hold the same weights: `context_parallel.py`):
+        """`all_reduce`: the ring all-reduce of `grad_bytes` per device over the
+        data-parallel groups (replica, and expert: the experts' `expert_bytes` of them
+        over replica alone; and context, whose devices hold the same weights:
+        `context_parallel.py`):
         each device sends 2 (n-1)/n of them (Thakur et al. 2005). Under ZeRO the ring
         reduce-scatter, (n-1)/n: each replica needs only its share's sum. At stage 1 too,
         as Megatron-LM's distributed optimizer reduce-scatters the gradients into its
