@@ -94,6 +94,10 @@ def test_a_plan_from_two_short_steps_equals_the_whole_plan(name):
         for x in (whole.ledger, whole.ledger.events)
     )
     assert [s[:6] for s in runs.spans] == [s[:6] for s in placed.spans]
+    # and as events each timed by itself, sharing no other's rules (a chunk's copies
+    # of a piece, the placed copies of an event: `durations.rules_key`)
+    alone = build_timeline([e.replaced() for e in whole.ledger.events], HW, par, overlap)
+    assert [s[:6] for s in alone.spans] == [s[:6] for s in runs.spans]
     for a, b in zip(runs.spans, placed.spans, strict=True):
         assert dataclasses.replace(a.event, phase=a.phase, stage=a.stage) == b.event
 
