@@ -4,10 +4,10 @@ depend on the hardware profile looked up once (`PlacingOrder`).
 A plan places each of its steps three times, on its profile and at either end of its
 band (`band.py`): the 1T-parameter plan's two short steps hold 66k and 131k events. What
 an event waits on is the same on every profile: its stage, its stream, its phase (by
-value, numbered), and which event it was placed from (`Event.placed`) or shares its
-work with (`durations.rules_key`), whose rules and seconds are the profile's
-(`costmodel.rules_of`). Each is numbered here, so that
-placing indexes lists where it hashed tuples and `Phase` values for every event.
+value), and the event whose rules it has (`durations.rules_key`: the one it was placed
+from or shares its work with), whose stream and seconds are the profile's
+(`costmodel.rules_of`). Each is numbered here once, so that placing indexes lists where
+it hashed tuples and `Phase` values for every event.
 """
 
 from __future__ import annotations
