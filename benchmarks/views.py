@@ -3,8 +3,8 @@
 The plan is the 1T-class GPT of issue 15 (105 layers, d=20480, pipe 35 x tensor 8,
 microbatches of one sequence) on A100s: hundreds of microbatches through 35 stages, one
 span per piece, send and collective. The plan itself is counted first (not timed here);
-then the two views are timed. `timeline.png` merges spans that touch into bars and draws
-them as one collection (`report/views.py`).
+then the two views are timed. `timeline.png` merges spans that touch into bars and paints
+them into the figure's pixels (`report/views.py`).
 
     python benchmarks/views.py [--batch 360] [--out benchmarks/results/views.json]
 """

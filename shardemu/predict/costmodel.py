@@ -152,7 +152,7 @@ def _place(
     (`placing_order`); here each event's stream, phase and stage are list indices."""
     order = placing_order(events)
     blocking = overlap.pipe_sends == "blocking"
-    rules = [rules_of(e, hw, par, blocking) for e in order.firsts]  # by origin
+    rules = [rules_of(e, hw, par, blocking) for e in order.origins]
     stream_free = [0.0] * order.streams
     last_compute = [0.0] * order.phase_stages  # (phase, stage) -> latest compute's end
     phase_inputs = [0.0] * order.phases  # non-compute spans, by phase

@@ -27,13 +27,11 @@ Placed = tuple[int, int, int, int, int, Event, Phase]
 
 @dataclass(frozen=True, eq=False)
 class PlacingOrder:
-    """A step's events in placing order (`items`, each a `Placed`), the first event
-    seen of each origin (`firsts`, whose rules stand for all its copies) and the
-    origins themselves, and how many streams (per stage), (phase, stage) pairs, phases
-    and stages the items number."""
+    """A step's events in placing order (`items`, each a `Placed`), the events whose
+    rules they have (`origins`, by number: `durations.rules_key`), and how many streams
+    (per stage), (phase, stage) pairs, phases and stages the items number."""
 
     items: list[Placed]
-    firsts: list[Event]
     origins: list[Event]
     streams: int
     phase_stages: int
@@ -63,7 +61,6 @@ class _Numbering:
 
     def __init__(self) -> None:
         self.origin_of: dict[int, int] = {}  # id(rules_key) -> its number
-        self.firsts: list[Event] = []
         self.origins: list[Event] = []
         self.streams: dict[tuple[int, str], int] = {}
         self.pairs: dict[tuple[int, int], int] = {}
@@ -81,11 +78,10 @@ class _Numbering:
             key = rules_key(e)
             o = self.origin_of.get(id(key))
             if o is None:
-                o = self.origin_of[id(key)] = len(self.firsts)
-                self.firsts.append(e)
+                o = self.origin_of[id(key)] = len(self.origins)
                 self.origins.append(key)
             on = e.stage if slot_stage is None else slot_stage
-            stream = self.streams.setdefault((on, stream_of(self.firsts[o])), len(self.streams))
+            stream = self.streams.setdefault((on, stream_of(key)), len(self.streams))
             out.append((stream, on, o, e))
         return out
 
@@ -120,4 +116,4 @@ def _order(runs: Sequence[tuple[int | None, int | None, Sequence[Event]]]) -> Pl
             items.append((stream, pair, phase, on, o, e, at))
     stages = 1 + max((on for on, _ in n.streams), default=-1)
     counts = (len(n.streams), len(n.pairs), len(n.numbered), stages)
-    return PlacingOrder(items, n.firsts, n.origins, *counts)
+    return PlacingOrder(items, n.origins, *counts)

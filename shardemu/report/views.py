@@ -123,13 +123,11 @@ def write_trace(timeline: Timeline, path: str | Path) -> Path:
     return path
 
 
-def merged_bars(
-    timeline: Timeline, gap: float = 0.0
-) -> dict[tuple[int, str, str], list[tuple[float, float]]]:
+def merged_bars(timeline: Timeline) -> dict[tuple[int, str, str], list[tuple[float, float]]]:
     """The spans as bars, per (stage, stream, phase kind): (start, end) in seconds, with
-    spans that touch, overlap or lie within `gap` seconds of each other merged into one
-    bar (a pipeline's back-to-back microbatches become one). What `plot_timeline` draws;
-    sorting makes it n log n in the spans."""
+    spans that touch or overlap merged into one bar (a pipeline's back-to-back
+    microbatches become one). What `plot_timeline` paints; sorting makes it n log n in
+    the spans."""
     import numpy as np
 
     by_lane: dict[tuple[int, str, str], list[tuple[float, float]]] = {}
@@ -140,7 +138,7 @@ def merged_bars(
             if bars is None:
                 bars = by_lane[key] = []
             bars.append((span.start, span.end))
-    touch = max(gap, 1e-9 * max(timeline.step_time_s, 1e-30))  # 1e-9: float noise
+    touch = 1e-9 * max(timeline.step_time_s, 1e-30)  # float noise
     return {
         lane: [(a, b) for a, b in _merge(np.asarray(spans), touch).tolist()]
         for lane, spans in by_lane.items()
