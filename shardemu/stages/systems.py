@@ -66,6 +66,17 @@ def per_system_builders(st: Stage) -> dict[Piece, Callable[[], Any]]:
         traced value in the vjp's residuals as in the arguments (`fwd_acts`)."""
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
+    def jitted(fn: Any, out_specs: Any) -> Any:
+        """`fn` jitted with its outputs' shardings declared (those of its `shard_map`'s
+        `out_specs`), so that a dry run for memory shapes it without compiling it
+        (`Counter.outputs`): its compile then waits for the count, beside the others."""
+        named = jax.tree.map(
+            lambda s: NamedSharding(mesh, s),
+            out_specs,
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+        return jax.jit(fn, out_shardings=named)
+
     def fwd_acts(w: Any, x: jax.Array, m: jax.Array) -> Any:
         y, vjp = st.layer_vjp(w, x, m)
         leaves, treedef = jax.tree.flatten(vjp)
@@ -108,13 +119,17 @@ def per_system_builders(st: Stage) -> dict[Piece, Callable[[], Any]]:
         return per_system(local, (shared_spec, batch_spec, act), systems)(shared, batch, g)
 
     return {
-        Piece.FWD_ACTS: lambda: jax.jit(per_system(fwd_acts, (w_spec, act, mask), (act, systems))),
-        Piece.BWD_ACTS: lambda: jax.jit(
-            per_system(bwd_acts, (w_spec, systems, act), (systems, act))
+        Piece.FWD_ACTS: lambda: jitted(
+            per_system(fwd_acts, (w_spec, act, mask), (act, systems)), (act, systems)
         ),
-        Piece.BWD: lambda: jax.jit(per_system(bwd, (w_spec, act, mask, act), (systems, act))),
-        Piece.HEAD: lambda: jax.jit(head),
-        Piece.EMBED_BWD: lambda: jax.jit(embed_bwd),
+        Piece.BWD_ACTS: lambda: jitted(
+            per_system(bwd_acts, (w_spec, systems, act), (systems, act)), (systems, act)
+        ),
+        Piece.BWD: lambda: jitted(
+            per_system(bwd, (w_spec, act, mask, act), (systems, act)), (systems, act)
+        ),
+        Piece.HEAD: lambda: jitted(head, (systems, (systems, act))),
+        Piece.EMBED_BWD: lambda: jitted(embed_bwd, systems),
         Piece.SWARMX_REDUCE_LAYERS: lambda: _swarmx_reduce(st, "layers"),
         Piece.SWARMX_REDUCE_SHARED: lambda: _swarmx_reduce(st, "shared"),
     }
