@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_args(
         sub.add_parser(
-            "plan", help="count a phased step in abstract mode: any preset, any mesh, no weights"
+            "plan",
+            help="count a step over shapes alone (resident, pipelined, phased or weight "
+            "streaming; any preset, any mesh, no weights) and, with --hardware, time it",
         )
     )
 
