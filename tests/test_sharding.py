@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardemu.config import Parallelism
 from shardemu.models import get_preset
+from shardemu.parallel.advice import dividing_sizes
 from shardemu.parallel.rules import (
     ShardingError,
     logical_to_spec,
@@ -192,3 +193,18 @@ def test_a_short_logical_spec_is_refused_in_one_whole_sentence():
         "name every dimension (None for one that is never split) in its "
         "nn.with_logical_partitioning"
     )
+
+
+def test_a_mesh_that_does_not_divide_is_told_the_sizes_that_would():
+    """Once for all the parameters: the divisors of the dimensions the axis splits (GPT-2
+    small's 12 heads, 3,072-wide MLP and padded 50,304-row vocabulary: 12), or that none
+    above 1 does (its 50,257 rows unpadded)."""
+    assert dividing_sizes([32, 14336]) == [1, 2, 4, 8, 16, 32]
+    with pytest.raises(ShardingError) as err:
+        describe(get_preset("gpt2-small").pad_vocab(128), Parallelism(tensor=8))
+    assert str(err.value).endswith(
+        "Sizes of 'tensor' that divide every parameter dimension it splits: 1, 2, 3, 4, 6, 12"
+    )
+    assert describe(get_preset("gpt2-small").pad_vocab(128), Parallelism(tensor=6))
+    with pytest.raises(ShardingError, match="No size of 'tensor' above 1 divides"):
+        describe(get_preset("gpt2-small"), Parallelism(tensor=8))

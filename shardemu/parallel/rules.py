@@ -41,6 +41,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardemu.errors import ShardingError
+from shardemu.parallel.advice import FIX_HINTS, sizes_advice
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -127,20 +128,6 @@ def rules_or_default(
     return megatron_rules(sequence_parallel, experts > 1, context > 1, split)
 
 
-# What to suggest when a dimension does not divide, by logical name.
-_FIX_HINTS = {
-    "vocab": "pad the vocabulary to a multiple of 128 (ModelConfig.pad_vocab)",
-    "heads": "use a model whose head count the axis divides",
-    "kv_heads": (
-        "use a tensor size that divides the key/value heads (ModelConfig.num_kv_heads), or "
-        "map 'kv_heads' to None to replicate them (the default rules do so)"
-    ),
-    "mlp": "use a model whose MLP width the axis divides",
-    "batch": "use a global TrainConfig.batch that is a multiple of the axis size",
-    "layers": "use a pipe size that divides the layer count (or TrainConfig.stage_layers)",
-}
-
-
 def axes_tuple(axes: MeshAxes) -> tuple[str, ...]:
     """A rule's mesh axes as a tuple: () for None, (axis,) for one."""
     if axes is None:
@@ -215,7 +202,7 @@ def check_divisible(
     for dim, (size, name, axes) in enumerate(zip(shape, logical_axes, spec, strict=True)):
         n = math.prod(axis_sizes[a] for a in axes_tuple(axes))
         if size % n:
-            hint = _FIX_HINTS.get(name or "", f"change the rule for {name!r}")
+            hint = FIX_HINTS.get(name or "", f"change the rule for {name!r}")
             raise ShardingError(
                 f"{what}: dimension {dim} ({name!r}, size {size}) is not divisible by mesh "
                 f"axis {axes!r} (size {n}); {hint}, or choose a mesh axis size dividing {size}"
@@ -238,6 +225,8 @@ def resolve_specs(
     and reports all parameters that fail in one error, so they can be fixed at once."""
     validate_rules(rules, tuple(axis_sizes))
     problems: list[str] = []
+    splits: dict[str, list[int]] = {}  # mesh axis -> the sizes of the dimensions it splits alone
+    failing: list[str] = []  # the mesh axes of the dimensions that do not divide
 
     def one(path: tuple, shape_leaf: jax.ShapeDtypeStruct, axes: LogicalAxes) -> PartitionSpec:
         what = f"parameter {path_str(path)!r} {tuple(shape_leaf.shape)}"
@@ -248,6 +237,11 @@ def resolve_specs(
                 f"nn.with_logical_partitioning"
             )
         spec = logical_to_spec(axes, rules, what)
+        for size, mesh_axes in zip(shape_leaf.shape, spec, strict=True):
+            if len(split := axes_tuple(mesh_axes)) == 1:
+                splits.setdefault(split[0], []).append(size)
+                if size % axis_sizes[split[0]]:
+                    failing.append(split[0])
         try:
             check_divisible(what, shape_leaf.shape, axes, spec, axis_sizes)
         except ShardingError as err:
@@ -255,10 +249,12 @@ def resolve_specs(
         return spec
 
     specs = jax.tree_util.tree_map_with_path(one, shapes, logical, is_leaf=is_logical_axes)
+    advice = f". {sizes_advice(splits, failing)}" if failing else ""
     if len(problems) == 1:
-        raise ShardingError(problems[0])
+        raise ShardingError(problems[0] + advice)
     if problems:
-        raise ShardingError(f"{len(problems)} parameters cannot be sharded: {'; '.join(problems)}")
+        what = f"{len(problems)} parameters cannot be sharded: {'; '.join(problems)}"
+        raise ShardingError(what + advice)
     return specs
 
 
