@@ -19,16 +19,19 @@ NNX's bridge to linen does not add the scan's axis name to its metadata).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
-from flax import nnx
 from jax.sharding import PartitionSpec
 
 from shardemu.errors import ShardingError
 from shardemu.parallel.rules import is_logical_axes
+
+if TYPE_CHECKING:
+    from flax import nnx
 
 LAYERS = "layers"  # the logical name of a layer stack's leading axis
 
@@ -43,7 +46,16 @@ def _linen(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Any]:
     return nn.unbox(boxed), _tuples(nn.get_partition_spec(boxed))
 
 
+def _is_nnx(module: Any) -> bool:
+    """Whether `module` is an NNX module, without importing NNX (a tenth of a second of
+    every command's start) where no model is one: a user's NNX module has imported it."""
+    nnx_module = sys.modules.get("flax.nnx")
+    return nnx_module is not None and isinstance(module, nnx_module.Module)
+
+
 def _nnx(module: nnx.Module | Callable[[], nnx.Module]) -> tuple[Any, Any]:
+    from flax import nnx  # noqa: PLC0415 (see `_is_nnx`)
+
     with nnx.use_eager_sharding(False):  # no mesh is needed to read the names
         if not isinstance(module, nnx.Module):
             module = nnx.eval_shape(module)
@@ -62,7 +74,7 @@ def logical_params(module: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
     one (no arguments). Refuses parameters whose names do not match their rank."""
     if isinstance(module, nn.Module):
         shapes, logical = _linen(module, args, kwargs)
-    elif isinstance(module, nnx.Module) or callable(module):
+    elif _is_nnx(module) or callable(module):
         if args or kwargs:
             raise ShardingError(
                 "an NNX module's parameters need no example inputs: pass the module, or a "
