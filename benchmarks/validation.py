@@ -27,19 +27,16 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
+from shardemu.config import ModelConfig, Parallelism, TrainConfig
 from shardemu.devices import use_virtual_devices
-
-use_virtual_devices(48)  # the widest groups: PaLM's tensor 12, tensor 8 x context 2
-
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from shardemu.config import ModelConfig, Parallelism, TrainConfig  # noqa: E402
-from shardemu.models import custom_model, get_preset  # noqa: E402
-from shardemu.predict.graphcore import BULK_SYNCHRONOUS  # noqa: E402
-from shardemu.predict.overlap import Overlap  # noqa: E402
-from shardemu.predict.plan_resident import plan_resident, plan_resident_auto  # noqa: E402
-from shardemu.predict.profiles import PROFILES  # noqa: E402
+from shardemu.models import custom_model, get_preset
+from shardemu.predict.graphcore import BULK_SYNCHRONOUS
+from shardemu.predict.overlap import Overlap
+from shardemu.predict.plan_resident import plan_resident, plan_resident_auto
+from shardemu.predict.profiles import PROFILES
 
 
 @dataclass(frozen=True)
@@ -169,6 +166,32 @@ CASES = [
         # FSDP over the data-parallel groups: "we shard the optimizer states and
         # gradients, but for model shards we do not reshard after forward computation"
         # (Dubey et al. 2024, §3.3.1): ZeRO stage 2's memory and collectives
+        zero=2,
+    ),
+    Case(
+        "Llama 3 405B 128K context, 16384 H100",
+        "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4: 380 TFLOP/s per GPU, 38% "
+        "MFU, on 16,384 GPUs, TP 8, CP 16, PP 16, 16M tokens a batch (Balaji, SC'24, the "
+        "same): data parallel 8",
+        # planned as the 8K row above (128 layers, a chunk each, full recomputation,
+        # fused attention, ZeRO 2), with its context split 16 ways: Llama 3's all-gather
+        # context parallelism with two chunks a rank for the causal mask (§3.3.2, "Context
+        # parallelism"; `predict/context_parallel.py`); 128 sequences of 131,072 tokens
+        get_preset("llama3-405b").replace(num_layers=128),
+        Parallelism(pipe=16, tensor=8, replica=8, context=16),
+        128,
+        131072,
+        1,
+        "h100-sxm",
+        "interleaved",
+        8,
+        "full",
+        "mfu",
+        0.38,
+        "the Llama family, 128 layers for 126; data parallel 8 from the GPUs and the "
+        "tokens (this project's notes of 2026-11-25 read the table's DP as 4, which would "
+        "make 8,192 GPUs and 8M tokens: planned so, 46.9% MFU)",
+        attention="fused",
         zero=2,
     ),
     *(
@@ -477,7 +500,15 @@ def run_memory(case: MemoryCase) -> dict:
     }  # fmt: skip
 
 
+def devices_for(cases: list[Case]) -> int:
+    """The virtual devices the plans of `cases` count on: each a stage's tensor x context
+    group (PaLM's tensor 12; Llama 3's 128K stage, tensor 8 x context 16), and never
+    fewer than the 48 this harness started with before that stage was a row."""
+    return max(48, *(c.par.tensor * c.par.context for c in cases))
+
+
 def run(case: Case) -> dict:
+    use_virtual_devices(devices_for([case]))  # a process of this row alone (plans.py)
     train = TrainConfig(
         batch=case.batch, seq=case.seq, schedule=case.schedule, virtual=case.virtual,
         precision=case.precision, stage_layers=case.stage_layers, zero=case.zero,
@@ -526,6 +557,7 @@ def main() -> None:
         help="run only the cases whose name holds this text (and no memory rows)",
     )
     args = parser.parse_args()
+    use_virtual_devices(devices_for(CASES))  # the widest first: the backend starts once
     rows = [run(case) for case in CASES if args.only in case.name]
     if not rows:
         raise SystemExit(
