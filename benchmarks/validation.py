@@ -169,6 +169,27 @@ CASES = [
         zero=2,
     ),
     Case(
+        "Llama 3 405B, 16384 H100",
+        "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4: 400 TFLOP/s per GPU, 41% "
+        "MFU, on 16,384 GPUs, TP 8, PP 16, DP 128, 16M tokens a batch",
+        # planned as the 8,192-GPU row above, on twice the data-parallel groups: 16
+        # sequences of 8,192 a replica, one a microbatch
+        get_preset("llama3-405b").replace(num_layers=128),
+        Parallelism(pipe=16, tensor=8, replica=128),
+        2048,
+        8192,
+        1,
+        "h100-sxm",
+        "interleaved",
+        8,
+        "full",
+        "mfu",
+        0.41,
+        "the Llama family, 128 layers for 126",
+        attention="fused",
+        zero=2,
+    ),
+    Case(
         "Llama 3 405B 128K context, 16384 H100",
         "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4: 380 TFLOP/s per GPU, 38% "
         "MFU, on 16,384 GPUs, TP 8, CP 16, PP 16, 16M tokens a batch (Balaji, SC'24, the "
