@@ -77,6 +77,10 @@ def per_system_builders(st: Stage) -> dict[Piece, Callable[[], Any]]:
         )
         return jax.jit(fn, out_shardings=named)
 
+    def piece(fn: Any, in_specs: tuple, out_specs: Any) -> Any:
+        """`fn` on each system's share, jitted (`per_system`, `jitted`)."""
+        return jitted(per_system(fn, in_specs, out_specs), out_specs)
+
     def fwd_acts(w: Any, x: jax.Array, m: jax.Array) -> Any:
         y, vjp = st.layer_vjp(w, x, m)
         leaves, treedef = jax.tree.flatten(vjp)
@@ -119,15 +123,9 @@ def per_system_builders(st: Stage) -> dict[Piece, Callable[[], Any]]:
         return per_system(local, (shared_spec, batch_spec, act), systems)(shared, batch, g)
 
     return {
-        Piece.FWD_ACTS: lambda: jitted(
-            per_system(fwd_acts, (w_spec, act, mask), (act, systems)), (act, systems)
-        ),
-        Piece.BWD_ACTS: lambda: jitted(
-            per_system(bwd_acts, (w_spec, systems, act), (systems, act)), (systems, act)
-        ),
-        Piece.BWD: lambda: jitted(
-            per_system(bwd, (w_spec, act, mask, act), (systems, act)), (systems, act)
-        ),
+        Piece.FWD_ACTS: lambda: piece(fwd_acts, (w_spec, act, mask), (act, systems)),
+        Piece.BWD_ACTS: lambda: piece(bwd_acts, (w_spec, systems, act), (systems, act)),
+        Piece.BWD: lambda: piece(bwd, (w_spec, act, mask, act), (systems, act)),
         Piece.HEAD: lambda: jitted(head, (systems, (systems, act))),
         Piece.EMBED_BWD: lambda: jitted(embed_bwd, systems),
         Piece.SWARMX_REDUCE_LAYERS: lambda: _swarmx_reduce(st, "layers"),
