@@ -98,6 +98,40 @@ TORCHTITAN_A100 = (  # (model, name, sequence, local batch, recomputation, WPS)
 )
 
 
+LLAMA3_405B_8K = Case(
+    "Llama 3 405B, 8192 H100",
+    "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4: 430 TFLOP/s per GPU, 43% MFU",
+    # 126 layers in the paper; 128 here, a model chunk each: its interleaved schedule
+    # takes one layer from the first and from the last stage so that the first
+    # stage's first chunk holds the embedding alone and the last stage's last chunk
+    # the output projection and loss alone (Dubey et al. 2024, §3.3.2, "Pipeline
+    # parallelism improvements"), so a chunk is one layer: 8 a stage on 16 stages
+    # (here the embedding and the head share the first and last layer's chunks).
+    # Full recomputation: with selective or none this layout's plan holds more than
+    # an H100's 80 GB (docs/results.md; 2 chunks a stage until 2026-11-27: -18.5%)
+    get_preset("llama3-405b").replace(num_layers=128),
+    Parallelism(pipe=16, tensor=8, replica=64),
+    2048,
+    8192,
+    1,
+    "h100-sxm",
+    "interleaved",
+    8,
+    "full",
+    "mfu",
+    0.43,
+    "the Llama family (grouped-query attention, SwiGLU), 128 layers for 126",
+    # the default Overlap(): FSDP's gradient reduce-scatter overlaps the backward and
+    # pipeline sends are asynchronous (Dubey et al. 2024, §3.3)
+    attention="fused",  # a 2024 H100 stack's fused attention (FlashAttention-2,
+    # Dao 2023); the paper does not name its kernel
+    # FSDP over the data-parallel groups: "we shard the optimizer states and
+    # gradients, but for model shards we do not reshard after forward computation"
+    # (Dubey et al. 2024, §3.3.1): ZeRO stage 2's memory and collectives
+    zero=2,
+)
+
+
 CASES = [
     Case(
         "Megatron-LM GPT 1T, 3072 A100",
@@ -136,84 +170,35 @@ CASES = [
         # the default Overlap(): XLA's step schedules the data-parallel all-reduce
         # asynchronously beside the backward (not a setting the paper states)
     ),
-    Case(
-        "Llama 3 405B, 8192 H100",
-        "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4: 430 TFLOP/s per GPU, 43% MFU",
-        # 126 layers in the paper; 128 here, a model chunk each: its interleaved schedule
-        # takes one layer from the first and from the last stage so that the first
-        # stage's first chunk holds the embedding alone and the last stage's last chunk
-        # the output projection and loss alone (Dubey et al. 2024, §3.3.2, "Pipeline
-        # parallelism improvements"), so a chunk is one layer: 8 a stage on 16 stages
-        # (here the embedding and the head share the first and last layer's chunks).
-        # Full recomputation: with selective or none this layout's plan holds more than
-        # an H100's 80 GB (docs/results.md; 2 chunks a stage until 2026-11-27: -18.5%)
-        get_preset("llama3-405b").replace(num_layers=128),
-        Parallelism(pipe=16, tensor=8, replica=64),
-        2048,
-        8192,
-        1,
-        "h100-sxm",
-        "interleaved",
-        8,
-        "full",
-        "mfu",
-        0.43,
-        "the Llama family (grouped-query attention, SwiGLU), 128 layers for 126",
-        # the default Overlap(): FSDP's gradient reduce-scatter overlaps the backward and
-        # pipeline sends are asynchronous (Dubey et al. 2024, §3.3)
-        attention="fused",  # a 2024 H100 stack's fused attention (FlashAttention-2,
-        # Dao 2023); the paper does not name its kernel
-        # FSDP over the data-parallel groups: "we shard the optimizer states and
-        # gradients, but for model shards we do not reshard after forward computation"
-        # (Dubey et al. 2024, §3.3.1): ZeRO stage 2's memory and collectives
-        zero=2,
+    LLAMA3_405B_8K,
+    # Table 4's other rows, planned as the 8,192-GPU row (128 layers, a chunk each, full
+    # recomputation, fused attention, ZeRO 2)
+    dataclasses.replace(
+        LLAMA3_405B_8K,
+        name="Llama 3 405B, 16384 H100",
+        source="Dubey et al. 2024, The Llama 3 Herd of Models, Table 4: 400 TFLOP/s per GPU, "
+        "41% MFU, on 16,384 GPUs, TP 8, PP 16, DP 128, 16M tokens a batch",
+        # twice the data-parallel groups: 16 sequences of 8,192 a replica, one a microbatch
+        par=Parallelism(pipe=16, tensor=8, replica=128),
+        published=0.41,
+        note="the Llama family, 128 layers for 126",
     ),
-    Case(
-        "Llama 3 405B, 16384 H100",
-        "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4: 400 TFLOP/s per GPU, 41% "
-        "MFU, on 16,384 GPUs, TP 8, PP 16, DP 128, 16M tokens a batch",
-        # planned as the 8,192-GPU row above, on twice the data-parallel groups: 16
-        # sequences of 8,192 a replica, one a microbatch
-        get_preset("llama3-405b").replace(num_layers=128),
-        Parallelism(pipe=16, tensor=8, replica=128),
-        2048,
-        8192,
-        1,
-        "h100-sxm",
-        "interleaved",
-        8,
-        "full",
-        "mfu",
-        0.41,
-        "the Llama family, 128 layers for 126",
-        attention="fused",
-        zero=2,
-    ),
-    Case(
-        "Llama 3 405B 128K context, 16384 H100",
-        "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4: 380 TFLOP/s per GPU, 38% "
-        "MFU, on 16,384 GPUs, TP 8, CP 16, PP 16, 16M tokens a batch (Balaji, SC'24, the "
-        "same): data parallel 8",
-        # planned as the 8K row above (128 layers, a chunk each, full recomputation,
-        # fused attention, ZeRO 2), with its context split 16 ways: Llama 3's all-gather
-        # context parallelism with two chunks a rank for the causal mask (§3.3.2, "Context
-        # parallelism"; `predict/context_parallel.py`); 128 sequences of 131,072 tokens
-        get_preset("llama3-405b").replace(num_layers=128),
-        Parallelism(pipe=16, tensor=8, replica=8, context=16),
-        128,
-        131072,
-        1,
-        "h100-sxm",
-        "interleaved",
-        8,
-        "full",
-        "mfu",
-        0.38,
-        "the Llama family, 128 layers for 126; data parallel 8 from the GPUs and the "
+    dataclasses.replace(
+        LLAMA3_405B_8K,
+        name="Llama 3 405B 128K context, 16384 H100",
+        source="Dubey et al. 2024, The Llama 3 Herd of Models, Table 4: 380 TFLOP/s per GPU, "
+        "38% MFU, on 16,384 GPUs, TP 8, CP 16, PP 16, 16M tokens a batch (Balaji, SC'24, "
+        "the same): data parallel 8",
+        # its context split 16 ways: Llama 3's all-gather context parallelism with two
+        # chunks a rank for the causal mask (§3.3.2, "Context parallelism";
+        # `predict/context_parallel.py`); 128 sequences of 131,072 tokens
+        par=Parallelism(pipe=16, tensor=8, replica=8, context=16),
+        batch=128,
+        seq=131072,
+        published=0.38,
+        note="the Llama family, 128 layers for 126; data parallel 8 from the GPUs and the "
         "tokens (this project's notes of 2026-11-25 read the table's DP as 4, which would "
         "make 8,192 GPUs and 8M tokens: planned so, 46.9% MFU)",
-        attention="fused",
-        zero=2,
     ),
     *(
         Case(
