@@ -34,7 +34,7 @@ def sizes_advice(splits: Mapping[str, list[int]], failing: Iterable[str]) -> str
     dimension it splits alone (`splits`: axis -> those dimensions' sizes, the failing
     ones included)."""
     sentences = []
-    for axis in dict.fromkeys(failing):
+    for axis in failing:
         sizes = dividing_sizes(splits.get(axis, ()))
         if len(sizes) > 1:
             listed = ", ".join(map(str, sizes))

@@ -226,7 +226,6 @@ def resolve_specs(
     validate_rules(rules, tuple(axis_sizes))
     problems: list[str] = []
     splits: dict[str, list[int]] = {}  # mesh axis -> the sizes of the dimensions it splits alone
-    failing: list[str] = []  # the mesh axes of the dimensions that do not divide
 
     def one(path: tuple, shape_leaf: jax.ShapeDtypeStruct, axes: LogicalAxes) -> PartitionSpec:
         what = f"parameter {path_str(path)!r} {tuple(shape_leaf.shape)}"
@@ -240,8 +239,6 @@ def resolve_specs(
         for size, mesh_axes in zip(shape_leaf.shape, spec, strict=True):
             if len(split := axes_tuple(mesh_axes)) == 1:
                 splits.setdefault(split[0], []).append(size)
-                if size % axis_sizes[split[0]]:
-                    failing.append(split[0])
         try:
             check_divisible(what, shape_leaf.shape, axes, spec, axis_sizes)
         except ShardingError as err:
@@ -249,6 +246,7 @@ def resolve_specs(
         return spec
 
     specs = jax.tree_util.tree_map_with_path(one, shapes, logical, is_leaf=is_logical_axes)
+    failing = [a for a, sizes in splits.items() if any(n % axis_sizes[a] for n in sizes)]
     advice = f". {sizes_advice(splits, failing)}" if failing else ""
     if len(problems) == 1:
         raise ShardingError(problems[0] + advice)
