@@ -66,9 +66,12 @@ class Case:
 
 # Megatron-LM as Narayanan et al. 2021 and Korthikanti et al. 2022 ran it: gradients
 # all-reduced after the last backward (`train_step` calls `allreduce_gradients()` after
-# `forward_backward_func`) and pipeline sends that wait for their request before the
-# stage computes on (`p2p_communication._communicate`): `predict/overlap.py`.
-MEGATRON_2021 = Overlap(grad_reduce="end", pipe_sends="blocking")
+# `forward_backward_func`), pipeline sends that wait for their request before the
+# stage computes on (`p2p_communication._communicate`), and those sends scattered over
+# the tensor ranks and gathered again (§4.1; on by default in Megatron-LM's 2021 and
+# 2022 code, and off under `--sequence-parallel`, which splits the tensor already):
+# `predict/overlap.py`.
+MEGATRON_2021 = Overlap(grad_reduce="end", pipe_sends="blocking", pipe_scatter_gather=True)
 # Graphcore's TensorFlow 2 BERT phase 1 on Bow Pods (graphcore.cn Performance Results):
 # (size, pod, SDK, graphcore/examples config, micro-batch, replicas, sequences/s, our
 # layers a stage, Graphcore's layers a stage)

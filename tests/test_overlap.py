@@ -66,6 +66,34 @@ def test_a_blocking_pipe_send_holds_the_senders_next_computation():
     assert starts["blocking"] == pytest.approx([0, 1, 1.5, 1.5])
 
 
+def test_a_scattered_pipe_send_is_a_share_over_pipe_then_a_gather_over_tensor():
+    """Stage 0 computes (1 s) and sends 1 GB that each of its 4 tensor ranks holds
+    (`copies` 4) across nodes (1 GB/s); stage 1 then computes. Whole, each rank sends
+    all of it: 1 s. Megatron-LM's scatter/gather: a quarter over pipe (0.25 s), then the
+    ring all-gather of the other three quarters over tensor inside the node (0.75 GB at
+    2 GB/s: 0.375 s). Split over tensor already (copies 1, sequence parallel), a rank
+    sends its quarter either way. A bound that does not know the option takes the
+    shorter (`least_seconds`)."""
+    from shardemu.predict.durations import least_seconds
+
+    par, hw = Parallelism(pipe=2, tensor=4), dataclasses.replace(HW, devices_per_node=4)
+
+    def stage_1_starts(copies: int, scatter_gather: bool) -> float:
+        held = GB if copies == 4 else GB // 4  # a rank's bytes: all of it, or its quarter
+        send = Event(0, F1, "collective", "activations", bytes=4 * held, axis="pipe",
+                     devices=4, op="collective-permute", group=2, copies=copies)  # fmt: skip
+        events = [compute(F0, 1), send, compute(F1, 1, stage=1)]
+        overlap = Overlap(pipe_scatter_gather=scatter_gather)
+        return build_timeline(events, hw, par, overlap).spans[-1].start
+
+    assert stage_1_starts(4, False) == pytest.approx(2.0)
+    assert stage_1_starts(4, True) == pytest.approx(1.625)
+    assert stage_1_starts(1, False) == stage_1_starts(1, True) == pytest.approx(1.25)
+    replicated = Event(0, F1, "collective", "activations", bytes=4 * GB, axis="pipe",
+                       devices=4, op="collective-permute", group=2, copies=4)  # fmt: skip
+    assert least_seconds(replicated, hw, par) == pytest.approx(0.625)
+
+
 def test_bucket_count():
     assert Overlap(bucket_mb=1).buckets(2.5 * 2**20) == 3
     assert Overlap().buckets(10) == 1
@@ -124,7 +152,8 @@ def test_bucketed_reduction_hides_all_but_its_tail(plans):
         < end["breakdown"]["exposed_communication_s"]
     )
     assert bucketed["overlap"] == {"grad_reduce": "bucketed", "bucket_mb": 0.01,
-                                   "pipe_sends": "async", "tp_overlap": "none"}  # fmt: skip
+                                   "pipe_sends": "async", "pipe_scatter_gather": False,
+                                   "tp_overlap": "none"}  # fmt: skip
 
 
 def test_blocking_sends_cost_time(plans):
@@ -138,6 +167,7 @@ def test_blocking_sends_cost_time(plans):
         ({"pipe_sends": "never"}, "Overlap.pipe_sends"),
         ({"bucket_mb": 0}, "Overlap.bucket_mb"),
         ({"tp_overlap": "always"}, "Overlap.tp_overlap"),
+        ({"pipe_scatter_gather": "yes"}, "Overlap.pipe_scatter_gather"),
     ],
 )
 def test_bad_overlap_settings(settings, names):

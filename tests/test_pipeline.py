@@ -122,6 +122,11 @@ def test_pipelined_equals_single_device(
     assert {s for kind, s in computed if kind == "head"} == {pipe - 1}
     tied = [e for e in events if e.op == "all-reduce" and e.axis == "pipe"]
     assert len(tied) == (1 if pipe > 1 else 0)  # the tied embedding's two halves
+    # what a stage sends the next, every tensor rank holds whole (no sequence
+    # parallelism): `tensor` copies of each byte (`Event.copies`, which Megatron-LM's
+    # scatter/gather sends a share of from each)
+    sends = {e.copies for e in events if e.op == "collective-permute"}
+    assert sends == ({tensor} if pipe > 1 else set())
 
 
 def test_stage_parameters_live_on_their_stage(tiny_model):

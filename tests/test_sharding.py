@@ -208,3 +208,23 @@ def test_a_mesh_that_does_not_divide_is_told_the_sizes_that_would():
     assert describe(get_preset("gpt2-small").pad_vocab(128), Parallelism(tensor=6))
     with pytest.raises(ShardingError, match="No size of 'tensor' above 1 divides"):
         describe(get_preset("gpt2-small"), Parallelism(tensor=8))
+
+
+def test_copies_counts_the_devices_holding_each_byte():
+    """An activation [b, s, d] on a replica 2 x tensor 4 stage: split over replica by
+    batch and whole on each tensor rank, 4 copies of each byte; split over tensor by
+    sequence too (sequence parallelism), one; a tree, its fewest; replicated, all 8."""
+    from jax.sharding import NamedSharding
+
+    from shardemu.accounting.sizes import copies
+    from shardemu.parallel.mesh import make_mesh
+
+    mesh = make_mesh(tensor=4, replica=2)
+
+    def act(spec):
+        return jax.ShapeDtypeStruct((8, 16, 32), "float32", sharding=NamedSharding(mesh, spec))
+
+    assert copies(act(P("replica"))) == 4
+    assert copies(act(P("replica", "tensor"))) == 1
+    assert copies({"x": act(P("replica")), "mask": act(P("replica", "tensor"))}) == 1
+    assert copies(act(P())) == 8

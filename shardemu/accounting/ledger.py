@@ -148,6 +148,11 @@ class Event:
     memory_bytes: int = 0
     # the same kernels' bytes fused as an accelerator fuses them (`fusion.py`)
     fused_memory_bytes: int = 0
+    # a send over `pipe`: how many of the sending stage's devices hold each byte it
+    # carries (`sizes.copies`: an activation replicated over `tensor`, tensor), which
+    # Megatron-LM's scatter/gather sends a 1/copies share of from each
+    # (`Overlap.pipe_scatter_gather`)
+    copies: int = 1
 
     def replaced(self, **changes: Any) -> Event:
         """`dataclasses.replace(self, **changes)` (its fields alone, not what `placed`

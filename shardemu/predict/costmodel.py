@@ -20,7 +20,9 @@ previous event and after what it depends on:
   while this part computes (FSDP's prefetch);
 - a point-to-point send between pipeline stages waits for the last computation on its
   stage (and that computation's collectives): the activations or gradients it carries;
-  with `Overlap.pipe_sends="blocking"` the sender's next computation also waits for it;
+  with `Overlap.pipe_sends="blocking"` the sender's next computation also waits for it
+  (its duration: the whole send, or Megatron-LM's scatter/gather with
+  `Overlap.pipe_scatter_gather`, `durations.pipe_send_seconds`);
 - a data-parallel gradient reduction (a collective carrying gradients over any axis but
   `pipe`) is the input of no computation but the optimizer update, so the backward
   computations after it do not wait for it: how a bucketed reduction hides behind the
@@ -52,7 +54,7 @@ from typing import NamedTuple
 from shardemu.accounting.assemble import AssembledLedger
 from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism
-from shardemu.predict.durations import duration, stream_of
+from shardemu.predict.durations import duration, pipe_send_seconds, stream_of
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap, exposed_chunked
 from shardemu.predict.placing import placing_order
@@ -151,8 +153,7 @@ def _place(
     the step's end. What does not depend on `hw` is looked up once per step
     (`placing_order`); here each event's stream, phase and stage are list indices."""
     order = placing_order(events)
-    blocking = overlap.pipe_sends == "blocking"
-    rules = [rules_of(e, hw, par, blocking) for e in order.origins]
+    rules = [rules_of(e, hw, par, overlap) for e in order.origins]
     stream_free = [0.0] * order.streams
     last_compute = [0.0] * order.phase_stages  # (phase, stage) -> latest compute's end
     phase_inputs = [0.0] * order.phases  # non-compute spans, by phase
@@ -236,13 +237,16 @@ class EventRules(NamedTuple):
     gradients_out: bool  # the gradients leaving for the host (the update waits)
 
 
-def rules_of(e: Event, hw: Hardware, par: Parallelism, blocking: bool) -> EventRules:
-    """`e`'s `EventRules` on `hw` (`blocking`: pipe sends hold the sender's next computation)."""
+def rules_of(e: Event, hw: Hardware, par: Parallelism, overlap: Overlap) -> EventRules:
+    """`e`'s `EventRules` on `hw` with `overlap`'s pipe sends (blocking: they hold the
+    sender's next computation; scatter/gather: their duration)."""
     collective, pipe = e.kind == "collective", e.axis == "pipe"
     reduction = collective and not pipe and e.carries == "gradients"
+    blocking = overlap.pipe_sends == "blocking"
+    scattered = overlap.pipe_scatter_gather and pipe and e.op == "collective-permute"
     return EventRules(
         stream=stream_of(e),
-        seconds=duration(e, hw, par),
+        seconds=pipe_send_seconds(e, hw, par) if scattered else duration(e, hw, par),
         compute=e.kind == "compute",
         on_device=e.on == "device",
         update=e.phase.kind == "update",

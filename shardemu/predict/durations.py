@@ -9,7 +9,9 @@ the system's I/O and MemoryX, plus a latency per level of the tree
 (`Hardware.swarmx_seconds`). A collective = bytes each device sends (the ledger holds
 the ring algorithm's: `collectives.py`) / the link bandwidth of its axis, intra-node
 when the axis's device group fits in one node (the mesh is laid out pipe, replica,
-expert, tensor with tensor innermost), else inter-node.
+expert, tensor with tensor innermost), else inter-node. A pipeline send under
+Megatron-LM's scatter/gather: a share over the pipe link, then an all-gather over
+`tensor` (`pipe_send_seconds`).
 """
 
 from __future__ import annotations
@@ -67,6 +69,30 @@ def duration(event: Event, hw: Hardware, par: Parallelism) -> float:
     if event.kind in ("broadcast", "reduce"):  # bytes per SwarmX link; devices = systems
         return hw.swarmx_seconds(event.bytes, event.devices)
     return event.bytes * per_device / (collective_gbps(event, hw, par) * GB)
+
+
+def pipe_send_seconds(event: Event, hw: Hardware, par: Parallelism) -> float:
+    """A send over `pipe` under Megatron-LM's scatter/gather (`Overlap.pipe_scatter_gather`):
+    each of the `event.copies` tensor ranks holding a byte sends 1/copies of it over the
+    pipe link, then the receiving stage all-gathers the pieces over `tensor`, (k-1)/k of
+    the tensor a rank in a ring (`collectives.py`) at the tensor group's bandwidth, in
+    turn (`p2p_communication._communicate` waits for the sends before it gathers)."""
+    k = event.copies
+    if k <= 1:
+        return duration(event, hw, par)
+    scattered = event.replaced(bytes=event.bytes // k)
+    gather = event.replaced(axis="tensor", op="all-gather", group=k,
+                            bytes=event.bytes * (k - 1) // k)  # fmt: skip
+    return duration(scattered, hw, par) + duration(gather, hw, par)
+
+
+def least_seconds(event: Event, hw: Hardware, par: Parallelism) -> float:
+    """`event`'s seconds under any `Overlap`: a send over `pipe` whole or scattered,
+    whichever is shorter (for bounds that do not know which a plan will use)."""
+    seconds = duration(event, hw, par)
+    if event.axis == "pipe" and event.op == "collective-permute" and event.copies > 1:
+        return min(seconds, pipe_send_seconds(event, hw, par))
+    return seconds
 
 
 RING_OPS = frozenset({"all-reduce", "all-gather", "reduce-scatter"})

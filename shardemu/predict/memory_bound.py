@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 
 from shardemu.accounting.count import PROCESS_COUNTER
 from shardemu.accounting.matmuls import squeezed
-from shardemu.accounting.sizes import bytes_per_device
+from shardemu.accounting.sizes import bytes_per_device, copies
 from shardemu.predict.resident_count import (
     CountKey,
     Microbatch,
@@ -69,6 +69,7 @@ def memory_bound(key: CountKey) -> Microbatch:
         keep,
         opt,
         bytes_per_device(x),
+        copies(x),
         reads=shared_reads(st, shared, batch),
     )
 

@@ -21,6 +21,19 @@ option of `plan` (and of `search`), with the default a modern system uses:
   `overlap_p2p_comm`). `blocking`: the sender waits too, as Megatron-LM's 2021
   `p2p_communication._communicate` did (`batch_isend_irecv`, then `wait()` on every
   request before returning).
+- `pipe_scatter_gather`: whether a send of what every tensor rank of a stage holds (the
+  activation between stages, replicated over `tensor` unless sequence parallelism
+  splits it: `Event.copies`) goes whole from each rank (default, as XLA sends it and
+  as Megatron-Core does, whose sends are sequence-parallel or whole) or as Megatron-LM's
+  scatter/gather (Narayanan et al. 2021, SC21, §4.1): each of the t ranks sends 1/t of
+  it over its own link, and the receiving stage all-gathers the pieces over `tensor`
+  (NVLink) before it computes. Megatron-LM had it on by default
+  (`--no-scatter-gather-tensors-in-pipeline` turned it off; `p2p_communication.
+  _communicate` splits with `split_tensor_into_1d_equal_chunks`, waits for the
+  requests, then `gather_split_1d_tensor`), and off where `--sequence-parallel` already
+  splits the tensor (2022); Megatron-Core's p2p dropped it. A send then takes S/t over
+  the pipe link and the all-gather's (t-1)/t S over the tensor group's, in turn
+  (`durations.pipe_send_seconds`).
 - `tp_overlap` (resident plans): `none` (default, as Megatron-Core's
   `tp_comm_overlap=False`): each tensor-parallel collective produces the input of the
   next computation (Shoeybi et al. 2019, "Megatron-LM", §3: the f and g operators sit on
@@ -74,6 +87,13 @@ class Overlap:
     pipe_sends: PipeSends = setting(
         "async", "--pipe-sends", "pipeline sends overlap the sender's next computation, or block it"
     )
+    pipe_scatter_gather: bool = setting(
+        False,
+        "--pipe-scatter-gather",
+        "each tensor rank sends 1/tensor of a stage's replicated activation and the next "
+        "stage all-gathers it over tensor (Megatron-LM's scatter/gather, Narayanan et al. "
+        "2021 §4.1); default: each rank sends it whole",
+    )
     tp_overlap: TpOverlap = setting(
         "none",
         "--tp-overlap",
@@ -84,6 +104,7 @@ class Overlap:
     def __post_init__(self) -> None:
         require_choice(self, "grad_reduce", GradReduce)
         require_choice(self, "pipe_sends", PipeSends)
+        require_choice(self, "pipe_scatter_gather", Literal[False, True])
         require_choice(self, "tp_overlap", TpOverlap)
         require_finite("Overlap", True, bucket_mb=self.bucket_mb)
 
@@ -97,6 +118,7 @@ class Overlap:
             "grad_reduce": self.grad_reduce,
             "bucket_mb": self.bucket_mb,
             "pipe_sends": self.pipe_sends,
+            "pipe_scatter_gather": self.pipe_scatter_gather,
             "tp_overlap": self.tp_overlap,
         }
 

@@ -32,7 +32,7 @@ from shardemu.parallel.schedules import Schedule, make_schedule
 from shardemu.phased import planner
 from shardemu.phased.planner import PhasePlan
 from shardemu.phased.trainer import PhasedTrainer
-from shardemu.predict.durations import duration, stream_of
+from shardemu.predict.durations import least_seconds, stream_of
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.microbatch import Screen, choose_microbatch
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
@@ -215,7 +215,7 @@ def _screen(
     def busy_of(step: Iterable[Event]) -> dict[tuple[int, str], float]:
         busy: dict[tuple[int, str], float] = defaultdict(float)
         for e in step:
-            busy[(e.stage, stream_of(e))] += duration(e, hardware, par)
+            busy[(e.stage, stream_of(e))] += least_seconds(e, hardware, par)
         return busy
 
     # each event of the pass as often as the step repeats it, not placed one by one

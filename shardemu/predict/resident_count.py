@@ -25,7 +25,7 @@ from shardemu.accounting.cached_casts import CachedWeights
 from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Event, Ledger, Matmul, Phase
 from shardemu.accounting.matmuls import squeezed
-from shardemu.accounting.sizes import bytes_per_device
+from shardemu.accounting.sizes import bytes_per_device, copies
 from shardemu.config import Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import Model
 from shardemu.numerics.precision import compute_model
@@ -52,9 +52,10 @@ class Microbatch:
     weights, of the shared weights, of what one layer keeps for its backward, of the
     optimizer state of one layer and of the shared weights (FP32 master weights
     included under mixed precision), and of a layer's input (what a pipeline stage
-    sends the next). Under expert parallelism (`expert_parallel.py`) `expert_bytes`
-    is the part of `layer_bytes` that is a layer's experts, whose gradients reduce over
-    `replica` alone. With ZeRO over `zero` replicas (`predict/zero.py`) the optimizer
+    sends the next, held by `act_copies` of its devices each: `sizes.copies`). Under
+    expert parallelism (`expert_parallel.py`) `expert_bytes` is the part of
+    `layer_bytes` that is a layer's experts, whose gradients reduce over `replica`
+    alone. With ZeRO over `zero` replicas (`predict/zero.py`) the optimizer
     state is 1/zero of it a device, and the updated weights are all-gathered; with
     `zero_stage` 2 the gradients are reduce-scattered and 1/zero of them held.
     `reads`: the bytes per device of the shared weights the embedding and the head
@@ -66,6 +67,7 @@ class Microbatch:
     keep_bytes: int
     opt_bytes: tuple[int, int]
     act_bytes: int
+    act_copies: int = 1
     expert_bytes: int = 0
     reads: tuple[int, int] = (0, 0)
     zero: int = 1
@@ -127,7 +129,7 @@ def count_microbatch(
     casts = counted_casts(counter, listing.pieces, full_recompute)  # FP8's weights'
     return Microbatch(
         pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes), bytes_per_device(x),
-        reads=reads, casts=casts,
+        copies(x), reads=reads, casts=casts,
     )  # fmt: skip
 
 

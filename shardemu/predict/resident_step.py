@@ -234,6 +234,7 @@ class _StepEvents:
                     devices=r * t,
                     op="collective-permute",
                     group=2,
+                    copies=self.mb.act_copies,
                 )
             )
         return events

@@ -49,7 +49,6 @@ def busy_streams(
     keeps each slot list's seconds by the list's id, for steps that share their lists
     (`resident_step.StepLedgers`) and are kept alive while it is used."""
     chained = overlap.tp_overlap == "none"
-    blocking = overlap.pipe_sends == "blocking"
 
     rules: dict[int, EventRules] = {}  # by `rules_key`: the chunks' copies timed once
 
@@ -60,7 +59,7 @@ def busy_streams(
             key = rules_key(e)
             r = rules.get(id(key))
             if r is None:
-                r = rules[id(key)] = rules_of(key, hw, par, blocking)
+                r = rules[id(key)] = rules_of(key, hw, par, overlap)
             if r.stream == "compute":
                 out["chain"] += gap + r.seconds
                 gap, after = 0.0, e.phase

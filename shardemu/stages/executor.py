@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from shardemu.accounting.count import Counted, Counter, piece_events, shaped, signature
 from shardemu.accounting.ledger import Carries, Event, Ledger, Phase, Where
-from shardemu.accounting.sizes import bytes_all_devices, bytes_per_device
+from shardemu.accounting.sizes import bytes_all_devices, bytes_per_device, copies
 from shardemu.devices import settled
 from shardemu.stages.crossing import put
 from shardemu.stages.pieces import Piece
@@ -187,6 +187,7 @@ class Executor:
                 op="collective-permute",
                 group=2,
                 stage=stage,
+                copies=copies(out),
             )
         )
         return out
