@@ -104,17 +104,22 @@ def test_non_dividing_axis_names_parameter_dimension_and_sizes():
     with pytest.raises(ShardingError) as err:
         describe(cfg, Parallelism(tensor=8))
     msg = str(err.value)
-    assert "parameter 'blocks/attn/key/bias' (12, 12, 64): dimension 1 ('heads', size 12)" in msg
-    assert "'tensor' (size 8)" in msg
+    assert "'heads' dimension 12 is not divisible by mesh axis 'tensor' (size 8) in " in msg
+    assert "blocks/attn/key/bias" in msg and "use a model whose head count" in msg
 
 
 def test_every_failing_parameter_is_reported_at_once():
+    """Grouped by the dimension that fails them, each fix said once: GPT-2 small's seven
+    head-split parameters and its unpadded vocabulary at tensor=8."""
     with pytest.raises(ShardingError) as err:
         describe(get_preset("gpt2-small"), Parallelism(tensor=8))
     msg = str(err.value)
     assert msg.startswith("8 parameters cannot be sharded")  # q,k,v kernels+biases, out, wte
-    assert "'wte/embedding'" in msg and "ModelConfig.pad_vocab" in msg
-    assert "'blocks/attn/out/kernel'" in msg
+    heads, vocab = msg.split("; ")
+    for name in ("query", "key", "value"):
+        assert f"blocks/attn/{name}/kernel" in heads and f"blocks/attn/{name}/bias" in heads
+    assert "blocks/attn/out/kernel" in heads and heads.count("head count") == 1
+    assert "'vocab' dimension 50257" in vocab and "in wte/embedding: pad the" in vocab
 
 
 def test_unpadded_vocab_suggests_padding():

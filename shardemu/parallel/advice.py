@@ -1,12 +1,14 @@
 """What to tell a user whose mesh does not divide a model's dimensions: a fix per
-logical dimension, and the sizes of a mesh axis that would divide every dimension it
-splits (so that `--mesh tensor=3` on a model of 32 heads and a 14,336-wide MLP is told
-that 1, 2, 4, 8, 16 or 32 would do, once, rather than once a parameter)."""
+logical dimension, the parameters that fail grouped by the dimension that fails them,
+and the sizes of a mesh axis that would divide every dimension it splits (so that
+`--mesh tensor=3` on a model of 32 heads and a 14,336-wide MLP is told that 1, 2, 4, 8,
+16 or 32 would do, once, rather than once a parameter)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 # What to suggest when a dimension does not divide, by logical name.
 FIX_HINTS = {
@@ -47,3 +49,44 @@ def sizes_advice(splits: Mapping[str, list[int]], failing: Iterable[str]) -> str
                 "fix those named above"
             )
     return ". ".join(sentences)
+
+
+@dataclass(frozen=True)
+class Indivisible:
+    """A tensor's dimension `dim` (logical `name`, `size` long) that its mesh axes `axes`
+    (a PartitionSpec entry) of `n` devices together do not divide."""
+
+    dim: int
+    name: str | None
+    size: int
+    axes: object
+    n: int
+
+    @property
+    def hint(self) -> str:
+        return FIX_HINTS.get(self.name or "", f"change the rule for {self.name!r}")
+
+    def sentence(self) -> str:
+        return (
+            f"dimension {self.dim} ({self.name!r}, size {self.size}) is not divisible by mesh "
+            f"axis {self.axes!r} (size {self.n}); {self.hint}, or choose a mesh axis size "
+            f"dividing {self.size}"
+        )
+
+
+def indivisible_message(failures: Sequence[tuple[str, Indivisible]]) -> str:
+    """One sentence for several parameters (`failures`: each one's path and first
+    failing dimension), grouped by that dimension: its name and size, the mesh axes,
+    the parameters and the fix, each said once."""
+    groups: dict[tuple[str | None, int, str, int], list[str]] = {}
+    for path, bad in failures:
+        groups.setdefault((bad.name, bad.size, repr(bad.axes), bad.n), []).append(path)
+    parts = []
+    for (name, size, axes, n), paths in groups.items():
+        listed = ", ".join(paths[:-1]) + " and " + paths[-1] if len(paths) > 1 else paths[0]
+        hint = Indivisible(0, name, size, axes, n).hint
+        parts.append(
+            f"their {name!r} dimension {size} is not divisible by mesh axis {axes} (size {n}) "
+            f"in {listed}: {hint}"
+        )
+    return f"{len(failures)} parameters cannot be sharded: {'; '.join(parts)}"

@@ -41,11 +41,12 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardemu.errors import ShardingError
-from shardemu.parallel.advice import FIX_HINTS, sizes_advice
+from shardemu.parallel.advice import Indivisible, indivisible_message, sizes_advice
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 LogicalAxes = tuple[str | None, ...]
+Sizes = Mapping[str, int]  # mesh axis name -> its size
 
 
 def megatron_rules(
@@ -199,14 +200,20 @@ def check_divisible(
     axis_sizes: Mapping[str, int],
 ) -> None:
     """Raise if a sharded dimension is not divisible by its mesh axes' total size."""
+    for bad in indivisible(shape, logical_axes, spec, axis_sizes)[:1]:
+        raise ShardingError(f"{what}: {bad.sentence()}")
+
+
+def indivisible(
+    shape: Sequence[int], logical_axes: LogicalAxes, spec: PartitionSpec, axis_sizes: Sizes
+) -> list[Indivisible]:
+    """The dimensions of a tensor that its mesh axes' total size does not divide."""
+    out = []
     for dim, (size, name, axes) in enumerate(zip(shape, logical_axes, spec, strict=True)):
         n = math.prod(axis_sizes[a] for a in axes_tuple(axes))
         if size % n:
-            hint = FIX_HINTS.get(name or "", f"change the rule for {name!r}")
-            raise ShardingError(
-                f"{what}: dimension {dim} ({name!r}, size {size}) is not divisible by mesh "
-                f"axis {axes!r} (size {n}); {hint}, or choose a mesh axis size dividing {size}"
-            )
+            out.append(Indivisible(dim, name, size, axes, n))
+    return out
 
 
 def path_str(path: tuple) -> str:
@@ -224,7 +231,7 @@ def resolve_specs(
     the matching tree of logical-axis tuples. Checks every rule and every divisibility,
     and reports all parameters that fail in one error, so they can be fixed at once."""
     validate_rules(rules, tuple(axis_sizes))
-    problems: list[str] = []
+    problems: list[tuple[str, str, Indivisible]] = []  # path, name, its first failure
     splits: dict[str, list[int]] = {}  # mesh axis -> the sizes of the dimensions it splits alone
 
     def one(path: tuple, shape_leaf: jax.ShapeDtypeStruct, axes: LogicalAxes) -> PartitionSpec:
@@ -239,20 +246,18 @@ def resolve_specs(
         for size, mesh_axes in zip(shape_leaf.shape, spec, strict=True):
             if len(split := axes_tuple(mesh_axes)) == 1:
                 splits.setdefault(split[0], []).append(size)
-        try:
-            check_divisible(what, shape_leaf.shape, axes, spec, axis_sizes)
-        except ShardingError as err:
-            problems.append(str(err))
+        for bad in indivisible(shape_leaf.shape, axes, spec, axis_sizes)[:1]:
+            problems.append((path_str(path), what, bad))
         return spec
 
     specs = jax.tree_util.tree_map_with_path(one, shapes, logical, is_leaf=is_logical_axes)
     failing = [a for a, sizes in splits.items() if any(n % axis_sizes[a] for n in sizes)]
     advice = f". {sizes_advice(splits, failing)}" if failing else ""
     if len(problems) == 1:
-        raise ShardingError(problems[0] + advice)
+        _, what, bad = problems[0]
+        raise ShardingError(f"{what}: {bad.sentence()}{advice}")
     if problems:
-        what = f"{len(problems)} parameters cannot be sharded: {'; '.join(problems)}"
-        raise ShardingError(what + advice)
+        raise ShardingError(indivisible_message([(p, bad) for p, _, bad in problems]) + advice)
     return specs
 
 
