@@ -31,6 +31,12 @@ CASES = {
         Parallelism(pipe=2, replica=2), "interleaved", 2, 8,
         {"overlap": Overlap(grad_reduce="end", pipe_sends="blocking")}, {},
     ),
+    # groups of 3 microbatches a chunk on 2 stages (Megatron-Core's
+    # microbatch_group_size_per_vp_stage): from 3 and 6 microbatches
+    "interleaved-grouped": (
+        Parallelism(pipe=2, replica=2), "interleaved", 2, 9,
+        {"overlap": Overlap(pipe_sends="blocking")}, {"microbatch_group": 3},
+    ),
     "1f1b-fsdp-selective": (
         Parallelism(pipe=4, replica=2), "1f1b", 1, 11, {"recompute": "selective"}, {"zero": 3},
     ),
@@ -67,7 +73,8 @@ def test_a_plan_from_two_short_steps_equals_the_whole_plan(name):
     short = plan_resident(MODEL, par, train, 1, HW, **settings)
     whole = plan_resident(MODEL, par, train, 1, HW, **settings, extrapolate=False)
     period = short.report.pop("period")
-    assert period["microbatches"] == m and period["predicted_from"][0] == par.pipe
+    first = train_settings.get("microbatch_group", par.pipe)
+    assert period["microbatches"] == m and period["predicted_from"][0] == first
     assert "period" not in whole.report
     for report in (short.report, whole.report):
         del report["elapsed_s"]

@@ -20,16 +20,17 @@ from shardemu.parallel.schedules import make_schedule
 from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.resident.trainer import Trainer
 
-# (pipe, tensor, replica, microbatches, accum, schedule, virtual, stage_layers): every
-# schedule; tensor and replica inside stages; accumulation; uneven stages; fewer
-# microbatches than stages (1F1B); microbatches on one stage
+# (pipe, tensor, replica, microbatches, accum, schedule, virtual, stage_layers, group):
+# every schedule; tensor and replica inside stages; accumulation; uneven stages; fewer
+# microbatches than stages (1F1B); microbatches on one stage; an interleaved group of
+# more microbatches than stages (Megatron-Core's microbatch_group_size_per_vp_stage)
 CASES = [
-    (2, 2, 2, 4, 1, "1f1b", 1, None),
-    (4, 1, 2, 4, 1, "gpipe", 1, None),
-    (2, 1, 2, 2, 2, "interleaved", 2, None),
-    (2, 1, 1, 2, 1, "1f1b", 1, (1, 3)),
-    (4, 1, 1, 2, 1, "1f1b", 1, None),
-    (1, 2, 1, 2, 1, "gpipe", 1, None),
+    (2, 2, 2, 4, 1, "1f1b", 1, None, None),
+    (4, 1, 2, 4, 1, "gpipe", 1, None, None),
+    (2, 1, 2, 4, 2, "interleaved", 2, None, 4),
+    (2, 1, 1, 2, 1, "1f1b", 1, (1, 3), None),
+    (4, 1, 1, 2, 1, "1f1b", 1, None, None),
+    (1, 2, 1, 2, 1, "gpipe", 1, None, None),
 ]
 # A design, not a product: each case runs for one family. BERT differs from GPT in the
 # pipeline by its per-example padding mask, which travels with the microbatches: it
@@ -76,9 +77,10 @@ def _model_flops(events) -> float:
 
 
 def _case_id(case):
-    p, t, r, m, k, sched, v, layers = case
+    p, t, r, m, k, sched, v, layers, group = case
     uneven = "-" + "_".join(map(str, layers)) if layers else ""
-    return f"p{p}t{t}r{r}-m{m}-k{k}-{sched}{v if v > 1 else ''}{uneven}"
+    grouped = f"-g{group}" if group else ""
+    return f"p{p}t{t}r{r}-m{m}-k{k}-{sched}{v if v > 1 else ''}{uneven}{grouped}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
@@ -87,10 +89,10 @@ def test_pipelined_equals_single_device(
 ):
     if (tiny_model.cfg.family == "bert") != (case in BERT_CASES):
         pytest.skip("each case runs for one family (BERT_CASES)")
-    pipe, tensor, replica, m, accum, schedule, virtual, stage_layers = case
+    pipe, tensor, replica, m, accum, schedule, virtual, stage_layers, group = case
     train = TrainConfig(
         batch=TRAIN.batch, seq=TRAIN.seq, seed=TRAIN.seed, microbatches=m, grad_accum=accum,
-        schedule=schedule, virtual=virtual, stage_layers=stage_layers,
+        schedule=schedule, virtual=virtual, stage_layers=stage_layers, microbatch_group=group,
     )  # fmt: skip
     devices = jax.devices()[: pipe * tensor * replica]
     trainer = PipelinedTrainer(tiny_model, make_mesh(pipe, tensor, replica, devices=devices), train)
@@ -105,7 +107,7 @@ def test_pipelined_equals_single_device(
             chex.assert_trees_all_close(result.grads, reference["grads"], rtol=1e-4, atol=1e-6)
     assert_params_close(trainer.params(state), reference["final"], train.learning_rate)
 
-    sched = make_schedule(schedule, pipe, m, virtual)
+    sched = make_schedule(schedule, pipe, m, virtual, group)
     expected = sorted(sched.slots, key=lambda s: (s.time, s.stage))
     assert len(result.order) == accum
     for executed in result.order:  # every pass ran the schedule's operations, in its slots

@@ -139,7 +139,7 @@ def tracking_args(p: argparse.ArgumentParser) -> None:
 
 
 def pipeline_args(p: argparse.ArgumentParser) -> None:
-    add_flags(p, TrainConfig, ("schedule", "virtual", "stage_layers"))
+    add_flags(p, TrainConfig, ("schedule", "virtual", "microbatch_group", "stage_layers"))
 
 
 def precision_arg(p: argparse.ArgumentParser) -> None:

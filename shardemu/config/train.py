@@ -127,6 +127,14 @@ class TrainConfig:
         "model chunks per stage, interleaved schedule only (default 2)",
         metavar="V",
     )
+    microbatch_group: int | None = setting(
+        None,
+        "--microbatch-group",
+        "interleaved schedule: microbatches a model chunk runs before the stage's next chunk, "
+        "from pipe to --microbatches (Megatron-Core's --microbatch-group-size-per-virtual-"
+        "pipeline-stage; default pipe)",
+        metavar="G",
+    )
     stage_layers: tuple[int, ...] | None = setting(
         None,
         "--stage-layers",
@@ -211,7 +219,8 @@ class TrainConfig:
         self._check_sparsity()
 
     def _resolve_virtual(self) -> None:
-        """None: the schedule's own chunk count. Chunks other than 1 need interleaving."""
+        """None: the schedule's own chunk count. Chunks other than 1, and a microbatch
+        group, need interleaving."""
         interleaved = self.schedule == "interleaved"
         if self.virtual is None:
             object.__setattr__(self, "virtual", INTERLEAVED_CHUNKS if interleaved else 1)
@@ -221,6 +230,14 @@ class TrainConfig:
                 f"the interleaved schedule runs; set TrainConfig.schedule interleaved (or "
                 f"leave TrainConfig.virtual out)"
             )
+        if self.microbatch_group is not None:
+            require_positive("TrainConfig", microbatch_group=self.microbatch_group)
+            if not interleaved:
+                raise ConfigError(
+                    f"TrainConfig.microbatch_group {self.microbatch_group} groups the "
+                    f"interleaved schedule's microbatches; set TrainConfig.schedule interleaved "
+                    f"(or leave TrainConfig.microbatch_group out)"
+                )
 
     def _check_sparsity(self) -> None:
         sparse = self.sparsity

@@ -15,9 +15,16 @@ formulas below are checks, not inputs:
 - Interleaved 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model
   Training on GPU Clusters", Section 2.2.2): each device holds v model chunks (virtual
   stages s, s+p, ...); ops take 1/v of the time, bubble (p-1)/(v m + p - 1). Needs m
-  divisible by p (Megatron-LM's requirement).
+  divisible by p (Megatron-LM's requirement). A chunk runs a group of g microbatches
+  before the device moves to its next chunk: g = p by default (depth-first), or any g
+  from p to m (Megatron-Core's `microbatch_group_size_per_vp_stage`,
+  `pipeline_parallel/schedules.py::get_schedule_table`), which Llama 3 used "to hide
+  point-to-point communication" (Dubey et al. 2024, §3.3.2): more microbatches in
+  flight between a chunk's forward and its next chunk's, and more warm-up forwards,
+  (v - 1) g, held.
 
-Symbols: p stages (devices), m microbatches, v virtual stages (chunks) per device.
+Symbols: p stages (devices), m microbatches, v virtual stages (chunks) per device, g
+microbatches a group.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class Schedule:
     microbatches: int
     virtual: int
     slots: tuple[Slot, ...]
+    group: int | None = None  # interleaved: microbatches a chunk runs in turn (p by default)
 
     @cached_property
     def makespan(self) -> int:
@@ -105,8 +113,9 @@ class Schedule:
 Op = tuple[Kind, int, int]  # (kind, microbatch, chunk)
 
 
-def programs(name: str, p: int, m: int, v: int) -> list[list[Op]]:
-    """Each device's ordered operations (kind, microbatch, chunk): what it runs, not when."""
+def programs(name: str, p: int, m: int, v: int, group: int | None = None) -> list[list[Op]]:
+    """Each device's ordered operations (kind, microbatch, chunk): what it runs, not when
+    (`group`: the interleaved schedule's g, p by default)."""
     if name == "gpipe":
         return [
             [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in reversed(range(m))]
@@ -114,27 +123,31 @@ def programs(name: str, p: int, m: int, v: int) -> list[list[Op]]:
         ]
     if name == "1f1b":
         v = 1
-    # 1F1B and interleaved: Megatron-LM's order (schedules.py,
-    # forward_backward_pipelining_with_interleaving): the k-th forward on a device is
-    # microbatch (k // (p v)) p + k % p of chunk (k // p) % v; backwards visit chunks in
-    # reverse. Warm-up: (p - s - 1) * 2 + (v - 1) * p forwards (p - s - 1 when v = 1).
-    total = m * v
-
-    def fwd(k: int) -> Op:
-        group, within = divmod(k, p * v)
-        return ("F", group * p + within % p, (within // p) % v)
-
-    def bwd(k: int) -> Op:
-        group, within = divmod(k, p * v)
-        return ("B", group * p + within % p, v - 1 - (within // p) % v)
+    # 1F1B and interleaved: Megatron-Core's order (`pipeline_parallel/schedules.py`:
+    # `get_schedule_table`, `get_pp_rank_microbatches`): the k-th forward on a device is
+    # the k-th (microbatch, chunk) of a table that runs each group of g microbatches
+    # through chunk 0, then chunk 1, ... (the last group holds what is left); the k-th
+    # backward is the same entry with its chunks in reverse. Warm-up: (p - s - 1) * 2 +
+    # (v - 1) g forwards (p - s - 1 when v = 1). With g = p and m a multiple of p, the
+    # k-th forward is microbatch (k // (p v)) p + k % p of chunk (k // p) % v: Megatron-
+    # LM's 2021 order (forward_backward_pipelining_with_interleaving).
+    g, total = group or p, m * v
+    table = [
+        (mb, chunk)
+        for start in range(0, m, g)
+        for chunk in range(v)
+        for mb in range(start, min(start + g, m))
+    ]
 
     programs = []
     for s in range(p):
-        warm = min(total, (p - s - 1) * 2 + (v - 1) * p if v > 1 else p - s - 1)
-        ops = [fwd(k) for k in range(warm)]
+        warm = min(total, (p - s - 1) * 2 + (v - 1) * g if v > 1 else p - s - 1)
+        fwd = [("F", mb, c) for mb, c in table]
+        bwd = [("B", mb, v - 1 - c) for mb, c in table]
+        ops = fwd[:warm]
         for k in range(total - warm):
-            ops += [fwd(warm + k), bwd(k)]
-        ops += [bwd(k) for k in range(total - warm, total)]
+            ops += [fwd[warm + k], bwd[k]]
+        ops += bwd[total - warm :]
         programs.append(ops)
     return programs
 
@@ -180,9 +193,12 @@ def simulate(programs: list[list[Op]], p: int, v: int) -> list[Slot]:
 
 
 @lru_cache(maxsize=512)
-def make_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
-    """The schedule `name` for p stages, m microbatches and v chunks per device (made
-    once per process: a search plans each schedule for several layouts)."""
+def make_schedule(
+    name: str, stages: int, microbatches: int, virtual: int = 1, group: int | None = None
+) -> Schedule:
+    """The schedule `name` for p stages, m microbatches, v chunks per device and, for
+    the interleaved schedule, groups of `group` microbatches (p when None); made once
+    per process: a search plans each schedule for several layouts."""
     if name not in SCHEDULES:
         raise ConfigError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if stages < 1 or microbatches < 1 or virtual < 1:
@@ -197,11 +213,38 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -
             "interleaved 1F1B needs TrainConfig.virtual >= 2 model chunks per stage (with one "
             "chunk it is plain 1f1b); use TrainConfig.virtual 2, or TrainConfig.schedule 1f1b"
         )
-    if name == "interleaved" and microbatches % stages:
+    if group is not None:
+        _check_group(name, stages, microbatches, group)
+    elif name == "interleaved" and microbatches % stages:
         fix = stages * -(-microbatches // stages)
         raise ConfigError(
             f"interleaved 1F1B needs microbatches divisible by stages (Megatron-LM's rule), "
             f"got m={microbatches}, p={stages}; use TrainConfig.microbatches {fix}"
         )
-    slots = simulate(programs(name, stages, microbatches, virtual), stages, virtual)
-    return Schedule(name, stages, microbatches, virtual, tuple(slots))
+    slots = simulate(programs(name, stages, microbatches, virtual, group), stages, virtual)
+    resolved = (group or stages) if name == "interleaved" else None
+    return Schedule(name, stages, microbatches, virtual, tuple(slots), resolved)
+
+
+def _check_group(name: str, p: int, m: int, g: int) -> None:
+    """Megatron-Core's rules for its microbatch group (`schedules.py::
+    forward_backward_pipelining_with_interleaving`): p <= g <= m, and a last group of
+    at least p microbatches where g does not divide m (fewer would wait on each other)."""
+    if name != "interleaved":
+        raise ConfigError(
+            f"TrainConfig.microbatch_group {g} groups an interleaved schedule's microbatches; "
+            f"{name} has one chunk per stage: leave it out, or use TrainConfig.schedule "
+            f"interleaved"
+        )
+    if not p <= g <= m:
+        raise ConfigError(
+            f"TrainConfig.microbatch_group {g} must lie between the {p} stages and the {m} "
+            f"microbatches (Megatron-Core's rule)"
+        )
+    if 0 < m % g < p:
+        raise ConfigError(
+            f"TrainConfig.microbatch_group {g} leaves a last group of {m % g} of the {m} "
+            f"microbatches, fewer than the {p} stages (Megatron-Core refuses it: its "
+            f"microbatches would wait on each other); use a group that divides {m}, or "
+            f"leaves at least {p}"
+        )

@@ -34,7 +34,7 @@ from shardemu.accounting.ledger import Phase
 from shardemu.accounting.sizes import bytes_per_device
 from shardemu.devices import host_value
 from shardemu.numerics.precision import host_scale
-from shardemu.parallel.schedules import Slot, programs
+from shardemu.parallel.schedules import Schedule, Slot, programs
 from shardemu.pipelined.layout import PipelineLayout
 from shardemu.sparsity import SparseState
 from shardemu.stages.executor import Executor, one_layer
@@ -210,7 +210,7 @@ def run_step(
     ex: Executor,
     lay: PipelineLayout,
     stages: tuple[Stage, ...],
-    schedule: str,
+    schedule: Schedule,
     state: PipelinedState,
     passes: list[list[dict[int, dict]]],
     counts: dict[int, Any],
@@ -220,7 +220,7 @@ def run_step(
     embedding's gradient sum, the global gradient norm, and every stage's update.
     `passes[a][mb]`: microbatch mb of pass a, per stage that reads the batch;
     `counts`: the whole batch's loss counts on those stages."""
-    progs = programs(schedule, lay.stages, len(passes[0]), lay.virtual)
+    progs = programs(schedule.name, lay.stages, len(passes[0]), lay.virtual, schedule.group)
     scale = host_scale(state.opt_shared[shared_holders(lay)[0]])
     sums, order, losses = Sums(ex), [], []
     residual_bytes: dict[int, int] = {}

@@ -74,7 +74,9 @@ class PipelinedTrainer:
         self.layout = pipeline_layout(
             model.cfg.num_layers, par.pipe, train.virtual, train.stage_layers
         )
-        self.schedule = make_schedule(train.schedule, par.pipe, train.microbatches, train.virtual)
+        self.schedule = make_schedule(
+            train.schedule, par.pipe, train.microbatches, train.virtual, train.microbatch_group
+        )
         self.model, self.mesh, self.train, self.par = model, mesh, train, par
         model.check_rules(rules)
         self.rules = staged_rules(rules, model, train, par)
@@ -209,7 +211,7 @@ class PipelinedTrainer:
             ex,
             self.layout,
             self.stages,
-            self.train.schedule,
+            self.schedule,
             state,
             self._passes(batch),
             on,

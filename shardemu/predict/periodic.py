@@ -4,9 +4,10 @@ From m = p microbatches on, a 1F1B or interleaved step is its steady state repea
 each microbatch more adds the same slots to every stage (Narayanan et al. 2021, section
 2.2: (m + p - 1) slots of a microbatch; interleaved, a bubble of (p - 1) / v slots). Its
 time and each part of its breakdown are then linear in m, so a longer step is timed
-from two short ones, of m1 = p and m2 = p + 1 microbatches (1F1B) or 2p (interleaved:
-microbatches in multiples of p), and extrapolated (`search.py` judges its layouts by
-the same rule, from p and 2p). Tests hold every number of the report to the whole
+from two short ones, of m1 = p and m2 = p + 1 microbatches (1F1B) or g and 2g
+(interleaved: microbatches in groups of g, p by default; a step whose last group is
+short is planned whole), and extrapolated (`search.py` judges its layouts by the same
+rule, from p and 2p). Tests hold every number of the report to the whole
 step's (tests/test_periodic.py). The 1T-parameter plan of Narayanan et al. places 526k
 events a step; its two short steps, 66k and 131k.
 
@@ -41,18 +42,22 @@ PERIODIC = ("1f1b", "interleaved")
 
 def short_steps(sched: Schedule) -> tuple[int, int] | None:
     """The microbatches (m1, m2) of the short steps a step of `sched` is predicted
-    from: p and p + 1 for 1F1B, p and 2p for the interleaved schedule (its microbatches
-    come in multiples of p); None where it is not periodic or not longer than m2."""
+    from: p and p + 1 for 1F1B, g and 2g for the interleaved schedule (it repeats
+    every group of g microbatches, p by default); None where it is not periodic (an
+    interleaved step whose last group is short) or not longer than m2."""
     p, m = sched.stages, sched.microbatches
     if sched.name not in PERIODIC:
         return None
-    ms = (p, p + 1) if sched.name == "1f1b" else (p, 2 * p)
+    g = sched.group or p
+    if sched.name == "interleaved" and m % g:
+        return None
+    ms = (p, p + 1) if sched.name == "1f1b" else (g, 2 * g)
     return ms if m > ms[1] else None
 
 
 def shortened(sched: Schedule, microbatches: int) -> Schedule:
     """`sched`'s schedule over fewer microbatches (`short_steps`)."""
-    return make_schedule(sched.name, sched.stages, microbatches, sched.virtual)
+    return make_schedule(sched.name, sched.stages, microbatches, sched.virtual, sched.group)
 
 
 def extrapolated(a: Any, b: Any, ms: tuple[int, int], m: int) -> Any:

@@ -185,7 +185,7 @@ def counted_layout(
     hardware = hardware.at_precision(arithmetic(model.cfg, train.precision))
     lay, sched, key = resident_layout(
         model, par, train.batch, train.seq, microbatch_size, train.schedule, train.virtual,
-        recompute, train.precision, attention, train.stage_layers, rules,
+        recompute, train.precision, attention, train.stage_layers, rules, train.microbatch_group,
     )  # fmt: skip
     layout = f"{par} microbatch {microbatch_size} {train.schedule} recompute={recompute}"
     if must_fit:  # nothing compiled for a layout whose least bytes are over the memory
@@ -225,6 +225,7 @@ def _settings(
         "microbatches": sched.microbatches,
         "schedule": train.schedule,
         "virtual": train.virtual,
+        "microbatch_group": sched.group,  # interleaved: a chunk's microbatches in turn
         "stage_layers": lay.stage_layers(),
         "recompute": recompute,
         "precision": train.precision,

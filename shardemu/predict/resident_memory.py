@@ -125,9 +125,11 @@ def resident_layout(
     attention: str,
     stage_layers: tuple[int, ...] | None,
     rules: Rules | None = None,
+    group: int | None = None,
 ) -> tuple[PipelineLayout, Schedule, CountKey]:
-    """A resident layout's layers per stage, its schedule and the count it uses; a
-    `ConfigError` for a setting it cannot take."""
+    """A resident layout's layers per stage, its schedule (the interleaved one's
+    microbatches in groups of `group`) and the count it uses; a `ConfigError` for a
+    setting it cannot take."""
     if recompute not in RECOMPUTE:
         raise ConfigError(f"`recompute` must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
     if recompute == "selective-op" and attention != "fused":
@@ -151,7 +153,7 @@ def resident_layout(
     if stage_layers is None and L % (p * v):
         raise ConfigError(f"{L} layers do not split into pipe * virtual = {p * v} equal chunks")
     lay = pipeline_layout(L, p, v, stage_layers)
-    return lay, make_schedule(schedule, p, batch // per_step, v), key
+    return lay, make_schedule(schedule, p, batch // per_step, v, group), key
 
 
 def device_bytes(

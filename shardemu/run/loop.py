@@ -116,8 +116,9 @@ def training_loop(
     and after the last, the loss of `EVAL_BATCHES` held-out batches (`val_loss`)."""
     corpus = make_corpus(train_cfg.data, model.cfg.vocab_size, train_cfg.seed)
     schedule = make_schedule(
-        train_cfg.schedule, par.pipe, train_cfg.microbatches, train_cfg.virtual
-    )
+        train_cfg.schedule, par.pipe, train_cfg.microbatches, train_cfg.virtual,
+        train_cfg.microbatch_group,
+    )  # fmt: skip
     static = {
         "tokens": train_cfg.tokens,
         "sequences": train_cfg.batch,
