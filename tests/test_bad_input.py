@@ -154,6 +154,12 @@ CLI_ROWS = [
     # plans
     row("plan-no-hardware", ["plan", "--model", "gpt-tiny"], "add --phased"),
     row("plan-hardware-unknown", [*PHASED, "--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
+    # a phased plan's passes run 1F1B: another schedule is refused, not planned as 1F1B
+    row("plan-phased-gpipe", [*PHASED, "--mesh", "pipe=2", "--schedule", "gpipe"],
+        "--schedule gpipe plans a resident step"),  # fmt: skip
+    row("microbatch-group-short", [*GPT, "--mesh", "pipe=2", "--microbatches", "4",
+        "--schedule", "interleaved", "--microbatch-group", "3"],
+        "--microbatch-group 3 leaves a last group of 1"),  # fmt: skip
     row("plan-rts-3", [*PHASED, "--mesh", "replica=4", "--rts", "3"],
         "--rts 3 does not divide replica=4"),  # fmt: skip
     row("plan-microbatch-0", [*A100, "--microbatch-size", "0"], "--microbatch-size 0 must be"),

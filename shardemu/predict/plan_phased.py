@@ -100,6 +100,11 @@ def plan_phased(
             f"TrainConfig.zero={train_cfg.zero} plans a resident step; a phased plan shards "
             f"the optimizer state over replicas with PhasedConfig.rts_opt (rts')"
         )
+    if train_cfg.schedule != "1f1b":
+        raise ConfigError(
+            f"TrainConfig.schedule {train_cfg.schedule} plans a resident step; a phased "
+            f"plan's passes go through the stages 1F1B: use TrainConfig.schedule 1f1b"
+        )
     if microbatch_size == "auto":
         if hardware is None:
             raise ConfigError("choosing the microbatch size times each one: give `hardware`")
