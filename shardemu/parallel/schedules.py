@@ -139,11 +139,11 @@ def programs(name: str, p: int, m: int, v: int, group: int | None = None) -> lis
         for mb in range(start, min(start + g, m))
     ]
 
+    fwd: list[Op] = [("F", mb, c) for mb, c in table]
+    bwd: list[Op] = [("B", mb, v - 1 - c) for mb, c in table]
     programs = []
     for s in range(p):
         warm = min(total, (p - s - 1) * 2 + (v - 1) * g if v > 1 else p - s - 1)
-        fwd = [("F", mb, c) for mb, c in table]
-        bwd = [("B", mb, v - 1 - c) for mb, c in table]
         ops = fwd[:warm]
         for k in range(total - warm):
             ops += [fwd[warm + k], bwd[k]]
