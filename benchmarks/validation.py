@@ -16,6 +16,7 @@ readings and out-of-memory outcomes.
 
     python benchmarks/validation.py [--out benchmarks/results/validation.json]
     python benchmarks/validation.py --only "FP8" --out /tmp/fp8.json  # matching cases only
+    python benchmarks/validation.py --compare OLD.json  # which predictions moved since
 """
 
 from __future__ import annotations
@@ -557,6 +558,34 @@ def run(case: Case) -> dict:
     }
 
 
+def earlier_rows(path: str) -> dict[str, dict]:
+    """An earlier run's rows by case, read before any plan is made: exits with one line
+    where `path` is not a JSON this script wrote."""
+    try:
+        return {r["case"]: r for r in json.loads(Path(path).read_text())["rows"]}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SystemExit(
+            f"--compare {path}: not a JSON written by benchmarks/validation.py ({err!r})"
+        ) from None
+
+
+def compared(rows: list[dict], old: dict[str, dict], old_path: str) -> list[str]:
+    """A line for each row whose prediction differs from the earlier run's (`old`, read
+    from `old_path`) by more than 1e-9 relative, or that the earlier run lacks; or one
+    line saying that none does."""
+    lines = []
+    for r in rows:
+        before = old.get(r["case"])
+        if before is None:
+            lines.append(f"new: {r['case']}: {r['predicted']:.6g} ({r['error']:+.1%})")
+        elif abs(r["predicted"] - before["predicted"]) > 1e-9 * abs(before["predicted"]):
+            lines.append(
+                f"moved: {r['case']}: {before['predicted']:.6g} -> {r['predicted']:.6g} "
+                f"(error {before['error']:+.1%} -> {r['error']:+.1%})"
+            )
+    return lines or [f"every prediction equals {old_path}'s to 1e-9 relative ({len(rows)} rows)"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/validation.json")
@@ -565,7 +594,14 @@ def main() -> None:
         default="",
         help="run only the cases whose name holds this text (and no memory rows)",
     )
+    parser.add_argument(
+        "--compare",
+        default=None,
+        metavar="OLD.json",
+        help="name each row whose prediction moved since an earlier run's JSON",
+    )
     args = parser.parse_args()
+    old = earlier_rows(args.compare) if args.compare else None
     use_virtual_devices(devices_for(CASES))  # the widest first: the backend starts once
     rows = [run(case) for case in CASES if args.only in case.name]
     if not rows:
@@ -599,6 +635,8 @@ def main() -> None:
           f"{summary['median_abs_error']:.1%}, worst {summary['worst_abs_error']:.1%}; the "
           f"published figure inside the band in {summary['published_in_band']}; "
           f"{summary['plans_that_fit']} plans fit")  # fmt: skip
+    if old is not None:
+        print("\n".join(compared(rows, old, args.compare)))
     memory = [run_memory(case) for case in MEMORY_CASES if not args.only]
     table = Table(title="planned device memory vs published readings and outcomes")
     for col in ("case", "hardware", "predicted GiB", "published GiB", "error", "fits", "ran"):
