@@ -157,6 +157,8 @@ CLI_ROWS = [
     # a phased plan's passes run 1F1B: another schedule is refused, not planned as 1F1B
     row("plan-phased-gpipe", [*PHASED, "--mesh", "pipe=2", "--schedule", "gpipe"],
         "--schedule gpipe plans a resident step"),  # fmt: skip
+    row("run-phased-interleaved", [*GPT, "--mesh", "pipe=2", "--phased", "--schedule",
+        "interleaved"], "phased execution runs the whole batch through each phase"),  # fmt: skip
     row("microbatch-group-short", [*GPT, "--mesh", "pipe=2", "--microbatches", "4",
         "--schedule", "interleaved", "--microbatch-group", "3"],
         "--microbatch-group 3 leaves a last group of 1"),  # fmt: skip

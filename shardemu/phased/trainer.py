@@ -76,6 +76,12 @@ class PhasedTrainer:
                 f"phased stages run the same phases each, so use a pipe size that divides "
                 f"{model.cfg.num_layers}"
             )
+        if train.schedule != "1f1b":
+            raise ConfigError(
+                f"TrainConfig.schedule {train.schedule} orders a pipeline's microbatches; "
+                f"phased execution runs the whole batch through each phase, one pass a step: "
+                f"leave TrainConfig.schedule out (1f1b)"
+            )
         if train.microbatches > 1 or train.grad_accum > 1:
             raise ConfigError(
                 "phased execution runs the whole batch through each phase, so its weights "
