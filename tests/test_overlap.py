@@ -102,11 +102,11 @@ def test_bucket_count():
 
 @pytest.fixture(scope="module")
 def plans():
-    """gpt-tiny on pipe 2 x replica 2, 4 microbatches, with each option: one stage's
-    counted pieces (tensor=1) shared by all of them."""
+    """gpt-tiny on pipe 2 x tensor 2 x replica 2, 4 microbatches, with each option: one
+    stage's counted pieces shared by all of them."""
     from shardemu.predict.plan_resident import plan_resident
 
-    par, hw = Parallelism(pipe=2, replica=2), PROFILES["a100-80gb"]
+    par, hw = Parallelism(pipe=2, tensor=2, replica=2), PROFILES["a100-80gb"]
 
     def plan(**overlap):
         return plan_resident(
@@ -122,12 +122,13 @@ def plans():
         "end": plan(grad_reduce="end"),
         "bucketed": plan(grad_reduce="bucketed", bucket_mb=0.01),
         "blocking": plan(grad_reduce="end", pipe_sends="blocking"),
+        "scattered": plan(grad_reduce="end", pipe_sends="blocking", pipe_scatter_gather=True),
     }
 
 
 def test_options_move_the_same_bytes_and_flops(plans):
     end = plans["end"].report
-    for name in ("bucketed", "blocking"):
+    for name in ("bucketed", "blocking", "scattered"):
         other = plans[name].report
         assert other["flops"] == pytest.approx(end["flops"], rel=1e-12)
         for axis, sent in end["bytes_collective"].items():
@@ -158,6 +159,34 @@ def test_bucketed_reduction_hides_all_but_its_tail(plans):
 
 def test_blocking_sends_cost_time(plans):
     assert plans["blocking"].report["step_time_s"] > plans["end"].report["step_time_s"]
+
+
+def test_scattered_sends_take_a_share_and_a_gather(plans):
+    """The activations each of a stage's 2 tensor ranks holds whole go as Megatron-LM's
+    scatter/gather sent them. Each send's seconds are the hand formula's: on the plan's
+    A100s (8 a node, the 8 devices in one) half over NVLink and then a 2-rank
+    all-gather over it, as long as the whole send, and the step is the same; with 4 a
+    node, half over the stage's InfiniBand link, then the all-gather over NVLink:
+    shorter than whole, and so is the step."""
+    from shardemu.predict.durations import duration, pipe_send_seconds
+
+    hw, par = PROFILES["a100-80gb"], Parallelism(pipe=2, tensor=2, replica=2)
+    nodes_of_4 = dataclasses.replace(hw, devices_per_node=4)
+    sends = [e for e in plans["scattered"].ledger.events if e.op == "collective-permute"]
+    assert sends and {e.copies for e in sends} == {2}
+    for e in sends[:4]:
+        held = e.bytes / e.devices  # what a rank holds of the activation
+        nvlink, ib = hw.intra_node_gbps * 1e9, hw.inter_node_gbps * 1e9
+        assert pipe_send_seconds(e, hw, par) == pytest.approx(held / 2 / nvlink * 2, rel=1e-9)
+        across = held / 2 / ib + held / 2 / nvlink
+        assert pipe_send_seconds(e, nodes_of_4, par) == pytest.approx(across, rel=1e-9)
+        assert pipe_send_seconds(e, nodes_of_4, par) < duration(e, nodes_of_4, par)
+    same = plans["blocking"].report["step_time_s"]
+    assert plans["scattered"].report["step_time_s"] == pytest.approx(same, rel=1e-12)
+    ledger, blocking = plans["scattered"].ledger, Overlap(grad_reduce="end", pipe_sends="blocking")
+    scattered = dataclasses.replace(blocking, pipe_scatter_gather=True)
+    steps = [build_timeline(ledger, nodes_of_4, par, o).step_time_s for o in (blocking, scattered)]
+    assert steps[1] < steps[0]
 
 
 @pytest.mark.parametrize(

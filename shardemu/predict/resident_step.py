@@ -23,12 +23,15 @@ from shardemu.predict.overlap import MAX_BUCKETS, Overlap
 from shardemu.predict.resident_count import Microbatch
 
 
-def _scaled(e: Event, factor: float, replica: int, **changes: Any) -> Event:
-    """`e` repeated `factor` times (layers of a chunk) on `replica` times the devices."""
+def _scaled(
+    e: Event, factor: float, replica: int, nbytes: int | None = None, **changes: Any
+) -> Event:
+    """`e` repeated `factor` times (layers of a chunk) on `replica` times the devices;
+    its bytes `nbytes` where given (a part's exact share: `_StepEvents.parts`)."""
     return e.replaced(
         flops=e.flops * factor * replica,
         recompute_flops=e.recompute_flops * factor * replica,
-        bytes=round(e.bytes * factor * replica),
+        bytes=round(e.bytes * factor * replica) if nbytes is None else nbytes,
         devices=e.devices * replica,
         **changes,
     )
@@ -103,13 +106,13 @@ class _StepEvents:
         # that callers copy, never change: its events are immutable
         self.all_reduce = functools.cache(self._all_reduce)
 
-    def scaled(self, e: Event, factor: float, tag: Phase) -> Event:
+    def scaled(self, e: Event, factor: float, tag: Phase, nbytes: int | None = None) -> Event:
         """`e` scaled for a chunk (`_scaled`) in phase `tag`. Its copies for the other
         chunks' phases of `tag`'s kind keep the first as `_alike`: the same work, so the
         same stream and seconds (`costmodel.rules_key`), timed once for all the chunks
         (a 1,536-A100 search timed 3.1 million copies one by one)."""
-        copy = _scaled(e, factor, self.par.data, phase=tag)
-        first = self._alike.setdefault((id(e), factor, tag.kind), copy)
+        copy = _scaled(e, factor, self.par.data, nbytes, phase=tag)
+        first = self._alike.setdefault((id(e), factor, tag.kind, nbytes), copy)
         if first is not copy:
             copy.__dict__["_alike"] = first
         return copy
@@ -171,11 +174,27 @@ class _StepEvents:
             return [self.scaled(e, n, tag) for e in piece]
         grads, experts, out = mb.layer_bytes * n, mb.expert_bytes * n, []
         buckets = self.overlap.buckets(grads)
-        part = [self.scaled(e, n / buckets, tag) for e in piece]
-        for i in range(buckets):
+        for i, part in enumerate(self.parts(piece, n, buckets, tag)):
             shares = _share(grads, i, buckets), _share(experts, i, buckets)
             out += [*part, *self.all_reduce(shares[0], tag, 0, shares[1])]
         return out
+
+    def parts(self, piece: list[Event], n: int, count: int, tag: Phase) -> list[list[Event]]:
+        """A chunk's `n` layers of `piece` in `count` equal parts, one list of events a
+        part: the same list for every part but the last, whose bytes hold what the
+        others' whole bytes left, so that the parts move exactly what the chunk does
+        unsplit (each part's share rounded lost or made up a byte a part)."""
+        if count == 1:
+            return [[self.scaled(e, n, tag) for e in piece]]
+        whole = [round(e.bytes * n * self.par.data) for e in piece]
+        part = [
+            self.scaled(e, n / count, tag, w // count) for e, w in zip(piece, whole, strict=True)
+        ]
+        last = [
+            self.scaled(e, n / count, tag, w - (count - 1) * (w // count))
+            for e, w in zip(piece, whole, strict=True)
+        ]
+        return [part] * (count - 1) + [last]
 
     def gathered(self, kind: str, tag: Phase, piece: list[Event], n: int) -> list[Event]:
         """ZeRO stage 3 (FSDP: Zhao et al. 2023, "PyTorch FSDP", §3.3-3.4; Rajbhandari et
@@ -185,14 +204,13 @@ class _StepEvents:
         the backward (freed after the forward), and its backward's gradients
         reduce-scattered after it, every microbatch."""
         mb, parts = self.mb, min(n, MAX_BUCKETS)
-        part = [self.scaled(e, n / parts, tag) for e in piece]
         weights, experts = mb.layer_bytes * n, mb.expert_bytes * n
         shares = [_share(weights, i, parts) for i in range(parts)]
         gathers = [self.all_gather(w, mb.zero, tag, 0) for w in shares]
         out = gathers[:1]
-        for i in range(parts):  # the next part's gather issued as this one computes: it
-            # waits for its stream alone (`costmodel._reads_stored_weights`), and ahead of
-            # this part's reduce-scatter on it
+        for i, part in enumerate(self.parts(piece, n, parts, tag)):  # the next part's
+            # gather issued as this one computes: it waits for its stream alone
+            # (`costmodel._reads_stored_weights`), and ahead of this part's reduce-scatter
             out += part + gathers[i + 1 : i + 2]
             if kind == "B":
                 out += self.all_reduce(shares[i], tag, 0, _share(experts, i, parts))
