@@ -157,6 +157,10 @@ CLI_ROWS = [
     # a phased plan's passes run 1F1B: another schedule is refused, not planned as 1F1B
     row("plan-phased-gpipe", [*PHASED, "--mesh", "pipe=2", "--schedule", "gpipe"],
         "--schedule gpipe plans a resident step"),  # fmt: skip
+    # every microbatch size refused: the smallest's reason, of the most microbatches
+    row("plan-microbatch-group-16", [*A100, "--mesh", "pipe=2", "--batch", "8", "--seq", "16",
+        "--schedule", "interleaved", "--microbatch-group", "16"],
+        "--microbatch-group 16 must lie between the 2 stages and the 8 microbatches"),  # fmt: skip
     row("run-phased-interleaved", [*GPT, "--mesh", "pipe=2", "--phased", "--schedule",
         "interleaved"], "phased execution runs the whole batch through each phase"),  # fmt: skip
     row("microbatch-group-short", [*GPT, "--mesh", "pipe=2", "--microbatches", "4",

@@ -72,20 +72,22 @@ def choose_microbatch(
     size: one pipeline stage), sizes are screened by bisection for the largest that
     fits and planned from it down, and the first that fits is the choice. Sizes a
     planner refuses (interleaved 1F1B needs microbatches in multiples of pipe) are
-    skipped. The chosen report gets
+    skipped; where it refuses every size, the smallest size's refusal is raised. The
+    chosen report gets
     `microbatch_choice`: the size, the rule, the step of every size planned, the device
     bytes of every size screened or planned, and why any size was not planned."""
     if batch % par.data:
         raise ConfigError(
             f"TrainConfig.batch {batch} is not divisible by replica * expert = {par.data}"
         )
-    sizes, screens, refused = microbatch_candidates(batch // par.data), {}, None
+    sizes, screens = microbatch_candidates(batch // par.data), {}
     not_planned: dict[str, str] = {}
+    refused: dict[int, ConfigError] = {}  # by size
     if screen is not None:
         find = _largest_fitting if larger_no_slower else _fitting
-        sizes, refused = find(sizes, screen, screens, not_planned)
-        if not screens:  # every size was refused: the last refusal says why
-            raise refused  # type: ignore[misc]
+        sizes = find(sizes, screen, screens, not_planned, refused)
+        if not screens:  # every size was refused
+            raise _why(refused)
     if larger_no_slower:  # the largest first, of those the screen lets fit first
         sizes = sorted(sizes, key=lambda s: (s in screens and not screens[s].fits, -s))
     best, tried = None, {}
@@ -101,13 +103,13 @@ def choose_microbatch(
         try:
             planned = plan(size)
         except ConfigError as err:
-            refused = err
+            refused[size] = err
             continue
         tried[str(size)] = planned[0]
         if best is None or (_key(planned[0]), size) < (_key(best[0][0]), best[1]):
             best = (planned, size)
-    if best is None:  # every size was refused: the last refusal says why
-        raise refused  # type: ignore[misc]
+    if best is None:  # every size was refused
+        raise _why(refused)
     (report, rest), size = best
     fits = report["memory_per_device"]["device"]["fits"]
     device = {str(s): c.device_bytes for s, c in sorted(screens.items())}
@@ -124,46 +126,48 @@ def choose_microbatch(
     return report, rest
 
 
-Found = tuple[list[int], ConfigError | None]  # the sizes left to plan, the last refusal
+def _why(refused: dict[int, ConfigError]) -> ConfigError:
+    """What to raise when every size was refused: the smallest size's refusal, of the
+    most microbatches (a size larger still only moves further from what was asked)."""
+    return refused[min(refused)]
 
 
 def _fitting(
     sizes: list[int], screen: Callable[[int], Screen], screens: dict[int, Screen],
-    not_planned: dict[str, str],
-) -> Found:  # fmt: skip
+    not_planned: dict[str, str], refused: dict[int, ConfigError],
+) -> list[int]:  # fmt: skip
     """Screen `sizes` from the smallest up into `screens`, stopping at the first that
     does not fit (module docstring), and return those screened in the order to plan
-    them (`_order`); a size the screen refuses is left out."""
-    refused = None
+    them (`_order`); a size the screen refuses is left out (its error in `refused`)."""
     for i, size in enumerate(sizes):
         try:
             screens[size] = screen(size)
         except ConfigError as err:
-            refused = err
+            refused[size] = err
             continue
         if not screens[size].fits:  # nor any larger (module docstring): not screened
             for larger in sizes[i + 1 :]:
                 not_planned[str(larger)] = f"not screened: larger than {size}, which does not fit"
             break
-    return (_order(screens) if screens else []), refused
+    return _order(screens) if screens else []
 
 
 def _largest_fitting(
     sizes: list[int], screen: Callable[[int], Screen], screens: dict[int, Screen],
-    not_planned: dict[str, str],
-) -> Found:  # fmt: skip
+    not_planned: dict[str, str], refused: dict[int, ConfigError],
+) -> list[int]:  # fmt: skip
     """Bisect `sizes` (ascending, bytes growing with them) for the largest the screen
     lets fit, the largest size first; return it and the sizes below it, unscreened
     (they fit too), or, when none fits, the smallest alone (the least memory). A size
-    the screen refuses is left out."""
-    sizes, refused = list(sizes), None
+    the screen refuses is left out (its error in `refused`)."""
+    sizes = list(sizes)
     lo, hi, probe = 0, len(sizes), len(sizes) - 1  # sizes[:lo] fit, sizes[hi:] do not
     while lo < hi:
         size = sizes[probe]
         try:
             screens[size] = screen(size)
         except ConfigError as err:
-            refused = err
+            refused[size] = err
             del sizes[probe]
             hi -= 1
         else:
@@ -175,7 +179,7 @@ def _largest_fitting(
             not_planned[str(size)] = f"does not fit: {screens[size].device_bytes:,} device bytes"
         else:
             not_planned[str(size)] = f"not screened: larger than {sizes[lo]}, which does not fit"
-    return left, refused
+    return left
 
 
 def _passed_over(screen: Screen, best: dict[str, Any]) -> str:
