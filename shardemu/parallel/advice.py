@@ -78,15 +78,15 @@ def indivisible_message(failures: Sequence[tuple[str, Indivisible]]) -> str:
     """One sentence for several parameters (`failures`: each one's path and first
     failing dimension), grouped by that dimension: its name and size, the mesh axes,
     the parameters and the fix, each said once."""
-    groups: dict[tuple[str | None, int, str, int], list[str]] = {}
+    groups: dict[tuple[str | None, int, str, int], tuple[Indivisible, list[str]]] = {}
     for path, bad in failures:
-        groups.setdefault((bad.name, bad.size, repr(bad.axes), bad.n), []).append(path)
+        key = (bad.name, bad.size, repr(bad.axes), bad.n)
+        groups.setdefault(key, (bad, []))[1].append(path)
     parts = []
-    for (name, size, axes, n), paths in groups.items():
+    for bad, paths in groups.values():
         listed = ", ".join(paths[:-1]) + " and " + paths[-1] if len(paths) > 1 else paths[0]
-        hint = Indivisible(0, name, size, axes, n).hint
         parts.append(
-            f"their {name!r} dimension {size} is not divisible by mesh axis {axes} (size {n}) "
-            f"in {listed}: {hint}"
+            f"their {bad.name!r} dimension {bad.size} is not divisible by mesh axis "
+            f"{bad.axes!r} (size {bad.n}) in {listed}: {bad.hint}"
         )
     return f"{len(failures)} parameters cannot be sharded: {'; '.join(parts)}"

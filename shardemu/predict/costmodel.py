@@ -54,7 +54,7 @@ from typing import NamedTuple
 from shardemu.accounting.assemble import AssembledLedger
 from shardemu.accounting.ledger import Event, Phase
 from shardemu.config import Parallelism
-from shardemu.predict.durations import duration, pipe_send_seconds, stream_of
+from shardemu.predict.durations import duration, is_pipe_send, pipe_send_seconds, stream_of
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap, exposed_chunked
 from shardemu.predict.placing import placing_order
@@ -243,7 +243,7 @@ def rules_of(e: Event, hw: Hardware, par: Parallelism, overlap: Overlap) -> Even
     collective, pipe = e.kind == "collective", e.axis == "pipe"
     reduction = collective and not pipe and e.carries == "gradients"
     blocking = overlap.pipe_sends == "blocking"
-    scattered = overlap.pipe_scatter_gather and pipe and e.op == "collective-permute"
+    scattered = overlap.pipe_scatter_gather and is_pipe_send(e)
     return EventRules(
         stream=stream_of(e),
         seconds=pipe_send_seconds(e, hw, par) if scattered else duration(e, hw, par),

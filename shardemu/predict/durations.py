@@ -71,6 +71,12 @@ def duration(event: Event, hw: Hardware, par: Parallelism) -> float:
     return event.bytes * per_device / (collective_gbps(event, hw, par) * GB)
 
 
+def is_pipe_send(event: Event) -> bool:
+    """Whether `event` is a point-to-point send between pipeline stages (not the tied
+    embedding's all-reduce over `pipe`): what scatter/gather changes."""
+    return event.axis == "pipe" and event.op == "collective-permute"
+
+
 def pipe_send_seconds(event: Event, hw: Hardware, par: Parallelism) -> float:
     """A send over `pipe` under Megatron-LM's scatter/gather (`Overlap.pipe_scatter_gather`):
     each of the `event.copies` tensor ranks holding a byte sends 1/copies of it over the
@@ -90,7 +96,7 @@ def least_seconds(event: Event, hw: Hardware, par: Parallelism) -> float:
     """`event`'s seconds under any `Overlap`: a send over `pipe` whole or scattered,
     whichever is shorter (for bounds that do not know which a plan will use)."""
     seconds = duration(event, hw, par)
-    if event.axis == "pipe" and event.op == "collective-permute" and event.copies > 1:
+    if is_pipe_send(event):
         return min(seconds, pipe_send_seconds(event, hw, par))
     return seconds
 
