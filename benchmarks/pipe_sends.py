@@ -70,11 +70,7 @@ def llama3_rows() -> list[dict]:
         groups = (None, m) if m > case.par.pipe else (None,)
         for group in groups:
             for scattered in (False, True):
-                train = TrainConfig(
-                    batch=case.batch, seq=case.seq, schedule=case.schedule,
-                    virtual=case.virtual, precision=case.precision, zero=case.zero,
-                    microbatch_group=group,
-                )  # fmt: skip
+                train = dataclasses.replace(validation.train_config(case), microbatch_group=group)
                 overlap = dataclasses.replace(case.overlap, pipe_scatter_gather=scattered)
                 r = plan_resident(
                     case.model, case.par, train, case.microbatch_size,

@@ -517,13 +517,18 @@ def devices_for(cases: list[Case]) -> int:
     return max(48, *(c.par.tensor * c.par.context for c in cases))
 
 
-def run(case: Case) -> dict:
-    use_virtual_devices(devices_for([case]))  # a process of this row alone (plans.py)
-    train = TrainConfig(
+def train_config(case: Case) -> TrainConfig:
+    """The training settings `case` is planned with."""
+    return TrainConfig(
         batch=case.batch, seq=case.seq, schedule=case.schedule, virtual=case.virtual,
         precision=case.precision, stage_layers=case.stage_layers, zero=case.zero,
         sequence_parallel=case.sequence_parallel,
     )  # fmt: skip
+
+
+def run(case: Case) -> dict:
+    use_virtual_devices(devices_for([case]))  # a process of this row alone (plans.py)
+    train = train_config(case)
     settings = {"recompute": case.recompute, "overlap": case.overlap, "attention": case.attention}
     hw = PROFILES[case.hardware]
     if case.microbatch_size:
