@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardemu.numerics.optim import squared_norm
+from shardemu.parallel.rules import named_shardings
 from shardemu.sparsity import apply_masks
 from shardemu.stages.pieces import Piece
 from shardemu.stages.tiers import with_memory_kind
@@ -70,12 +71,7 @@ def per_system_builders(st: Stage) -> dict[Piece, Callable[[], Any]]:
         """`fn` jitted with its outputs' shardings declared (those of its `shard_map`'s
         `out_specs`), so that a dry run for memory shapes it without compiling it
         (`Counter.outputs`): its compile then waits for the count, beside the others."""
-        named = jax.tree.map(
-            lambda s: NamedSharding(mesh, s),
-            out_specs,
-            is_leaf=lambda x: isinstance(x, PartitionSpec),
-        )
-        return jax.jit(fn, out_shardings=named)
+        return jax.jit(fn, out_shardings=named_shardings(mesh, out_specs))
 
     def piece(fn: Any, in_specs: tuple, out_specs: Any) -> Any:
         """`fn` on each system's share, jitted (`per_system`, `jitted`)."""
