@@ -5,6 +5,7 @@ training on every engine (expert parallelism on the resident one), and the all-t
 of expert parallelism against the hand formula."""
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -128,15 +129,21 @@ def test_phased_with_rts_equals_one_device(reference, staged_like_reference):
     staged_like_reference(trainer, trainer.init(reference["init"]), reference)
 
 
+@functools.cache  # read by two tests: counted once
+def expert_parallel_events() -> list:
+    """The ledger events of moe-tiny's step on expert 2 x replica 2."""
+    mesh = make_mesh(expert=2, replica=2, devices=jax.devices()[:4])
+    return Trainer(TINY, mesh, TRAIN).step_events(Counter(), 0)
+
+
 def test_expert_parallel_all_to_alls_are_the_hand_formula():
     """Each layer sends its dispatched tokens to their experts and back, forward and
     backward: four all-to-alls over `expert`, each of tokens x k x d x 4 bytes (at
     capacity factor 1 the slots hold exactly k tokens each), a device sending
     (ep - 1) / ep of its share. Nothing else crosses `expert` but the gradients'
     reductions and the loss."""
-    ep, replica = 2, 2
-    mesh = make_mesh(expert=ep, replica=replica, devices=jax.devices()[:4])
-    events = Trainer(TINY, mesh, TRAIN).step_events(Counter(), 0)
+    ep = 2
+    events = expert_parallel_events()
     cfg = TINY.cfg
     tokens, k, d = TRAIN.batch * TRAIN.seq, cfg.experts_per_token, cfg.embed_dim
     per_direction = tokens * k * d * 4 * (ep - 1) / ep
@@ -184,8 +191,7 @@ def test_a_plan_of_expert_parallelism_holds_the_runs_all_to_alls():
     hw = shardemu.get_hardware("h100-sxm")
     par = Parallelism(replica=2, expert=2)
     planned = shardemu.plan(TINY, par, TRAIN, hw, recompute="none")
-    events = Trainer(TINY, make_mesh(expert=2, replica=2, devices=jax.devices()[:4]), TRAIN)
-    real = sum(e.bytes for e in events.step_events(Counter(), 0) if e.op == "all-to-all")
+    real = sum(e.bytes for e in expert_parallel_events() if e.op == "all-to-all")
     a2a = [e for e in planned.ledger.events if e.op == "all-to-all"]
     assert {e.axis for e in a2a} == {"expert"} and sum(e.bytes for e in a2a) == real
     flat = shardemu.plan(TINY, Parallelism(replica=4), TRAIN, hw, recompute="none")

@@ -59,7 +59,7 @@ def test_initial_pattern_has_the_density_in_every_layer_and_is_constant_on_block
     cfg = SparsityConfig(0.75, block=block)
     tx = wrap_optax(optax.sgd(0.1), cfg, LOGICAL, steps=10, seed=3)
     masks = jax.eval_shape(tx.init, SHAPES).masks  # shapes first: dense leaves are scalars
-    state = tx.init(jax.jit(GPT.init_params)(jax.random.key(0)))
+    state = jax.jit(tx.init)(jax.jit(GPT.init_params)(jax.random.key(0)))
     for (_, m, axes), (_, shape, _) in zip(
         sparse_items(state.masks), sparse_items(masks), strict=True
     ):

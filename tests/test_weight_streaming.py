@@ -29,6 +29,18 @@ STEPS = 3
 SYSTEMS = 4
 
 
+# One activation policy a model: BERT the CS-2's own (its ledger is checked below), GPT
+# recomputation
+POLICY = {"bert": "keep-activations", "gpt": "recompute"}
+
+
+def kept_run(runs, model):
+    """BERT's run with kept activations (GPT runs the other policy)."""
+    if model.cfg.family != "bert":
+        pytest.skip("BERT runs keep-activations (POLICY)")
+    return runs("keep-activations")
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model, single_device_reference):
     return single_device_reference(tiny_model, TRAIN, STEPS)
@@ -63,8 +75,8 @@ def runs(tiny_model, reference):
 def test_weight_streaming_equals_single_device(
     tiny_model, reference, runs, activations, assert_params_close
 ):
-    if tiny_model.cfg.family == "bert" and activations == "recompute":
-        pytest.skip("GPT covers recompute; BERT runs the CS-2's own policy")
+    if POLICY[tiny_model.cfg.family] != activations:
+        pytest.skip("each model runs one policy (POLICY)")
     trainer, state, results = runs(activations)
     np.testing.assert_allclose([r.loss for r in results], reference["losses"], rtol=1e-5)
     jax.tree.map(
@@ -80,7 +92,7 @@ def test_swarmx_moves_each_layer_twice_and_each_gradient_once(tiny_model, runs):
     """Per step and per link: broadcast = 2 fetches x the layers' bytes + the shared
     weights once; reduce = every weight's bytes once (into MemoryX). Nothing streams
     through the host link, and no gradient is all-reduced between devices."""
-    trainer, state, _ = runs("keep-activations")
+    trainer, state, _ = kept_run(runs, tiny_model)
     layers = param_bytes(state.layers)  # the host tier's arrays, one copy each
     shared = param_bytes(state.shared)
     assert trainer.plan().per_phase[0].fetches == 2
@@ -103,8 +115,8 @@ def test_swarmx_moves_each_layer_twice_and_each_gradient_once(tiny_model, runs):
 
 
 @pytest.mark.slow
-def test_keep_activations_recomputes_nothing(runs):
-    keep = runs("keep-activations")[0].ledger.step(0)
+def test_keep_activations_recomputes_nothing(runs, tiny_model):
+    keep = kept_run(runs, tiny_model)[0].ledger.step(0)
     assert sum(e.recompute_flops for e in keep) == 0
 
 
