@@ -166,6 +166,15 @@ CLI_ROWS = [
     row("microbatch-group-short", [*GPT, "--mesh", "pipe=2", "--microbatches", "4",
         "--schedule", "interleaved", "--microbatch-group", "3"],
         "--microbatch-group 3 leaves a last group of 1"),  # fmt: skip
+    # a flag that would change nothing on the mesh: refused, not dropped
+    row("zero-one-replica", [*GPT, "--mesh", "tensor=2", "--zero", "2"],
+        "--zero 2 shards over the devices that hold the same weights"),  # fmt: skip
+    row("sequence-parallel-tensor-1", [*A100, "--mesh", "replica=2", "--sequence-parallel"],
+        "--sequence-parallel splits over tensor, and pipe=1,tensor=1,replica=2 has"),  # fmt: skip
+    row("scatter-gather-pipe-1", [*A100, "--mesh", "tensor=2", "--pipe-scatter-gather"],
+        "--pipe-scatter-gather splits pipeline sends, and pipe=1,tensor=2"),  # fmt: skip
+    row("scatter-gather-sequence-parallel", [*A100, "--mesh", "pipe=2,tensor=2",
+        "--sequence-parallel", "--pipe-scatter-gather"], "its own share already"),  # fmt: skip
     row("plan-rts-3", [*PHASED, "--mesh", "replica=4", "--rts", "3"],
         "--rts 3 does not divide replica=4"),  # fmt: skip
     row("plan-microbatch-0", [*A100, "--microbatch-size", "0"], "--microbatch-size 0 must be"),

@@ -30,6 +30,7 @@ from shardemu.cli.settings import (
     model_config,
     parallelism,
     phased_config,
+    refuse_idle_settings,
     tracking_config,
     train_config,
 )
@@ -66,6 +67,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         _run_resumed(args)
         return
     par = parallelism(args)
+    refuse_idle_settings(args, par)
     devices = _devices(args, par)
     train_cfg = train_config(args)
     model_cfg = model_config(args)

@@ -16,6 +16,7 @@ from shardemu.cli.settings import (
     overlap_config,
     parallelism,
     phased_config,
+    refuse_idle_settings,
     search_space,
     sparsity_config,
     tracking_config,
@@ -41,6 +42,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from shardemu.report.rundir import default_run_dir, require_new
 
     par = parallelism(args)
+    refuse_idle_settings(args, par)
     phased = phased_config(args)
     overlap = overlap_config(args)  # refused now, not after counting
     _refuse_resident_only(args, phased)

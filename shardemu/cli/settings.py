@@ -146,3 +146,33 @@ def parallelism(args: argparse.Namespace) -> Parallelism:
             f"--systems {systems} is the mesh replica={systems}, but --mesh says {par}; drop --mesh"
         )
     return Parallelism(replica=systems)
+
+
+def refuse_idle_settings(args: argparse.Namespace, par: Parallelism) -> None:
+    """Flags given on the command line that would change nothing on mesh `par`, refused
+    rather than dropped: a user who asks for ZeRO on one replica, sequence parallelism
+    on one tensor rank, or Megatron-LM's scatter/gather where no stage sends what every
+    tensor rank holds has another layout in mind than the one planned or run."""
+    given = set(changed(TrainConfig, args)) | set(changed(Overlap, args))
+    mesh = "leave the flag out or change --mesh"
+    idle = []
+    if "--zero" in given and par.replica * par.context * par.expert == 1:
+        idle.append(f"--zero {args.zero} shards over the devices that hold the same weights "
+                    f"(replica, context), and {par} has one: {mesh}")  # fmt: skip
+    if "--sequence-parallel" in given and par.tensor == 1:
+        idle.append(f"--sequence-parallel splits over tensor, and {par} has tensor=1: {mesh}")
+    if "--pipe-scatter-gather" in given:
+        if par.pipe == 1:
+            idle.append(
+                f"--pipe-scatter-gather splits pipeline sends, and {par} has pipe=1: {mesh}"
+            )
+        elif par.tensor == 1:
+            idle.append(f"--pipe-scatter-gather splits a send over tensor, and {par} has "
+                        f"tensor=1: {mesh}")  # fmt: skip
+        elif args.sequence_parallel:
+            idle.append(
+                "--pipe-scatter-gather splits what every tensor rank sends whole, and with "
+                "--sequence-parallel each sends its own share already: leave out one of them"
+            )
+    if idle:
+        raise ConfigError("; ".join(idle))
