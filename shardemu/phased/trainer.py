@@ -18,7 +18,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from shardemu.accounting.attention_core import AttentionShape
 from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Ledger
 from shardemu.accounting.sizes import bytes_per_device
@@ -33,7 +32,7 @@ from shardemu.phased.state import Layout, PhasedState
 from shardemu.stages.crossing import put
 from shardemu.stages.executor import Executor
 from shardemu.stages.specs import AXIS_LABELS, stage_meshes, staged_rules
-from shardemu.stages.stage import Stage, build_stages, split_layers
+from shardemu.stages.stage import Stage, build_stages, count_context, split_layers
 from shardemu.stages.tiers import Tier, with_memory_kind
 
 
@@ -101,9 +100,7 @@ class PhasedTrainer:
         self.pieces = build_stages(model, meshes, train, cfg, self.rules)
         self.stages: tuple[Stage, ...] = self.pieces.stages
         self.counter = PROCESS_COUNTER if counter is None else counter
-        # what a piece compiles to depends on these settings as well as on its inputs
-        attention = AttentionShape.of(model.cfg, train.seq, par.context)
-        self._context = (model, train, self.rules, cfg.rts, cfg.rts_opt, attention)
+        self._context = count_context(model, train, self.rules, cfg, par.context)
         self.dry_runs: dict[tuple, planner.DryRun] = {}  # by (layout slices, counting)
         self._abstract_states: dict[tuple, PhasedState] = {}  # by layout slices
         # one layer's weights as a phase computes with them (gathered, tensor-sharded)

@@ -18,7 +18,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from shardemu.accounting.attention_core import AttentionShape
 from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Ledger
 from shardemu.accounting.sizes import bytes_per_device
@@ -33,7 +32,7 @@ from shardemu.pipelined.program import PipelinedState, StepOutput, run_step, sha
 from shardemu.stages.crossing import put
 from shardemu.stages.executor import Executor
 from shardemu.stages.specs import AXIS_LABELS, stage_meshes, staged_rules
-from shardemu.stages.stage import Stage, build_stages, init_params, split_layers
+from shardemu.stages.stage import Stage, build_stages, count_context, init_params, split_layers
 from shardemu.stages.tiers import Tier
 
 
@@ -85,9 +84,7 @@ class PipelinedTrainer:
         self.stages: tuple[Stage, ...] = self.pieces.stages
         self.holders = shared_holders(self.layout)
         self.counter = PROCESS_COUNTER if counter is None else counter
-        # as PhasedTrainer's
-        attention = AttentionShape.of(model.cfg, train.seq, par.context)
-        self._context = (model, train, self.rules, cfg.rts, cfg.rts_opt, attention)
+        self._context = count_context(model, train, self.rules, cfg, par.context)
         self.ledger = Ledger()
         self.tiers = [Tier(f"device (stage {s})", None) for s in range(par.pipe)]
         self.steps_done = 0

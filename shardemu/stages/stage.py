@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardemu.accounting.attention_core import AttentionShape
 from shardemu.accounting.count import signature
 from shardemu.accounting.ledger import Phase
 from shardemu.config import PhasedConfig, TrainConfig
@@ -252,6 +253,18 @@ class Pieces:
             return apply_masks(w, state.masks), state
 
         return jax.jit(init, out_shardings=shardings)(weights, jnp.int32(first_layer))
+
+
+def count_context(
+    model: Model, train: TrainConfig, rules: Rules, cfg: PhasedConfig, context: int
+) -> tuple:
+    """What the stages' pieces compile to depends on besides their inputs, the counter's
+    key beside their names and signatures (`Counter.count`): the model, the training
+    settings, the rules, the stages' rts and rts', weight streaming (whose per-system
+    pieces take the names and the inputs of the others: `systems.py`) and the attention
+    core's shape, `context` ways split."""
+    attention = AttentionShape.of(model.cfg, train.seq, context)
+    return (model, train, rules, cfg.rts, cfg.rts_opt, cfg.weight_streaming, attention)
 
 
 def build_stages(
