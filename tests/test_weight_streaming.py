@@ -207,8 +207,9 @@ def test_bad_weight_streaming_settings_are_refused(capsys):
         PhasedConfig(weight_streaming=True, activations="keep")
     with pytest.raises(ConfigError, match="set PhasedConfig.weight_streaming"):
         PhasedConfig(activations="keep-activations")
-    with pytest.raises(ConfigError, match="tensor and pipe must be 1"):
-        PhasedConfig(weight_streaming=True).check_mesh(Parallelism(tensor=2, replica=2))
+    for mesh in (Parallelism(tensor=2, replica=2), Parallelism(context=2)):
+        with pytest.raises(ConfigError, match="tensor, pipe, context and expert must be 1"):
+            PhasedConfig(weight_streaming=True).check_mesh(mesh)
     for argv, message in (
         (["--systems", "4"], "--systems 4 goes with --weight-streaming"),
         (["--weight-streaming", "--systems", "4", "--mesh", "tensor=4"], "drop --mesh"),

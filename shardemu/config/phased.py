@@ -136,10 +136,11 @@ class PhasedConfig:
 
     def check_mesh(self, parallelism: Parallelism) -> None:
         r = parallelism.replica
-        if self.weight_streaming and (parallelism.tensor, parallelism.pipe) != (1, 1):
+        p = parallelism
+        if self.weight_streaming and (p.tensor, p.pipe, p.context, p.expert) != (1, 1, 1, 1):
             raise ConfigError(
-                f"PhasedConfig.weight_streaming trains on N systems (the replica axis); tensor "
-                f"and pipe must be 1, got mesh {parallelism}"
+                f"PhasedConfig.weight_streaming trains on N systems (the replica axis); tensor, "
+                f"pipe, context and expert must be 1, got mesh {parallelism}"
             )
         if r % self.rts:
             raise ConfigError(
