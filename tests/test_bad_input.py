@@ -195,6 +195,8 @@ CLI_ROWS = [
     # search
     row("search-precision", [*SEARCH, "--precision", "fp64"],
         "--precision takes a comma-separated"),
+    row("search-sequence-parallel-tensor-1", [*SEARCH, "--max-tensor", "1",
+        "--sequence-parallel"], "--max-tensor 1 leaves every layout tensor=1"),  # fmt: skip
     row("search-zero-stages", [*SEARCH, "--zero-stages", "1,5"],
         "--zero-stages takes a comma-separated list of 0, 1, 2 and 3, got '1,5'"),
     row("search-context-sizes", [*SEARCH, "--seq", "32", "--context-sizes", "2,3"],

@@ -151,6 +151,11 @@ class Space:
                 "Overlap.tp_overlap chunked hides sequence-parallel layers' collectives; "
                 "search with Space.sequence_parallel, or Overlap.tp_overlap none"
             )
+        if self.sequence_parallel and self.max_tensor == 1:
+            raise ConfigError(
+                "Space.sequence_parallel splits over tensor, and Space.max_tensor 1 leaves "
+                "every layout tensor=1: it would change nothing; leave one of them out"
+            )
         if not self.context_sizes or any(c < 1 for c in self.context_sizes):
             raise ConfigError(
                 f"Space.context_sizes must be a non-empty list of positive integers, got "
