@@ -175,6 +175,12 @@ CLI_ROWS = [
         "--pipe-scatter-gather splits pipeline sends, and pipe=1,tensor=2"),  # fmt: skip
     row("scatter-gather-sequence-parallel", [*A100, "--mesh", "pipe=2,tensor=2",
         "--sequence-parallel", "--pipe-scatter-gather"], "its own share already"),  # fmt: skip
+    row("pipe-sends-pipe-1", [*A100, "--pipe-sends", "blocking"],
+        "--pipe-sends blocking times pipeline sends, and pipe=1,tensor=1"),  # fmt: skip
+    row("bucket-mb-at-the-end", [*A100, "--mesh", "replica=2", "--grad-reduce", "end",
+        "--bucket-mb", "10"], "--grad-reduce end reduces all the gradients at once"),  # fmt: skip
+    row("phased-grad-reduce", [*PHASED, "--grad-reduce", "end"],
+        "--grad-reduce is for resident plans: a phased plan reduces each phase's"),  # fmt: skip
     row("plan-rts-3", [*PHASED, "--mesh", "replica=4", "--rts", "3"],
         "--rts 3 does not divide replica=4"),  # fmt: skip
     row("plan-microbatch-0", [*A100, "--microbatch-size", "0"], "--microbatch-size 0 must be"),

@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.console import Console
 
-from shardemu.cli.fields import from_args
+from shardemu.cli.fields import changed, from_args
 from shardemu.cli.settings import (
     model_config,
     overlap_config,
@@ -27,6 +27,7 @@ from shardemu.errors import CapacityError
 from shardemu.models import Model
 from shardemu.numerics.precision import arithmetic
 from shardemu.predict.hardware import Hardware
+from shardemu.predict.overlap import Overlap
 from shardemu.predict.plan import Plan
 from shardemu.predict.profiles import get_hardware
 from shardemu.report.tables import print_phase_plan, summary_table
@@ -173,6 +174,13 @@ def _refuse_resident_only(args: argparse.Namespace, phased: PhasedConfig | None)
         raise ConfigError(
             f"--recompute {args.recompute} is for resident plans: a phased plan keeps, "
             f"offloads or recomputes activations as --activations says"
+        )
+    reduce = [f for f in changed(Overlap, args) if f in ("--grad-reduce", "--bucket-mb")]
+    if reduce:
+        raise ConfigError(
+            f"{' and '.join(reduce)} {'is' if len(reduce) == 1 else 'are'} for resident plans: "
+            f"a phased plan reduces each phase's gradients after that phase (the phases are "
+            f"the buckets); leave {'it' if len(reduce) == 1 else 'them'} out or --phased"
         )
     if args.stage_layers is not None:
         raise ConfigError(

@@ -174,5 +174,14 @@ def refuse_idle_settings(args: argparse.Namespace, par: Parallelism) -> None:
                 "--pipe-scatter-gather splits what every tensor rank sends whole, and with "
                 "--sequence-parallel each sends its own share already: leave out one of them"
             )
+    if "--pipe-sends" in given and par.pipe == 1:
+        idle.append(
+            f"--pipe-sends {args.pipe_sends} times pipeline sends, and {par} has pipe=1: {mesh}"
+        )
+    if "--bucket-mb" in given and args.grad_reduce == "end":
+        idle.append(
+            "--bucket-mb sizes the buckets of --grad-reduce bucketed, and --grad-reduce end "
+            "reduces all the gradients at once: leave out one of them"
+        )
     if idle:
         raise ConfigError("; ".join(idle))
