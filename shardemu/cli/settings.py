@@ -149,10 +149,11 @@ def parallelism(args: argparse.Namespace) -> Parallelism:
 
 
 def refuse_idle_settings(args: argparse.Namespace, par: Parallelism) -> None:
-    """Flags given on the command line that would change nothing on mesh `par`, refused
-    rather than dropped: a user who asks for ZeRO on one replica, sequence parallelism
-    on one tensor rank, or Megatron-LM's scatter/gather where no stage sends what every
-    tensor rank holds has another layout in mind than the one planned or run."""
+    """Flags given on the command line that would change nothing on mesh `par` (or beside
+    another flag), refused rather than dropped: a user who asks for ZeRO on one replica,
+    sequence parallelism on one tensor rank, a way of sending between pipeline stages
+    where there is one stage, or a bucket size for gradients reduced at once has another
+    layout or system in mind than the one planned or run."""
     given = set(changed(TrainConfig, args)) | set(changed(Overlap, args))
     mesh = "leave the flag out or change --mesh"
     idle = []
