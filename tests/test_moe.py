@@ -217,3 +217,14 @@ def test_a_plan_of_expert_parallelism_holds_the_runs_all_to_alls():
     assert memory[0] < memory[1]
     with pytest.raises(ConfigError, match="phased plans of expert parallelism .* not built yet"):
         shardemu.plan(TINY, par, TRAIN, hw, phased=PhasedConfig())
+
+
+def test_describe_prints_the_router_whose_expert_axis_has_no_name():
+    """`describe`'s table prints an unnamed logical axis as "-", as its spec column does
+    (the router's experts axis: the table raised a TypeError before, found by fuzzing
+    the command line)."""
+    from cli_helpers import shardemu as command
+
+    out = command("describe", "--model", "moe-tiny")
+    assert out.returncode == 0, out.stderr
+    assert "router" in out.stdout

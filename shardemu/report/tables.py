@@ -45,10 +45,11 @@ def param_table(report: dict[str, Any]) -> Table:
         spec = (
             "-" if a is None else "+".join(a) if isinstance(a, list) else a for a in row["spec"]
         )
+        logical = ("-" if a is None else a for a in row["logical_axes"])  # an unnamed axis
         table.add_row(
             row["path"],
             "x".join(map(str, row["shape"])),
-            " ".join(row["logical_axes"]),
+            " ".join(logical),
             " ".join(spec),
             f"{row['bytes_per_device']:,}",
         )
