@@ -464,7 +464,8 @@ def test_a_plan_that_does_not_fit_exits_4_naming_the_tier_and_what_to_change(tmp
     """gpt-tiny on a 1 MB device: the plan is written and printed, then one line says
     which tier, by how much and what would shrink it (not the settings already given; a
     higher ZeRO stage where there are replicas), exit status 4; --allow-overflow plans it
-    with a warning and exit status 0."""
+    with a warning and exit status 0. A smaller microbatch is suggested only where there
+    is one (the size given, or the planner's choice, above 1)."""
     tiny = tmp_path / "tiny.json"
     tiny.write_text('{"base": "a100-80gb", "name": "a100-1mb", "device_memory_gb": 0.001}')
     plan = ["plan", "--model", "gpt-tiny", "--hardware", str(tiny), "--recompute", "full",
@@ -482,6 +483,10 @@ def test_a_plan_that_does_not_fit_exits_4_naming_the_tier_and_what_to_change(tmp
     assert replicas.returncode == 4 and ", --zero 3 (ZeRO: the optimizer" in replicas.stderr
     anyway = shardemu(*plan, "--json", "--allow-overflow")
     assert anyway.returncode == 0 and anyway.stderr.startswith("warning: gpt-tiny"), anyway.stderr
+    # not given, the size chosen is already the smallest: no smaller one is suggested
+    chosen = shardemu(*plan[:-2], "--json")
+    assert chosen.returncode == 4 and json.loads(chosen.stdout)["microbatch_size"] == 1
+    assert "--microbatch-size" not in chosen.stderr.strip().splitlines()[-1], chosen.stderr
 
 
 def test_a_batch_the_step_cannot_take_is_refused_before_it_compiles():

@@ -147,7 +147,7 @@ def _changes(args: argparse.Namespace, phased: Any, report: dict[str, Any]) -> s
             "a larger --rts" if phased.rts == 1 else None,
         ]
     else:
-        micro = args.microbatch_size
+        micro = report.get("microbatch_size", args.microbatch_size)  # given or chosen
         options = [
             "--recompute full" if args.recompute != "full" else None,
             "a smaller --microbatch-size" if micro is None or micro > 1 else None,
