@@ -489,6 +489,24 @@ def test_a_plan_that_does_not_fit_exits_4_naming_the_tier_and_what_to_change(tmp
     assert "--microbatch-size" not in chosen.stderr.strip().splitlines()[-1], chosen.stderr
 
 
+def test_a_phased_plan_that_does_not_fit_suggests_only_what_can_shrink_it(tmp_path):
+    """Phased, on a 1 MB device: more phases only where a phase holds more than one
+    layer, a larger rts only below the replicas, offloading unless given, and more
+    devices always."""
+    tiny = tmp_path / "tiny.json"
+    tiny.write_text('{"base": "a100-80gb", "name": "a100-1mb", "device_memory_gb": 0.001}')
+    plan = ["plan", "--model", "gpt-tiny", "--hardware", str(tiny), "--phased"]
+    alone = shardemu(*plan)  # a layer a phase (the planner's choice), one replica
+    assert alone.returncode == 4, alone.stderr
+    said = alone.stderr.strip().splitlines()[-1]
+    assert "phases" not in said and "--rts" not in said.split("with --rts")[0]
+    assert "--activations offload" in said and "more devices in --mesh" in said
+    shared = shardemu(*plan, "--phases", "2", "--mesh", "replica=2", "--activations", "offload")
+    said = shared.stderr.strip().splitlines()[-1]
+    assert "more --phases" in said and "a larger --rts" in said
+    assert "--activations offload" not in said
+
+
 def test_a_batch_the_step_cannot_take_is_refused_before_it_compiles():
     """A key missing, a shape for other settings, token ids past the vocabulary (which
     read no embedding row: a NaN loss before): one ConfigError each from a Trainer's

@@ -141,10 +141,12 @@ def _say_if_it_does_not_fit(args: argparse.Namespace, planned: Plan, phased: Any
 def _changes(args: argparse.Namespace, phased: Any, report: dict[str, Any]) -> str:
     """The layout changes that shrink a plan's memory, less those already made."""
     if phased is not None:
+        plan, replicas = report["plan"], Parallelism.parse(report["mesh"]).replica
         options = [
-            "more --phases" if args.phases else "--phases (more, smaller phases)",
+            _more_phases(args, plan["layers_per_phase"]),
             "--activations offload" if phased.activations != "offload" else None,
-            "a larger --rts" if phased.rts == 1 else None,
+            "a larger --rts" if plan["rts"] < replicas else None,
+            "more devices in --mesh (tensor, or replicas to share weights with --rts)",
         ]
     else:
         micro = report.get("microbatch_size", args.microbatch_size)  # given or chosen
@@ -159,6 +161,13 @@ def _changes(args: argparse.Namespace, phased: Any, report: dict[str, Any]) -> s
             "--phased (weights in the host tier)",
         ]
     return "try " + ", ".join(o for o in options if o)
+
+
+def _more_phases(args: argparse.Namespace, layers_per_phase: int) -> str | None:
+    """More, smaller phases, where a phase holds more than one layer."""
+    if layers_per_phase == 1:
+        return None
+    return "more --phases" if args.phases else "--phases (more, smaller phases)"
 
 
 def _refuse_resident_only(args: argparse.Namespace, phased: PhasedConfig | None) -> None:
