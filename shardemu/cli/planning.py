@@ -140,8 +140,9 @@ def _say_if_it_does_not_fit(args: argparse.Namespace, planned: Plan, phased: Any
 
 def _changes(args: argparse.Namespace, phased: Any, report: dict[str, Any]) -> str:
     """The layout changes that shrink a plan's memory, less those already made."""
+    replicas = Parallelism.parse(report["mesh"]).replica
     if phased is not None:
-        plan, replicas = report["plan"], Parallelism.parse(report["mesh"]).replica
+        plan = report["plan"]
         options = [
             _more_phases(args, plan["layers_per_phase"]),
             "--activations offload" if phased.activations != "offload" else None,
@@ -155,7 +156,7 @@ def _changes(args: argparse.Namespace, phased: Any, report: dict[str, Any]) -> s
             "a smaller --microbatch-size" if micro is None or micro > 1 else None,
             f"--zero {' or '.join(map(str, range(args.zero + 1, 4)))} (ZeRO: the optimizer "
             f"state, then the gradients, then the weights split over the replicas)"
-            if args.zero < 3 and Parallelism.parse(report["mesh"]).replica > 1
+            if args.zero < 3 and replicas > 1
             else None,
             "more tensor or pipe devices in --mesh",
             "--phased (weights in the host tier)",
