@@ -31,7 +31,13 @@ from shardemu.report.rundir import read_metrics
 from shardemu.resident.trainer import Trainer
 from shardemu.run.engine import PhasedEngine, PipelinedEngine, ResidentEngine
 from shardemu.sparsity import apply_masks, densities, sparse_leaves, wrap_optax
-from shardemu.sparsity.masks import block_mask, block_norms, matrix_shape
+from shardemu.sparsity.masks import (
+    block_mask,
+    block_norms,
+    kernel_id,
+    layer_uniforms,
+    matrix_shape,
+)
 from shardemu.sparsity.wrapper import _updated
 
 GPT = Model(get_preset("gpt-tiny"))
@@ -52,6 +58,21 @@ def sparse_items(tree):
 def test_the_sparse_kernels_are_the_layers_dense_weights():
     names = {"/".join(str(k.key) for k in p[1:3]) for p, _, _ in sparse_items(SHAPES)}
     assert names == {"attn/query", "attn/key", "attn/value", "attn/out", "mlp/fc_in", "mlp/fc_out"}
+
+
+def test_the_kernels_drawn_together_draw_what_each_draws_alone():
+    """`layer_uniforms` draws every kernel's scores in one batch: each kernel's rows are
+    what a draw of its own gives, keyed by the kernel and the layer's index in the
+    model (so a stage of layers 2.. draws what the whole model draws for them), though
+    the kernels differ in layers and blocks."""
+    key, first = jax.random.key(5), 2
+    grids = [(path, matrix_shape(x.shape, a)[0], 8 * i + 8) for i, (path, x, a) in
+             enumerate(sparse_items(SHAPES)[:2])] + [(("other",), 2, 5)]  # fmt: skip
+    for (path, layers, blocks), drawn in zip(grids, layer_uniforms(key, grids, first), strict=True):
+        kernel = jax.random.fold_in(key, kernel_id(path))
+        draws = [jax.random.fold_in(kernel, first + i) for i in range(layers)]
+        alone = np.stack([jax.random.uniform(k, (blocks,)) for k in draws])
+        np.testing.assert_array_equal(drawn, alone)
 
 
 @pytest.mark.parametrize("block", [1, 4, 8, 16])

@@ -30,7 +30,7 @@ from shardemu.sparsity.masks import (
     block_norms,
     expand,
     initial_masks,
-    layer_uniform,
+    layer_uniforms,
     top_k,
 )
 
@@ -134,24 +134,24 @@ def _updated(
     ratio = cfg.prune_ratio * 0.5 * (1 + jnp.cos(math.pi * t / steps))
     axes = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
     flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
-    flat_g, flat_m = jax.tree.leaves(grads), jax.tree.leaves(masks)
-    out = []
-    for (path, p), g, m, names in zip(flat_p, flat_g, flat_m, axes, strict=True):
-        if m.ndim == 0:  # a dense leaf
-            out.append(m)
-            continue
-        active = block_mask(m, names, cfg.block)
-        nnz = active.sum(axis=1)
-        k = jnp.minimum(jnp.floor(ratio * nnz).astype(jnp.int32), active.shape[1] - nnz)
-        prune = active & top_k(jnp.where(active, -block_norms(p, names, cfg.block), -jnp.inf), k)
-        if cfg.regrow == "gradient":
-            score = block_norms(g, names, cfg.block)
-        else:
-            draws = jax.random.fold_in(key, 1 + t)  # 0 drew the initial pattern
-            score = layer_uniform(draws, path, first_layer, *active.shape)
-        grow = ~active & top_k(jnp.where(active, -jnp.inf, score), k)
-        out.append(expand((active & ~prune) | grow, p.shape, names, cfg.block))
-    return treedef.unflatten(out)
+    leaves = zip(flat_p, jax.tree.leaves(grads), jax.tree.leaves(masks), axes, strict=True)
+    # the dense leaves (a scalar mask) stay as they are
+    sparse = [(path, p, g, m, names) for (path, p), g, m, names in leaves if m.ndim > 0]
+    active = [block_mask(m, names, cfg.block) for _, _, _, m, names in sparse]
+    if cfg.regrow == "gradient":
+        scores = [block_norms(g, names, cfg.block) for _, _, g, _, names in sparse]
+    else:
+        draws = jax.random.fold_in(key, 1 + t)  # 0 drew the initial pattern
+        grids = [(s[0], *a.shape) for s, a in zip(sparse, active, strict=True)]
+        scores = layer_uniforms(draws, grids, first_layer)
+    new = dict(zip((path for path, _ in flat_p), jax.tree.leaves(masks), strict=True))
+    for (path, p, _, _, names), a, score in zip(sparse, active, scores, strict=True):
+        nnz = a.sum(axis=1)
+        k = jnp.minimum(jnp.floor(ratio * nnz).astype(jnp.int32), a.shape[1] - nnz)
+        prune = a & top_k(jnp.where(a, -block_norms(p, names, cfg.block), -jnp.inf), k)
+        grow = ~a & top_k(jnp.where(a, -jnp.inf, score), k)
+        new[path] = expand((a & ~prune) | grow, p.shape, names, cfg.block)
+    return treedef.unflatten(list(new.values()))
 
 
 def apply_masks(params: Any, masks: Any) -> Any:
