@@ -197,9 +197,9 @@ def initial_masks(
     density = densities(params, logical, cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     axes = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
-    sparse = [(path, p, names) for (path, p), names in zip(flat, axes, strict=True)]
-    sparse = [(path, p, names) for path, p, names in sparse if path in density]
-    grids = [(path, *block_grid(p.shape, names, cfg.block)) for path, p, names in sparse]
+    leaves = zip(flat, axes, strict=True)
+    sparse = [(path, p, names) for (path, p), names in leaves if path in density]
+    grids = [(path, *_block_grid(p.shape, names, cfg.block)) for path, p, names in sparse]
     drawn = layer_uniforms(key, grids, first_layer)
     masks = dict.fromkeys((path for path, _ in flat), jnp.ones((), bool))
     for (path, p, names), scores in zip(sparse, drawn, strict=True):
@@ -209,7 +209,7 @@ def initial_masks(
     return treedef.unflatten(list(masks.values()))
 
 
-def block_grid(shape: tuple[int, ...], logical: tuple[str, ...], block: int) -> tuple[int, int]:
+def _block_grid(shape: tuple[int, ...], logical: tuple[str, ...], block: int) -> tuple[int, int]:
     """(layers, blocks a layer) of a stacked kernel in `block x block` blocks."""
     layers, rows, cols = matrix_shape(shape, logical)
     return layers, (rows // block) * (cols // block)
