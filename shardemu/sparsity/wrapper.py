@@ -134,7 +134,8 @@ def _updated(
     ratio = cfg.prune_ratio * 0.5 * (1 + jnp.cos(math.pi * t / steps))
     axes = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
     flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
-    leaves = zip(flat_p, jax.tree.leaves(grads), jax.tree.leaves(masks), axes, strict=True)
+    flat_m = jax.tree.leaves(masks)
+    leaves = zip(flat_p, jax.tree.leaves(grads), flat_m, axes, strict=True)
     # the dense leaves (a scalar mask) stay as they are
     sparse = [(path, p, g, m, names) for (path, p), g, m, names in leaves if m.ndim > 0]
     active = [block_mask(m, names, cfg.block) for _, _, _, m, names in sparse]
@@ -142,9 +143,10 @@ def _updated(
         scores = [block_norms(g, names, cfg.block) for _, _, g, _, names in sparse]
     else:
         draws = jax.random.fold_in(key, 1 + t)  # 0 drew the initial pattern
-        grids = [(s[0], *a.shape) for s, a in zip(sparse, active, strict=True)]
+        paths = [path for path, *_ in sparse]
+        grids = [(path, *a.shape) for path, a in zip(paths, active, strict=True)]
         scores = layer_uniforms(draws, grids, first_layer)
-    new = dict(zip((path for path, _ in flat_p), jax.tree.leaves(masks), strict=True))
+    new = dict(zip((path for path, _ in flat_p), flat_m, strict=True))
     for (path, p, _, _, names), a, score in zip(sparse, active, scores, strict=True):
         nnz = a.sum(axis=1)
         k = jnp.minimum(jnp.floor(ratio * nnz).astype(jnp.int32), a.shape[1] - nnz)
