@@ -5,6 +5,12 @@
   `nn.RMSNorm`, rotary embeddings through complex multiplication, grouped-query
   attention with K and V repeated to the query heads, and a SwiGLU MLP; BF16, local
   batch 2 x 8192 and 1 x 32768 (TorchTitan's Tables 1 and 2), causal.
+- `--model llama3-405b-tp8`: the same layer as Llama 3 405B's shard on one of its
+  8 tensor-parallel GPUs (Dubey et al. 2024, Table 3 and Section 3.3.2: width 16384,
+  128 heads of 128, 8 key/value heads, SwiGLU of 53248, TP 8): 16 query heads, one
+  key/value head and an MLP of 6656 a GPU, the input and output replicated (no
+  sequence parallelism, no collective), BF16, one sequence of 8192 (its local batch:
+  16M tokens over DP 64 x 32 microbatches at 8,192 GPUs).
 - `--model bert-large`: the BERT-Large layer as NVIDIA's BERT runs it (post-LN,
   biases, GELU MLP of 4h: Devlin et al. 2019), FP16, 256 sequences of 128 a GPU (its
   phase 1), no mask; with dropout 0 (as shardemu's layers) and 0.1 (as BERT's).
@@ -41,36 +47,52 @@ from kernel_rates import cuda_seconds  # this folder's: the one CUDA-event timer
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# Llama 3 8B (Dubey et al. 2024, Table 3): width 4096, 32 heads of 128, 8 key/value
-# heads, SwiGLU of 14336, RMSNorm eps 1e-5, rotary theta 500000
-WIDTH, HEADS, KV_HEADS, MLP, THETA = 4096, 32, 8, 14336, 500000.0
 BACKENDS = {"flash2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+THETA = 500000.0  # Llama 3's rotary base (Dubey et al. 2024, Table 3)
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """A Llama layer's widths on one GPU: the model's width, its query and key/value
+    heads there, their width and the SwiGLU MLP's there (a tensor-parallel shard
+    divides the heads and the MLP, Shoeybi et al. 2019)."""
+
+    width: int
+    heads: int
+    kv_heads: int
+    mlp: int
+    head: int = 128
+
+
+# Llama 3 8B and 405B (Dubey et al. 2024, Table 3); 405B's heads and MLP over TP 8
+LLAMA3_8B = LlamaShape(4096, 32, 8, 14336)
+LLAMA3_405B_TP8 = LlamaShape(16384, 128 // 8, 8 // 8, 53248 // 8)
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, shape: LlamaShape) -> None:
         super().__init__()
-        head = WIDTH // HEADS
-        self.wq = nn.Linear(WIDTH, HEADS * head, bias=False)
-        self.wk = nn.Linear(WIDTH, KV_HEADS * head, bias=False)
-        self.wv = nn.Linear(WIDTH, KV_HEADS * head, bias=False)
-        self.wo = nn.Linear(HEADS * head, WIDTH, bias=False)
-        self.w1 = nn.Linear(WIDTH, MLP, bias=False)
-        self.w2 = nn.Linear(MLP, WIDTH, bias=False)
-        self.w3 = nn.Linear(WIDTH, MLP, bias=False)
-        self.attention_norm = nn.RMSNorm(WIDTH, eps=1e-5)
-        self.ffn_norm = nn.RMSNorm(WIDTH, eps=1e-5)
+        self.shape = s = shape
+        self.wq = nn.Linear(s.width, s.heads * s.head, bias=False)
+        self.wk = nn.Linear(s.width, s.kv_heads * s.head, bias=False)
+        self.wv = nn.Linear(s.width, s.kv_heads * s.head, bias=False)
+        self.wo = nn.Linear(s.heads * s.head, s.width, bias=False)
+        self.w1 = nn.Linear(s.width, s.mlp, bias=False)
+        self.w2 = nn.Linear(s.mlp, s.width, bias=False)
+        self.w3 = nn.Linear(s.width, s.mlp, bias=False)
+        self.attention_norm = nn.RMSNorm(s.width, eps=1e-5)
+        self.ffn_norm = nn.RMSNorm(s.width, eps=1e-5)
 
     def attention(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        head = WIDTH // HEADS
-        q = self.wq(x).view(b, s, HEADS, head)
-        k = self.wk(x).view(b, s, KV_HEADS, head)
-        v = self.wv(x).view(b, s, KV_HEADS, head)
+        heads, kv_heads, head = self.shape.heads, self.shape.kv_heads, self.shape.head
+        q = self.wq(x).view(b, s, heads, head)
+        k = self.wk(x).view(b, s, kv_heads, head)
+        v = self.wv(x).view(b, s, kv_heads, head)
         q, k = rotary(q, freqs), rotary(k, freqs)
-        repeat = HEADS // KV_HEADS  # TorchTitan's repeat_kv: expand, then reshape (a copy)
-        k = k[:, :, :, None].expand(b, s, KV_HEADS, repeat, head).reshape(b, s, HEADS, head)
-        v = v[:, :, :, None].expand(b, s, KV_HEADS, repeat, head).reshape(b, s, HEADS, head)
+        repeat = heads // kv_heads  # TorchTitan's repeat_kv: expand, then reshape (a copy)
+        k = k[:, :, :, None].expand(b, s, kv_heads, repeat, head).reshape(b, s, heads, head)
+        v = v[:, :, :, None].expand(b, s, kv_heads, repeat, head).reshape(b, s, heads, head)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
@@ -103,22 +125,26 @@ class BertBlock(nn.Module):
 
 @dataclass(frozen=True)
 class Family:
-    """A model's layer as measured: its block, dtype, width, shapes and whether its
-    attention is causal; `dropouts` the block's dropout rates measured (Llama: none)."""
+    """A model's layer as measured: its block, dtype, width, query heads on the GPU and
+    their width, shapes and whether its attention is causal; `dropouts` the block's
+    dropout rates measured (Llama: none)."""
 
     block: Callable[[float], nn.Module]
     dtype: torch.dtype
     width: int
     heads: int
+    head: int
     shapes: tuple[tuple[int, int], ...]  # (batch, sequence)
     causal: bool
     dropouts: tuple[float, ...] = (0.0,)
 
 
 FAMILIES = {
-    "llama3-8b": Family(lambda _: LlamaBlock(), torch.bfloat16, WIDTH, HEADS,
+    "llama3-8b": Family(lambda _: LlamaBlock(LLAMA3_8B), torch.bfloat16, 4096, 32, 128,
                         ((2, 8192), (1, 32768)), True),
-    "bert-large": Family(BertBlock, torch.float16, 1024, 16, ((256, 128),), False, (0.0, 0.1)),
+    "llama3-405b-tp8": Family(lambda _: LlamaBlock(LLAMA3_405B_TP8), torch.bfloat16, 16384,
+                              16, 128, ((1, 8192),), True),
+    "bert-large": Family(BertBlock, torch.float16, 1024, 16, 64, ((256, 128),), False, (0.0, 0.1)),
 }  # fmt: skip
 
 
@@ -128,8 +154,7 @@ def rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * freqs[None, :, None, :]).flatten(3).type_as(x)
 
 
-def frequencies(seq: int) -> torch.Tensor:
-    head = WIDTH // HEADS
+def frequencies(seq: int, head: int = 128) -> torch.Tensor:
     inv = 1.0 / THETA ** (torch.arange(0, head, 2, device="cuda").float() / head)
     angles = torch.outer(torch.arange(seq, device="cuda").float(), inv)
     return torch.polar(torch.ones_like(angles), angles)
@@ -138,7 +163,7 @@ def frequencies(seq: int) -> torch.Tensor:
 def default_backend(family: Family, batch: int, seq: int) -> str:
     """The kernel `scaled_dot_product_attention` picks for this layer's core when none
     is forced (`torch._fused_sdp_choice`)."""
-    shape = (batch, family.heads, seq, family.width // family.heads)
+    shape = (batch, family.heads, seq, family.head)
     q = torch.zeros(shape, device="cuda", dtype=family.dtype)
     return SDPBackend(torch._fused_sdp_choice(q, q, q, is_causal=family.causal)).name
 
@@ -152,7 +177,7 @@ def measure(family: Family, layers: int, shape: tuple[int, int], compiled: bool,
     blocks = [family.block(dropout).to("cuda", family.dtype) for _ in range(layers)]
     calls = [torch.compile(b) if compiled else b for b in blocks]
     weights = [p for b in blocks for p in b.parameters()]
-    freqs = frequencies(seq) if family.causal else None
+    freqs = frequencies(seq, family.head) if family.causal else None
     x = torch.randn(batch, seq, family.width, device="cuda", dtype=family.dtype, requires_grad=True)
     grad = torch.randn_like(x)
 

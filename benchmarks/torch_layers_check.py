@@ -29,7 +29,7 @@ from pathlib import Path
 
 from shardemu.devices import use_virtual_devices
 
-use_virtual_devices(1)
+use_virtual_devices(8)  # a tensor-parallel shard (SHARDS) is counted on its mesh
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -44,7 +44,9 @@ PROFILE = {"NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H200": "h200-sxm"}  # th
 KERNEL = {"CUDNN_ATTENTION": MEASURED_KERNELS_H100["attention_efficiency"],
           "FLASH_ATTENTION": FLASH_ATTENTION_2_H100}  # fmt: skip
 FORCED = {"cudnn": "CUDNN_ATTENTION", "flash2": "FLASH_ATTENTION"}
-PRECISION = {"llama3-8b": "bf16", "bert-large": "fp16-mixed"}  # what the rows ran
+PRECISION = {"llama3-8b": "bf16", "llama3-405b-tp8": "bf16", "bert-large": "fp16-mixed"}
+# a tensor-parallel shard's measured layer (`torch_layers.py`): its model and TP degree
+SHARDS = {"llama3-405b-tp8": ("llama3-405b", 8)}
 
 
 def main() -> None:
@@ -55,7 +57,8 @@ def main() -> None:
     measured = json.loads(Path(args.measured).read_text())
     profile = PROFILES[PROFILE[measured["device"]]]
     name = measured.get("model", "llama3-8b")  # the first files held Llama's alone
-    model = as_model(get_preset(name))
+    preset, tensor = SHARDS.get(name, (name, 1))
+    model = as_model(get_preset(preset))
     rows = []
     for r in measured["rows"]:
         kernel = r["default_sdpa"] if r["sdpa"] == "default" else FORCED[r["sdpa"]]
@@ -65,7 +68,9 @@ def main() -> None:
             hw = dataclasses.replace(
                 profile, kernel_fusion=fusion, attention_efficiency=KERNEL[kernel]
             )
-            seconds = layer_seconds(model, r["batch"], r["seq"], hw, PRECISION[name], "fused")
+            seconds = layer_seconds(
+                model, r["batch"], r["seq"], hw, PRECISION[name], "fused", tensor
+            )
             row[fusion] = {"predicted_layer_s": seconds, "error": seconds / layer - 1}
         rows.append(row)
     title = f"{name} layer, {measured['device']} ({profile.name}), PyTorch {measured['torch']}"

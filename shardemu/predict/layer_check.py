@@ -17,9 +17,12 @@ from shardemu.predict.roofline import compute_seconds, run_seconds
 
 
 def layer_seconds(model: Model, microbatch_size: int, seq: int, hw: Hardware, precision: str,
-                  attention: str) -> float:  # fmt: skip
-    """One layer's forward and backward on one device of `hw`, nothing recomputed."""
-    key = count_key(model, Parallelism(), microbatch_size, seq, "none", precision, attention)
+                  attention: str, tensor: int = 1) -> float:  # fmt: skip
+    """One layer's forward and backward on one device of `hw`, nothing recomputed: with
+    `tensor` > 1, the computations of one of its tensor-parallel shards (Megatron-LM's,
+    no sequence parallelism), its collectives left out."""
+    par = Parallelism(tensor=tensor)
+    key = count_key(model, par, microbatch_size, seq, "none", precision, attention)
     pieces = counted_microbatch(key).pieces
     events = pieces["forward"] + pieces["backward"]
     return sum(compute_seconds(e, hw) for e in events if e.kind == "compute")
