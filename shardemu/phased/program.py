@@ -191,10 +191,8 @@ def recompute_flops(ex: Executor, st: Stage, count: tuple, g_x: Any) -> float:
         ex.will_count(Piece.FWD_KEEP, st, count)
         return 0.0
     _, vjp_one = ex.shape(Piece.FWD_KEEP, st, count)
-    # the kept backward first: a plan compiles it here while the listed pieces, the
-    # backward among them, compile in the background (`Counter.count_ahead`)
-    kept = ex.count(Piece.BWD_KEEP, st, (vjp_one, g_x))
     bwd = ex.count(Piece.BWD, st, (*count, g_x)).flops_per_device
+    kept = ex.count(Piece.BWD_KEEP, st, (vjp_one, g_x))
     return bwd - kept.flops_per_device
 
 

@@ -113,13 +113,11 @@ def count_microbatch(
 
     scores = (microbatch_size, model.cfg.num_heads // tensor, seq // context, seq)
     walk = (st, built, shared, layer, batch, full_recompute, scores if fused_attention else None)
-    # the pieces listed first (shapes alone) and compiled two at a time in the background
-    # (`count_ahead`: XLA compiles without Python's lock), then counted as each is done;
-    # a full recomputation's kept backward, which only the counted forward's residuals
-    # describe, is compiled here as soon as that forward is (`recompute_flops`)
+    # the pieces listed first (shapes alone) and compiled two at a time (`count_all`:
+    # XLA compiles without Python's lock), then counted from those compiles
     listing = executor(Ledger(), counting=False)
     _walk(listing, *walk)
-    counter.count_ahead(listing.pieces)
+    counter.count_all(listing.pieces)
     ledger = Ledger()
     keep, opt_bytes, x = _walk(executor(ledger, counting=True), *walk)
     pieces: dict[str, list[Event]] = {}
