@@ -19,7 +19,7 @@ from cli_helpers import shardemu
 from shardemu import Model, Parallelism, SyntheticCorpus, TrainConfig, get_preset
 from shardemu.accounting.ledger import Ledger
 from shardemu.accounting.sizes import bytes_all_devices
-from shardemu.config import PhasedConfig, SparsityConfig
+from shardemu.config import ConfigError, PhasedConfig, SparsityConfig
 from shardemu.models import custom_model
 from shardemu.parallel.mesh import mesh_from
 from shardemu.phased.trainer import PhasedTrainer
@@ -102,6 +102,16 @@ def test_erk_keeps_the_same_weights_and_favours_thin_kernels():
     # density / ((r + c) / (r c)) is one constant (no kernel is capped at 1 here)
     ratios = {density[p] * r * c / (r + c) for p, (_, r, c) in sizes.items()}
     assert max(ratios) == pytest.approx(min(ratios))
+
+
+@pytest.mark.parametrize("distribution", ["uniform", "erk"])
+def test_densities_of_a_tree_without_sparse_kernels_are_refused(distribution):
+    """No kernel to make sparse is a clear error, not ERK's division by zero nor an empty
+    answer that leaves the run dense."""
+    no_kernels = {"wte": {"embedding": jax.ShapeDtypeStruct((64, 8), jnp.float32)}}
+    with pytest.raises(ConfigError, match=f"block sparsity .{distribution}.*has none"):
+        densities(no_kernels, {"wte": {"embedding": ("vocab", "embed")}},
+                  SparsityConfig(0.5, distribution=distribution))  # fmt: skip
 
 
 def test_a_dynamic_update_prunes_the_smallest_blocks_and_keeps_the_count():

@@ -143,6 +143,12 @@ def densities(shapes: Any, logical: Any, cfg: SparsityConfig) -> dict[tuple, flo
         for (path, s), names in zip(flat, axes, strict=True)
         if is_sparse(path)
     }
+    if not sizes:  # nothing to make sparse: refused, not a dense run in its place
+        raise ConfigError(
+            f"block sparsity ({cfg.distribution}) applies to GPT's and BERT's layer kernels "
+            f"({', '.join('/'.join(k) for k in SPARSE_KERNELS)}), and this tree has none; "
+            "drop the sparsity, or pass the tree of a model that has them"
+        )
     if cfg.distribution == "uniform":
         return dict.fromkeys(sizes, cfg.density)
     count = {p: layers * r * c for p, (layers, r, c) in sizes.items()}
