@@ -125,6 +125,40 @@ def test_pipelined_run_agrees_with_single_device(demo, tmp_path):
     assert {e.phase.kind for e in read_ledger(root / "one-device")} == {"step", "update"}
 
 
+@pytest.mark.slow
+def test_plan_and_describe_take_a_runs_config(demo, tmp_path):
+    """`plan --config RUN/config.json` plans the run's layout: the demo's phased run's
+    counted step, as its own config.json records it (the engine's abstract plan), with
+    one notice naming the run's settings a plan has no flag for; `describe` lays out its
+    parameters as the run placed them. What a plan would count otherwise is refused."""
+    phased = demo[1] / "phased" / "config.json"
+    out = shardemu("plan", "--config", str(phased), "--json")
+    assert out.returncode == 0, out.stderr
+    (notice,) = out.stderr.strip().splitlines()
+    assert "left out: steps=3, seed=0" in notice and "learning_rate=" in notice
+    planned, ran = json.loads(out.stdout), json.loads(phased.read_text())["phase_plan"]
+    for key in ("flops", "model_flops", "bytes_h2d", "bytes_d2h", "bytes_collective"):
+        assert planned[key] == ran["step_totals"][key], key
+    assert planned["plan"]["per_phase"] == ran["per_phase"]
+
+    sharded = demo[1] / "sharded" / "config.json"
+    out = shardemu("describe", "--config", str(sharded), "--json")
+    assert out.returncode == 0, out.stderr
+    run = json.loads(sharded.read_text())
+    assert json.loads(out.stdout)["bytes_per_device"] == run["param_bytes_per_device"]
+
+    for change, message in (
+        ({"optimizer": "lamb"}, "trained with lamb, and `shardemu plan` counts AdamW's"),
+        ({"microbatches": 2, "grad_accum": 2}, "accumulates 2 pipelined passes of 2"),
+    ):
+        edited = json.loads(sharded.read_text())
+        edited["train"] |= change
+        edited["parallelism"] |= {"pipe": 2, "replica": 2} if "grad_accum" in change else {}
+        (tmp_path / "config.json").write_text(json.dumps(edited))
+        out = shardemu("plan", "--config", str(tmp_path / "config.json"))
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize(
     ("model", "count"),
     [("gpt2-small", 124439808), ("bert-base", 110106428), ("bert-large", 336226108)],

@@ -319,7 +319,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.given = given_options(parser, argv)
     if getattr(args, "config", None) is not None:
         command = parser.commands[args.command]
-        apply_settings(command, args, read_settings(args.config), args.config)
+        apply_settings(command, args, read_settings(args.config, command), args.config)
     return args
 
 

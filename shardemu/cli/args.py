@@ -129,6 +129,10 @@ def phased_args(p: argparse.ArgumentParser) -> None:
 
 def tracking_args(p: argparse.ArgumentParser) -> None:
     add_flags(p, TrackingConfig)
+    config_arg(p)
+
+
+def config_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
         default=None,

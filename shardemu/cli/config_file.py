@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import logging
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,10 @@ _NOT_SETTINGS = ("help", "config", "resume", "version")
 _KINDS = {int: "an integer", float: "a number", str: "a string"}
 
 
-def read_settings(path: str | Path) -> dict[str, Any]:
-    """The settings in `path`: a TOML file of flags, or a run directory's config.json
-    turned back into the flags that make the same run."""
+def read_settings(path: str | Path, command: argparse.ArgumentParser) -> dict[str, Any]:
+    """The settings in `path` for `command`: a TOML file of its flags, or a run
+    directory's config.json turned back into the flags that make the same run, and
+    those into `command`'s (`for_command`)."""
     path = Path(path)
     text = read_text(path, "--config", ConfigError)
     try:
@@ -41,11 +43,54 @@ def read_settings(path: str | Path) -> dict[str, Any]:
             data = json.loads(text)
             if not isinstance(data, dict):
                 raise ConfigError(f"--config {path} holds a {type(data).__name__}, not settings")
-            return run_flags(data, path) if "train" in data and "model" in data else data
+            if "train" in data and "model" in data:
+                return for_command(run_flags(data, path), command, path)
+            return data
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
         kind = path.suffix[1:].upper()
         raise ConfigError(f"--config {path} is not valid {kind}: {err}") from None
     raise ConfigError(f"--config {path}: give a .toml file of flags or a run's config.json")
+
+
+def for_command(
+    flags: dict[str, Any], command: argparse.ArgumentParser, path: Path
+) -> dict[str, Any]:
+    """A run's flags (`run_flags`) as `command`'s: `run` takes them all; `plan` and
+    `describe` take the ones they have and leave out the rest, named in
+    one notice (a plan counts one step: its count, learning rate or data change nothing
+    it counts). What would change what they count is refused rather than left out: a
+    run's optimizer other than AdamW (plans count AdamW's update), and a run's
+    microbatches become `--microbatch-size` (the run's per replica), which
+    a pipeline's accumulation of several passes cannot."""
+    name = command.prog.split()[-1]
+    if name == "run":
+        return flags
+    keys = _keys(command)
+    kept = {k: v for k, v in flags.items() if k in keys}
+    left = {k: v for k, v in flags.items() if k not in keys}
+    if name == "plan" and left.get("optimizer", "adamw") != "adamw":
+        raise ConfigError(
+            f"--config {path}: the run trained with {left['optimizer']}, and `shardemu "
+            f"{name}` counts AdamW's update only; give the run's settings as flags to "
+            f"{name} it with AdamW's"
+        )
+    if name == "plan":
+        micro, accum = left.pop("microbatches", 1), left.pop("grad_accum", 1)
+        par = Parallelism.parse(flags["mesh"])
+        if par.pipe > 1 and accum > 1:
+            raise ConfigError(
+                f"--config {path}: the run accumulates {accum} pipelined passes of {micro} "
+                f"microbatches, and a plan runs one pass; plan it with --microbatch-size "
+                f"and without --config"
+            )
+        per_replica = flags["batch"] // (par.replica * par.expert * micro * accum)
+        kept.setdefault("microbatch_size", per_replica)
+    if left:
+        logging.getLogger("shardemu").warning(
+            f"--config {path}: a run's settings that `shardemu {name}` has no flag for, "
+            f"left out: {', '.join(f'{k}={v}' for k, v in left.items())}"
+        )
+    return kept
 
 
 def apply_settings(

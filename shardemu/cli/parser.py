@@ -9,6 +9,7 @@ from typing import NoReturn
 from shardemu import __version__
 from shardemu.cli.args import (
     attention_arg,
+    config_arg,
     model_args,
     overlap_args,
     phased_args,
@@ -57,11 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     describe = sub.add_parser(
         "describe", help="every parameter's shape, logical axes, spec and bytes per device"
     )
-    model_args(describe)
+    model_args(describe, required=False)  # required, but it may come from --config
     describe.add_argument("--mesh", default="", help="pipe=P,tensor=T,replica=R")
     describe.add_argument("--json", action="store_true", help="emit JSON instead of a table")
     shape_args(describe)
     phased_args(describe)
+    config_arg(describe)
 
     plan_args(
         sub.add_parser(

@@ -26,7 +26,10 @@ from shardemu.report.trackers import TrackingConfig
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
     if args.model is None:
-        raise ConfigError("the following argument is required: --model (or --resume RUN_DIR)")
+        others = [f for f, dest in (("--resume RUN_DIR", "resume"), ("--config FILE", "config"))
+                  if hasattr(args, dest)]  # fmt: skip
+        also = f" (or {' or '.join(others)})" if others else ""
+        raise ConfigError(f"the following argument is required: --model{also}")
     dims = {"--layers": args.layers, "--hidden": args.hidden, "--heads": args.heads}
     extra = {"--kv-heads": args.kv_heads, "--mlp": args.mlp, "--vocab": args.vocab}
     if args.model in FAMILIES:
