@@ -136,6 +136,7 @@ def test_plan_and_describe_take_a_runs_config(demo, tmp_path):
     assert out.returncode == 0, out.stderr
     (notice,) = out.stderr.strip().splitlines()
     assert "left out: steps=3, seed=0" in notice and "learning_rate=" in notice
+    assert notice.endswith("microbatches=1, grad_accum=1 as --microbatch-size 4")
     planned, ran = json.loads(out.stdout), json.loads(phased.read_text())["phase_plan"]
     for key in ("flops", "model_flops", "bytes_h2d", "bytes_d2h", "bytes_collective"):
         assert planned[key] == ran["step_totals"][key], key

@@ -85,10 +85,13 @@ def for_command(
             )
         per_replica = flags["batch"] // (par.replica * par.expert * micro * accum)
         kept.setdefault("microbatch_size", per_replica)
+        mapped = f"; microbatches={micro}, grad_accum={accum} as --microbatch-size {per_replica}"
+    else:
+        mapped = ""
     if left:
         logging.getLogger("shardemu").warning(
             f"--config {path}: a run's settings that `shardemu {name}` has no flag for, "
-            f"left out: {', '.join(f'{k}={v}' for k, v in left.items())}"
+            f"left out: {', '.join(f'{k}={v}' for k, v in left.items())}{mapped}"
         )
     return kept
 
