@@ -55,26 +55,27 @@ def read_settings(path: str | Path, command: argparse.ArgumentParser) -> dict[st
 def for_command(
     flags: dict[str, Any], command: argparse.ArgumentParser, path: Path
 ) -> dict[str, Any]:
-    """A run's flags (`run_flags`) as `command`'s: `run` takes them all; `plan` and
-    `describe` take the ones they have and leave out the rest, named in
-    one notice (a plan counts one step: its count, learning rate or data change nothing
-    it counts). What would change what they count is refused rather than left out: a
-    run's optimizer other than AdamW (plans count AdamW's update), and a run's
-    microbatches become `--microbatch-size` (the run's per replica), which
-    a pipeline's accumulation of several passes cannot."""
+    """A run's flags (`run_flags`) as `command`'s. `run` takes them all; `plan` and
+    `describe` take those they have and leave out the rest, named in one notice (one
+    step's count depends on neither a run's length, nor its learning rate, nor its
+    data). A plan takes the run's microbatches as `--microbatch-size`, the run's per
+    replica, and refuses what it would count otherwise: an optimizer other than AdamW
+    (plans count AdamW's update) and a pipeline that accumulates several passes (a plan
+    runs one)."""
     name = command.prog.split()[-1]
     if name == "run":
         return flags
     keys = _keys(command)
     kept = {k: v for k, v in flags.items() if k in keys}
     left = {k: v for k, v in flags.items() if k not in keys}
-    if name == "plan" and left.get("optimizer", "adamw") != "adamw":
-        raise ConfigError(
-            f"--config {path}: the run trained with {left['optimizer']}, and `shardemu "
-            f"{name}` counts AdamW's update only; give the run's settings as flags to "
-            f"{name} it with AdamW's"
-        )
+    mapped = ""
     if name == "plan":
+        if left.get("optimizer", "adamw") != "adamw":
+            raise ConfigError(
+                f"--config {path}: the run trained with {left['optimizer']}, and `shardemu "
+                f"plan` counts AdamW's update only; give the run's settings as flags to plan "
+                f"it with AdamW's"
+            )
         micro, accum = left.pop("microbatches", 1), left.pop("grad_accum", 1)
         par = Parallelism.parse(flags["mesh"])
         if par.pipe > 1 and accum > 1:
@@ -86,8 +87,6 @@ def for_command(
         per_replica = flags["batch"] // (par.replica * par.expert * micro * accum)
         kept.setdefault("microbatch_size", per_replica)
         mapped = f"; microbatches={micro}, grad_accum={accum} as --microbatch-size {per_replica}"
-    else:
-        mapped = ""
     if left:
         logging.getLogger("shardemu").warning(
             f"--config {path}: a run's settings that `shardemu {name}` has no flag for, "
