@@ -73,6 +73,7 @@ class Case:
 # 2022 code, and off under `--sequence-parallel`, which splits the tensor already):
 # `predict/overlap.py`.
 MEGATRON_2021 = Overlap(grad_reduce="end", pipe_sends="blocking", pipe_scatter_gather=True)
+TORCHTITAN_OVERLAP = Overlap(grad_reduce_in_fp32=True)
 # Graphcore's TensorFlow 2 BERT phase 1 on Bow Pods (graphcore.cn Performance Results):
 # (size, pod, SDK, graphcore/examples config, micro-batch, replicas, sequences/s, our
 # layers a stage, Graphcore's layers a stage)
@@ -360,8 +361,11 @@ CASES = [
             wps * 64 / seq,
             "FSDP2 over every GPU (ZeRO-3 here); the rate is TorchTitan's tokens a second a "
             "GPU times 64 over the sequence",
-            # the default Overlap(): FSDP reduce-scatters each layer's gradients during the
-            # backward and prefetches the next layer's all-gather
+            # FSDP reduce-scatters each layer's gradients during the backward and prefetches
+            # the next layer's all-gather (the default overlap), in FP32: FSDP2's
+            # MixedPrecisionPolicy(reduce_dtype=float32), TorchTitan's default
+            # `training.mixed_precision_reduce` (pytorch/torchtitan, config/job_config.py)
+            TORCHTITAN_OVERLAP,
             attention="fused",
             zero=3,
         )

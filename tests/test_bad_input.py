@@ -181,6 +181,8 @@ CLI_ROWS = [
         "--bucket-mb", "10"], "--grad-reduce end reduces all the gradients at once"),  # fmt: skip
     row("phased-grad-reduce", [*PHASED, "--grad-reduce", "end"],
         "--grad-reduce is for resident plans: a phased plan reduces each phase's"),  # fmt: skip
+    row("phased-grad-reduce-in-fp32", [*PHASED, "--grad-reduce-in-fp32"],
+        "--grad-reduce-in-fp32 is for resident plans"),  # fmt: skip
     row("plan-rts-3", [*PHASED, "--mesh", "replica=4", "--rts", "3"],
         "--rts 3 does not divide replica=4"),  # fmt: skip
     row("plan-microbatch-0", [*A100, "--microbatch-size", "0"], "--microbatch-size 0 must be"),

@@ -153,8 +153,36 @@ def test_bucketed_reduction_hides_all_but_its_tail(plans):
         < end["breakdown"]["exposed_communication_s"]
     )
     assert bucketed["overlap"] == {"grad_reduce": "bucketed", "bucket_mb": 0.01,
-                                   "pipe_sends": "async", "pipe_scatter_gather": False,
-                                   "tp_overlap": "none"}  # fmt: skip
+                                   "grad_reduce_in_fp32": False, "pipe_sends": "async",
+                                   "pipe_scatter_gather": False, "tp_overlap": "none"}  # fmt: skip
+
+
+def test_gradients_reduced_in_fp32_send_4_bytes_an_element():
+    """A BF16 plan with `grad_reduce_in_fp32` (TorchTitan's and Megatron-LM's BF16
+    default) reduces twice the gradient bytes over `replica`, in ZeRO 3's
+    reduce-scatters as in the all-reduce, and every other event (ZeRO 3's weight
+    gathers among them) moves what it did; an FP32 plan reduces 4-byte gradients either
+    way: the same ledger."""
+    from shardemu.predict.plan_resident import plan_resident
+
+    hw, par = PROFILES["a100-80gb"], Parallelism(pipe=2, replica=2)
+
+    def sent(precision: str, zero: int, fp32: bool) -> tuple[int, list, float]:
+        train = TrainConfig(batch=8, seq=16, precision=precision, zero=zero)
+        planned = plan_resident(get_preset("gpt-tiny"), par, train, 2, hw,
+                                overlap=Overlap(grad_reduce_in_fp32=fp32))  # fmt: skip
+        events = planned.ledger.events
+        reduced = [e for e in events if e.axis == "replica" and e.carries == "gradients"]
+        rest = [(e.op, e.axis, e.bytes) for e in events if e not in reduced]
+        return sum(e.bytes for e in reduced), rest, planned.report["step_time_s"]
+
+    for zero in (0, 3):
+        (low, rest, step), (wide, same, slower) = (
+            sent("bf16", zero, False),
+            sent("bf16", zero, True),
+        )
+        assert wide == 2 * low > 0 and same == rest and slower >= step
+    assert sent("fp32", 0, True) == sent("fp32", 0, False)
 
 
 def test_blocking_sends_cost_time(plans):
@@ -197,6 +225,7 @@ def test_scattered_sends_take_a_share_and_a_gather(plans):
         ({"bucket_mb": 0}, "Overlap.bucket_mb"),
         ({"tp_overlap": "always"}, "Overlap.tp_overlap"),
         ({"pipe_scatter_gather": "yes"}, "Overlap.pipe_scatter_gather"),
+        ({"grad_reduce_in_fp32": "yes"}, "Overlap.grad_reduce_in_fp32"),
     ],
 )
 def test_bad_overlap_settings(settings, names):

@@ -185,7 +185,8 @@ def _refuse_resident_only(args: argparse.Namespace, phased: PhasedConfig | None)
             f"--recompute {args.recompute} is for resident plans: a phased plan keeps, "
             f"offloads or recomputes activations as --activations says"
         )
-    reduce = [f for f in changed(Overlap, args) if f in ("--grad-reduce", "--bucket-mb")]
+    resident = ("--grad-reduce", "--bucket-mb", "--grad-reduce-in-fp32")
+    reduce = [f for f in changed(Overlap, args) if f in resident]
     if reduce:
         raise ConfigError(
             f"{' and '.join(reduce)} {'is' if len(reduce) == 1 else 'are'} for resident plans: "

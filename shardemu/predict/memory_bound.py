@@ -23,6 +23,7 @@ from shardemu.predict.resident_count import (
     one_stage,
     optimizer_state,
     shared_reads,
+    weight_itemsize,
 )
 from shardemu.stages.pieces import Piece
 
@@ -71,6 +72,7 @@ def memory_bound(key: CountKey) -> Microbatch:
         bytes_per_device(x),
         copies(x),
         reads=shared_reads(st, shared, batch),
+        weight_itemsize=weight_itemsize(layer),
     )
 
 

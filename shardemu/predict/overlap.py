@@ -15,6 +15,15 @@ option of `plan` (and of `search`), with the default a modern system uses:
   (`megatron/training.py::train_step` calls `allreduce_gradients()` after
   `forward_backward_func`). Phased plans reduce each phase's gradients after that phase
   either way: the phases are the buckets.
+- `grad_reduce_in_fp32` (resident plans): the data-parallel gradient reductions (the
+  all-reduce, or under ZeRO the reduce-scatter) carry FP32 gradients whatever the
+  compute precision: TorchTitan's FSDP2 (`MixedPrecisionPolicy(reduce_dtype=float32)`
+  from `training.mixed_precision_reduce`, "float32" by default: pytorch/torchtitan,
+  `torchtitan/config/job_config.py`) and Megatron-LM with BF16, which accumulates and
+  all-reduces its gradients in FP32 (`--accumulate-allreduce-grads-in-fp32`, forced on
+  with `--bf16`: `megatron/training/arguments.py`). Off (default), they carry the
+  gradients' own dtype, as shardemu's engines reduce them. It changes the bytes
+  reduced, not the memory a plan holds for the gradients.
 - `pipe_sends`: whether a stage waits for its point-to-point send to finish before it
   computes again. `async` (default): the send overlaps the sender's next computation,
   and only the receiver waits for it (non-blocking isend/irecv, Megatron-Core's
@@ -84,6 +93,12 @@ class Overlap:
         "--bucket-mb",
         "gradient bucket size in MiB for --grad-reduce bucketed (DDP's bucket_cap_mb)",
     )
+    grad_reduce_in_fp32: bool = setting(
+        False,
+        "--grad-reduce-in-fp32",
+        "resident plans: reduce the data-parallel gradients in FP32 whatever the precision "
+        "(TorchTitan's FSDP2 default, Megatron-LM with bf16); default: in their own dtype",
+    )
     pipe_sends: PipeSends = setting(
         "async", "--pipe-sends", "pipeline sends overlap the sender's next computation, or block it"
     )
@@ -105,6 +120,7 @@ class Overlap:
         require_choice(self, "grad_reduce", GradReduce)
         require_choice(self, "pipe_sends", PipeSends)
         require_choice(self, "pipe_scatter_gather", Literal[False, True])
+        require_choice(self, "grad_reduce_in_fp32", Literal[False, True])
         require_choice(self, "tp_overlap", TpOverlap)
         require_finite("Overlap", True, bucket_mb=self.bucket_mb)
 
@@ -117,6 +133,7 @@ class Overlap:
         return {
             "grad_reduce": self.grad_reduce,
             "bucket_mb": self.bucket_mb,
+            "grad_reduce_in_fp32": self.grad_reduce_in_fp32,
             "pipe_sends": self.pipe_sends,
             "pipe_scatter_gather": self.pipe_scatter_gather,
             "tp_overlap": self.tp_overlap,

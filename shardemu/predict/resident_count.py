@@ -59,7 +59,9 @@ class Microbatch:
     state is 1/zero of it a device, and the updated weights are all-gathered; with
     `zero_stage` 2 the gradients are reduce-scattered and 1/zero of them held.
     `reads`: the bytes per device of the shared weights the embedding and the head
-    each read (FSDP gathers those: `resident_step._StepEvents.shared_gather`)."""
+    each read (FSDP gathers those: `resident_step._StepEvents.shared_gather`).
+    `weight_itemsize`: the bytes of one of the weights' elements, and so of their
+    gradients' (`Overlap.grad_reduce_in_fp32` reduces these in 4)."""
 
     pieces: dict[str, list[Event]]
     layer_bytes: int
@@ -73,6 +75,7 @@ class Microbatch:
     zero: int = 1
     zero_stage: int = 0
     casts: WeightCasts = WeightCasts()  # FP8's, left out of `pieces` (`weight_casts.py`)
+    weight_itemsize: int = 4
 
 
 def count_microbatch(
@@ -129,8 +132,13 @@ def count_microbatch(
     casts = counted_casts(counter, listing.pieces, full_recompute)  # FP8's weights'
     return Microbatch(
         pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes), bytes_per_device(x),
-        copies(x), reads=reads, casts=casts,
+        copies(x), reads=reads, casts=casts, weight_itemsize=weight_itemsize(layer),
     )  # fmt: skip
+
+
+def weight_itemsize(weights: Any) -> int:
+    """The bytes of the widest element among `weights` (their gradients' too)."""
+    return max(x.dtype.itemsize for x in jax.tree.leaves(weights))
 
 
 def shared_reads(st: Any, shared: Any, batch: Any) -> tuple[int, int]:

@@ -132,9 +132,12 @@ class _StepEvents:
         reduce-scatter, (n-1)/n: each replica needs only its share's sum. At stage 1 too,
         as Megatron-LM's distributed optimizer reduce-scatters the gradients into its
         whole buffer and all-gathers the updated weights (Rajbhandari et al. 2020, §7.2.1:
-        P_os moves what data parallelism's all-reduce moves)."""
+        P_os moves what data parallelism's all-reduce moves). In FP32 with
+        `Overlap.grad_reduce_in_fp32`: 4 bytes for each of the weights' elements."""
         r, ep, c, t = self.par.replica, self.par.expert, self.par.context, self.par.tensor
         op, factor = ("reduce-scatter", 1) if self.mb.zero_stage >= 1 else ("all-reduce", 2)
+        if self.overlap.grad_reduce_in_fp32:
+            factor *= 4 / self.mb.weight_itemsize
         with_context = "+context" if c > 1 else ""
         parts = [
             (
