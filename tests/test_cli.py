@@ -126,11 +126,14 @@ def test_pipelined_run_agrees_with_single_device(demo, tmp_path):
 
 
 @pytest.mark.slow
-def test_plan_and_describe_take_a_runs_config(demo, tmp_path):
+def test_plan_search_and_describe_take_a_runs_config(demo, tmp_path, caplog):
     """`plan --config RUN/config.json` plans the run's layout: the demo's phased run's
     counted step, as its own config.json records it (the engine's abstract plan), with
     one notice naming the run's settings a plan has no flag for; `describe` lays out its
-    parameters as the run placed them. What a plan would count otherwise is refused."""
+    parameters as the run placed them, and `search` takes its model and shapes (its
+    mesh left out, named). What a plan would count otherwise is refused."""
+    from shardemu.cli import parse
+
     phased = demo[1] / "phased" / "config.json"
     out = shardemu("plan", "--config", str(phased), "--json")
     assert out.returncode == 0, out.stderr
@@ -147,6 +150,11 @@ def test_plan_and_describe_take_a_runs_config(demo, tmp_path):
     assert out.returncode == 0, out.stderr
     run = json.loads(sharded.read_text())
     assert json.loads(out.stdout)["bytes_per_device"] == run["param_bytes_per_device"]
+    # a search takes the run's model and shapes, and lays them out itself
+    args = parse(["search", "--config", str(sharded), "--hardware", "a100-80gb", "--devices", "8"])
+    assert (args.model, args.batch, args.seq) == ("gpt-tiny", run["train"]["batch"],
+                                                  run["train"]["seq"])  # fmt: skip
+    assert "`shardemu search` has no flag for, left out: mesh=" in caplog.text
 
     for change, message in (
         ({"optimizer": "lamb"}, "trained with lamb, and `shardemu plan` counts AdamW's"),

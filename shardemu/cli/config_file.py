@@ -55,13 +55,13 @@ def read_settings(path: str | Path, command: argparse.ArgumentParser) -> dict[st
 def for_command(
     flags: dict[str, Any], command: argparse.ArgumentParser, path: Path
 ) -> dict[str, Any]:
-    """A run's flags (`run_flags`) as `command`'s. `run` takes them all; `plan` and
-    `describe` take those they have and leave out the rest, named in one notice (one
-    step's count depends on neither a run's length, nor its learning rate, nor its
-    data). A plan takes the run's microbatches as `--microbatch-size`, the run's per
-    replica, and refuses what it would count otherwise: an optimizer other than AdamW
-    (plans count AdamW's update) and a pipeline that accumulates several passes (a plan
-    runs one)."""
+    """A run's flags (`run_flags`) as `command`'s. `run` takes them all; `plan`,
+    `search` and `describe` take those they have and leave out the rest, named in one
+    notice (one step's count depends on neither a run's length, nor its learning rate,
+    nor its data; a search lays the model out itself). A plan takes the run's
+    microbatches as `--microbatch-size`, the run's per replica. What a plan or a search
+    would count otherwise is refused: an optimizer other than AdamW (they count AdamW's
+    update), and for a plan a pipeline that accumulates several passes (it runs one)."""
     name = command.prog.split()[-1]
     if name == "run":
         return flags
@@ -69,13 +69,13 @@ def for_command(
     kept = {k: v for k, v in flags.items() if k in keys}
     left = {k: v for k, v in flags.items() if k not in keys}
     mapped = ""
+    if name in ("plan", "search") and left.get("optimizer", "adamw") != "adamw":
+        raise ConfigError(
+            f"--config {path}: the run trained with {left['optimizer']}, and `shardemu "
+            f"{name}` counts AdamW's update only; give the run's settings as flags to "
+            f"{name} it with AdamW's"
+        )
     if name == "plan":
-        if left.get("optimizer", "adamw") != "adamw":
-            raise ConfigError(
-                f"--config {path}: the run trained with {left['optimizer']}, and `shardemu "
-                f"plan` counts AdamW's update only; give the run's settings as flags to plan "
-                f"it with AdamW's"
-            )
         micro, accum = left.pop("microbatches", 1), left.pop("grad_accum", 1)
         par = Parallelism.parse(flags["mesh"])
         if par.pipe > 1 and accum > 1:

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def search_args(p: argparse.ArgumentParser) -> None:
-    model_args(p)
+    model_args(p, required=False)  # required, but it may come from --config
     p.add_argument("--hardware", required=True, help="profile name or a .toml/.json file")
     p.add_argument("--devices", type=int, required=True, help="devices to lay the model out on")
     shape_args(p)
@@ -137,6 +137,7 @@ def search_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip training the winner's scaled-down layout against one device",
     )
+    config_arg(p)
 
 
 def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
