@@ -15,7 +15,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from shardemu.accounting.count import PROCESS_COUNTER
-from shardemu.accounting.matmuls import squeezed
+from shardemu.accounting.matmuls import compute_itemsize, squeezed
 from shardemu.accounting.sizes import bytes_per_device, copies
 from shardemu.predict.resident_count import (
     CountKey,
@@ -23,7 +23,6 @@ from shardemu.predict.resident_count import (
     one_stage,
     optimizer_state,
     shared_reads,
-    weight_itemsize,
 )
 from shardemu.stages.pieces import Piece
 
@@ -72,7 +71,7 @@ def memory_bound(key: CountKey) -> Microbatch:
         bytes_per_device(x),
         copies(x),
         reads=shared_reads(st, shared, batch),
-        weight_itemsize=weight_itemsize(layer),
+        weight_itemsize=compute_itemsize(layer),
     )
 
 

@@ -24,7 +24,7 @@ from shardemu.accounting.attention_core import AttentionShape
 from shardemu.accounting.cached_casts import CachedWeights
 from shardemu.accounting.count import PROCESS_COUNTER, Counter, with_shardings
 from shardemu.accounting.ledger import Event, Ledger, Matmul, Phase
-from shardemu.accounting.matmuls import squeezed
+from shardemu.accounting.matmuls import compute_itemsize, squeezed
 from shardemu.accounting.sizes import bytes_per_device, copies
 from shardemu.config import Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import Model
@@ -132,13 +132,8 @@ def count_microbatch(
     casts = counted_casts(counter, listing.pieces, full_recompute)  # FP8's weights'
     return Microbatch(
         pieces, layer_bytes, shared_bytes, keep, tuple(opt_bytes), bytes_per_device(x),
-        copies(x), reads=reads, casts=casts, weight_itemsize=weight_itemsize(layer),
+        copies(x), reads=reads, casts=casts, weight_itemsize=compute_itemsize(layer),
     )  # fmt: skip
-
-
-def weight_itemsize(weights: Any) -> int:
-    """The bytes of the widest element among `weights` (their gradients' too)."""
-    return max(x.dtype.itemsize for x in jax.tree.leaves(weights))
 
 
 def shared_reads(st: Any, shared: Any, batch: Any) -> tuple[int, int]:
