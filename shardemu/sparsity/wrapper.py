@@ -143,8 +143,7 @@ def _updated(
         scores = [block_norms(g, names, cfg.block) for _, _, g, _, names in sparse]
     else:
         draws = jax.random.fold_in(key, 1 + t)  # 0 drew the initial pattern
-        paths = [path for path, *_ in sparse]
-        grids = [(path, *a.shape) for path, a in zip(paths, active, strict=True)]
+        grids = [(path, *a.shape) for (path, *_), a in zip(sparse, active, strict=True)]
         scores = layer_uniforms(draws, grids, first_layer)
     new = dict(zip((path for path, _ in flat_p), flat_m, strict=True))
     for (path, p, _, _, names), a, score in zip(sparse, active, scores, strict=True):
