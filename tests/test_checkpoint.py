@@ -1,7 +1,9 @@
-"""Checkpoints, resume and faults, through the command line: a run cut after 2 steps
-and resumed equals, bit for bit, the run that was never cut (resident, pipelined and
-phased); a checkpoint restores onto another mesh; SIGINT stops a real process cleanly;
-a diverging run stops with exit status 3 and valid metrics."""
+"""Checkpoints, resume and faults, through the command line: the runs equal one device;
+a run cut after 2 steps and resumed equals, bit for bit, the run that was never cut
+(resident and pipelined; a phased run's checkpoints are resumed in test_launch.py, from
+two processes into one, and held to one device there); a checkpoint restores onto
+another mesh; SIGINT stops a real process cleanly; a diverging run stops with exit
+status 3 and valid metrics."""
 
 import json
 import math
@@ -21,7 +23,7 @@ from hypothesis import strategies as st
 import shardemu as api
 from shardemu.config import Parallelism, TrainConfig
 from shardemu.errors import CheckpointError, RunDirError
-from shardemu.models import get_preset
+from shardemu.models import Model, get_preset
 from shardemu.report.rundir import RunDir, read_metrics
 from shardemu.run.checkpoint import Checkpoints
 from shardemu.run.record import read_ledger
@@ -30,8 +32,8 @@ TINY = ["--model", "gpt-tiny", "--batch", "8", "--seq", "16"]
 ENGINES = {
     "resident": ["--mesh", "tensor=2,replica=2"],
     "pipelined": ["--mesh", "pipe=2,replica=2", "--microbatches", "2"],
-    "phased": ["--mesh", "tensor=2,replica=2", "--phased", "--phases", "2"],
 }
+TRAIN = TrainConfig(batch=8, seq=16, seed=0)  # TINY's settings, the rest as the CLI's defaults
 
 
 def losses(run_dir) -> list[float]:
@@ -72,6 +74,30 @@ def tear_the_last_line(run_dir):
     text = metrics.read_text()
     last = text.rstrip("\n").rsplit("\n", 1)[-1]
     metrics.write_text(text[: len(text) - len(last) - 1] + last[: len(last) // 2])
+
+
+@pytest.mark.slow
+def test_the_runs_equal_one_device_and_a_pipeline_records_its_stages(runs, single_device_reference):
+    """The command's runs, each loss as plain `jax.jit` on one device (the witness of
+    test_engine.py and test_pipeline.py); the pipelined run's metrics carry its bubble
+    ((p - 1) / (m + p - 1)) and the bytes sent over `pipe`, its config.json the stages'
+    layers and shared weights (the embedding on the first, the tied head on the last),
+    its ledger compute on every stage."""
+    want = single_device_reference(Model(get_preset("gpt-tiny")), TRAIN, 3)["losses"]
+    for engine in ENGINES:
+        got = losses(runs(engine))
+        assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got, want, strict=True))
+    piped, pipe, microbatches = runs("pipelined"), 2, 2
+    first = read_metrics(piped)[0]
+    assert first["bubble_fraction"] == pytest.approx((pipe - 1) / (microbatches + pipe - 1))
+    plan = json.loads((piped / "config.json").read_text())["stage_plan"]
+    assert [s["layers"] for s in plan] == [[[0, 2]], [[2, 4]]]
+    assert [s["shared_params"] > 0 for s in plan] == [True, True]
+    ledger = read_ledger(piped)
+    assert {e.stage for e in ledger if e.kind == "compute"} == set(range(pipe))
+    sent = sum(e.bytes for e in ledger if e.step == 0 and e.axis == "pipe")
+    assert sent == first["pipe_bytes"] == first["bytes_collective"]["pipe"] > 0
+    assert read_metrics(runs("resident"))[0]["bubble_fraction"] == 0
 
 
 @pytest.mark.slow

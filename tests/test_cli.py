@@ -40,8 +40,8 @@ def test_demo_makes_its_three_runs_and_tells_what_they_show(demo):
 
 @pytest.mark.slow
 def test_sharded_and_single_device_runs_agree(demo):
-    """(GPT: BERT's sharded steps are compared with one device in test_engine.py, and its
-    pipelined CLI run below.)"""
+    """(GPT: BERT's sharded steps are compared with one device in test_engine.py; the
+    command's pipelined run in test_checkpoint.py.)"""
     root = demo[1]
     a, b = read_metrics(root / "sharded"), read_metrics(root / "one-device")
     assert [r["step"] for r in a] == list(range(DEMO_STEPS))
@@ -93,36 +93,6 @@ def test_phased_run_agrees_with_resident_and_records_the_ledger(demo):
     ledger = read_ledger(phased)
     h2d = sum(e.bytes for e in ledger if e.step == 0 and e.kind == "h2d")
     assert h2d == a[0]["bytes_h2d"] > 0
-
-
-@pytest.mark.slow
-def test_pipelined_run_agrees_with_single_device(demo, tmp_path):
-    """gpt-tiny on pipe=2,tensor=2,replica=2 with 4 microbatches, the demo's settings
-    (BERT: test_pipeline.py)."""
-    root, pipe = demo[1], 2
-    piped = shardemu(
-        "run", "--model", "gpt-tiny", "--batch", "16", "--seq", "64", "--seed", "0",
-        "--steps", str(DEMO_STEPS), "--mesh", "pipe=2,tensor=2,replica=2",
-        "--microbatches", "4", "--out", str(tmp_path / "p"),
-    )  # fmt: skip
-    assert piped.returncode == 0, piped.stderr
-    a, b = read_metrics(tmp_path / "p"), read_metrics(root / "one-device")
-    for ra, rb in zip(a, b, strict=True):
-        assert abs(ra["loss"] - rb["loss"]) <= 1e-4 * abs(rb["loss"])
-    assert a[0]["bubble_fraction"] == pytest.approx((pipe - 1) / (4 + pipe - 1))
-    assert a[0]["pipe_bytes"] > 0 and b[0]["pipe_bytes"] == 0 and b[0]["bubble_fraction"] == 0
-    plan = json.loads((tmp_path / "p" / "config.json").read_text())["stage_plan"]
-    assert [s["layers"] for s in plan] == [
-        [[i * 4 // pipe, (i + 1) * 4 // pipe]] for i in range(pipe)
-    ]
-    assert [s["shared_params"] > 0 for s in plan] == [i in (0, pipe - 1) for i in range(pipe)]
-    # both runs write their own ledger: compute on every stage and sends over pipe; the
-    # resident step's gradients and update, with its collectives
-    ledger = read_ledger(tmp_path / "p")
-    assert {e.stage for e in ledger if e.kind == "compute"} == set(range(pipe))
-    sent = sum(e.bytes for e in ledger if e.step == 0 and e.axis == "pipe")
-    assert sent == a[0]["pipe_bytes"] == a[0]["bytes_collective"]["pipe"]
-    assert {e.phase.kind for e in read_ledger(root / "one-device")} == {"step", "update"}
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """Context parallelism (`Parallelism.context`, `megatron_rules(context_parallel=True)`):
 every sequence split over `context`, each device's queries attending to keys and values
 all-gathered over it (Llama 3's all-gather context parallelism). Runs on the resident
-engine equal one device; the ledger holds the keys' and values' all-gathers and their
+engine equal one device (the staged engines' runs, and a phased plan held to its run,
+are test_llama.py's); the ledger holds the keys' and values' all-gathers and their
 gradients' reduce-scatters with the ring's bytes; what is not built says so."""
 
 import jax
@@ -10,11 +11,9 @@ import pytest
 from shardemu.accounting.count import Counter, with_shardings
 from shardemu.accounting.ledger import totals
 from shardemu.accounting.sizes import bytes_per_device
-from shardemu.config import ConfigError, Parallelism, PhasedConfig, TrainConfig
-from shardemu.data import SyntheticCorpus
+from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.models import Model, get_preset
 from shardemu.parallel.mesh import make_mesh
-from shardemu.phased.trainer import PhasedTrainer
 from shardemu.predict.planning import plan
 from shardemu.predict.profiles import PROFILES
 from shardemu.resident.trainer import Trainer
@@ -102,29 +101,3 @@ def test_what_context_parallelism_does_not_cover_is_refused():
     moe = get_preset("moe-tiny")
     with pytest.raises(ConfigError, match="context and expert parallelism together"):
         plan(moe, Parallelism(context=2, expert=2), TRAIN, h100, microbatch_size=4)
-
-
-@pytest.mark.slow
-def test_a_phased_plan_of_context_parallelism_counts_what_the_run_does():
-    """Phased, two phases, rts 2, on tensor 2 x replica 2 x context 2: the plan counts
-    one stage on all its devices, each sequence split over context as the engine splits
-    it, so its step's ledger is the run's first step's, event kind by event kind."""
-    model = Model(get_preset("gpt-tiny"))
-    cfg = PhasedConfig(phases=2, device_memory=10**7, rts=2)
-    par = Parallelism(tensor=2, replica=2, context=2)
-    planned = plan(model, par, TRAIN, PROFILES["h100-sxm"], phased=cfg)
-    trainer = PhasedTrainer(model, make_mesh(tensor=2, replica=2, context=2), TRAIN, cfg)
-    state = trainer.init(jax.device_get(jax.jit(model.init_params)(jax.random.key(0))))
-    trainer.step(state, model.batch(SyntheticCorpus(model.cfg.vocab_size, seed=0), 0, 8, 16))
-
-    def totals_by_kind(events):
-        out = {}
-        for e in events:
-            if e.step == 0:
-                key = (e.kind, e.axis, e.op)
-                out[key] = out.get(key, 0) + (e.flops if e.kind == "compute" else e.bytes)
-        return out
-
-    got, want = totals_by_kind(planned.ledger.events), totals_by_kind(trainer.ledger.events)
-    assert got == want
-    assert ("collective", "context", "all-gather") in got

@@ -17,10 +17,11 @@ from shardemu.config import ConfigError, TrainConfig
 from shardemu.parallel.mesh import make_mesh
 from shardemu.resident.trainer import Trainer
 
-# Tensor alone (8, 1), replicas alone (1, 8), both (2, 4), and a mesh on half the devices
-# (2, 2). (4, 2) is the sequence-parallel test's mesh below; (1, 1), (2, 1) and (1, 2) add
-# no case these do not (dropped to keep the suite inside its 3 minutes on 2 cores).
-MESHES = [(2, 2), (2, 4), (8, 1), (1, 8)]
+# Tensor alone (8, 1), replicas alone (1, 8), both (2, 4). (4, 2) is the
+# sequence-parallel test's mesh below; a mesh on half the devices (2, 2) is the command's
+# run in test_checkpoint.py, held to one device there; (1, 1), (2, 1) and (1, 2) add no
+# case these do not (dropped to keep the suite inside its 3 minutes on 2 cores).
+MESHES = [(2, 4), (8, 1), (1, 8)]
 STEPS = 3
 
 

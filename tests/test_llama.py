@@ -165,13 +165,34 @@ def test_pipelined_equals_one_device(reference, staged_like_reference):
 
 
 @pytest.mark.slow
-def test_phased_with_rts_equals_one_device(reference, staged_like_reference):
+def test_phased_with_rts_equals_one_device_and_its_plan(reference, staged_like_reference):
     """Two phases on tensor=2 x replica=2 x context=2, each replica storing half of every
     weight (rts 2) and gathering the rest before its phase runs, each sequence split
-    over context; the update in the host tier."""
-    mesh = make_mesh(tensor=2, replica=2, context=2)
-    trainer = PhasedTrainer(TINY, mesh, TRAIN, PhasedConfig(phases=2, rts=2))
+    over context; the update in the host tier. The same layout planned counts one stage
+    on all its devices, each sequence split over context as the engine splits it: its
+    step's ledger is the run's first step's, event kind by event kind (context
+    parallelism's keys and values all-gathered)."""
+    from shardemu.config import Parallelism
+    from shardemu.predict.planning import plan
+    from shardemu.predict.profiles import PROFILES
+
+    cfg = PhasedConfig(phases=2, rts=2)
+    trainer = PhasedTrainer(TINY, make_mesh(tensor=2, replica=2, context=2), TRAIN, cfg)
     staged_like_reference(trainer, trainer.init(reference["init"]), reference)
+    par = Parallelism(tensor=2, replica=2, context=2)
+    planned = plan(TINY, par, TRAIN, PROFILES["h100-sxm"], phased=cfg)
+
+    def totals_by_kind(events):
+        out = {}
+        for e in events:
+            if e.step == 0:
+                key = (e.kind, e.axis, e.op)
+                out[key] = out.get(key, 0) + (e.flops if e.kind == "compute" else e.bytes)
+        return out
+
+    got, want = totals_by_kind(planned.ledger.events), totals_by_kind(trainer.ledger.events)
+    assert got == want
+    assert ("collective", "context", "all-gather") in got
 
 
 def test_settings_a_family_cannot_honour_are_refused():
