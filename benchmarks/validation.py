@@ -63,6 +63,9 @@ class Case:
     stage_layers: tuple[int, ...] | None = None  # layers per pipeline stage (None: even)
     zero: int = 0  # the ZeRO stage over the data-parallel replicas (`predict/zero.py`)
     sequence_parallel: bool = False  # Korthikanti et al. 2022's (`--sequence-parallel`)
+    # the embedding and the loss counted as a layer each in the pipeline split (Megatron-
+    # Core's `--account-for-embedding-in-pipeline-split` and `--account-for-loss-in-...`)
+    ends_in_split: bool = False
 
 
 # Megatron-LM as Narayanan et al. 2021 and Korthikanti et al. 2022 ran it: gradients
@@ -106,15 +109,16 @@ TORCHTITAN_A100 = (  # (model, name, sequence, local batch, recomputation, WPS)
 LLAMA3_405B_8K = Case(
     "Llama 3 405B, 8192 H100",
     "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4: 430 TFLOP/s per GPU, 43% MFU",
-    # 126 layers in the paper; 128 here, a model chunk each: its interleaved schedule
-    # takes one layer from the first and from the last stage so that the first
-    # stage's first chunk holds the embedding alone and the last stage's last chunk
-    # the output projection and loss alone (Dubey et al. 2024, §3.3.2, "Pipeline
-    # parallelism improvements"), so a chunk is one layer: 8 a stage on 16 stages
-    # (here the embedding and the head share the first and last layer's chunks).
+    # 126 layers: its interleaved schedule takes one layer from the first and from the
+    # last stage so that the first stage's first chunk holds the embedding alone and the
+    # last stage's last chunk the output projection and loss alone (Dubey et al. 2024,
+    # §3.3.2, "Pipeline parallelism improvements"): the embedding and the loss counted
+    # as a layer each in the split (`ends_in_split`), 128 chunks of one, 8 a stage on
+    # 16 stages (128 layers until 2026-11-28, the embedding and the head beside the
+    # first and the last layer).
     # Full recomputation: with selective or none this layout's plan holds more than
     # an H100's 80 GB (docs/results.md; 2 chunks a stage until 2026-11-27: -18.5%)
-    get_preset("llama3-405b").replace(num_layers=128),
+    get_preset("llama3-405b"),
     Parallelism(pipe=16, tensor=8, replica=64),
     2048,
     8192,
@@ -125,7 +129,7 @@ LLAMA3_405B_8K = Case(
     "full",
     "mfu",
     0.43,
-    "the Llama family (grouped-query attention, SwiGLU), 128 layers for 126",
+    "the Llama family (grouped-query attention, SwiGLU)",
     # the default Overlap(): FSDP's gradient reduce-scatter overlaps the backward and
     # pipeline sends are asynchronous (Dubey et al. 2024, §3.3)
     attention="fused",  # a 2024 H100 stack's fused attention (FlashAttention-2,
@@ -134,6 +138,7 @@ LLAMA3_405B_8K = Case(
     # gradients, but for model shards we do not reshard after forward computation"
     # (Dubey et al. 2024, §3.3.1): ZeRO stage 2's memory and collectives
     zero=2,
+    ends_in_split=True,
 )
 
 
@@ -176,8 +181,9 @@ CASES = [
         # asynchronously beside the backward (not a setting the paper states)
     ),
     LLAMA3_405B_8K,
-    # Table 4's other rows, planned as the 8,192-GPU row (128 layers, a chunk each, full
-    # recomputation, fused attention, ZeRO 2)
+    # Table 4's other rows, planned as the 8,192-GPU row (126 layers, a chunk each and
+    # the embedding and the loss alone in theirs, full recomputation, fused attention,
+    # ZeRO 2)
     dataclasses.replace(
         LLAMA3_405B_8K,
         name="Llama 3 405B, 16384 H100",
@@ -186,7 +192,7 @@ CASES = [
         # twice the data-parallel groups: 16 sequences of 8,192 a replica, one a microbatch
         par=Parallelism(pipe=16, tensor=8, replica=128),
         published=0.41,
-        note="the Llama family, 128 layers for 126",
+        note="the Llama family",
     ),
     dataclasses.replace(
         LLAMA3_405B_8K,
@@ -201,7 +207,7 @@ CASES = [
         batch=128,
         seq=131072,
         published=0.38,
-        note="the Llama family, 128 layers for 126; data parallel 8 from the GPUs and the "
+        note="the Llama family; data parallel 8 from the GPUs and the "
         "tokens (this project's notes of 2026-11-25 read the table's DP as 4, which would "
         "make 8,192 GPUs and 8M tokens: planned so, 46.9% MFU)",
     ),
@@ -527,6 +533,8 @@ def train_config(case: Case) -> TrainConfig:
         batch=case.batch, seq=case.seq, schedule=case.schedule, virtual=case.virtual,
         precision=case.precision, stage_layers=case.stage_layers, zero=case.zero,
         sequence_parallel=case.sequence_parallel,
+        account_for_embedding_in_pipeline_split=case.ends_in_split,
+        account_for_loss_in_pipeline_split=case.ends_in_split,
     )  # fmt: skip
 
 

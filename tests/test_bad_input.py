@@ -130,6 +130,16 @@ CLI_ROWS = [
     row("stage-layers-no-pipe", [*GPT, "--stage-layers", "2,2"], "gives 2 stages but the mesh"),
     row("stage-layers-phased", [*GPT, "--mesh", "pipe=2", "--stage-layers", "1,3", "--phased"],
         "(leave out --stage-layers, or the phased settings)"),  # fmt: skip
+    # Megatron-Core's split with the embedding or the loss counted as a layer
+    row("split-not-dividing", [*GPT, *PIPE2, "--account-for-embedding-in-pipeline-split"],
+        "4 layers and the embedding (--account-for-embedding-in-pipeline-split) make 5, which "
+        "do not split evenly into pipe * virtual = 2 model chunks"),  # fmt: skip
+    row("split-and-stage-layers", [*GPT, *PIPE2, "--stage-layers", "1,3",
+        "--account-for-loss-in-pipeline-split"], "both set how layers are split"),  # fmt: skip
+    row("split-phased", [*GPT, *PIPE2, "--phased", "--account-for-loss-in-pipeline-split"],
+        "(leave out --account-for-loss-in-pipeline-split, or the phased settings)"),  # fmt: skip
+    row("split-no-pipe", [*GPT, "--account-for-embedding-in-pipeline-split"],
+        "splits layers over pipeline stages, and pipe=1"),  # fmt: skip
     # phased settings
     row("phases-0", [*GPT, "--phased", "--phases", "0"], "phases must be a positive integer"),
     row("phases-3", [*GPT, "--phased", "--phases", "3"], "--phases 3 must divide the model's 4"),

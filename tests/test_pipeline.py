@@ -202,3 +202,62 @@ def test_a_plan_of_uneven_stages_counts_what_the_engine_runs(tiny_model):
     assert planned[1] > 2.5 * planned[0]  # three layers and the head against one
     assert sum(planned) == pytest.approx(sum(evenly), rel=1e-9)
     assert uneven["step_time_s"] > even["step_time_s"]
+
+
+def test_the_embedding_and_the_loss_counted_in_the_split_leave_their_chunks_alone(
+    tiny_model, reference, assert_params_close
+):
+    """Megatron-Core's `--account-for-embedding-in-pipeline-split` and
+    `--account-for-loss-in-pipeline-split`, as Llama 3 405B was split (126 layers and
+    both in 128 chunks, Dubey et al. 2024, §3.3.2): GPT's 4 layers and both over 2
+    stages of 3 interleaved chunks, one a chunk, so the first chunk runs the embedding
+    alone and the last the head alone. Every loss and the final weights as one device's;
+    and the plan of the same split, two witnesses again, each stage's forward and
+    backward FLOPs within 2% of the engine's, with the same total as an even split's."""
+    if tiny_model.cfg.family != "gpt":
+        pytest.skip("the split is the model's layers and its ends: GPT's stand for both")
+    from shardemu.config import Parallelism
+    from shardemu.predict.plan_resident import plan_resident
+    from shardemu.predict.profiles import PROFILES
+
+    flags = {"account_for_embedding_in_pipeline_split": True}
+    flags["account_for_loss_in_pipeline_split"] = True
+    train = TrainConfig(
+        batch=TRAIN.batch, seq=TRAIN.seq, seed=TRAIN.seed, microbatches=2,
+        schedule="interleaved", virtual=3, **flags,
+    )  # fmt: skip
+    trainer = PipelinedTrainer(tiny_model, make_mesh(2, 1, 2, devices=jax.devices()[:4]), train)
+    assert trainer.layout.slices == ((0, 0), (0, 1), (1, 2), (2, 3), (3, 4), (4, 4))
+    state = trainer.place(reference["init"])
+    corpus = SyntheticCorpus(tiny_model.cfg.vocab_size, seed=TRAIN.seed)
+    for step, want in enumerate(reference["losses"]):
+        result = trainer.step(state, tiny_model.batch(corpus, step, TRAIN.batch, TRAIN.seq))
+        state = result.state
+        np.testing.assert_allclose(result.loss, want, rtol=1e-5)
+    assert_params_close(trainer.params(state), reference["final"], train.learning_rate)
+
+    def per_stage(events) -> list[float]:
+        out = [0.0, 0.0]
+        for e in events:
+            if e.kind == "compute" and e.phase.kind != "update":
+                out[e.stage] += e.flops
+        return out
+
+    def plan(**split):
+        train = TrainConfig(batch=16, seq=16, schedule="interleaved", virtual=3, **split)
+        planned = plan_resident(
+            tiny_model.cfg, Parallelism(pipe=2), train, 8, PROFILES["a100-80gb"], "none"
+        )
+        return planned.report, per_stage(planned.ledger.events)
+
+    engine = per_stage(trainer.ledger.step(STEPS - 1))  # both replicas: the whole batch
+    with pytest.raises(ConfigError, match=r"4 layers do not split into pipe \* virtual = 6"):
+        plan()  # 4 layers alone do not make 6 chunks
+    report, planned = plan(**flags)
+    assert report["stage_layers"] == [2, 2]
+    np.testing.assert_allclose(planned, engine, rtol=0.02)
+    even = plan_resident(
+        tiny_model.cfg, Parallelism(pipe=2), TrainConfig(batch=16, seq=16), 8,
+        PROFILES["a100-80gb"], "none",
+    )  # fmt: skip
+    assert sum(planned) == pytest.approx(sum(per_stage(even.ledger.events)), rel=1e-9)

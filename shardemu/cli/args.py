@@ -143,7 +143,18 @@ def config_arg(p: argparse.ArgumentParser) -> None:
 
 
 def pipeline_args(p: argparse.ArgumentParser) -> None:
-    add_flags(p, TrainConfig, ("schedule", "virtual", "microbatch_group", "stage_layers"))
+    add_flags(
+        p,
+        TrainConfig,
+        (
+            "schedule",
+            "virtual",
+            "microbatch_group",
+            "stage_layers",
+            "account_for_embedding_in_pipeline_split",
+            "account_for_loss_in_pipeline_split",
+        ),
+    )
 
 
 def precision_arg(p: argparse.ArgumentParser) -> None:

@@ -38,7 +38,7 @@ console = Console(stderr=True)
 
 def cmd_plan(args: argparse.Namespace) -> None:
     """Every setting is checked before anything is counted or written."""
-    from shardemu.pipelined.layout import pipeline_layout
+    from shardemu.pipelined.layout import Split, pipeline_layout
     from shardemu.report.plandir import flatten
     from shardemu.report.rundir import default_run_dir, require_new
 
@@ -57,8 +57,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
     steps = {"steps": sparse.updates} if sparse else {}
     train_cfg = from_args(TrainConfig, args, sparsity=sparse, **steps)
     Model(model_cfg).check_fits(train_cfg, par)
-    if train_cfg.stage_layers is not None:  # refused now, not after counting
-        pipeline_layout(model_cfg.num_layers, par.pipe, train_cfg.virtual, train_cfg.stage_layers)
+    split = Split.of(train_cfg)
+    if split != Split():  # refused now, not after counting
+        pipeline_layout(model_cfg.num_layers, par.pipe, train_cfg.virtual, split)
     if hardware is not None:
         hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))  # refused now
     micro = args.microbatch_size
@@ -199,6 +200,12 @@ def _refuse_resident_only(args: argparse.Namespace, phased: PhasedConfig | None)
             f"phased stages run "
             f"equal phases of layers; leave out --stage-layers or --phased"
         )
+    for part in ("embedding", "loss"):
+        if getattr(args, f"account_for_{part}_in_pipeline_split"):
+            raise ConfigError(
+                f"--account-for-{part}-in-pipeline-split is for resident plans: phased stages "
+                f"run equal phases of layers; leave it out or --phased"
+            )
 
 
 def _plan_tracking(args: argparse.Namespace, hardware: Hardware | None) -> TrackingConfig | None:

@@ -178,6 +178,10 @@ def refuse_idle_settings(args: argparse.Namespace, par: Parallelism) -> None:
                 "--pipe-scatter-gather splits what every tensor rank sends whole, and with "
                 "--sequence-parallel each sends its own share already: leave out one of them"
             )
+    for part in ("embedding", "loss"):
+        flag = f"--account-for-{part}-in-pipeline-split"
+        if flag in given and par.pipe == 1:
+            idle.append(f"{flag} splits layers over pipeline stages, and {par} has pipe=1: {mesh}")
     if "--pipe-sends" in given and par.pipe == 1:
         idle.append(
             f"--pipe-sends {args.pipe_sends} times pipeline sends, and {par} has pipe=1: {mesh}"

@@ -141,6 +141,21 @@ class TrainConfig:
         "layers of each pipeline stage, e.g. 3,7,7,7 (default: even); plans: resident only",
         metavar="N,N,...",
     )
+    # Megatron-Core's flags of these names (`transformer_block.get_transformer_layer_offset`):
+    # the layers and the embedding or the loss split evenly over the model chunks, so the
+    # first (last) chunk holds one layer fewer; Llama 3 405B's 126 layers and both make
+    # 128 chunks, 8 a stage on 16 stages (Dubey et al. 2024, §3.3.2)
+    account_for_embedding_in_pipeline_split: bool = setting(
+        False,
+        "--account-for-embedding-in-pipeline-split",
+        "split the layers over pipeline stages and model chunks with the embedding counted "
+        "as one: the first chunk holds one layer fewer (Megatron-Core's flag)",
+    )
+    account_for_loss_in_pipeline_split: bool = setting(
+        False,
+        "--account-for-loss-in-pipeline-split",
+        "the same for the output projection and loss: the last chunk holds one layer fewer",
+    )
     sparsity: SparsityConfig | None = None  # block-sparse layer weights (None: dense)
     data: Dataset = setting(
         "synthetic",

@@ -8,7 +8,11 @@ device s holds chunks s, s + p, ...). Stage s's n_s layers are split into v equa
 chunks, so virtual stage j has n_{j mod p} / v layers. Without `stage_layers` every
 stage gets L / p layers. Graphcore's BERT-Large on 4 IPUs puts fewer layers on the
 stage that also holds the embedding (Graphcore, "BERT-Large training on the IPU",
-pipeline configuration [3, 7, 7, 7]), which `stage_layers` expresses.
+pipeline configuration [3, 7, 7, 7]), which `stage_layers` expresses. Megatron-Core's
+`account_for_embedding_in_pipeline_split` and `account_for_loss_in_pipeline_split` count
+the embedding and the loss as a layer each in an even split, so the first and the last
+chunk hold a layer fewer, none where a chunk is one layer (Llama 3 405B: Dubey et al.
+2024, §3.3.2): `Split`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 import jax
 
+from shardemu.config import TrainConfig
 from shardemu.errors import ConfigError
 from shardemu.models import Model
 
@@ -52,10 +57,33 @@ class PipelineLayout:
         ]
 
 
+@dataclass(frozen=True)
+class Split:
+    """How the layers are dealt to the stages: `stage_layers` per stage (None: even),
+    or evenly with the embedding (`embedding`) and the loss (`loss`) counted as a layer
+    each (Megatron-Core's `account_for_embedding_in_pipeline_split`,
+    `account_for_loss_in_pipeline_split`)."""
+
+    stage_layers: tuple[int, ...] | None = None
+    embedding: bool = False
+    loss: bool = False
+
+    @classmethod
+    def of(cls, train: TrainConfig) -> Split:
+        return cls(
+            train.stage_layers,
+            train.account_for_embedding_in_pipeline_split,
+            train.account_for_loss_in_pipeline_split,
+        )
+
+
 def pipeline_layout(
-    num_layers: int, stages: int, virtual: int = 1, stage_layers: tuple[int, ...] | None = None
+    num_layers: int, stages: int, virtual: int = 1, split: Split = Split()
 ) -> PipelineLayout:
     """The layers of each virtual stage, or a clear error naming the value and the fix."""
+    if split.embedding or split.loss:
+        return _counted_split(num_layers, stages, virtual, split)
+    stage_layers = split.stage_layers
     if stage_layers is None:
         if num_layers % stages:
             raise ConfigError(
@@ -90,6 +118,34 @@ def pipeline_layout(
     slices, start = [], 0
     for j in range(stages * virtual):
         size = stage_layers[j % stages] // virtual
+        slices.append((start, start + size))
+        start += size
+    return PipelineLayout(stages, virtual, tuple(slices))
+
+
+def _counted_split(num_layers: int, stages: int, virtual: int, split: Split) -> PipelineLayout:
+    """Megatron-Core's even split of the layers and the embedding or the loss, each
+    counted as a layer (`transformer_block.get_transformer_layer_offset`): every model
+    chunk u of them; the first chunk's first is the embedding, the last chunk's last
+    the loss."""
+    counted = [name for name, on in (("embedding", split.embedding), ("loss", split.loss)) if on]
+    flags = " and ".join(f"TrainConfig.account_for_{name}_in_pipeline_split" for name in counted)
+    if split.stage_layers is not None:
+        raise ConfigError(
+            f"TrainConfig.stage_layers {_fmt(split.stage_layers)} and {flags} both set how "
+            f"layers are split over the stages; give one of them"
+        )
+    chunks, units = stages * virtual, num_layers + len(counted)
+    if units % chunks:
+        raise ConfigError(
+            f"{num_layers} layers and the {' and the '.join(counted)} ({flags}) make {units}, "
+            f"which do not split evenly into pipe * virtual = {chunks} model chunks; use a "
+            f"pipe and virtual whose product divides {units}, or leave out {flags}"
+        )
+    per = units // chunks
+    slices, start = [], 0
+    for j in range(chunks):
+        size = per - (split.embedding and j == 0) - (split.loss and j == chunks - 1)
         slices.append((start, start + size))
         start += size
     return PipelineLayout(stages, virtual, tuple(slices))

@@ -27,7 +27,7 @@ from shardemu.numerics.precision import as_compute, compute_model
 from shardemu.parallel.mesh import parallelism_of
 from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Slot, make_schedule
-from shardemu.pipelined.layout import pipeline_layout
+from shardemu.pipelined.layout import Split, pipeline_layout
 from shardemu.pipelined.program import PipelinedState, StepOutput, run_step, shared_holders
 from shardemu.stages.crossing import put
 from shardemu.stages.executor import Executor
@@ -71,7 +71,7 @@ class PipelinedTrainer:
         par = parallelism_of(mesh)
         model.check_fits(train, par)
         self.layout = pipeline_layout(
-            model.cfg.num_layers, par.pipe, train.virtual, train.stage_layers
+            model.cfg.num_layers, par.pipe, train.virtual, Split.of(train)
         )
         self.schedule = make_schedule(
             train.schedule, par.pipe, train.microbatches, train.virtual, train.microbatch_group

@@ -38,7 +38,7 @@ from shardemu.models import Model, as_model, count_params
 from shardemu.numerics.precision import arithmetic
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.parallel.schedules import Schedule
-from shardemu.pipelined.layout import PipelineLayout
+from shardemu.pipelined.layout import PipelineLayout, Split
 from shardemu.predict.context_parallel import per_step_reductions
 from shardemu.predict.costmodel import Timeline
 from shardemu.predict.expert_parallel import expert_parallel
@@ -185,7 +185,7 @@ def counted_layout(
     hardware = hardware.at_precision(arithmetic(model.cfg, train.precision))
     lay, sched, key = resident_layout(
         model, par, train.batch, train.seq, microbatch_size, train.schedule, train.virtual,
-        recompute, train.precision, attention, train.stage_layers, rules, train.microbatch_group,
+        recompute, train.precision, attention, Split.of(train), rules, train.microbatch_group,
     )  # fmt: skip
     layout = f"{par} microbatch {microbatch_size} {train.schedule} recompute={recompute}"
     if must_fit:  # nothing compiled for a layout whose least bytes are over the memory

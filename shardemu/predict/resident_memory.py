@@ -14,7 +14,7 @@ from shardemu.config import ConfigError, Parallelism
 from shardemu.models import Model
 from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Schedule, make_schedule
-from shardemu.pipelined.layout import PipelineLayout, pipeline_layout
+from shardemu.pipelined.layout import PipelineLayout, Split, pipeline_layout
 from shardemu.predict.activations import layer_bytes, loss_bytes
 from shardemu.predict.layouts import ATTENTION, RECOMPUTE, Recompute
 from shardemu.predict.memory_bound import memory_bound
@@ -123,7 +123,7 @@ def resident_layout(
     recompute: str,
     precision: str,
     attention: str,
-    stage_layers: tuple[int, ...] | None,
+    split: Split,
     rules: Rules | None = None,
     group: int | None = None,
 ) -> tuple[PipelineLayout, Schedule, CountKey]:
@@ -150,9 +150,9 @@ def resident_layout(
             f"`microbatch_size` = {per_step}"
         )
     p, v, L = par.pipe, virtual, key.model.cfg.num_layers
-    if stage_layers is None and L % (p * v):
+    if split == Split() and L % (p * v):
         raise ConfigError(f"{L} layers do not split into pipe * virtual = {p * v} equal chunks")
-    lay = pipeline_layout(L, p, v, stage_layers)
+    lay = pipeline_layout(L, p, v, split)
     return lay, make_schedule(schedule, p, batch // per_step, v, group), key
 
 
@@ -212,7 +212,7 @@ def device_bytes_at_least(
         recompute,
         precision,
         attention,
-        None,
+        Split(),
         rules,
     )
     bound = zero(memory_bound(key), zero_stage, par)

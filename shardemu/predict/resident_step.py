@@ -171,6 +171,8 @@ class _StepEvents:
         mb = self.mb
         piece = mb.pieces["forward" if kind == "F" else "backward"]
         n = self.lay.layers_of(tag.index)
+        if n == 0:  # the embedding's or the loss's chunk alone (`layout.Split`)
+            return []
         if self.fsdp:
             return self.gathered(kind, tag, piece, n)
         if not reduce:

@@ -31,6 +31,7 @@ from shardemu.numerics.precision import scale_fields
 from shardemu.parallel.mesh import parallelism_of
 from shardemu.parallel.rules import Rules
 from shardemu.phased.trainer import PhasedTrainer
+from shardemu.pipelined.layout import Split
 from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.resident.trainer import Trainer, held_out, loss_terms
 from shardemu.sparsity import sparse_counts
@@ -248,11 +249,17 @@ def make_engine(
     """The engine for these settings: phased when asked, pipelined when the mesh has
     stages or the step has microbatches, else resident."""
     if phased:
-        if train_cfg.stage_layers is not None:
+        split = Split.of(train_cfg)
+        if split != Split():
+            name = (
+                "stage_layers"
+                if split.stage_layers is not None
+                else (f"account_for_{'embedding' if split.embedding else 'loss'}_in_pipeline_split")
+            )
             raise ConfigError(
-                "TrainConfig.stage_layers sets the layers of pipelined stages; a phased run "
-                "spreads its phases evenly over the stages (leave out TrainConfig.stage_layers, "
-                "or the phased settings)"
+                f"TrainConfig.{name} sets the layers of pipelined stages; a phased run "
+                f"spreads its phases evenly over the stages (leave out TrainConfig.{name}, "
+                f"or the phased settings)"
             )
         return PhasedEngine(PhasedTrainer(model, mesh, train_cfg, phased, rules))
     par = parallelism_of(mesh)

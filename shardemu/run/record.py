@@ -23,7 +23,7 @@ from shardemu.models import Model, param_bytes
 from shardemu.parallel.mesh import parallelism_of
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.phased.planner import PhasePlan
-from shardemu.pipelined.layout import pipeline_layout, stage_plan
+from shardemu.pipelined.layout import Split, pipeline_layout, stage_plan
 from shardemu.predict.costmodel import Timeline
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.prediction import predict
@@ -97,7 +97,7 @@ def run_config(
     derive their stage rules from them), sizes per device, devices, stage plan."""
     par = parallelism_of(mesh)
     shapes, _ = model.abstract_params()
-    lay = pipeline_layout(model.cfg.num_layers, par.pipe, train_cfg.virtual, train_cfg.stage_layers)
+    lay = pipeline_layout(model.cfg.num_layers, par.pipe, train_cfg.virtual, Split.of(train_cfg))
     return {
         "model": dataclasses.asdict(model.cfg),
         "parallelism": dataclasses.asdict(par),
