@@ -305,6 +305,15 @@ API_ROWS = [
     (lambda: api.TrainConfig(seed=2**33), "TrainConfig.seed 8589934592 is too large"),
     (lambda: api.TrainConfig(virtual=2), "TrainConfig.virtual 2 splits stages into chunks"),
     (lambda: api.PhasedConfig(rts=0), "PhasedConfig.rts must be a positive integer, got 0"),
+    (
+        lambda: api.plan(
+            api.get_preset("gpt-tiny"),
+            api.Parallelism(pipe=2),
+            api.TrainConfig(account_for_loss_in_pipeline_split=True),
+            phased=api.PhasedConfig(),
+        ),
+        "TrainConfig.account_for_loss_in_pipeline_split sets the layers of pipelined stages",
+    ),
     (lambda: Overlap(bucket_mb=0), "Overlap.bucket_mb must be a finite number > 0, got 0"),
     (lambda: api.Parallelism(tensor=0), "tensor must be a positive integer"),
     (lambda: api.Parallelism(pipe=1.5), "pipe must be a positive integer, got 1.5"),

@@ -77,6 +77,24 @@ class Split:
         )
 
 
+def refuse_phased(train: TrainConfig) -> None:
+    """A phased run or plan spreads its phases evenly over the stages: a split of
+    pipelined stages is refused, not dropped."""
+    split = Split.of(train)
+    if split == Split():
+        return
+    name = (
+        "stage_layers"
+        if split.stage_layers is not None
+        else (f"account_for_{'embedding' if split.embedding else 'loss'}_in_pipeline_split")
+    )
+    raise ConfigError(
+        f"TrainConfig.{name} sets the layers of pipelined stages; a phased run or plan "
+        f"spreads its phases evenly over the stages (leave out TrainConfig.{name}, or the "
+        f"phased settings)"
+    )
+
+
 def pipeline_layout(
     num_layers: int, stages: int, virtual: int = 1, split: Split = Split()
 ) -> PipelineLayout:

@@ -11,6 +11,7 @@ from typing import Literal
 from shardemu.config import ConfigError, ModelConfig, Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import Model, as_model
 from shardemu.parallel.rules import Rules
+from shardemu.pipelined.layout import refuse_phased
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import Recompute
 from shardemu.predict.overlap import DEFAULT_OVERLAP, Overlap
@@ -63,6 +64,7 @@ def plan(
                 f"a phased plan keeps, offloads or recomputes activations as "
                 f"PhasedConfig.activations says ({phased.activations!r})"
             )
+        refuse_phased(train)
         return plan_phased(
             model,
             par,

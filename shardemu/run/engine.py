@@ -25,13 +25,13 @@ from shardemu.accounting import flops
 from shardemu.accounting.count import PROCESS_COUNTER
 from shardemu.accounting.ledger import Event, Ledger
 from shardemu.accounting.sizes import bytes_per_device
-from shardemu.config import ConfigError, PhasedConfig, TrainConfig
+from shardemu.config import PhasedConfig, TrainConfig
 from shardemu.models import Model
 from shardemu.numerics.precision import scale_fields
 from shardemu.parallel.mesh import parallelism_of
 from shardemu.parallel.rules import Rules
 from shardemu.phased.trainer import PhasedTrainer
-from shardemu.pipelined.layout import Split
+from shardemu.pipelined.layout import refuse_phased
 from shardemu.pipelined.trainer import PipelinedTrainer
 from shardemu.resident.trainer import Trainer, held_out, loss_terms
 from shardemu.sparsity import sparse_counts
@@ -249,18 +249,7 @@ def make_engine(
     """The engine for these settings: phased when asked, pipelined when the mesh has
     stages or the step has microbatches, else resident."""
     if phased:
-        split = Split.of(train_cfg)
-        if split != Split():
-            name = (
-                "stage_layers"
-                if split.stage_layers is not None
-                else (f"account_for_{'embedding' if split.embedding else 'loss'}_in_pipeline_split")
-            )
-            raise ConfigError(
-                f"TrainConfig.{name} sets the layers of pipelined stages; a phased run "
-                f"spreads its phases evenly over the stages (leave out TrainConfig.{name}, "
-                f"or the phased settings)"
-            )
+        refuse_phased(train_cfg)
         return PhasedEngine(PhasedTrainer(model, mesh, train_cfg, phased, rules))
     par = parallelism_of(mesh)
     if par.pipe > 1 or train_cfg.microbatches > 1:
