@@ -403,8 +403,9 @@ CASES = [
             precision="fp8",
             zero=1,
             sequence_parallel=True,
+            ends_in_split=ends,
         )
-        for name, recipe, model, par, batch, virtual, tokens, note in (
+        for name, recipe, model, par, batch, virtual, tokens, note, ends in (
             (
                 "Llama 3 70B, 64 H100, FP8, p8 t4 r2, interleaved 5",
                 "llama3_70b_pretrain_64gpu_h100_fp8cs_config",
@@ -415,12 +416,16 @@ CASES = [
                 1664,
                 "its pipeline layout puts the embedding and the loss in chunks of their own (80 "
                 "layers in 40 chunks of 2 here)",
+                False,
             ),
-            # 128 layers for 126, so 8 stages x 8 chunks divide them (+1.6% of the FLOPs)
+            # 126 layers with the embedding and the loss counted in the split, 2 a chunk:
+            # recipes/llama/llama31_405b.py (3594df9) and recipes/llama/llama3.py set
+            # `account_for_embedding_in_pipeline_split` and `..._loss_...` for 405B (128
+            # layers for 126 until 2026-11-28)
             (
                 "Llama 3.1 405B, 1024 H100, FP8, p8 t8 c2 r8, interleaved 8",
                 "llama31_405b_pretrain_1024gpu_h100_fp8cs_config",
-                get_preset("llama3-405b").replace(num_layers=128),
+                get_preset("llama3-405b"),
                 Parallelism(pipe=8, tensor=8, replica=8, context=2),
                 1536,
                 8,
@@ -428,6 +433,7 @@ CASES = [
                 "one key/value group a device at tensor 8, one sequence a microbatch: its "
                 "attention core's dots have no batch dimension, found by the model's attention "
                 "shape (accounting/attention_core.py)",
+                True,
             ),
         )  # fmt: skip
     ),
