@@ -142,9 +142,11 @@ def test_bf16_resident_equals_the_reference(references):
     trainer = Trainer(Model(get_preset("gpt-tiny")), mesh(tensor=2, replica=2), train_cfg("bf16"))
     metrics, opt_state, params = run_resident(trainer, ref["model"])
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
-    check_against(ref, metrics, jax.device_get(opt_state.master))
-    rounded = jax.tree.map(lambda m: m.astype(jnp.bfloat16), opt_state.master)
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), params, rounded))
+    masters = jax.device_get(opt_state.master)
+    check_against(ref, metrics, masters)
+    # rounded on the host (ml_dtypes rounds to nearest even, as XLA's convert does)
+    rounded = jax.tree.map(lambda m: m.astype(jnp.bfloat16), masters)
+    assert jax.tree.all(jax.tree.map(np.array_equal, jax.device_get(params), rounded))
 
 
 @pytest.mark.slow
