@@ -83,7 +83,8 @@ def test_wandb_offline_run_holds_the_same_history_config_and_summary(tracked):
     kinds = [r.WhichOneof("record_type") for r in records]
     history = [r.history for r, kind in zip(records, kinds, strict=True) if kind == "history"]
     expected = [step_scalars(r) for r in read_metrics(tracked)]
-    assert [h.step.num for h in history] == [0, 1, 2]
+    # (once in a whole-suite run, 2026-11-28, no history record was found: say what was)
+    assert [h.step.num for h in history] == [0, 1, 2], kinds
     got = [_items(h.item) for h in history]
     assert [{k: g[k] for k in e} for g, e in zip(got, expected, strict=True)] == expected
     config = {}
