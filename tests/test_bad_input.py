@@ -138,6 +138,9 @@ CLI_ROWS = [
         "--account-for-loss-in-pipeline-split"], "both set how layers are split"),  # fmt: skip
     row("split-phased", [*GPT, *PIPE2, "--phased", "--account-for-loss-in-pipeline-split"],
         "(leave out --account-for-loss-in-pipeline-split, or the phased settings)"),  # fmt: skip
+    row("split-said", [*GPT, "--mesh", "pipe=3"], "or count the embedding and the loss as "
+        "layers in the split (--account-for-embedding-in-pipeline-split and --account-for-"
+        "loss-in-pipeline-split)"),  # fmt: skip
     row("split-no-pipe", [*GPT, "--account-for-embedding-in-pipeline-split"],
         "splits layers over pipeline stages, and pipe=1"),  # fmt: skip
     # phased settings

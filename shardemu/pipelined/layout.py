@@ -108,6 +108,7 @@ def pipeline_layout(
                 f"{num_layers} layers do not split evenly over pipe={stages}; use a pipe size "
                 f"that divides {num_layers}, or give the layers of each stage with "
                 f"TrainConfig.stage_layers (e.g. {_suggest(num_layers, stages)})"
+                f"{counted_hint(num_layers, stages * virtual)}"
             )
         stage_layers = (num_layers // stages,) * stages
     stage_layers = tuple(stage_layers)
@@ -167,6 +168,16 @@ def _counted_split(num_layers: int, stages: int, virtual: int, split: Split) -> 
         slices.append((start, start + size))
         start += size
     return PipelineLayout(stages, virtual, tuple(slices))
+
+
+def counted_hint(num_layers: int, chunks: int) -> str:
+    """The split that would divide `num_layers` into `chunks` model chunks with the
+    embedding or the loss counted as a layer (`Split`), said as advice; "" if none."""
+    for extra, names in ((1, ("embedding",)), (2, ("embedding", "loss"))):
+        if (num_layers + extra) % chunks == 0:
+            flags = " and ".join(f"TrainConfig.account_for_{n}_in_pipeline_split" for n in names)
+            return f"; or count the {' and the '.join(names)} as layers in the split ({flags})"
+    return ""
 
 
 def _fmt(counts: tuple[int, ...]) -> str:

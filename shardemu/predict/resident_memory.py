@@ -14,7 +14,7 @@ from shardemu.config import ConfigError, Parallelism
 from shardemu.models import Model
 from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Schedule, make_schedule
-from shardemu.pipelined.layout import PipelineLayout, Split, pipeline_layout
+from shardemu.pipelined.layout import PipelineLayout, Split, counted_hint, pipeline_layout
 from shardemu.predict.activations import layer_bytes, loss_bytes
 from shardemu.predict.layouts import ATTENTION, RECOMPUTE, Recompute
 from shardemu.predict.memory_bound import memory_bound
@@ -151,7 +151,10 @@ def resident_layout(
         )
     p, v, L = par.pipe, virtual, key.model.cfg.num_layers
     if split == Split() and L % (p * v):
-        raise ConfigError(f"{L} layers do not split into pipe * virtual = {p * v} equal chunks")
+        raise ConfigError(
+            f"{L} layers do not split into pipe * virtual = {p * v} equal chunks"
+            f"{counted_hint(L, p * v)}"
+        )
     lay = pipeline_layout(L, p, v, split)
     return lay, make_schedule(schedule, p, batch // per_step, v, group), key
 
