@@ -84,6 +84,21 @@ def abstract_like(state: Any) -> Any:
     )
 
 
+def _without_empty(tree: Any) -> Any:
+    """`tree` with its arrays of no elements as None: orbax refuses to save an array of
+    zero size ("Cannot save arrays with zero size"), and such an array holds nothing
+    to save (a model chunk without layers: `pipelined/layout.Split`)."""
+    return jax.tree.map(lambda a: None if a.size == 0 else a, tree)
+
+
+def _refilled(restored: Any, template: Any) -> Any:
+    """`restored` (from a tree saved `_without_empty`) with `template`'s arrays of no
+    elements put back where it holds None."""
+    leaves, treedef = jax.tree.flatten(restored, is_leaf=lambda x: x is None)
+    kept = [t if r is None else r for r, t in zip(leaves, jax.tree.leaves(template), strict=True)]
+    return jax.tree.unflatten(treedef, kept)
+
+
 def _state_handler() -> ocp.PyTreeCheckpointHandler:
     """orbax's handler of a state's tree (what `StandardSave` uses), but for one setting:
     each array is written from the shards of its first replica whole, not sliced
@@ -123,7 +138,8 @@ class Checkpoints:
         if spanning.needed(self.stages):
             state = spanning.spanning(state, self.stages)
         ocp = _orbax()
-        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
+        saved = ocp.args.PyTreeSave(_without_empty(state))
+        args = ocp.args.Composite(state=saved, meta=ocp.args.JsonSave(meta))
         self._manager.save(steps_done, args=args, force=True)
         self._manager.wait_until_finished()
         if jax.process_index() == 0:
@@ -153,11 +169,11 @@ class Checkpoints:
         """The state saved after `steps_done` steps, placed as `template` is."""
         joined = spanning.needed(self.stages)
         target = spanning.spanning_template(template, self.stages) if joined else template
-        abstract = abstract_like(target)
+        abstract = abstract_like(_without_empty(target))
         ocp = _orbax()
         restore = ocp.checkpoint_utils.construct_restore_args(abstract)
         args = ocp.args.Composite(state=ocp.args.PyTreeRestore(abstract, restore_args=restore))
-        state = self._manager.restore(steps_done, args=args).state
+        state = _refilled(self._manager.restore(steps_done, args=args).state, target)
         return spanning.on_stages(state, template) if joined else state
 
     def restore_newest(
