@@ -325,6 +325,31 @@ def test_context_sizes_are_searched_and_found_as_their_plans(searched):
         assert row.device_bytes == report["memory_per_device"]["device"]["bytes"]
 
 
+def test_layers_that_split_only_with_their_ends_are_searched_as_their_plans(searched):
+    """A 2-layer GPT on the same 4 devices: pipe 4 (1F1B) and pipe 2 interleaved (4
+    chunks) split its layers alone unevenly, but the layers with the embedding and the
+    loss counted as one each make 4 (Megatron-Core's `account_for_*_in_pipeline_split`,
+    as Llama 3 405B's 126 layers make 128 chunks): those layouts are searched so split
+    (`Candidate.ends_in_split`), each fitting one's step time and device bytes those of
+    its whole plan; a layout whose layers split alone is never split so. (Its layer is
+    TINY's: the counts are the plain search's.)"""
+    two = TINY.replace(num_layers=2)
+    result = search(two, HW, DEVICES, BATCH, SEQ, SPACE, top=ALL)
+    rows = [r for r in result.candidates if r.candidate]
+    ends = [r for r in rows if r.candidate.ends_in_split]
+    assert {(r.par.pipe, r.candidate.schedule) for r in ends} == {(4, "1f1b"), (2, "interleaved")}
+    assert all(2 % (r.par.pipe * r.candidate.virtual) == 0 for r in rows if r not in ends)
+    fitting = [r for r in ends if r.fits]
+    assert fitting and all("ends-in-split" in r.label for r in ends)
+    for row in fitting:
+        c = row.candidate
+        train = c.train_config(BATCH, SEQ)
+        assert train.account_for_embedding_in_pipeline_split
+        report = plan_resident(two, c.par, train, c.microbatch_size, HW, c.recompute).report
+        assert row.step_time_s == pytest.approx(report["step_time_s"], rel=1e-9)
+        assert row.device_bytes == report["memory_per_device"]["device"]["bytes"]
+
+
 def test_sequence_parallelism_and_chunked_overlap_reach_every_resident_plan():
     """`Space.sequence_parallel` puts sequence parallelism into each resident layout's
     training settings, and its rules into the counts and memory bounds the search

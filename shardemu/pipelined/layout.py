@@ -77,6 +77,9 @@ class Split:
         )
 
 
+EVEN = Split()  # the layers alone, evenly (or by `stage_layers`)
+
+
 def refuse_phased(train: TrainConfig) -> None:
     """A phased run or plan spreads its phases evenly over the stages: a split of
     pipelined stages is refused, not dropped."""

@@ -17,6 +17,7 @@ from shardemu.errors import CapacityError
 from shardemu.models import Model, count_params
 from shardemu.numerics.precision import arithmetic, compute_model
 from shardemu.parallel.rules import Rules, rules_or_default
+from shardemu.pipelined.layout import Split
 from shardemu.predict.hardware import Hardware
 from shardemu.predict.layouts import STATE_BYTES_PER_PARAM, Candidate, Mode, Space
 from shardemu.predict.plan_resident import CountedLayout, counted_layout
@@ -140,6 +141,7 @@ class Bounds:
                     self.space.attention,  # type: ignore[arg-type]
                     self.resident_rules(c.par),
                     c.zero,
+                    Split(embedding=c.ends_in_split, loss=c.ends_in_split),
                 )
             except ConfigError:
                 self._least_bytes[c] = None

@@ -50,6 +50,9 @@ class Candidate:
     virtual: int = 1
     recompute: str = "full"  # resident
     zero: int = 0  # resident: the ZeRO stage over replica
+    # resident: the embedding and the loss counted as a layer each in the pipeline split
+    # (`layout.Split`), where the layers alone do not divide the model chunks
+    ends_in_split: bool = False
     rts: int = 1  # phased
     activations: str = "recompute"  # phased
     optimizer_on: str = "host"  # phased
@@ -70,6 +73,7 @@ class Candidate:
             sched = self.schedule if self.virtual == 1 else f"{self.schedule}x{self.virtual}"
             how = f"{sched} recompute={self.recompute}"
             how += f" zero={self.zero}" if self.zero else ""
+            how += " ends-in-split" if self.ends_in_split else ""
         else:
             how = f"phased rts={self.rts} {self.activations} optimizer={self.optimizer_on}"
             how += "" if self.prefetch else " no-prefetch"
@@ -84,6 +88,8 @@ class Candidate:
             schedule=self.schedule,
             virtual=self.virtual,
             zero=self.zero,
+            account_for_embedding_in_pipeline_split=self.ends_in_split,
+            account_for_loss_in_pipeline_split=self.ends_in_split,
         )
 
     def phased_config(self, device_memory: int | None) -> PhasedConfig | None:
@@ -196,14 +202,15 @@ def meshes(
                 continue
             for p in _divisors(devices // (t * c)):
                 r = devices // (p * t * c)
-                if model_cfg.num_layers % p == 0 and batch % r == 0:
+                if splits(model_cfg.num_layers, p) is not None and batch % r == 0:
                     out.append(Parallelism(pipe=p, tensor=t, replica=r, context=c))
     if not out:
         raise ConfigError(
             f"no mesh of {devices} devices fits {model_cfg.name} ({model_cfg.num_layers} "
             f"layers, {model_cfg.num_heads} heads) with TrainConfig.batch {batch}: pipe must "
-            f"divide the layers, tensor the heads (at most Space.max_tensor {max_tensor}), "
-            f"replica the batch"
+            f"divide the layers (or the layers and two, the embedding and the loss counted in "
+            f"the split), tensor the heads (at most Space.max_tensor {max_tensor}), replica "
+            f"the batch"
         )
     return out
 
@@ -214,11 +221,15 @@ def resident_settings(
     """Each resident setting of `par`: schedule, recomputation (TorchTitan's selective-op
     too where the attention core is fused, the only attention it saves) and ZeRO stage."""
     recomputes = ["none", "selective"] + (["selective-op"] if attention == "fused" else [])
-    schedules = [("1f1b", 1)]
-    if par.pipe > 1 and layers % (par.pipe * INTERLEAVED_CHUNKS) == 0:
-        schedules.append(("interleaved", INTERLEAVED_CHUNKS))
+    schedules = [("1f1b", 1, splits(layers, par.pipe))]
+    if par.pipe > 1:
+        schedules.append(
+            ("interleaved", INTERLEAVED_CHUNKS, splits(layers, par.pipe * INTERLEAVED_CHUNKS))
+        )
     stages = sorted(set(zero_stages)) if par.replica > 1 else [0]  # one replica: no ZeRO
-    for schedule, virtual in schedules:
+    for schedule, virtual, ends in schedules:
+        if ends is None:
+            continue
         for recompute in [*recomputes, "full"]:
             for stage in stages:
                 yield {
@@ -227,10 +238,27 @@ def resident_settings(
                     "virtual": virtual,
                     "recompute": recompute,
                     "zero": stage,
+                    "ends_in_split": ends,
                 }
 
 
-def phased_settings(par: Parallelism) -> Iterator[dict[str, Any]]:
+def splits(layers: int, chunks: int) -> bool | None:
+    """How `layers` split evenly into `chunks` model chunks: alone (False), with the
+    embedding and the loss counted as a layer each (True: Megatron-Core's
+    `account_for_*_in_pipeline_split`, Llama 3 405B's 126 layers in 128 chunks), or not
+    at all (None). A search tries the second only where the first fails."""
+    if layers % chunks == 0:
+        return False
+    if chunks > 1 and (layers + 2) % chunks == 0:
+        return True
+    return None
+
+
+def phased_settings(par: Parallelism, layers: int) -> Iterator[dict[str, Any]]:
+    """Each phased setting of `par`; none where the stages cannot run equal phases of
+    `layers` (a mesh the resident layouts reach by the split of `splits`)."""
+    if layers % par.pipe:
+        return
     for rts in sorted({1, par.replica}):
         for activations in LEAST_MEMORY:
             for optimizer_on in ("host", "device"):

@@ -381,7 +381,7 @@ def _screen(
         least = device_bytes_at_least(
             model, par, train.batch, train.seq, size, train.schedule, train.virtual,
             settings.get("recompute", "full"), train.precision,
-            settings.get("attention", "materialized"), rules, train.zero,
+            settings.get("attention", "materialized"), rules, train.zero, Split.of(train),
         )  # fmt: skip
         return Screen(least, least <= hardware.device_memory_bytes, least_step)
 

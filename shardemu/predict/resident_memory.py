@@ -14,7 +14,7 @@ from shardemu.config import ConfigError, Parallelism
 from shardemu.models import Model
 from shardemu.parallel.rules import Rules
 from shardemu.parallel.schedules import Schedule, make_schedule
-from shardemu.pipelined.layout import PipelineLayout, Split, counted_hint, pipeline_layout
+from shardemu.pipelined.layout import EVEN, PipelineLayout, Split, counted_hint, pipeline_layout
 from shardemu.predict.activations import layer_bytes, loss_bytes
 from shardemu.predict.layouts import ATTENTION, RECOMPUTE, Recompute
 from shardemu.predict.memory_bound import memory_bound
@@ -200,10 +200,11 @@ def device_bytes_at_least(
     attention: str = "materialized",
     rules: Rules | None = None,
     zero_stage: int = 0,
+    split: Split = EVEN,
 ) -> int:
     """At most the device bytes per device `plan_resident` finds for this layout (under
-    ZeRO stage `zero_stage`), with nothing compiled (`memory_bound`): a search counts
-    no microbatch that none of its layouts could fit."""
+    ZeRO stage `zero_stage`, its layers split by `split`), with nothing compiled
+    (`memory_bound`): a search counts no microbatch that none of its layouts could fit."""
     lay, sched, key = resident_layout(
         model,
         par,
@@ -215,7 +216,7 @@ def device_bytes_at_least(
         recompute,
         precision,
         attention,
-        Split(),
+        split,
         rules,
     )
     bound = zero(memory_bound(key), zero_stage, par)

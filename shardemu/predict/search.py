@@ -206,7 +206,7 @@ class Searcher(Bounds):
                     par, self.model.cfg.num_layers, self.space.zero_stages, self.space.attention
                 )
                 if mode == "resident"
-                else phased_settings(par)
+                else phased_settings(par, self.model.cfg.num_layers)
             )
         ]
 
