@@ -22,6 +22,7 @@ from shardemu.predict.profiles import PROFILES
 from shardemu.predict.resident_count import count_key, counted_microbatch
 from shardemu.predict.roofline import least_step_seconds
 from shardemu.predict.search import Searcher, search
+from shardemu.run.verify import scaled_down
 
 DEVICES, BATCH, SEQ = 4, 16, 32
 # the model `--model gpt --layers 4 --hidden 32 --heads 4 --vocab 64` builds, so the
@@ -348,6 +349,9 @@ def test_layers_that_split_only_with_their_ends_are_searched_as_their_plans(sear
         report = plan_resident(two, c.par, train, c.microbatch_size, HW, c.recompute).report
         assert row.step_time_s == pytest.approx(report["step_time_s"], rel=1e-9)
         assert row.device_bytes == report["memory_per_device"]["device"]["bytes"]
+        # a winner so split is verified so split: two units a chunk, less the two ends
+        tiny, _ = scaled_down(two, c)
+        assert tiny.num_layers == 2 * c.pipe * c.virtual - 2
 
 
 def test_sequence_parallelism_and_chunked_overlap_reach_every_resident_plan():

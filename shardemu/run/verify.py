@@ -41,9 +41,10 @@ def scaled_down(model_cfg: ModelConfig, c: Candidate) -> tuple[ModelConfig, Para
     """The tiny model and the mesh that stand for `c` (module docstring)."""
     heads = 2 * c.tensor
     grouped = model_cfg.kv_heads != model_cfg.num_heads  # then 2 query heads a group
+    chunks = c.pipe * c.virtual  # a layer each; split with its ends: two each, less the ends
     tiny = model_cfg.replace(
         name=f"{model_cfg.name}-scaled-down",
-        num_layers=c.pipe * c.virtual,
+        num_layers=2 * chunks - 2 if c.ends_in_split else chunks,
         num_heads=heads,
         num_kv_heads=c.tensor if grouped else 0,
         embed_dim=8 * heads,
@@ -83,6 +84,8 @@ def _settings(c: Candidate, par: Parallelism) -> tuple[TrainConfig, PhasedConfig
         schedule=c.schedule,
         virtual=c.virtual,
         precision=c.precision,
+        account_for_embedding_in_pipeline_split=c.ends_in_split,
+        account_for_loss_in_pipeline_split=c.ends_in_split,
     )
     return train, None
 
@@ -110,7 +113,13 @@ def verify(
     one = train(
         tiny,
         Parallelism(),
-        dataclasses.replace(train_cfg, schedule="gpipe", virtual=1),
+        dataclasses.replace(
+            train_cfg,
+            schedule="gpipe",
+            virtual=1,
+            account_for_embedding_in_pipeline_split=False,
+            account_for_loss_in_pipeline_split=False,
+        ),
         out / "one-device",
         devices=jax.devices()[:1],
     )
