@@ -231,7 +231,7 @@ CLI_ROWS = [
     row("attention", [*SEARCH, "--attention", "flash"], "argument --attention: invalid choice"),
     row("search-precision-ipu", [*SEARCH[:4], "ipu-pod16", *SEARCH[5:], "--precision", "bf16"],
         "'ipu-pod16' does not compute in --precision bf16"),  # fmt: skip
-    row("search-no-mesh", [*SEARCH[:6], "3"], "no mesh of 3 devices fits gpt-tiny"),
+    row("search-no-mesh", [*SEARCH[:6], "7"], "no mesh of 7 devices fits gpt-tiny"),
     row("search-devices-0", [*SEARCH[:6], "0"], "--devices and --max-tensor must be positive"),
     row("search-top-0", [*SEARCH, "--top", "0"], "--top must be a positive number of layouts"),
     row("search-modes", [*SEARCH, "--modes", "fast"], "argument --modes: invalid choice"),

@@ -38,7 +38,7 @@ console = Console(stderr=True)
 
 def cmd_plan(args: argparse.Namespace) -> None:
     """Every setting is checked before anything is counted or written."""
-    from shardemu.pipelined.layout import Split, pipeline_layout
+    from shardemu.pipelined.layout import EVEN, Split, pipeline_layout
     from shardemu.report.plandir import flatten
     from shardemu.report.rundir import default_run_dir, require_new
 
@@ -58,7 +58,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     train_cfg = from_args(TrainConfig, args, sparsity=sparse, **steps)
     Model(model_cfg).check_fits(train_cfg, par)
     split = Split.of(train_cfg)
-    if split != Split():  # refused now, not after counting
+    if split != EVEN:  # refused now, not after counting
         pipeline_layout(model_cfg.num_layers, par.pipe, train_cfg.virtual, split)
     if hardware is not None:
         hardware.at_precision(arithmetic(model_cfg, train_cfg.precision))  # refused now

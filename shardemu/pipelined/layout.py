@@ -84,7 +84,7 @@ def refuse_phased(train: TrainConfig) -> None:
     """A phased run or plan spreads its phases evenly over the stages: a split of
     pipelined stages is refused, not dropped."""
     split = Split.of(train)
-    if split == Split():
+    if split == EVEN:
         return
     name = (
         "stage_layers"
@@ -99,7 +99,7 @@ def refuse_phased(train: TrainConfig) -> None:
 
 
 def pipeline_layout(
-    num_layers: int, stages: int, virtual: int = 1, split: Split = Split()
+    num_layers: int, stages: int, virtual: int = 1, split: Split = EVEN
 ) -> PipelineLayout:
     """The layers of each virtual stage, or a clear error naming the value and the fix."""
     if split.embedding or split.loss:

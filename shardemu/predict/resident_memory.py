@@ -150,7 +150,7 @@ def resident_layout(
             f"`microbatch_size` = {per_step}"
         )
     p, v, L = par.pipe, virtual, key.model.cfg.num_layers
-    if split == Split() and L % (p * v):
+    if split == EVEN and L % (p * v):
         raise ConfigError(
             f"{L} layers do not split into pipe * virtual = {p * v} equal chunks"
             f"{counted_hint(L, p * v)}"
