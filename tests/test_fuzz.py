@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 FLAGS = {  # flag -> values to draw from: valid ones, and ones that must be refused
     "--mesh": ["tensor=2", "replica=2", "pipe=2", "tensor=3", "tensor=0", "pipe=2,tensor=2",
-               "replica=-1", "bogus", "tensor=2,replica=2", "context=2"],
+               "replica=-1", "bogus", "tensor=2,replica=2", "context=2", "pipe=3"],
     "--batch": ["8", "4", "0", "-1", "x", "3", "1e9"],
     "--seq": ["16", "0", "17", "nan", "8"],
     "--precision": ["fp32", "bf16", "fp8", "fp64", "fp16-mixed"],
@@ -25,7 +25,8 @@ FLAGS = {  # flag -> values to draw from: valid ones, and ones that must be refu
     "--zero": ["0", "1", "2", "3", "5"],
     "--phases": ["1", "2", "0"],
 }  # fmt: skip
-SWITCHES = ["--sequence-parallel", "--phased", "--json", "--allow-overflow", "--weight-streaming"]
+SWITCHES = ["--sequence-parallel", "--phased", "--json", "--allow-overflow", "--weight-streaming",
+            "--account-for-loss-in-pipeline-split"]  # fmt: skip
 MODELS = ["gpt-tiny", "bert-tiny", "llama-tiny", "nope"]
 
 
