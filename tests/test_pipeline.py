@@ -77,6 +77,15 @@ def _model_flops(events) -> float:
     return sum(e.flops for e in events if e.kind == "compute" and e.phase.kind != "update")
 
 
+def _stage_flops(events) -> list[float]:
+    """`_model_flops` of each of two stages."""
+    out = [0.0, 0.0]
+    for e in events:
+        if e.kind == "compute" and e.phase.kind != "update":
+            out[e.stage] += e.flops
+    return out
+
+
 def _case_id(case):
     p, t, r, m, k, sched, v, layers, group = case
     uneven = "-" + "_".join(map(str, layers)) if layers else ""
@@ -180,22 +189,15 @@ def test_a_plan_of_uneven_stages_counts_what_the_engine_runs(tiny_model):
     corpus = SyntheticCorpus(tiny_model.cfg.vocab_size, seed=0)
     trainer.step(trainer.init(0), tiny_model.batch(corpus, 0, train.batch, train.seq))
 
-    def per_stage(events) -> list[float]:
-        out = [0.0, 0.0]
-        for e in events:
-            if e.kind == "compute" and e.phase.kind != "update":
-                out[e.stage] += e.flops
-        return out
-
     def plan(stage_layers):
         train = TrainConfig(batch=16, seq=16, stage_layers=stage_layers)
         planned = plan_resident(
             tiny_model.cfg, Parallelism(pipe=2), train, 8, PROFILES["a100-80gb"], "none"
         )
         report, ledger = planned.report, planned.ledger  # fmt: skip
-        return report, per_stage(ledger.events)
+        return report, _stage_flops(ledger.events)
 
-    engine = per_stage(trainer.ledger.step(0))
+    engine = _stage_flops(trainer.ledger.step(0))
     (uneven, planned), (even, evenly) = plan((1, 3)), plan(None)
     assert uneven["stage_layers"] == [1, 3] and even["stage_layers"] == [2, 2]
     np.testing.assert_allclose(planned, engine, rtol=0.02)
@@ -205,7 +207,7 @@ def test_a_plan_of_uneven_stages_counts_what_the_engine_runs(tiny_model):
 
 
 def test_the_embedding_and_the_loss_counted_in_the_split_leave_their_chunks_alone(
-    tiny_model, reference, assert_params_close
+    tiny_model, reference, staged_like_reference
 ):
     """Megatron-Core's `--account-for-embedding-in-pipeline-split` and
     `--account-for-loss-in-pipeline-split`, as Llama 3 405B was split (126 layers and
@@ -228,29 +230,16 @@ def test_the_embedding_and_the_loss_counted_in_the_split_leave_their_chunks_alon
     )  # fmt: skip
     trainer = PipelinedTrainer(tiny_model, make_mesh(2, 1, 2, devices=jax.devices()[:4]), train)
     assert trainer.layout.slices == ((0, 0), (0, 1), (1, 2), (2, 3), (3, 4), (4, 4))
-    state = trainer.place(reference["init"])
-    corpus = SyntheticCorpus(tiny_model.cfg.vocab_size, seed=TRAIN.seed)
-    for step, want in enumerate(reference["losses"]):
-        result = trainer.step(state, tiny_model.batch(corpus, step, TRAIN.batch, TRAIN.seq))
-        state = result.state
-        np.testing.assert_allclose(result.loss, want, rtol=1e-5)
-    assert_params_close(trainer.params(state), reference["final"], train.learning_rate)
-
-    def per_stage(events) -> list[float]:
-        out = [0.0, 0.0]
-        for e in events:
-            if e.kind == "compute" and e.phase.kind != "update":
-                out[e.stage] += e.flops
-        return out
+    staged_like_reference(trainer, trainer.place(reference["init"]), reference)
 
     def plan(**split):
         train = TrainConfig(batch=16, seq=16, schedule="interleaved", virtual=3, **split)
         planned = plan_resident(
             tiny_model.cfg, Parallelism(pipe=2), train, 8, PROFILES["a100-80gb"], "none"
         )
-        return planned.report, per_stage(planned.ledger.events)
+        return planned.report, _stage_flops(planned.ledger.events)
 
-    engine = per_stage(trainer.ledger.step(STEPS - 1))  # both replicas: the whole batch
+    engine = _stage_flops(trainer.ledger.step(STEPS - 1))  # both replicas: the whole batch
     with pytest.raises(ConfigError, match=r"4 layers do not split into pipe \* virtual = 6"):
         plan()  # 4 layers alone do not make 6 chunks
     report, planned = plan(**flags)
@@ -260,4 +249,4 @@ def test_the_embedding_and_the_loss_counted_in_the_split_leave_their_chunks_alon
         tiny_model.cfg, Parallelism(pipe=2), TrainConfig(batch=16, seq=16), 8,
         PROFILES["a100-80gb"], "none",
     )  # fmt: skip
-    assert sum(planned) == pytest.approx(sum(per_stage(even.ledger.events)), rel=1e-9)
+    assert sum(planned) == pytest.approx(sum(_stage_flops(even.ledger.events)), rel=1e-9)

@@ -126,11 +126,12 @@ def test_a_dynamic_update_prunes_the_smallest_blocks_and_keeps_the_count():
     new = update(params, masks, jax.random.key(0))
     ratio = 0.5 * 0.5 * (1 + math.cos(math.pi * t / 10))
     as_blocks = jax.jit(block_mask, static_argnums=(1, 2))
+    norms_of = jax.jit(block_norms, static_argnums=(1, 2))
     for (_, p, axes), (_, m, _), (_, n, _) in zip(
         sparse_items(params), sparse_items(masks), sparse_items(new), strict=True
     ):
         old_b, new_b = np.asarray(as_blocks(m, axes, 4)), np.asarray(as_blocks(n, axes, 4))
-        norms = np.asarray(jax.jit(block_norms, static_argnums=(1, 2))(p, axes, 4))
+        norms = np.asarray(norms_of(p, axes, 4))
         assert (old_b.sum(1) == new_b.sum(1)).all()  # as many non-zero blocks
         for layer in range(old_b.shape[0]):
             k = math.floor(ratio * old_b[layer].sum())
