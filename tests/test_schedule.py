@@ -55,6 +55,22 @@ def test_every_op_once_in_dependency_order(pm, name, v):
     assert sched.p2p_transfers == (2 * m * (p * v - 1) if p > 1 else 0)
 
 
+@given(
+    st.integers(1, 5),
+    st.integers(1, 3),
+    st.integers(2, 3),
+    st.sampled_from(["gpipe", "1f1b", "interleaved"]),
+)
+def test_the_last_stage_ends_with_a_backward_of_its_first_chunk(p, groups, v, name):
+    """What the search's pipeline bound (`Bounds.fill_and_drain`) rests on: the last
+    stage's last operation is a backward of its first chunk, which the backward through
+    every chunk before it follows."""
+    v = v if name == "interleaved" else 1
+    sched = make_schedule(name, p, p * groups, v)
+    last = max((s for s in sched.slots if s.stage == p - 1), key=lambda s: s.time)
+    assert (last.kind, last.chunk) == ("B", 0)
+
+
 def test_gpipe_slots_are_the_diagonal_wavefront():
     sched = make_schedule("gpipe", 3, 4)
     forwards = {(s.time, s.stage): s.microbatch for s in sched.slots if s.kind == "F"}

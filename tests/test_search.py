@@ -14,7 +14,8 @@ from cli_helpers import shardemu
 from shardemu.accounting import flops
 from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.models import Model, custom_model
-from shardemu.predict.layouts import Space
+from shardemu.predict.bounds import Bounds
+from shardemu.predict.layouts import Candidate, Space
 from shardemu.predict.memory_bound import memory_bound
 from shardemu.predict.overlap import DEFAULT_OVERLAP
 from shardemu.predict.plan_resident import counted_layout, plan_resident
@@ -126,7 +127,9 @@ def test_search_finds_what_brute_force_finds(searched):
 def test_least_step_bounds_the_plan(par, schedule, recompute, zero):
     """Prune 6's bound (`CountedLayout.least_step`) against the plan timed whole: its busiest
     stream's seconds at most the step, equal to it on one device (nothing to wait for),
-    and the plan's own device bytes."""
+    and the plan's own device bytes. Prune 5's pipeline bound (`fill_and_drain`, nothing
+    compiled) at most prune 6's, and over the precision's least step where the bubble
+    is large (4 stages, 4 microbatches)."""
     virtual = 2 if schedule == "interleaved" else 1
     train = TrainConfig(
         batch=BATCH, seq=SEQ, schedule=schedule, virtual=virtual, precision="bf16", zero=zero
@@ -142,6 +145,12 @@ def test_least_step_bounds_the_plan(par, schedule, recompute, zero):
         assert least == pytest.approx(report["step_time_s"], rel=1e-12)
     else:
         assert 0 < least < report["step_time_s"]
+    bounds = Bounds(Model(TINY), hw, par.num_devices, BATCH, SEQ, SPACE)
+    c = Candidate(par.pipe, par.tensor, par.replica, 1, "bf16", schedule=schedule,
+                  virtual=virtual, recompute=recompute, zero=zero)  # fmt: skip
+    assert 0 < bounds.fill_and_drain(c) <= least
+    if par.pipe == 4:  # a bubble of 3 microbatches in 4: more than the head's FLOPs
+        assert bounds.fill_and_drain(c) > bounds.least_step("bf16")
 
 
 def test_memory_bound_is_the_count_or_less():

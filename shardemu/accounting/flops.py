@@ -97,11 +97,23 @@ def least_training_flops(model: Model, batch: int, seq: int) -> float:
     """What no training step computes less of: `training_step` less half of a causal
     model's attention core (Q K^T and probs V, forward and their two backward products),
     which a causal fused kernel skips at most (`causal_fraction` >= 1/2)."""
-    if model.family.example_mask:
-        return training_step(model, batch, seq)
-    core = layer_forward(model, batch, seq)
-    skipped = 3 * model.cfg.num_layers * (core["attn_scores"] + core["attn_context"]) / 2
+    skipped = model.cfg.num_layers * _causal_skip(model, layer_forward(model, batch, seq))
     return training_step(model, batch, seq) - skipped
+
+
+def least_layer_training_flops(model: Model, batch: int, seq: int) -> float:
+    """One layer's share of `least_training_flops`: its forward matmuls, forward and
+    backward (3x), less what a causal fused kernel skips of its attention core."""
+    core = layer_forward(model, batch, seq)
+    return 3 * sum(core.values()) - _causal_skip(model, core)
+
+
+def _causal_skip(model: Model, core: dict[str, int]) -> float:
+    """The FLOPs of one layer's training step a causal fused attention kernel skips at
+    most: half its core's, forward and backward (none where attention is not causal)."""
+    if model.family.example_mask:
+        return 0.0
+    return 3 * (core["attn_scores"] + core["attn_context"]) / 2
 
 
 def without_zero_weights(model_flops: float, tokens: int, zero_weights: float) -> float:

@@ -1,6 +1,7 @@
 """What no layout can beat, for the search (`search.py`, whose docstring numbers the
 prunes). With nothing compiled: a precision's least step, its model FLOPs at the
-compute rate (prune 5); a resident layout's least device bytes (prunes 2 and 5); whether
+compute rate, and a resident layout's, its last stage's layers with the pipeline's fill
+and drain (prune 5); a resident layout's least device bytes (prunes 2 and 5); whether
 a mode can fit a mesh at all (prune 1). With its microbatch counted but no step timed: a
 resident layout's busiest stream over the step (prune 6).
 """
@@ -8,6 +9,7 @@ resident layout's busiest stream over the step (prune 6).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import jax.numpy as jnp
 
@@ -19,7 +21,8 @@ from shardemu.numerics.precision import arithmetic, compute_model
 from shardemu.parallel.rules import Rules, rules_or_default
 from shardemu.pipelined.layout import Split
 from shardemu.predict.hardware import Hardware
-from shardemu.predict.layouts import STATE_BYTES_PER_PARAM, Candidate, Mode, Space
+from shardemu.predict.layouts import STATE_BYTES_PER_PARAM, Candidate, Mode, Space, meshes
+from shardemu.predict.microbatch import microbatch_candidates
 from shardemu.predict.plan_resident import CountedLayout, counted_layout
 from shardemu.predict.resident_memory import device_bytes_at_least
 from shardemu.predict.roofline import least_step_seconds
@@ -158,14 +161,50 @@ class Bounds:
     def behind(self, c: Candidate) -> SearchRow | None:
         """Prune 5 (module docstring): resident `c`'s row when the layouts found so far
         (`found`) rule it out of the top and of the Pareto front by its precision's least
-        step and its least bytes, else None."""
-        least = self.least_step(c.precision)
+        step, or its pipeline's (`fill_and_drain`), and its least bytes, else None."""
+        least, what = self.least_step(c.precision), f"its model FLOPs at {c.precision}'s rate"
+        piped = self.fill_and_drain(c)
+        if piped > least:
+            least, what = piped, "its layers' FLOPs with the pipeline's fill and drain"
         if sum(r.step_time_s < least for r in self.found) < self.top:
             return None  # nothing traced
         least_bytes = self.least_bytes(c)
         if not self.may_fit_memory(least_bytes):
             return None  # over the memory: `screen` says so, with nothing compiled
-        return self.beaten(c, least, least_bytes, f"its model FLOPs at {c.precision}'s rate")
+        return self.beaten(c, least, least_bytes, what)
+
+    def fill_and_drain(self, c: Candidate) -> float:
+        """No step of resident `c` is faster, with nothing compiled: its last stage's
+        devices compute their layers' share of the least FLOPs of every one of the m
+        microbatches (`flops.least_layer_training_flops`, at the fastest kernel's rate
+        over a microbatch's tensor x context devices: `least_step_seconds`), after the
+        first microbatch's forward through the p - 1 model chunks before theirs, and
+        their last computation (a backward of their first chunk, in every schedule:
+        `parallel/schedules.py`) precedes the backward through those p - 1 chunks: m v
+        + p - 1 chunks' computations one after another (Narayanan et al. 2021, §2.2:
+        the bubble of (p - 1) / v microbatches). 0 (no bound) for uneven chunks (the
+        embedding and the loss in the split) or a step refused. Less 1e-6: an
+        extrapolated step (`periodic.py`) may round below it."""
+        layers, chunks = self.model.cfg.num_layers, c.pipe * c.virtual
+        if c.mode != "resident" or c.ends_in_split or layers % chunks:
+            return 0.0
+        hw = self.hardware.at_precision(arithmetic(self.model.cfg, c.precision))
+        chunk = flops.least_layer_training_flops(self.model, c.microbatch_size, self.seq)
+        chunk *= layers // chunks
+        devices = c.tensor * c.context
+        one = least_step_seconds(chunk, devices, hw, c.precision == "fp8")
+        return (self.microbatches(c) * c.virtual + c.pipe - 1) * one * (1 - 1e-6)
+
+    def search_order(self, pars: list[Parallelism]) -> list[Parallelism]:
+        """The meshes, the least pipeline bubble first (their 1F1B `fill_and_drain` at
+        the smallest microbatch over their least FLOPs), so that the fastest layouts tend
+        to be found first and prune 5 drops more of the rest before they are counted.
+        The results do not depend on the order (each prune is exact)."""
+
+        def bubble(par: Parallelism) -> float:
+            return (par.pipe - 1) * par.replica / self.batch
+
+        return sorted(pars, key=bubble)
 
     def beaten(self, c: Candidate, least: float, least_bytes: int, what: str) -> SearchRow | None:
         """`c`'s row, pruned, where `top` layouts found (`found`) are faster than
@@ -191,6 +230,30 @@ class Bounds:
             least_step_time_s=least,
             device_bytes_at_least=least_bytes,
         )
+
+    def mesh_plans(
+        self, modes: tuple[Mode, ...], precisions: tuple[str, ...]
+    ) -> Iterator[tuple[Parallelism, str, dict[Mode, str], list[int]]]:
+        """In search order, each mesh and precision of `precisions`: the modes prune 1
+        drops (with the reason) and the microbatch sizes to try."""
+        space = self.space
+        for par in self.search_order(
+            meshes(
+                self.model.cfg,
+                self.devices,
+                self.batch,
+                space.max_tensor,
+                space.context_sizes,
+                self.seq,
+            )
+        ):
+            sizes = [
+                b
+                for b in microbatch_candidates(self.batch // par.replica)
+                if b <= self.space.max_microbatch
+            ]
+            for precision in precisions:
+                yield par, precision, self.pruned_modes(par, precision, modes), sizes
 
     def pruned_modes(self, par: Parallelism, precision: str, modes: tuple[Mode, ...]) -> dict:
         """Prune 1, by mode: the reason no layout of `par` in `precision` can fit."""

@@ -42,7 +42,11 @@ that can be neither among the best `top` nor on the memory/time Pareto front:
    fewer bytes than its least (`memory_bound`). Where `top` layouts already found are
    faster than that, and one of them is faster and holds no more, it can be neither
    among the top nor on the memory/time Pareto front, and is not counted or planned
-   (GPT-3 175B on A100s: every FP32 layout, a third of the counting);
+   (GPT-3 175B on A100s: every FP32 layout, a third of the counting). Nor, in any
+   precision, faster than its last stage's layers computing every microbatch after the
+   pipeline's fill and before its drain (`Bounds.fill_and_drain`); the meshes are
+   searched the least bubble first, so that such layouts meet fast ones already found
+   and are not counted (GPT-3 175B on 1536 A100s: every layout at tensor 1);
 6. branch and bound within a precision: once `top` layouts are found, a resident
    layout's microbatch is counted and its step assembled but not timed, and the busiest
    stream of any stage bounds its time (`step_bound.busy_streams`: a stage's
@@ -91,11 +95,9 @@ from shardemu.predict.layouts import (
     Mode,
     Space,
     memory_ranks,
-    meshes,
     phased_settings,
     resident_settings,
 )
-from shardemu.predict.microbatch import microbatch_candidates
 from shardemu.predict.plan import Plan
 from shardemu.predict.plan_phased import check_fit
 from shardemu.predict.planning import plan
@@ -264,28 +266,6 @@ class Searcher(Bounds):
         compiling since it judged their memory."""
         checked[:] = [self.screen(x) if isinstance(x, Candidate) else x for x in checked]
 
-    def mesh_plans(
-        self, modes: tuple[Mode, ...], precisions: tuple[str, ...]
-    ) -> Iterator[tuple[Parallelism, str, dict[Mode, str], list[int]]]:
-        """In search order, each mesh and precision of `precisions`: the modes prune 1
-        drops (with the reason) and the microbatch sizes to try."""
-        space = self.space
-        for par in meshes(
-            self.model.cfg,
-            self.devices,
-            self.batch,
-            space.max_tensor,
-            space.context_sizes,
-            self.seq,
-        ):
-            sizes = [
-                b
-                for b in microbatch_candidates(self.batch // par.replica)
-                if b <= self.space.max_microbatch
-            ]
-            for precision in precisions:
-                yield par, precision, self.pruned_modes(par, precision, modes), sizes
-
     def resident_counts(
         self, modes: tuple[Mode, ...], precisions: tuple[str, ...]
     ) -> Iterator[tuple[CountKey, ...]]:
@@ -316,7 +296,7 @@ class Searcher(Bounds):
         after the next group is judged, so their pieces compile meanwhile."""
         if self.ahead is not None:
             self.ahead.add(self.resident_counts(modes, precisions))
-        groups: list[list[SearchRow | Candidate]] = []
+        groups: list[tuple[Parallelism, list[SearchRow | Candidate]]] = []
         waiting: list[SearchRow | Candidate] = []  # judged, its pieces compiling
 
         def fit(x: SearchRow | Candidate) -> bool:
@@ -326,11 +306,13 @@ class Searcher(Bounds):
             return isinstance(x, SearchRow) and x.least_step_time_s is not None
 
         for par, precision, pruned, sizes in self.mesh_plans(modes, precisions):
-            groups.append([mesh_pruned_row(par, precision, m, why) for m, why in pruned.items()])
+            groups.append(
+                (par, [mesh_pruned_row(par, precision, m, why) for m, why in pruned.items()])
+            )
             use = tuple(m for m in modes if m not in pruned)
             for size in sizes if use else []:
                 checked = self.check_group(self.candidates(par, use, precision, size))
-                groups.append(checked)
+                groups.append((par, checked))
                 self.finish(waiting)
                 waiting = checked
                 if not any(fit(x) or bounded(x) for x in checked):
@@ -339,7 +321,9 @@ class Searcher(Bounds):
                 fits = len(self.found) + sum(isinstance(x, Candidate) for x in waiting)
                 self.log(f"{par} {'/'.join(precisions)}: {fits} layouts fit so far")
         self.finish(waiting)
-        rows += [row for group in groups for row in group]  # type: ignore[misc]
+        # listed in `meshes`' order (tensor, context, pipe), whatever the search's
+        groups.sort(key=lambda g: (g[0].tensor, g[0].context, g[0].pipe))
+        rows += [row for _, group in groups for row in group]  # type: ignore[misc]
 
 
 @fewer_collections()
