@@ -101,11 +101,14 @@ def least_training_flops(model: Model, batch: int, seq: int) -> float:
     return training_step(model, batch, seq) - skipped
 
 
-def least_layer_training_flops(model: Model, batch: int, seq: int) -> float:
+def least_layer_training_flops(
+    model: Model, batch: int, seq: int, recompute: bool = False
+) -> float:
     """One layer's share of `least_training_flops`: its forward matmuls, forward and
-    backward (3x), less what a causal fused kernel skips of its attention core."""
-    core = layer_forward(model, batch, seq)
-    return 3 * sum(core.values()) - _causal_skip(model, core)
+    backward (3x; 4x with full recomputation, `training_step`), less what a causal
+    fused kernel skips of its attention core in each."""
+    core, passes = layer_forward(model, batch, seq), 4 if recompute else 3
+    return passes * sum(core.values()) - passes / 3 * _causal_skip(model, core)
 
 
 def _causal_skip(model: Model, core: dict[str, int]) -> float:

@@ -176,8 +176,9 @@ class Bounds:
     def fill_and_drain(self, c: Candidate) -> float:
         """No step of resident `c` is faster, with nothing compiled: its last stage's
         devices compute their layers' share of the least FLOPs of every one of the m
-        microbatches (`flops.least_layer_training_flops`, at the fastest kernel's rate
-        over a microbatch's tensor x context devices: `least_step_seconds`), after the
+        microbatches (`flops.least_layer_training_flops`, the recomputed forward with
+        full recomputation) and the head's (at the fastest kernel's rate over a
+        microbatch's tensor x context devices: `least_step_seconds`), after the
         first microbatch's forward through the p - 1 model chunks before theirs, and
         their last computation (a backward of their first chunk, in every schedule:
         `parallel/schedules.py`) precedes the backward through those p - 1 chunks: m v
@@ -189,11 +190,11 @@ class Bounds:
         if c.mode != "resident" or c.ends_in_split or layers % chunks:
             return 0.0
         hw = self.hardware.at_precision(arithmetic(self.model.cfg, c.precision))
-        chunk = flops.least_layer_training_flops(self.model, c.microbatch_size, self.seq)
-        chunk *= layers // chunks
-        devices = c.tensor * c.context
-        one = least_step_seconds(chunk, devices, hw, c.precision == "fp8")
-        return (self.microbatches(c) * c.virtual + c.pipe - 1) * one * (1 - 1e-6)
+        b, m = c.microbatch_size, self.microbatches(c)
+        chunk = flops.least_layer_training_flops(self.model, b, self.seq, c.recompute == "full")
+        head = 3 * sum(flops.head_forward(self.model, b, self.seq).values())
+        work = (m * c.virtual + c.pipe - 1) * chunk * (layers // chunks) + m * head
+        return least_step_seconds(work, c.tensor * c.context, hw, c.precision == "fp8") * (1 - 1e-6)
 
     def search_order(self, pars: list[Parallelism]) -> list[Parallelism]:
         """The meshes, the least pipeline bubble first (their 1F1B `fill_and_drain` at
