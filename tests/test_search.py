@@ -442,3 +442,31 @@ def test_a_twin_at_another_precision_is_its_own_plan():
         report = plan_resident(TINY, c.par, train, c.microbatch_size, HW, c.recompute).report
         assert row.step_time_s == pytest.approx(report["step_time_s"], rel=1e-9)
         assert row.device_bytes == report["memory_per_device"]["device"]["bytes"]
+
+
+def test_a_deep_pipeline_behind_a_found_layout_is_pruned_uncounted():
+    """Prune 5's pipeline bound at GPT-3 175B's size, nothing compiled: 96 stages of
+    one layer at tensor 1 and 8-sequence microbatches (12 a replica) take at least
+    (12 + 95) / 12 of their last stage's share, far over the model's least step; once a
+    layout found (here, a row as the search records one) is faster and no larger, the
+    deep one is pruned with that bound as its reason, before its microbatch is counted.
+    A single stage has no bubble: its layers' and head's least FLOPs are the model's,
+    and its bound the precision's least step."""
+    from shardemu.models import get_preset
+    from shardemu.predict.rows import Measures, SearchRow
+
+    hw = PROFILES["a100-80gb"]
+    bounds = Bounds(Model(get_preset("gpt3-175b")), hw, 1536, 1536, 2048, SPACE, top=1)
+    deep = Candidate(96, 1, 16, 8, "bf16")
+    least = bounds.least_step("bf16")
+    assert bounds.fill_and_drain(deep) > 5 * least
+    one_stage = bounds.fill_and_drain(Candidate(1, 8, 192, 1, "bf16", recompute="none"))
+    assert one_stage == pytest.approx(least, rel=2e-6)
+    assert bounds.behind(deep) is None  # nothing found yet
+    fast = Candidate(16, 8, 12, 1, "bf16", schedule="interleaved", virtual=2)
+    step, held = 2 * least, bounds.least_bytes(deep)
+    measures = Measures(True, step, held, 0, 0.0, 0.0, {}, 128)
+    bounds.found.append(SearchRow.of(fast, "planned", measures=measures))
+    row = bounds.behind(deep)
+    assert row is not None and row.status == "pruned" and "fill and drain" in row.reason
+    assert row.least_step_time_s == bounds.fill_and_drain(deep)
