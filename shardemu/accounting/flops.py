@@ -97,7 +97,7 @@ def least_training_flops(model: Model, batch: int, seq: int) -> float:
     """What no training step computes less of: `training_step` less half of a causal
     model's attention core (Q K^T and probs V, forward and their two backward products),
     which a causal fused kernel skips at most (`causal_fraction` >= 1/2)."""
-    skipped = model.cfg.num_layers * _causal_skip(model, layer_forward(model, batch, seq))
+    skipped = 3 * model.cfg.num_layers * _causal_half(model, layer_forward(model, batch, seq))
     return training_step(model, batch, seq) - skipped
 
 
@@ -105,18 +105,18 @@ def least_layer_training_flops(
     model: Model, batch: int, seq: int, recompute: bool = False
 ) -> float:
     """One layer's share of `least_training_flops`: its forward matmuls, forward and
-    backward (3x; 4x with full recomputation, `training_step`), less what a causal
-    fused kernel skips of its attention core in each."""
+    backward (3 passes; 4 with full recomputation, `training_step`), each less what a
+    causal fused kernel skips of its attention core."""
     core, passes = layer_forward(model, batch, seq), 4 if recompute else 3
-    return passes * sum(core.values()) - passes / 3 * _causal_skip(model, core)
+    return passes * (sum(core.values()) - _causal_half(model, core))
 
 
-def _causal_skip(model: Model, core: dict[str, int]) -> float:
-    """The FLOPs of one layer's training step a causal fused attention kernel skips at
-    most: half its core's, forward and backward (none where attention is not causal)."""
+def _causal_half(model: Model, core: dict[str, int]) -> float:
+    """Half a layer's attention core in one pass (Q K^T and probs V), what a causal
+    fused kernel skips at most; none where attention is not causal."""
     if model.family.example_mask:
         return 0.0
-    return 3 * (core["attn_scores"] + core["attn_context"]) / 2
+    return (core["attn_scores"] + core["attn_context"]) / 2
 
 
 def without_zero_weights(model_flops: float, tokens: int, zero_weights: float) -> float:

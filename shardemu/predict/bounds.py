@@ -109,8 +109,12 @@ class Bounds:
 
     def least_step(self, precision: str) -> float:
         """No layout in `precision` is faster (`roofline.least_step_seconds`)."""
+        return self._least_seconds(self.least_flops, self.devices, precision)
+
+    def _least_seconds(self, flops: float, devices: int, precision: str) -> float:
+        """`roofline.least_step_seconds` of `flops` over `devices` at `precision`'s rates."""
         hw = self.hardware.at_precision(arithmetic(self.model.cfg, precision))
-        return least_step_seconds(self.least_flops, self.devices, hw, precision == "fp8")
+        return least_step_seconds(flops, devices, hw, precision == "fp8")
 
     def rate_classes(self) -> list[tuple[str, ...]]:
         """The space's precisions grouped by compute rate (the same least step),
@@ -183,24 +187,24 @@ class Bounds:
         their last computation (a backward of their first chunk, in every schedule:
         `parallel/schedules.py`) precedes the backward through those p - 1 chunks: m v
         + p - 1 chunks' computations one after another (Narayanan et al. 2021, §2.2:
-        the bubble of (p - 1) / v microbatches). 0 (no bound) for uneven chunks (the
-        embedding and the loss in the split) or a step refused. Less 1e-6: an
-        extrapolated step (`periodic.py`) may round below it."""
+        the bubble of (p - 1) / v microbatches). 0 (no bound) for a phased layout and for
+        chunks the layers do not fill evenly (the embedding and the loss in the split).
+        Less 1e-6: an extrapolated step (`periodic.py`) may round below it."""
         layers, chunks = self.model.cfg.num_layers, c.pipe * c.virtual
         if c.mode != "resident" or c.ends_in_split or layers % chunks:
             return 0.0
-        hw = self.hardware.at_precision(arithmetic(self.model.cfg, c.precision))
         b, m = c.microbatch_size, self.microbatches(c)
         chunk = flops.least_layer_training_flops(self.model, b, self.seq, c.recompute == "full")
         head = 3 * sum(flops.head_forward(self.model, b, self.seq).values())
         work = (m * c.virtual + c.pipe - 1) * chunk * (layers // chunks) + m * head
-        return least_step_seconds(work, c.tensor * c.context, hw, c.precision == "fp8") * (1 - 1e-6)
+        return self._least_seconds(work, c.tensor * c.context, c.precision) * (1 - 1e-6)
 
     def search_order(self, pars: list[Parallelism]) -> list[Parallelism]:
-        """The meshes, the least pipeline bubble first (their 1F1B `fill_and_drain` at
-        the smallest microbatch over their least FLOPs), so that the fastest layouts tend
-        to be found first and prune 5 drops more of the rest before they are counted.
-        The results do not depend on the order (each prune is exact)."""
+        """The meshes, the least 1F1B bubble first ((p - 1) / m at microbatches of one
+        sequence, m = batch / replica: `fill_and_drain` over the layers' share), so that
+        the fastest layouts tend to be found first and prune 5 drops more of the rest
+        before they are counted. The results do not depend on the order (each prune is
+        exact); the rows are listed in `meshes`' order (`layouts.mesh_order`)."""
 
         def bubble(par: Parallelism) -> float:
             return (par.pipe - 1) * par.replica / self.batch

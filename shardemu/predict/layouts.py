@@ -188,7 +188,7 @@ def meshes(
 ) -> list[Parallelism]:
     """Every pipe x tensor x replica (x context, of `contexts`) = `devices` the model and
     batch (and a sequence of `seq` tokens, which each context size must divide) can
-    take."""
+    take, in `mesh_order`."""
     if devices < 1 or max_tensor < 1:
         raise ConfigError(
             f"`devices` and Space.max_tensor must be positive integers, got {devices}, {max_tensor}"
@@ -212,7 +212,13 @@ def meshes(
             f"the split), tensor the heads (at most Space.max_tensor {max_tensor}), replica "
             f"the batch"
         )
-    return out
+    return sorted(out, key=mesh_order)
+
+
+def mesh_order(par: Parallelism) -> tuple[int, int, int]:
+    """The order meshes are listed in (`meshes`, a search's rows): by tensor, context,
+    then pipe size."""
+    return par.tensor, par.context, par.pipe
 
 
 def resident_settings(

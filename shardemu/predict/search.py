@@ -95,6 +95,7 @@ from shardemu.predict.layouts import (
     Mode,
     Space,
     memory_ranks,
+    mesh_order,
     phased_settings,
     resident_settings,
 )
@@ -321,8 +322,7 @@ class Searcher(Bounds):
                 fits = len(self.found) + sum(isinstance(x, Candidate) for x in waiting)
                 self.log(f"{par} {'/'.join(precisions)}: {fits} layouts fit so far")
         self.finish(waiting)
-        # listed in `meshes`' order (tensor, context, pipe), whatever the search's
-        groups.sort(key=lambda g: (g[0].tensor, g[0].context, g[0].pipe))
+        groups.sort(key=lambda g: mesh_order(g[0]))  # listed so, whatever the search's order
         rows += [row for _, group in groups for row in group]  # type: ignore[misc]
 
 
