@@ -18,19 +18,23 @@ from typing import Any
 
 class CountsAhead:
     """`fn(key)` for each key of each group, a group's keys in turn, the groups in
-    order over `workers` background threads. Before using a key's count the caller
-    calls `ready(key)`: it waits for the key's group if it is being made, and takes
-    the group back if it has not started, so the caller makes its keys itself (no
-    count is made twice at once). `add` queues more groups, each as its iterable
-    yields it."""
+    order over `workers` background threads, each key only if `wanted(key)` still holds
+    when its turn comes (a search learns, while the counts are made, which layouts its
+    bounds rule out: a count queued for them alone is skipped). Before using a key's
+    count the caller calls `ready(key)`: it waits for the key's group if it is being
+    made, and takes the group back if it has not started, so the caller makes its keys
+    itself (no count is made twice at once; a key skipped is the caller's to make).
+    `add` queues more groups, each as its iterable yields it."""
 
     def __init__(
         self,
         fn: Callable[[Any], Any],
         groups: Iterable[tuple[Hashable, ...]] = (),
         workers: int = 2,
+        wanted: Callable[[Any], bool] = lambda _: True,
     ) -> None:
         self._fn = fn
+        self._wanted = wanted
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="count-ahead")
         self._futures: dict[Hashable, Future] = {}
         self.add(groups)
@@ -42,8 +46,13 @@ class CountsAhead:
         for group in groups:
             keys = [k for k in dict.fromkeys(group) if k not in self._futures]
             if keys:
-                future = self._pool.submit(lambda keys=keys: [self._fn(k) for k in keys])
+                future = self._pool.submit(self._make, keys)
                 self._futures |= dict.fromkeys(keys, future)
+
+    def _make(self, keys: list[Hashable]) -> None:
+        for key in keys:
+            if self._wanted(key):
+                self._fn(key)
 
     def ready(self, key: Hashable) -> None:
         """Return once `fn(key)` is made, or is the caller's to make."""

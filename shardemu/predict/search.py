@@ -121,6 +121,8 @@ class Searcher(Bounds):
 
     log: Callable[[str], None] = lambda _: None
     ahead: CountsAhead | None = None  # the counts being made in the background
+    # the resident layouts that may need each count queued ahead (`resident_counts`)
+    _needs: dict[CountKey, list[Candidate]] = dataclasses.field(default_factory=dict)
 
     def plan(self, c: Candidate, microbatches: int) -> Plan:
         """The planner's plan of `c` with `microbatches` microbatches (or passes)."""
@@ -275,19 +277,24 @@ class Searcher(Bounds):
         search plans them (prune 3 may leave the last unused), a group per mesh and
         microbatch size: yielded as found, so that counting starts while the later
         layouts' bounds are worked out."""
-        seen: set[CountKey] = set()
         for par, precision, pruned, sizes in self.mesh_plans(modes, precisions):
             for size in sizes if "resident" in modes and "resident" not in pruned else []:
-                group = tuple(
-                    dict.fromkeys(
-                        self.count_of(c)
-                        for c in self.candidates(par, ("resident",), precision, size)
-                        if self.may_fit(c) and self.count_of(c) not in seen
-                    )
-                )
-                seen.update(group)
+                group: dict[CountKey, None] = {}
+                for c in self.candidates(par, ("resident",), precision, size):
+                    if self.may_fit(c):
+                        key = self.count_of(c)
+                        if key not in self._needs:
+                            group[key] = None
+                        self._needs.setdefault(key, []).append(c)
                 if group:
-                    yield group
+                    yield tuple(group)
+
+    def count_wanted(self, key: CountKey) -> bool:
+        """Whether a count queued ahead is still needed when its turn comes: some
+        layout that uses it may still fit and is not yet ruled out by prune 5 (`may_fit`:
+        the layouts found since it was queued may rule them all out, and then are found
+        before those layouts are reached, so no count of theirs is asked for)."""
+        return any(self.may_fit(c) for c in self._needs.get(key, ()))
 
     def run_mode(
         self, modes: tuple[Mode, ...], rows: list[SearchRow], precisions: tuple[str, ...]
@@ -356,7 +363,7 @@ def search(
         "phased": ("phased",),
         "both": ("resident", "phased"),
     }
-    with CountsAhead(counted_microbatch) as s.ahead:
+    with CountsAhead(counted_microbatch, wanted=s.count_wanted) as s.ahead:
         for precisions in s.rate_classes():
             s.run_mode(order[space.modes], rows, precisions)
         if space.modes == "auto" and not any(r.fits for r in rows):
