@@ -1,7 +1,7 @@
 """Counting ahead (`predict/ahead.py`): groups of keys are made in order by background
 threads, a group's keys in turn; `ready` waits for the group being made, takes back a
 group not started (the caller makes its keys), and lets a failed key's error come from
-the caller's own call."""
+the caller's own call; a key no longer `wanted` by its turn is skipped."""
 
 import threading
 
@@ -44,3 +44,25 @@ def test_a_failed_count_is_left_to_the_caller():
         with pytest.raises(ValueError, match="no layout 1"):
             count(1)
     assert made == [1, 1]
+
+
+def test_a_key_no_longer_wanted_when_its_turn_comes_is_skipped():
+    """`wanted` is asked as each key's turn comes, not when it is queued: a key ruled out
+    meanwhile (a search's layouts pruned by what it found since) is not made."""
+    release, started, last = (threading.Event() for _ in range(3))
+    made, unwanted = [], set()
+
+    def count(key: int) -> None:
+        if key == 1:
+            started.set()
+            assert release.wait(10)
+        made.append(key)
+        if key == 3:
+            last.set()
+
+    with CountsAhead(count, [(1,), (2, 3)], workers=1, wanted=lambda k: k not in unwanted):
+        assert started.wait(10)
+        unwanted.add(2)  # after it was queued, before its turn
+        release.set()
+        assert last.wait(10)
+    assert made == [1, 3]

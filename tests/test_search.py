@@ -14,15 +14,18 @@ from cli_helpers import shardemu
 from shardemu.accounting import flops
 from shardemu.config import ConfigError, Parallelism, TrainConfig
 from shardemu.models import Model, custom_model
+from shardemu.pipelined.layout import EVEN
 from shardemu.predict.bounds import Bounds
 from shardemu.predict.layouts import Candidate, Space
 from shardemu.predict.memory_bound import memory_bound
 from shardemu.predict.overlap import DEFAULT_OVERLAP
 from shardemu.predict.plan_resident import counted_layout, plan_resident
 from shardemu.predict.profiles import PROFILES
-from shardemu.predict.resident_count import count_key, counted_microbatch
+from shardemu.predict.resident_count import counted_microbatch
+from shardemu.predict.resident_memory import device_bytes, resident_layout
 from shardemu.predict.roofline import least_step_seconds
 from shardemu.predict.search import Searcher, search
+from shardemu.predict.zero import zero
 from shardemu.run.verify import scaled_down
 
 DEVICES, BATCH, SEQ = 4, 16, 32
@@ -153,24 +156,29 @@ def test_least_step_bounds_the_plan(par, schedule, recompute, zero):
         assert bounds.fill_and_drain(c) > bounds.least_step("bf16")
 
 
-def test_memory_bound_is_the_count_or_less():
+def test_memory_bound_holds_the_counts_device_bytes():
     """`memory_bound` (traced) against `counted_microbatch` (compiled): the weights' and
-    optimizer state's bytes equal, the kept bytes equal with full recomputation (the
-    layer's input, its sharding declared) and at most the count's without."""
+    optimizer state's bytes equal, and so each layout's device bytes from either (what a
+    layer keeps is the target's: `resident_memory.kept`), with and without full
+    recomputation, materialized or fused attention, on one and two tensor devices,
+    under ZeRO 0 and 3."""
     for tensor, recompute, attention in itertools.product(
         (1, 2), ("none", "full"), ("materialized", "fused")
     ):
-        key = count_key(
-            Model(TINY), Parallelism(tensor=tensor), 1, SEQ, recompute, "bf16", attention
-        )
-        bound, counted = memory_bound(key), counted_microbatch(key)
-        assert (bound.layer_bytes, bound.shared_bytes, bound.opt_bytes) == (
-            counted.layer_bytes, counted.shared_bytes, counted.opt_bytes
+        par = Parallelism(pipe=2, tensor=tensor, replica=2)
+        lay, sched, key = resident_layout(
+            Model(TINY), par, BATCH, SEQ, 2, "1f1b", 1, recompute, "bf16", attention, EVEN
         )  # fmt: skip
-        if recompute == "full" or tensor == 1:  # one device: every shard is whole
-            assert bound.keep_bytes == counted.keep_bytes
-        else:
-            assert 0 < bound.keep_bytes < counted.keep_bytes
+        bound, counted = memory_bound(key), counted_microbatch(key)
+        assert (bound.layer_bytes, bound.shared_bytes, bound.opt_bytes, bound.act_bytes) == (
+            counted.layer_bytes, counted.shared_bytes, counted.opt_bytes, counted.act_bytes
+        )  # fmt: skip
+        for stage in (0, 3):
+            held = [
+                device_bytes(zero(mb, stage, par), key, recompute, par, lay, sched)
+                for mb in (bound, counted)
+            ]
+            assert held[0] == held[1] > 0
 
 
 def test_slower_precision_pruned_by_its_bound_changes_no_result():
