@@ -68,7 +68,9 @@ def validation_rows() -> list[dict]:
             f"validation.run(validation.CASES[{i}])"
         )
         wall, rc, last = timed(["-c", code])
-        rows.append(_row(f"validation: {case.name}", wall, rc, last, ROW_TARGET_S))
+        # the 1T resident interleaved plan, which this row is: 10 s
+        target = LARGE_TARGET_S if "GPT 1T" in case.name else ROW_TARGET_S
+        rows.append(_row(f"validation: {case.name}", wall, rc, last, target))
     return rows
 
 
