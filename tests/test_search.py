@@ -167,7 +167,7 @@ def test_memory_bound_holds_the_counts_device_bytes():
     ):
         par = Parallelism(pipe=2, tensor=tensor, replica=2)
         lay, sched, key = resident_layout(
-            Model(TINY), par, BATCH, SEQ, 2, "1f1b", 1, recompute, "bf16", attention, EVEN
+            Model(TINY), par, BATCH, SEQ, 1, "1f1b", 1, recompute, "bf16", attention, EVEN
         )  # fmt: skip
         bound, counted = memory_bound(key), counted_microbatch(key)
         assert (bound.layer_bytes, bound.shared_bytes, bound.opt_bytes, bound.act_bytes) == (
