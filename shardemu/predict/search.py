@@ -122,7 +122,9 @@ class Searcher(Bounds):
     log: Callable[[str], None] = lambda _: None
     ahead: CountsAhead | None = None  # the counts being made in the background
     # the resident layouts that may need each count queued ahead (`resident_counts`)
-    _needs: dict[CountKey, list[Candidate]] = dataclasses.field(default_factory=dict)
+    _needs: dict[CountKey, list[Candidate]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def plan(self, c: Candidate, microbatches: int) -> Plan:
         """The planner's plan of `c` with `microbatches` microbatches (or passes)."""
