@@ -29,7 +29,7 @@ def memory_bound(key: CountKey) -> Microbatch:
     which is not traced (0 here): a layout's device bytes hold what the target keeps
     (`resident_memory.kept`), not the count's (its report's CPU witness), so they are
     the same from this bound as from the count (test_search.py)."""
-    model, tensor, microbatch_size, seq, full, precision, fused_attention, rules, context = key
+    model, tensor, microbatch_size, seq, full, precision, _, rules, context = key
     built, st, shared, layer, batch, settings = one_stage(
         model, tensor, microbatch_size, seq, precision, rules, context
     )

@@ -278,7 +278,9 @@ class Searcher(Bounds):
         need (those of layouts whose least bytes fit: `may_fit`), in the order the
         search plans them (prune 3 may leave the last unused), a group per mesh and
         microbatch size: yielded as found, so that counting starts while the later
-        layouts' bounds are worked out."""
+        layouts' bounds are worked out. Each count first appears in the group of its
+        first layout; every layout that may need it is kept (`_needs`) for
+        `count_wanted`."""
         for par, precision, pruned, sizes in self.mesh_plans(modes, precisions):
             for size in sizes if "resident" in modes and "resident" not in pruned else []:
                 group: dict[CountKey, None] = {}
