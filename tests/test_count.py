@@ -6,9 +6,10 @@ import time
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardemu.accounting.count import Counter
+from shardemu.accounting.count import COUNT_OPTIONS, Counter, abstract
 from shardemu.models import Model, get_preset
 from shardemu.parallel.mesh import make_mesh
 from shardemu.predict.resident_count import count_microbatch
@@ -75,3 +76,40 @@ def test_models_alike_in_shape_are_counted_apart():
     ]  # fmt: skip
     assert forward[0].flops != forward[1].flops
     assert forward[0].memory_bytes != forward[1].memory_bytes
+
+
+class EmittingCounter(Counter):
+    """Counts as a user's process compiles (XLA's fusion emitters on: the tests' are
+    off, conftest.py), and notes what it sketches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sketched: list[tuple] = []
+
+    def _compile(self, key, fn, mesh, args) -> None:
+        options = {**COUNT_OPTIONS, "xla_cpu_use_fusion_emitters": True}
+        self._read(key, fn.lower(*abstract(args)).compile(compiler_options=options), mesh, args)
+
+    def _sketch(self, key, fn, mesh, args) -> None:
+        self.sketched.append((key[0], fn, mesh, args))
+        super()._sketch(key, fn, mesh, args)
+
+
+def test_a_sketch_has_the_counts_shardings_and_recompute_flops():
+    """Pieces compiled only for their outputs' shardings or their FLOPs are sketched
+    (`SKETCH_OPTIONS`: XLA's older kernel emitters). With full recomputation those are
+    the recomputation's three (`recompute_flops`); counted as a user's process counts
+    them, the forward keeping its residuals lays them out as its sketch does, and the
+    recomputed FLOPs (the backward from the input less the backward from the residuals)
+    are the two sketches'."""
+    counter = EmittingCounter()
+    mb = count_microbatch(Model(get_preset("gpt-tiny")), 2, 2, 16, True, counter=counter)
+    assert sorted(name for name, *_ in counter.sketched) == ["bwd", "bwd-keep", "fwd-keep"]
+    counted = {name: counter.count(name, *rest) for name, *rest in counter.sketched}
+    sketches = {name: counter.sketch(name, *rest) for name, *rest in counter.sketched}
+    assert str(counted["fwd-keep"].out_shardings) == str(sketches["fwd-keep"].out_shardings)
+    recomputed = counted["bwd"].flops_per_device - counted["bwd-keep"].flops_per_device
+    events = mb.pieces["backward"]
+    planned = sum(e.recompute_flops for e in events)
+    assert planned == pytest.approx(recomputed * events[0].devices, rel=1e-9)
+    assert recomputed > 0

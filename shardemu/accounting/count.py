@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -70,6 +70,38 @@ def signature(tree: Any) -> tuple:
 # bytes and collectives (checked piece by piece; tests compare counts with real runs).
 COUNT_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
+# A piece compiled only for its outputs' shardings, or for FLOPs that are compared with
+# another such piece's (the recomputation's share of a backward:
+# `phased/program.recompute_flops`), is sketched: compiled with XLA's older CPU kernel
+# emitters, three to four times sooner (a BERT-Base layer's forward keeping its
+# residuals 0.90 -> 0.16 s, its backward 0.96 -> 0.27 s, one compile each on this
+# 2-core machine). XLA's SPMD partitioner, which sets the shardings, runs before the
+# emitters; the fusions differ, and with them the kernels' bytes and, slightly, the
+# FLOPs that fusion duplicates, so a sketch is never read for bytes and its FLOPs are
+# only set against another sketch's.
+SKETCH_OPTIONS = {**COUNT_OPTIONS, "xla_cpu_use_fusion_emitters": False}
+
+
+class Listed(NamedTuple):
+    """A piece a step will count (`Executor.will_count`), for `Counter.count_ahead`:
+    counted, or `sketch`ed."""
+
+    name: str
+    fn: Any
+    mesh: Mesh
+    args: tuple
+    context: tuple = ()
+    sketch: bool = False
+
+
+@dataclass(frozen=True)
+class Sketch:
+    """What a sketched piece (`SKETCH_OPTIONS`) tells: its FLOPs per device, as that
+    compile counts them, and its outputs' shardings."""
+
+    flops_per_device: float
+    out_shardings: Any
+
 
 @dataclass(frozen=True)
 class Counted:
@@ -101,6 +133,7 @@ class Counter:
 
     def __init__(self, workers: int = 2) -> None:
         self._counted: dict[tuple, Counted] = {}
+        self._sketched: dict[tuple, Sketch] = {}
         self._shapes: dict[tuple, tuple] = {}
         self._placed: dict[tuple, tuple] = {}
         # by key: compiling, or compiled, in the pool or in a thread's `count`
@@ -117,7 +150,18 @@ class Counter:
         attention core's dots that keep no batch dimension (`attention_core.py`), and
         `CachedWeights` counts their casts apart (`cached_casts.py`)."""
         key = _key(name, mesh, args, context)
-        if key not in self._counted:
+        return self._once(key, self._counted, lambda: self._compile(key, fn, mesh, args))
+
+    def sketch(self, name: str, fn: Any, mesh: Mesh, args: tuple, context: tuple = ()) -> Sketch:
+        """`fn`'s FLOPs per device and outputs' shardings over the abstract `args`,
+        sketched (`SKETCH_OPTIONS`), once per signature."""
+        key = _key(name, mesh, args, context, sketch=True)
+        return self._once(key, self._sketched, lambda: self._sketch(key, fn, mesh, args))
+
+    def _once(self, key: tuple, done: dict, make: Any) -> Any:
+        """`done[key]`, made by `make()` unless it is there: a piece another thread is
+        compiling is waited for, not compiled twice."""
+        if key not in done:
             with self._lock:  # another thread compiling it (`count_ahead`, or `count`)?
                 future = self._ahead.get(key)
                 mine = future is None
@@ -125,14 +169,14 @@ class Counter:
                     future = self._ahead[key] = Future()
             if mine:
                 try:
-                    self._compile(key, fn, mesh, args)
+                    make()
                 except BaseException as err:
                     future.set_exception(err)
                     raise
                 future.set_result(None)
             else:
                 future.result()  # raises what the other thread's compile raised
-        return self._counted[key]
+        return done[key]
 
     def count_compiled(
         self, name: str, compiled: Any, mesh: Mesh, args: tuple, context: tuple = ()
@@ -148,6 +192,11 @@ class Counter:
     def _compile(self, key: tuple, fn: Any, mesh: Mesh, args: tuple) -> None:
         compiled = fn.lower(*abstract(args)).compile(compiler_options=COUNT_OPTIONS)
         self._read(key, compiled, mesh, args)
+
+    def _sketch(self, key: tuple, fn: Any, mesh: Mesh, args: tuple) -> None:
+        compiled = fn.lower(*abstract(args)).compile(compiler_options=SKETCH_OPTIONS)
+        flops = float(compiled.cost_analysis().get("flops", 0.0))
+        self._sketched[key] = Sketch(flops, compiled.output_shardings)
 
     def _read(self, key: tuple, compiled: Any, mesh: Mesh, args: tuple) -> None:
         """Keep the counts of `compiled` under `key`."""
@@ -169,30 +218,35 @@ class Counter:
         )
 
     def __len__(self) -> int:
-        """How many pieces it has compiled."""
-        return len(self._counted)
+        """How many pieces it has compiled (counted or sketched)."""
+        return len(self._counted) + len(self._sketched)
 
-    def count_ahead(self, pieces: Iterable[tuple]) -> list[Future]:
-        """Start compiling, in the background, each piece `(name, fn, mesh, args,
-        context)` not counted or compiling yet, and return the futures of all of them.
-        (A dry run for memory alone lists the pieces its counted run will count:
-        `Executor.pieces`.) `count` waits for a piece compiling here."""
+    def count_ahead(self, pieces: Iterable[Listed]) -> list[Future]:
+        """Start compiling, in the background, each listed piece not counted (or
+        sketched) or compiling yet, and return the futures of all of them. (A dry run
+        for memory alone lists the pieces its counted run will count:
+        `Executor.pieces`.) `count` and `sketch` wait for a piece compiling here."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="count")
         futures = {}
-        for name, fn, mesh, args, context in pieces:
-            key = _key(name, mesh, args, context)
-            if key in self._counted or key in futures:
+        for p in pieces:
+            key = _key(p.name, p.mesh, p.args, p.context, p.sketch)
+            if key in self._counted or key in self._sketched or key in futures:
                 continue
             with self._lock:
                 if key not in self._ahead:
-                    self._ahead[key] = self._pool.submit(self._compile, key, fn, mesh, args)
+                    work = (
+                        (self._sketch, key, p.fn, p.mesh, p.args)
+                        if p.sketch
+                        else (self._compile, key, p.fn, p.mesh, p.args)
+                    )
+                    self._ahead[key] = self._pool.submit(*work)
                 futures[key] = self._ahead[key]
         return list(futures.values())
 
-    def count_all(self, pieces: Iterable[tuple]) -> None:
-        """Count each piece `(name, fn, mesh, args, context)`, those not counted yet
-        compiled `workers` at a time (`count_ahead`), and wait for all of them."""
+    def count_all(self, pieces: Iterable[Listed]) -> None:
+        """Count (or sketch) each listed piece, those not done yet compiled `workers`
+        at a time (`count_ahead`), and wait for all of them."""
         for future in self.count_ahead(pieces):
             future.result()
 
@@ -208,12 +262,20 @@ class Counter:
         return self._shapes[key]
 
     def outputs(
-        self, name: str, fn: Any, mesh: Mesh, args: tuple, context: tuple, count_args: tuple
+        self,
+        name: str,
+        fn: Any,
+        mesh: Mesh,
+        args: tuple,
+        context: tuple,
+        count_args: tuple,
+        sketch: bool = False,
     ) -> tuple[list, Any]:
         """(output leaves, tree structure) of the jitted `fn` over the abstract `args`
         on `mesh`: each leaf a `ShapeDtypeStruct` with the sharding `fn` declares for
         it (`out_shardings`) or, where it declares none, that of the piece counted over
-        `count_args` (compiled: `count`), moved onto `mesh`. Traced once per signature
+        `count_args` (compiled: `count`; with `sketch`, a piece that is not counted
+        otherwise, sketched unless it was counted), moved onto `mesh`. Traced once per signature
         (an identical stage on other devices reuses the trace) and placed once per
         mesh. Kept here, not per trainer, so that every plan in a process gets the
         same objects: a vjp's tree structure holds its forward's jaxpr, which compares
@@ -225,10 +287,14 @@ class Counter:
             shapes, treedef = self.traced(name, fn, mesh, args, context)
             shardings = [x.sharding for x in shapes]
             if not all(isinstance(s, NamedSharding) for s in shardings):
-                counted = self.count(name, fn, mesh, count_args, context)
+                counted = self._counted.get(_key(name, mesh, count_args, context))
+                if counted is None and sketch:
+                    out = self.sketch(name, fn, mesh, count_args, context).out_shardings
+                else:
+                    out = self.count(name, fn, mesh, count_args, context).out_shardings
                 shardings = [
                     s if isinstance(s, NamedSharding) else c
-                    for s, c in zip(shardings, jax.tree.leaves(counted.out_shardings), strict=True)
+                    for s, c in zip(shardings, jax.tree.leaves(out), strict=True)
                 ]
             leaves = [
                 shaped(x.shape, x.dtype, on_mesh(s, mesh))
@@ -238,11 +304,11 @@ class Counter:
         return self._placed[placed]
 
 
-def _key(name: str, mesh: Mesh, args: tuple, context: tuple) -> tuple:
-    """What a piece's count depends on. The mesh's axis sizes, not its devices:
-    identical stages share counts, but the same specs on a mesh of other sizes are
-    other shards."""
-    return (name, context, tuple(mesh.shape.items()), signature(args))
+def _key(name: str, mesh: Mesh, args: tuple, context: tuple, sketch: bool = False) -> tuple:
+    """What a piece's count (or sketch) depends on. The mesh's axis sizes, not its
+    devices: identical stages share counts, but the same specs on a mesh of other sizes
+    are other shards."""
+    return (name, context, tuple(mesh.shape.items()), signature(args), sketch)
 
 
 def on_mesh(sharding: Any, mesh: Mesh) -> Any:

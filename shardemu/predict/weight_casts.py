@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from shardemu.accounting.count import Counter
+from shardemu.accounting.count import Counter, Listed
 from shardemu.accounting.ledger import Event
 from shardemu.stages.pieces import Piece
 
@@ -38,13 +38,16 @@ class WeightCasts:
         return (self.forward[0] + self.backward[0], self.forward[1] + self.backward[1])
 
 
-def counted_casts(counter: Counter, pieces: Iterable[tuple], full_recompute: bool) -> WeightCasts:
-    """A layer's `WeightCasts`, from the counted `pieces` (`Counter.count`'s arguments,
-    counted already)."""
+def counted_casts(counter: Counter, pieces: Iterable[Listed], full_recompute: bool) -> WeightCasts:
+    """A layer's `WeightCasts`, from the counted `pieces` (counted already)."""
     forward, backward = (
         (Piece.FWD, Piece.BWD) if full_recompute else (Piece.FWD_KEEP, Piece.BWD_KEEP)
     )
-    by_name = {p[0]: counter.count(*p).cast_bytes for p in pieces if p[0] in (forward, backward)}
+    by_name = {
+        p.name: counter.count(p.name, p.fn, p.mesh, p.args, p.context).cast_bytes
+        for p in pieces
+        if p.name in (forward, backward) and not p.sketch
+    }
     return WeightCasts(by_name.get(forward, (0, 0)), by_name.get(backward, (0, 0)), full_recompute)
 
 

@@ -17,7 +17,15 @@ from typing import Any, Protocol
 import jax
 from jax.sharding import Mesh
 
-from shardemu.accounting.count import Counted, Counter, piece_events, shaped, signature
+from shardemu.accounting.count import (
+    Counted,
+    Counter,
+    Listed,
+    Sketch,
+    piece_events,
+    shaped,
+    signature,
+)
 from shardemu.accounting.ledger import Carries, Event, Ledger, Phase, Where
 from shardemu.accounting.sizes import bytes_all_devices, bytes_per_device, copies
 from shardemu.devices import settled
@@ -58,12 +66,12 @@ class Executor:
         # False: an abstract step for its memory alone (whether a layout fits), which
         # records no computation and compiles only the pieces that do not declare
         # their outputs' shardings; it lists the pieces a counted step would count
-        # (name, fn, mesh, count args, context) for `Counter.count_all`
+        # for `Counter.count_all`
         self.counting = counting or real
         # a dry run of a trainer that will run: its counted pieces compile as the real
         # steps will (`Stage.executable`), so that those steps reuse them
         self.compiles_to_run = compiles_to_run
-        self.pieces: list[tuple] = []
+        self.pieces: list[Listed] = []
         self.fused_attention = fused_attention  # record kernels as FlashAttention's
         self.axis_labels = axis_labels  # mesh axis -> the name users know it by
         self.counter = counter
@@ -294,11 +302,14 @@ class Executor:
             return settled((run or stage.fn(piece))(*args))
         return self._shaped(piece, stage, args, count_args)
 
-    def shape(self, piece: Piece, stage: StageLike, args: tuple) -> Any:
-        """The abstract outputs of `piece` on `args`, shardings included; nothing recorded."""
-        return self._shaped(piece, stage, args, args)
+    def shape(self, piece: Piece, stage: StageLike, args: tuple, sketch: bool = False) -> Any:
+        """The abstract outputs of `piece` on `args`, shardings included; nothing
+        recorded. `sketch`: a piece compiled for nothing else (`Counter.sketch`)."""
+        return self._shaped(piece, stage, args, args, sketch)
 
-    def _shaped(self, piece: Piece, stage: StageLike, args: tuple, count_args: tuple) -> Any:
+    def _shaped(
+        self, piece: Piece, stage: StageLike, args: tuple, count_args: tuple, sketch: bool = False
+    ) -> Any:
         """Shapes of `piece` on `args`, each with the sharding it declares for it or, where
         it declares none, that of the piece counted over `count_args`
         (`Counter.outputs`), matched leaf by leaf (a stack of k layers has the one-layer
@@ -306,13 +317,18 @@ class Executor:
         structures differ)."""
         fn = stage.fn(piece)
         leaves, treedef = self.counter.outputs(
-            piece, fn, stage.mesh, args, self.context, count_args
+            piece, fn, stage.mesh, args, self.context, count_args, sketch
         )
         return treedef.unflatten(leaves)
 
-    def will_count(self, piece: Piece, stage: StageLike, args: tuple) -> None:
-        """Not counting: list a piece the counted step will count (`pieces`)."""
-        self.pieces.append((piece, stage.fn(piece), stage.mesh, args, self.context))
+    def will_count(self, piece: Piece, stage: StageLike, args: tuple, sketch: bool = False) -> None:
+        """Not counting: list a piece the counted step will count (or `sketch`)."""
+        self.pieces.append(Listed(piece, stage.fn(piece), stage.mesh, args, self.context, sketch))
+
+    def sketch(self, piece: Piece, stage: StageLike, args: tuple) -> Sketch:
+        """`stage`'s `piece` over the abstract `args` sketched (`Counter.sketch`): its
+        FLOPs per device, as a sketch counts them, and its outputs' shardings."""
+        return self.counter.sketch(piece, stage.fn(piece), stage.mesh, args, self.context)
 
     def count(self, piece: Piece, stage: StageLike, args: tuple) -> Counted:
         """Compile `stage`'s `piece` over the abstract `args` once per signature and count it."""
