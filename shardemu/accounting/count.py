@@ -70,15 +70,17 @@ def signature(tree: Any) -> tuple:
 # bytes and collectives (checked piece by piece; tests compare counts with real runs).
 COUNT_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
-# A piece compiled only for its outputs' shardings, or for FLOPs that are compared with
-# another such piece's (the recomputation's share of a backward:
-# `phased/program.recompute_flops`), is sketched: compiled with XLA's older CPU kernel
-# emitters, three to four times sooner (a BERT-Base layer's forward keeping its
-# residuals 0.90 -> 0.16 s, its backward 0.96 -> 0.27 s, one compile each on this
-# 2-core machine). XLA's SPMD partitioner, which sets the shardings, runs before the
-# emitters; the fusions differ, and with them the kernels' bytes and, slightly, the
-# FLOPs that fusion duplicates, so a sketch is never read for bytes and its FLOPs are
-# only set against another sketch's.
+# A piece compiled only for its outputs' shardings, or for the FLOPs of a layer's
+# backward from kept residuals (the recomputation's share of a recomputing backward is
+# that backward's count less them: `phased/program.recompute_flops`), is sketched:
+# compiled with XLA's older CPU kernel emitters, three to four times sooner (a BERT-Base
+# layer's forward keeping its residuals 0.90 -> 0.16 s, its backward 0.53 -> 0.14 s, one
+# compile each on this 2-core machine). XLA's SPMD partitioner, which sets the
+# shardings, runs before the emitters. The fusions differ, and with them the kernels'
+# bytes, so a sketch is never read for bytes; and so may FLOPs that a fusion duplicates
+# (a head's by 2e-5, an embedding's backward's by 7%: gathers and scatters), which a
+# layer's backward has none of (tests/test_count.py holds its sketch's FLOPs to its
+# count's).
 SKETCH_OPTIONS = {**COUNT_OPTIONS, "xla_cpu_use_fusion_emitters": False}
 
 

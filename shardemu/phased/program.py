@@ -183,19 +183,17 @@ def forward(
 
 def recompute_flops(ex: Executor, st: Stage, count: tuple, g_x: Any) -> float:
     """FLOPs per device of one layer's recomputation: its backward from the phase
-    input minus its backward from kept residuals. (Not the forward's count: XLA drops
-    the recomputed forward's last matmul, whose output the vjp never uses.) The two,
-    and the forward that gives the residuals' shardings, are sketched
-    (`Counter.sketch`: compiled for FLOPs and shardings alone, the difference taken
-    between two sketches). Zero in a dry run for memory alone (`Executor.counting`),
-    which lists the sketches that need no other."""
-    bwd_args = (*count, g_x)
+    input (counted: the piece the phase runs) minus its backward from kept residuals.
+    (Not the forward's count: XLA drops the recomputed forward's last matmul, whose
+    output the vjp never uses.) The latter, and the forward that lays out its
+    residuals, are sketched (`Counter.sketch`: compiled for FLOPs and shardings alone).
+    Zero in a dry run for memory alone (`Executor.counting`), which lists the forward's
+    sketch."""
     if not ex.counting:
         ex.will_count(Piece.FWD_KEEP, st, count, sketch=True)
-        ex.will_count(Piece.BWD, st, bwd_args, sketch=True)
         return 0.0
     _, vjp_one = ex.shape(Piece.FWD_KEEP, st, count, sketch=True)
-    bwd = ex.sketch(Piece.BWD, st, bwd_args).flops_per_device
+    bwd = ex.count(Piece.BWD, st, (*count, g_x)).flops_per_device
     return bwd - ex.sketch(Piece.BWD_KEEP, st, (vjp_one, g_x)).flops_per_device
 
 
