@@ -227,13 +227,18 @@ class Counter:
         """Start compiling, in the background, each listed piece not counted (or
         sketched) or compiling yet, and return the futures of all of them. (A dry run
         for memory alone lists the pieces its counted run will count:
-        `Executor.pieces`.) `count` and `sketch` wait for a piece compiling here."""
+        `Executor.pieces`.) `count` and `sketch` wait for a piece compiling here. A
+        sketch listed is for its outputs' shardings (`recompute_flops`), which a count
+        of the piece has (`outputs`): none is made where the count is; one asked for
+        after all is made then."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="count")
         futures = {}
         for p in pieces:
             key = _key(p.name, p.mesh, p.args, p.context, p.sketch)
             if key in self._counted or key in self._sketched or key in futures:
+                continue
+            if p.sketch and _key(p.name, p.mesh, p.args, p.context) in self._counted:
                 continue
             with self._lock:
                 if key not in self._ahead:

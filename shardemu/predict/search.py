@@ -290,8 +290,9 @@ class Searcher(Bounds):
                         if key not in self._needs:
                             group[key] = None
                         self._needs.setdefault(key, []).append(c)
-                if group:
-                    yield tuple(group)
+                if group:  # a recomputing count after one that keeps residuals, whose
+                    # counted forward lays them out for it (no sketch: `recompute_flops`)
+                    yield tuple(sorted(group, key=lambda key: key.full))
 
     def count_wanted(self, key: CountKey) -> bool:
         """Whether a count queued ahead is still needed when its turn comes: some
