@@ -78,7 +78,7 @@ COUNT_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensiv
 # compile each on this 2-core machine). XLA's SPMD partitioner, which sets the
 # shardings, runs before the emitters. The fusions differ, and with them the kernels'
 # bytes, so a sketch is never read for bytes; and so may FLOPs that a fusion duplicates
-# (a head's by 2e-5, an embedding's backward's by 7%: gathers and scatters), which a
+# (a head's by 1.6e-5, an embedding's backward's by 7%: gathers and scatters), which a
 # layer's backward has none of (tests/test_count.py holds its sketch's FLOPs to its
 # count's).
 SKETCH_OPTIONS = {**COUNT_OPTIONS, "xla_cpu_use_fusion_emitters": False}
@@ -281,10 +281,10 @@ class Counter:
         """(output leaves, tree structure) of the jitted `fn` over the abstract `args`
         on `mesh`: each leaf a `ShapeDtypeStruct` with the sharding `fn` declares for
         it (`out_shardings`) or, where it declares none, that of the piece counted over
-        `count_args` (compiled: `count`; with `sketch`, a piece that is not counted
-        otherwise, sketched unless it was counted), moved onto `mesh`. Traced once per signature
-        (an identical stage on other devices reuses the trace) and placed once per
-        mesh. Kept here, not per trainer, so that every plan in a process gets the
+        `count_args` (compiled: `count`; with `sketch`, for a piece counted for nothing
+        else, its sketch unless it is counted), moved onto `mesh`. Traced once per
+        signature (an identical stage on other devices reuses the trace) and placed once
+        per mesh. Kept here, not per trainer, so that every plan in a process gets the
         same objects: a vjp's tree structure holds its forward's jaxpr, which compares
         by identity, and a piece counted over it (`bwd-keep`) would compile again for
         each plan that traced the forward anew."""
