@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from shardemu.accounting.count import Listed
 from shardemu.accounting.ledger import Ledger
 from shardemu.accounting.sizes import bytes_per_device
 from shardemu.errors import CapacityError, ConfigError
@@ -46,7 +47,7 @@ class DryRun:
     ledger: Ledger
     tiers: list[Tier]
     output: StepOutput
-    pieces: list[tuple]  # not counting: what the counted step will count (`Executor`)
+    pieces: list[Listed]  # not counting: what the counted step will count (`Executor`)
 
     @property
     def device_peak(self) -> int:
