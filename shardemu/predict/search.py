@@ -292,7 +292,7 @@ class Searcher(Bounds):
                         self._needs.setdefault(key, []).append(c)
                 if group:  # a recomputing count after one that keeps residuals, whose
                     # counted forward lays them out for it (no sketch: `recompute_flops`)
-                    yield tuple(sorted(group, key=lambda key: key.full))
+                    yield tuple(sorted(group, key=lambda k: k.full))
 
     def count_wanted(self, key: CountKey) -> bool:
         """Whether a count queued ahead is still needed when its turn comes: some
