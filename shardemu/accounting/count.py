@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -160,7 +160,7 @@ class Counter:
         key = _key(name, mesh, args, context, sketch=True)
         return self._once(key, self._sketched, lambda: self._sketch(key, fn, mesh, args))
 
-    def _once(self, key: tuple, done: dict, make: Any) -> Any:
+    def _once(self, key: tuple, done: dict, make: Callable[[], None]) -> Any:
         """`done[key]`, made by `make()` unless it is there: a piece another thread is
         compiling is waited for, not compiled twice."""
         if key not in done:
@@ -242,12 +242,8 @@ class Counter:
                 continue
             with self._lock:
                 if key not in self._ahead:
-                    work = (
-                        (self._sketch, key, p.fn, p.mesh, p.args)
-                        if p.sketch
-                        else (self._compile, key, p.fn, p.mesh, p.args)
-                    )
-                    self._ahead[key] = self._pool.submit(*work)
+                    make = self._sketch if p.sketch else self._compile
+                    self._ahead[key] = self._pool.submit(make, key, p.fn, p.mesh, p.args)
                 futures[key] = self._ahead[key]
         return list(futures.values())
 
