@@ -156,7 +156,12 @@ class Counter:
 
     def sketch(self, name: str, fn: Any, mesh: Mesh, args: tuple, context: tuple = ()) -> Sketch:
         """`fn`'s FLOPs per device and outputs' shardings over the abstract `args`,
-        sketched (`SKETCH_OPTIONS`), once per signature."""
+        sketched (`SKETCH_OPTIONS`), once per signature; where the piece is counted
+        already, from its count, which has both (a sketch is asked only of pieces whose
+        fusion duplicates no FLOPs: `recompute_flops`)."""
+        counted = self._counted.get(_key(name, mesh, args, context))
+        if counted is not None:
+            return Sketch(counted.flops_per_device, counted.out_shardings)
         key = _key(name, mesh, args, context, sketch=True)
         return self._once(key, self._sketched, lambda: self._sketch(key, fn, mesh, args))
 

@@ -162,12 +162,13 @@ def _place(
     reductions = [0.0] * order.stages  # gradient reductions, per stage
     shared_in = [0.0] * order.stages  # the shared weights, per stage
     gradients_out = 0.0
-    chunking = _Chunking(hw, overlap) if overlap.tp_overlap == "chunked" else None
+    chunking = _Chunking(order.origins, hw) if overlap.tp_overlap == "chunked" else None
+    chunked = [False] * len(rules) if chunking is None else chunking.chunked(rules, overlap)
     for stream, pair, phase, on, o, e, at in order.items:
         r = rules[o]
         seconds = r.seconds
-        if chunking is not None:
-            seconds = chunking.seconds(e, on, order.origins[o], seconds)
+        if chunked[o]:
+            seconds = chunking.seconds(o, on, seconds)  # type: ignore[union-attr]
         ready = stream_free[stream]
         if r.compute:
             ready = max(ready, phase_inputs[phase], pending[on])
@@ -272,22 +273,30 @@ def _reads_stored_weights(e: Event) -> bool:
 class _Chunking:
     """Seconds under `tp_overlap="chunked"` (`overlap.py`), in program order: a device
     computation sets its stage's matmul time to hide behind; each of its hidden
-    collectives, in order, takes what is left of it."""
+    collectives, in order, takes what is left of it. What an event's origin decides
+    (its projection's seconds, whether it is hidden, its group) is read once."""
 
-    def __init__(self, hw: Hardware, overlap: Overlap) -> None:
-        self.hw, self.overlap = hw, overlap
+    def __init__(self, origins: Sequence[Event], hw: Hardware) -> None:
+        self.origins, self.hw = origins, hw
         self.hiding: dict[int, float] = {}  # per stage: matmul seconds left to hide behind
         self.projections: dict[int, float] = {}  # by origin: a computation's projection seconds
 
-    def seconds(self, e: Event, stage: int, origin: Event, seconds: float) -> float:
-        """`e`'s seconds on `stage`, `seconds` without the overlap (`origin`: the event
-        `e` was placed from, whose projection is computed once)."""
-        if e.kind == "compute" and e.on == "device":
-            if id(origin) not in self.projections:
-                self.projections[id(origin)] = projection_seconds(e, self.hw)
-            self.hiding[stage] = self.projections[id(origin)]
-            return seconds
-        if not self.overlap.hides(e):
+    def chunked(self, rules: list[EventRules], overlap: Overlap) -> list[bool]:
+        """By origin: whether its seconds pass through `seconds` (a device computation,
+        or a collective `overlap` hides)."""
+        return [
+            (r.compute and r.on_device) or overlap.hides(e)
+            for r, e in zip(rules, self.origins, strict=True)
+        ]
+
+    def seconds(self, o: int, stage: int, seconds: float) -> float:
+        """The seconds on `stage` of an event placed from origin `o`, `seconds` without
+        the overlap."""
+        e = self.origins[o]
+        if e.kind == "compute":
+            if o not in self.projections:
+                self.projections[o] = projection_seconds(e, self.hw)
+            self.hiding[stage] = self.projections[o]
             return seconds
         budget = self.hiding.get(stage, 0.0)
         exposed = exposed_chunked(seconds, budget, e.group)
