@@ -162,13 +162,13 @@ def _place(
     reductions = [0.0] * order.stages  # gradient reductions, per stage
     shared_in = [0.0] * order.stages  # the shared weights, per stage
     gradients_out = 0.0
-    chunking = _Chunking(order.origins, hw) if overlap.tp_overlap == "chunked" else None
-    chunked = [False] * len(rules) if chunking is None else chunking.chunked(rules, overlap)
+    chunked = overlap.tp_overlap == "chunked"
+    chunking = _Chunking(order.origins, rules, hw, overlap) if chunked else None
     for stream, pair, phase, on, o, e, at in order.items:
         r = rules[o]
         seconds = r.seconds
-        if chunked[o]:
-            seconds = chunking.seconds(o, on, seconds)  # type: ignore[union-attr]
+        if chunking is not None and chunking.chunked[o]:
+            seconds = chunking.seconds(o, on, seconds)
         ready = stream_free[stream]
         if r.compute:
             ready = max(ready, phase_inputs[phase], pending[on])
@@ -276,17 +276,17 @@ class _Chunking:
     collectives, in order, takes what is left of it. What an event's origin decides
     (its projection's seconds, whether it is hidden, its group) is read once."""
 
-    def __init__(self, origins: Sequence[Event], hw: Hardware) -> None:
+    def __init__(
+        self, origins: Sequence[Event], rules: list[EventRules], hw: Hardware, overlap: Overlap
+    ) -> None:
         self.origins, self.hw = origins, hw
         self.hiding: dict[int, float] = {}  # per stage: matmul seconds left to hide behind
         self.projections: dict[int, float] = {}  # by origin: a computation's projection seconds
-
-    def chunked(self, rules: list[EventRules], overlap: Overlap) -> list[bool]:
-        """By origin: whether its seconds pass through `seconds` (a device computation,
-        or a collective `overlap` hides)."""
-        return [
+        # by origin: whether its seconds pass through `seconds` (a device computation, or
+        # a collective `overlap` hides)
+        self.chunked = [
             (r.compute and r.on_device) or overlap.hides(e)
-            for r, e in zip(rules, self.origins, strict=True)
+            for r, e in zip(rules, origins, strict=True)
         ]
 
     def seconds(self, o: int, stage: int, seconds: float) -> float:
