@@ -13,10 +13,11 @@ predicted by the same cost model:
 
     python benchmarks/search.py [--case gpu|ipu|gpu1536|all] [--precision P[,P...]]
         [--max-microbatch B] [--zero-stages S[,S...]] [--context-sizes C[,C...]]
-        [--exhaustive]
+        [--exhaustive] [--out benchmarks/results/search.json]
 
-Prints a table and writes benchmarks/results/search.json. The search must predict its
-winner at least as fast as the published layout (the published layout is in its space).
+Prints a table and writes `--out` (each case's row replacing its last one there). The
+search must predict its winner at least as fast as the published layout (the published
+layout is in its space).
 `--exhaustive` searches again timing every layout that fits (no branch and bound) and
 says whether the top and the Pareto front are the same.
 """
@@ -110,6 +111,7 @@ def main() -> None:
         "--exhaustive", action="store_true",
         help="search again timing every layout that fits, and compare the top and front",
     )  # fmt: skip
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     grown = {
         "zero_stages": tuple(int(z) for z in args.zero_stages.split(",")),
@@ -127,7 +129,7 @@ def main() -> None:
     use_virtual_devices(max(
         search_devices(cfg, CASES[n]["devices"], BATCH, spaces[n]) for n in names
     ))  # fmt: skip
-    out = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    out = json.loads(args.out.read_text()) if args.out.exists() else {}
     for name in names:
         case = CASES[name]
         t0 = time.perf_counter()
@@ -159,9 +161,9 @@ def main() -> None:
             f"layouts, {result.counts['fit']} fit); best {best['label']} "
             f"{best['step_time_s']:.2f} s ({best['utilisation']:.1%} MFU){against or ''}"
         )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2))
-    print(f"wrote {RESULTS}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
