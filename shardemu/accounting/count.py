@@ -295,11 +295,8 @@ class Counter:
             shapes, treedef = self.traced(name, fn, mesh, args, context)
             shardings = [x.sharding for x in shapes]
             if not all(isinstance(s, NamedSharding) for s in shardings):
-                counted = self._counted.get(_key(name, mesh, count_args, context))
-                if counted is None and sketch:
-                    out = self.sketch(name, fn, mesh, count_args, context).out_shardings
-                else:
-                    out = self.count(name, fn, mesh, count_args, context).out_shardings
+                compile_ = self.sketch if sketch else self.count  # a sketch: a count's, if any
+                out = compile_(name, fn, mesh, count_args, context).out_shardings
                 shardings = [
                     s if isinstance(s, NamedSharding) else c
                     for s, c in zip(shardings, jax.tree.leaves(out), strict=True)
