@@ -90,7 +90,7 @@ class EmittingCounter(Counter):
         self._read(key, fn.lower(*abstract(args)).compile(compiler_options=options), mesh, args)
 
     def _sketch(self, key, fn, mesh, args) -> None:
-        self.sketched.append((key[0], fn, mesh, args))
+        self.sketched.append((key[0], fn, mesh, args, key[1]))  # (key[1]: its context)
         super()._sketch(key, fn, mesh, args)
 
 
@@ -101,14 +101,21 @@ def test_a_sketch_has_the_counts_shardings_and_flops():
     (`recompute_flops`); counted as a user's process counts them, the forward lays its
     residuals out as its sketch does, and the backward has its sketch's FLOPs, so the
     recomputed FLOPs are the counted backward's less the counted backward from the
-    residuals."""
+    residuals. A sketch asked for once its piece is counted is read from the count."""
     counter = EmittingCounter()
     mb = count_microbatch(Model(get_preset("gpt-tiny")), 2, 2, 16, True, counter=counter)
     assert sorted(name for name, *_ in counter.sketched) == ["bwd-keep", "fwd-keep"]
-    counted = {name: counter.count(name, *rest) for name, *rest in counter.sketched}
+    # the plan's own sketches, read before those pieces are counted (a sketch asked for
+    # after its piece is counted is read from the count: `Counter.sketch`)
     sketches = {name: counter.sketch(name, *rest) for name, *rest in counter.sketched}
+    assert len(counter.sketched) == 2  # none sketched again
+    counted = {name: counter.count(name, *rest) for name, *rest in counter.sketched}
     assert str(counted["fwd-keep"].out_shardings) == str(sketches["fwd-keep"].out_shardings)
     assert counted["bwd-keep"].flops_per_device == sketches["bwd-keep"].flops_per_device
+    # asked for again now that they are counted, each is read from its count
+    again = {name: counter.sketch(name, *rest) for name, *rest in counter.sketched}
+    assert len(counter.sketched) == 2
+    assert all(again[n].out_shardings is counted[n].out_shardings for n in counted)
     events = mb.pieces["backward"]
     backward = next(e for e in events if e.recompute_flops)
     recomputed = backward.run_flops - counted["bwd-keep"].flops_per_device
