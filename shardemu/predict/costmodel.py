@@ -279,23 +279,22 @@ class _Chunking:
     def __init__(
         self, origins: Sequence[Event], rules: list[EventRules], hw: Hardware, overlap: Overlap
     ) -> None:
-        self.origins, self.hw = origins, hw
+        self.origins = origins
         self.hiding: dict[int, float] = {}  # per stage: matmul seconds left to hide behind
-        self.projections: dict[int, float] = {}  # by origin: a computation's projection seconds
-        # by origin: whether its seconds pass through `seconds` (a device computation, or
-        # a collective `overlap` hides)
-        self.chunked = [
-            (r.compute and r.on_device) or overlap.hides(e)
-            for r, e in zip(rules, origins, strict=True)
+        device = [r.compute and r.on_device for r in rules]
+        # by origin: a device computation's projection seconds (else 0), and whether its
+        # seconds pass through `seconds` (a device computation, or a collective `overlap`
+        # hides)
+        self.projections = [
+            projection_seconds(e, hw) if d else 0.0 for e, d in zip(origins, device, strict=True)
         ]
+        self.chunked = [d or overlap.hides(e) for e, d in zip(origins, device, strict=True)]
 
     def seconds(self, o: int, stage: int, seconds: float) -> float:
         """The seconds on `stage` of an event placed from origin `o`, `seconds` without
         the overlap."""
         e = self.origins[o]
         if e.kind == "compute":
-            if o not in self.projections:
-                self.projections[o] = projection_seconds(e, self.hw)
             self.hiding[stage] = self.projections[o]
             return seconds
         budget = self.hiding.get(stage, 0.0)
