@@ -35,6 +35,7 @@ from shardemu.config import ModelConfig, Parallelism, TrainConfig
 from shardemu.devices import use_virtual_devices
 from shardemu.models import custom_model, get_preset
 from shardemu.predict.graphcore import BULK_SYNCHRONOUS
+from shardemu.predict.hardware import FLASH_ATTENTION_2_H100
 from shardemu.predict.overlap import Overlap
 from shardemu.predict.plan_resident import plan_resident, plan_resident_auto
 from shardemu.predict.profiles import PROFILES
@@ -59,6 +60,9 @@ class Case:
     note: str
     overlap: Overlap = Overlap()  # how the published system overlapped its communication
     attention: str = "materialized"  # or "fused": FlashAttention (layouts.ATTENTION)
+    # the fused attention kernel's rate, a fraction of peak, where the run's kernel is not
+    # the profile's (None: `Hardware.attention_efficiency`, today's default kernel)
+    attention_efficiency: float | None = None
     precision: str = "bf16"  # 16-bit weights and activations, FP32 master weights
     stage_layers: tuple[int, ...] | None = None  # layers per pipeline stage (None: even)
     zero: int = 0  # the ZeRO stage over the data-parallel replicas (`predict/zero.py`)
@@ -132,8 +136,20 @@ LLAMA3_405B_8K = Case(
     "the Llama family (grouped-query attention, SwiGLU)",
     # the default Overlap(): FSDP's gradient reduce-scatter overlaps the backward and
     # pipeline sends are asynchronous (Dubey et al. 2024, §3.3)
-    attention="fused",  # a 2024 H100 stack's fused attention (FlashAttention-2,
-    # Dao 2023); the paper does not name its kernel
+    # a 2024 H100 stack's fused attention: FlashAttention-2 (Dao 2023), PyTorch's
+    # default kernel until cuDNN's (pytorch/pytorch issue 138649, October 2024), at its
+    # rate measured on an H100 (`FLASH_ATTENTION_2_H100`, 0.33 of peak; the profile's
+    # 0.55 is cuDNN's, until 2026-11-28); the paper does not name its kernel
+    attention="fused",
+    attention_efficiency=FLASH_ATTENTION_2_H100,
+    # Dubey et al. (§3.3.1) cite Korthikanti et al. (2022; MLSys 2023) for their tensor
+    # parallelism,
+    # whose tensor parallelism splits the layer norms and the activations between the
+    # tensor-parallel regions over the sequence (sequence parallelism), as TorchTitan,
+    # Meta's PyTorch-native stack, pairs it with tensor parallelism (Liang et al. 2024);
+    # the paper does not say so in words. Off until 2026-11-28 (docs/results.md: its
+    # effect was measured before it was taken)
+    sequence_parallel=True,
     # FSDP over the data-parallel groups: "we shard the optimizer states and
     # gradients, but for model shards we do not reshard after forward computation"
     # (Dubey et al. 2024, §3.3.1): ZeRO stage 2's memory and collectives
@@ -549,6 +565,8 @@ def run(case: Case) -> dict:
     train = train_config(case)
     settings = {"recompute": case.recompute, "overlap": case.overlap, "attention": case.attention}
     hw = PROFILES[case.hardware]
+    if case.attention_efficiency is not None:
+        hw = dataclasses.replace(hw, attention_efficiency=case.attention_efficiency)
     if case.microbatch_size:
         r = plan_resident(case.model, case.par, train, case.microbatch_size, hw, **settings).report
     else:  # not published: the size `shardemu plan` picks
@@ -563,7 +581,8 @@ def run(case: Case) -> dict:
         "case": case.name,
         "source": case.source,
         "hardware": case.hardware,
-        "efficiency": PROFILES[case.hardware].efficiency,
+        "efficiency": hw.efficiency,
+        "attention_efficiency": hw.attention_efficiency,
         "metric": case.metric,
         "published": case.published,
         "predicted": predicted,
