@@ -11,6 +11,11 @@ from this validation set; the IPU's efficiency on one BERT-Large run on a Bow Po
 from ours the FLOPs (or, for a pipeline, its slowest stage) are matched and the
 difference named.
 
+Settings a source leaves unstated are its time's common practice, said in the case's
+comment; one pair was taken after its effect on the rows was known (Llama 3 405B's
+FlashAttention-2 rate and sequence parallelism, 2026-11-28: docs/results.md says so),
+and those three rows are weaker evidence for it.
+
 Memory rows (`MEMORY_CASES`): the device bytes a plan holds against published memory
 readings and out-of-memory outcomes.
 
