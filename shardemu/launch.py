@@ -11,12 +11,17 @@ removes when the run ends, however they ended.
 A process that fails takes the run with it: the launcher stops the others (SIGTERM,
 then SIGKILL) and exits with the failed process's status and one line saying which.
 Inside a process, JAX's heartbeat (`HEARTBEAT_S`) ends one whose peer vanished without
-the launcher, instead of waiting on a collective for ever.
+the launcher, instead of waiting on a collective for ever. A launcher killed outright
+(SIGKILL, the kernel's out-of-memory killer) can stop nothing: each process watches it
+(`watch_launcher`) and, once it is gone, sends itself SIGTERM, the stop a scheduler
+asks for (the run finishes its step, saves and exits), and a process other than 0
+removes its copy of the run directory as it exits, which the launcher no longer can.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import shutil
 import signal
@@ -24,16 +29,19 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-ENV_ID, ENV_COUNT, ENV_COORDINATOR, ENV_SCRATCH = (
+ENV_ID, ENV_COUNT, ENV_COORDINATOR, ENV_SCRATCH, ENV_LAUNCHER = (
     "SHARDEMU_PROCESS_ID",
     "SHARDEMU_NUM_PROCESSES",
     "SHARDEMU_COORDINATOR",
     "SHARDEMU_SCRATCH",  # where a process other than 0 keeps its copy of the run directory
+    "SHARDEMU_LAUNCHER_PID",  # the launcher's process id, which each process watches
 )
 HEARTBEAT_S = 10  # a peer silent this long is dead (jax.distributed's default is 100 s)
 STOP_GRACE_S = 10  # after SIGTERM, how long the others get before SIGKILL
+WATCH_S = 0.5  # how often a process looks for its launcher
 
 
 def process_index() -> int | None:
@@ -52,6 +60,7 @@ def join(devices: int) -> None:
     anything touches a JAX device."""
     import jax
 
+    watch_launcher()
     count = int(os.environ[ENV_COUNT])
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -63,6 +72,22 @@ def join(devices: int) -> None:
         initialization_timeout=120,
         heartbeat_timeout_seconds=HEARTBEAT_S,
     )
+
+
+def watch_launcher() -> None:
+    """Stop this process once the launcher that started it is gone (its parent is no
+    longer the launcher: the process was handed to another), as the module docstring
+    says; a thread of its own looks every `WATCH_S`."""
+    launcher = int(os.environ[ENV_LAUNCHER])
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(WATCH_S)
+        if process_index() != 0:
+            atexit.register(shutil.rmtree, scratch_folder(), ignore_errors=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="watch-launcher", daemon=True).start()
 
 
 def _free_port() -> int:
@@ -85,6 +110,7 @@ def launch(count: int, argv: list[str]) -> int:
                 ENV_COUNT: str(count),
                 ENV_COORDINATOR: coordinator,
                 ENV_SCRATCH: scratch.get(i, ""),
+                ENV_LAUNCHER: str(os.getpid()),
             },  # fmt: skip
             stdout=None if i == 0 else subprocess.DEVNULL,
         )

@@ -95,6 +95,64 @@ def test_phased_stages_on_two_processes_checkpoint_as_one_device_and_a_lost_proc
     as_one_device(records, single_device_reference)
 
 
+# a launcher's process as `launch` starts it, without JAX's distributed system: it
+# watches its launcher and stops at SIGTERM as a run does (`run/faults.py`: exits)
+WATCHER = """
+import signal, sys, time
+from shardemu.launch import watch_launcher
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+watch_launcher()
+print("watching", flush=True)
+time.sleep(60)
+"""
+# the launcher's stand-in: starts the process with the launcher's variables, then waits
+LAUNCHER = """
+import os, subprocess, sys, time
+env = {**os.environ, "SHARDEMU_LAUNCHER_PID": str(os.getpid()), "SHARDEMU_PROCESS_ID": "1",
+       "SHARDEMU_SCRATCH": sys.argv[1]}
+child = subprocess.Popen([sys.executable, "-c", sys.argv[2]], env=env)
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def ended(pid: int) -> bool:
+    """Whether `pid` has exited (gone, or a zombie its new parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_launcher_killed_outright_leaves_no_process_running(tmp_path):
+    """SIGKILL to the launcher (which it cannot forward): its process sees it gone,
+    stops as at a scheduler's SIGTERM, and removes its copy of the run directory
+    (process 1's scratch folder), instead of training on for ever. (A run launched so
+    and its launcher killed kept both its processes stepping until they were killed by
+    hand.)"""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (scratch / "metrics.jsonl").write_text("{}\n")
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(scratch), WATCHER], stdout=subprocess.PIPE, text=True
+    )
+    child = int(launcher.stdout.readline())
+    try:
+        assert launcher.stdout.readline() == "watching\n"
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while not ended(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ended(child)
+        assert not scratch.exists()
+    finally:
+        launcher.kill()
+        if not ended(child):
+            subprocess.run(["kill", "-9", str(child)], check=False)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
