@@ -14,7 +14,7 @@ Inside a process, JAX's heartbeat (`HEARTBEAT_S`) ends one whose peer vanished w
 the launcher, instead of waiting on a collective for ever. A launcher killed outright
 (SIGKILL, the kernel's out-of-memory killer) can stop nothing: each process watches it
 (`watch_launcher`) and, once it is gone, sends itself SIGTERM, the stop a scheduler
-asks for (the run finishes its step, saves and exits), and a process other than 0
+asks for (the run finishes its step, checkpoints there if it checkpoints, and exits), and a process other than 0
 removes its copy of the run directory as it exits, which the launcher no longer can.
 """
 
