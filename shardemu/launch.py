@@ -14,8 +14,9 @@ Inside a process, JAX's heartbeat (`HEARTBEAT_S`) ends one whose peer vanished w
 the launcher, instead of waiting on a collective for ever. A launcher killed outright
 (SIGKILL, the kernel's out-of-memory killer) can stop nothing: each process watches it
 (`watch_launcher`) and, once it is gone, sends itself SIGTERM, the stop a scheduler
-asks for (the run finishes its step, checkpoints there if it checkpoints, and exits), and a process other than 0
-removes its copy of the run directory as it exits, which the launcher no longer can.
+asks for (the run finishes its step, checkpoints there if it checkpoints, and exits),
+and a process other than 0 removes its copy of the run directory as it exits, which the
+launcher no longer can.
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ def join(devices: int) -> None:
 def watch_launcher() -> None:
     """Stop this process once the launcher that started it is gone (its parent is no
     longer the launcher: the process was handed to another), as the module docstring
-    says; a thread of its own looks every `WATCH_S`."""
+    says; a thread of its own looks every `WATCH_S`. A process started otherwise (no
+    launcher's id in its environment) has nothing to watch."""
+    if ENV_LAUNCHER not in os.environ:
+        return
     launcher = int(os.environ[ENV_LAUNCHER])
 
     def watch() -> None:
