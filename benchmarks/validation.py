@@ -148,12 +148,11 @@ LLAMA3_405B_8K = Case(
     attention="fused",
     attention_efficiency=FLASH_ATTENTION_2_H100,
     # Dubey et al. (§3.3.1) cite Korthikanti et al. (2022; MLSys 2023) for their tensor
-    # parallelism,
-    # whose tensor parallelism splits the layer norms and the activations between the
-    # tensor-parallel regions over the sequence (sequence parallelism), as TorchTitan,
-    # Meta's PyTorch-native stack, pairs it with tensor parallelism (Liang et al. 2024);
-    # the paper does not say so in words. Off until 2026-11-28 (docs/results.md: its
-    # effect was measured before it was taken)
+    # parallelism, whose tensor parallelism splits the layer norms and the activations
+    # between the tensor-parallel regions over the sequence (sequence parallelism), as
+    # TorchTitan, Meta's PyTorch-native stack, pairs it with tensor parallelism (Liang et
+    # al. 2024); the paper does not say so in words. Off until 2026-11-28
+    # (docs/results.md: its effect was measured before it was taken)
     sequence_parallel=True,
     # FSDP over the data-parallel groups: "we shard the optimizer states and
     # gradients, but for model shards we do not reshard after forward computation"
