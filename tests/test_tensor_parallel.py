@@ -110,3 +110,20 @@ def test_sequence_parallelism_repeats_no_work(tiny_model, single_device_flops):
 def sent(events, op: str) -> int:
     """Bytes the step's collectives of `op` over tensor send."""
     return sum(e.bytes for e in events if e.axis == "tensor" and e.op == op)
+
+
+def test_a_bf16_sequence_parallel_layer_gathers_what_it_scatters():
+    """In BF16 each sequence-parallel layer gathers and scatters the same [b, s, d]
+    arrays, two each way forward and their transposes backward (Korthikanti et al.
+    2022, Section 4.2.2: g and g-bar), so its all-gathers send what its reduce-scatters
+    send. XLA's CPU backend gathers a layer norm's output in f32 and casts it after;
+    counted as the 2-byte array the program gathers (`collectives._narrowed`), not the
+    twice as many bytes the CPU moved."""
+    cfg = get_preset("gpt-tiny")
+    sp = dataclasses.replace(TRAIN, precision="bf16", sequence_parallel=True)
+    _, events = step_events(Model(cfg), 2, 1, sp)
+    layers = [e for e in events if e.phase.kind == "step"]
+    gathered, scattered = sent(layers, "all-gather"), sent(layers, "reduce-scatter")
+    # and the token ids each device gathers whole for its vocabulary-parallel embedding
+    ids = (2 - 1) / 2 * TRAIN.batch * TRAIN.seq * 4 * 2
+    assert gathered - ids == pytest.approx(scattered, rel=1e-3)

@@ -16,6 +16,12 @@ XLA's CPU backend has no bfloat16 arithmetic: its float-normalization pass rewri
 bfloat16 all-reduce or reduce-scatter to run in f32 between converts, and renames the
 reduction it applies `..._promoted`. A GPU or TPU reduces the bfloat16 buffer, so such
 a collective is counted at 2 bytes per element, as the program wrote it (`_promoted`).
+Likewise it moves a narrowing convert past an all-gather: a sequence-parallel layer
+norm's output, computed in f32 and cast to bfloat16 by the program, is gathered in f32
+and cast after (a BF16 GPT layer at tensor 2: `f32[2,128,256]` gathered, 262,144 bytes,
+for the 131,072 the program's array holds). An all-gather whose every user converts it
+to a narrower type first (through data movement, and into fusions) is counted at that
+width (`_narrowed`), as the program wrote the array a GPU gathers.
 """
 
 from __future__ import annotations
@@ -168,6 +174,55 @@ def _scattered(
     return {name: frozenset(groups) for name, groups in out.items()}
 
 
+_MOVES = {"copy", "bitcast", "reshape", "transpose"}
+
+
+def _narrowed(computations: dict[str, list[Instr]]) -> dict[str, int]:
+    """All-gathers (by name) whose users all read them narrowed: the element width, in
+    bytes, of the widest narrowing convert their users apply first (module docstring)."""
+    out = {}
+    for body in computations.values():
+        for name, shape, op, _ in body:
+            if op == "all-gather" and not shape.startswith("("):
+                width = _read_width(name, body, computations)
+                if width is not None and width < DTYPE_BYTES[ARRAY.search(shape)[1]]:  # type: ignore[index]
+                    out[name] = width
+    return out
+
+
+def _read_width(value: str, body: list[Instr], computations: dict[str, list[Instr]]) -> int | None:
+    """The width, in bytes, at which `value`'s users first convert it: the widest over
+    them, following data movement (`_MOVES`) and fusions' parameters; None where a
+    user computes on it unconverted (or nothing reads it)."""
+    widths = []
+    for name, shape, op, rest in body:
+        args = operands(rest)
+        if value not in args:
+            continue
+        if op in _MOVES:
+            width = _read_width(name, body, computations)
+        elif op == "convert":
+            width = DTYPE_BYTES.get(ARRAY.search(shape)[1])  # type: ignore[index]
+        elif op == "fusion" and (callee := CALLED.search(rest)):
+            inner = computations.get(callee[1], [])
+            params = [_param(inner, i) for i, a in enumerate(args) if a == value]
+            reads = [_read_width(p, inner, computations) if p else None for p in params]
+            width = None if None in reads else max(reads)  # type: ignore[type-var]
+        else:
+            return None
+        if width is None:
+            return None
+        widths.append(width)
+    return max(widths, default=None)
+
+
+def _param(callee: list[Instr], index: int) -> str | None:
+    """The name of a fused computation's parameter `index`."""
+    return next(
+        (x for x, _, op, r in callee if op == "parameter" and r.startswith(f"{index})")), None
+    )
+
+
 def _elementwise(op: str, rest: str, computations: dict) -> bool:
     """Whether an instruction (or every instruction of its fusion) is elementwise:
     converts, copies, reshapes, arithmetic, scalars broadcast."""
@@ -182,9 +237,7 @@ def _slices_param(callee: list, index: int, n: int) -> bool:
     """Whether a fused computation takes a dynamic slice of 1/n of its parameter `index`
     (of it, or of an elementwise result of its shape: a scale or a residual add fused
     before the slice)."""
-    param = next(
-        (x for x, _, op, r in callee if op == "parameter" and r.startswith(f"{index})")), None
-    )
+    param = _param(callee, index)
     shapes = {name: shape for name, shape, _, _ in callee}
     if param is None:
         return False
@@ -208,7 +261,8 @@ def collectives(
     all-reduce-then-slice counted as the reduce-scatter it stands for: `_scattered`);
     `computations`: the module already parsed (`hlo.parse`), when a caller has it."""
     found = []
-    scattered = _scattered(computations or parse(hlo_text), mesh.size)
+    computations = computations or parse(hlo_text)
+    scattered, narrowed = _scattered(computations, mesh.size), _narrowed(computations)
     for line in hlo_text.splitlines():
         m = _INSTR.search(line)
         if not m:
@@ -218,6 +272,9 @@ def collectives(
         if _PROMOTED.search(rest):  # bfloat16 in the program, f32 on the CPU backend
             sizes = [size // 2 for size in sizes]
         name = _NAME.match(line)
+        if op == "all-gather" and name and name[1] in narrowed:  # gathered wide, read narrow
+            wide = DTYPE_BYTES[ARRAY.search(m.group("shape"))[1]]  # type: ignore[index]
+            sizes = [size * narrowed[name[1]] // wide for size in sizes]
         parts = scattered.get(name[1], frozenset()) if name and "-start(" not in line else ()
         if op == "all-reduce" and parts:  # the sliced elements' whole buffers are its input
             n, sliced = len(groups[0]), frozenset().union(*parts)
