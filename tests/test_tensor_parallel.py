@@ -119,11 +119,12 @@ def test_a_bf16_sequence_parallel_layer_gathers_what_it_scatters():
     send. XLA's CPU backend gathers a layer norm's output in f32 and casts it after;
     counted as the 2-byte array the program gathers (`collectives._narrowed`), not the
     twice as many bytes the CPU moved."""
-    cfg = get_preset("gpt-tiny")
+    cfg, tensor = get_preset("gpt-tiny"), 2
     sp = dataclasses.replace(TRAIN, precision="bf16", sequence_parallel=True)
-    _, events = step_events(Model(cfg), 2, 1, sp)
-    layers = [e for e in events if e.phase.kind == "step"]
-    gathered, scattered = sent(layers, "all-gather"), sent(layers, "reduce-scatter")
-    # and the token ids each device gathers whole for its vocabulary-parallel embedding
-    ids = (2 - 1) / 2 * TRAIN.batch * TRAIN.seq * 4 * 2
+    _, events = step_events(Model(cfg), tensor, 1, sp)
+    step = [e for e in events if e.phase.kind == "step"]  # the update's are scalars
+    gathered, scattered = sent(step, "all-gather"), sent(step, "reduce-scatter")
+    # besides: the int32 token ids each of the devices gathers whole for its
+    # vocabulary-parallel embedding, (n-1)/n of them each
+    ids = (tensor - 1) / tensor * TRAIN.batch * TRAIN.seq * 4 * tensor
     assert gathered - ids == pytest.approx(scattered, rel=1e-3)
