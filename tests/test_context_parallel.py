@@ -44,7 +44,8 @@ def test_context_parallel_equals_one_device(
     x tensor=2 with sequence parallelism (the residual stream split over both): every
     loss, the first gradients and the final weights as one device's; the keys' and
     values' collectives as the ring's formula (not their projections' inputs, d wide:
-    `models.llama.Attention`), and a plan of the layout as the run."""
+    `models.llama.Attention`), and a plan of the layout as the run (gpt-tiny's also
+    in BF16, at 2 bytes an element)."""
     model = Model(get_preset(name))
     reference = single_device_reference(model, TRAIN, STEPS)
     devices = jax.devices()[: Parallelism(**axes).num_devices]
@@ -63,6 +64,21 @@ def test_context_parallel_equals_one_device(
     kv = 2 * TRAIN.batch * TRAIN.seq * cfg.kv_heads * cfg.head_dim * 4 * cfg.num_layers
     assert sent == {"all-gather": (c - 1) * kv, "reduce-scatter": (c - 1) * kv}
     planned_like_the_run(trainer, axes, train, events)
+    if not sequence_parallel:
+        planned_in_bf16(trainer.model, axes, kv // 2)
+
+
+def planned_in_bf16(model, axes, kv):
+    """In BF16 the keys and values are gathered and their gradients scattered at 2 bytes
+    an element (`kv`: the FP32 formula's bytes halved), as a GPU sends them: XLA's CPU
+    backend gathers the projections' FP32 output and converts after the gather
+    (`collectives._narrowed`), which would count twice the bytes."""
+    train = TrainConfig(batch=8, seq=16, seed=0, precision="bf16")
+    h100 = PROFILES["h100-sxm"]
+    planned = plan(model, Parallelism(**axes), train, h100, microbatch_size=8, recompute="none")
+    c, events = axes["context"], planned.ledger.events
+    for op in ("all-gather", "reduce-scatter"):
+        assert sum(e.bytes for e in events if e.axis == "context" and e.op == op) == (c - 1) * kv
 
 
 def planned_like_the_run(trainer, axes, train, events):

@@ -19,9 +19,11 @@ a collective is counted at 2 bytes per element, as the program wrote it (`_promo
 Likewise it moves a narrowing convert past an all-gather: a sequence-parallel layer
 norm's output, computed in f32 and cast to bfloat16 by the program, is gathered in f32
 and cast after (a BF16 GPT layer at tensor 2: `f32[2,128,256]` gathered, 262,144 bytes,
-for the 131,072 the program's array holds). An all-gather whose every user converts it
-to a narrower type first (through data movement, and into fusions) is counted at that
-width (`_narrowed`), as the program wrote the array a GPU gathers.
+for the 131,072 the program's array holds), and so are a context-parallel layer's keys
+and values, its projections' f32 output (gpt-tiny in BF16 over context 2: 262,144 bytes
+a step for 131,072). An all-gather whose every user converts it to a narrower type
+first (through data movement, and into fusions) is counted at that width (`_narrowed`),
+as the program wrote the array a GPU gathers.
 """
 
 from __future__ import annotations
