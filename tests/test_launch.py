@@ -108,8 +108,8 @@ time.sleep(60)
 # the launcher's stand-in: starts the process with the launcher's variables, then waits
 LAUNCHER = """
 import os, subprocess, sys, time
-env = {**os.environ, "SHARDEMU_LAUNCHER_PID": str(os.getpid()), "SHARDEMU_PROCESS_ID": "1",
-       "SHARDEMU_SCRATCH": sys.argv[1]}
+from shardemu.launch import ENV_ID, ENV_LAUNCHER, ENV_SCRATCH
+env = {**os.environ, ENV_LAUNCHER: str(os.getpid()), ENV_ID: "1", ENV_SCRATCH: sys.argv[1]}
 child = subprocess.Popen([sys.executable, "-c", sys.argv[2]], env=env)
 print(child.pid, flush=True)
 time.sleep(60)
