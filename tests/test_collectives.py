@@ -116,3 +116,40 @@ ENTRY %e (x: f32[8,16], y: f32[8,16], z: f32[16], w: f32[8,16], s: f32[], i: s32
         ("reduce-scatter", F32_8x16),
         ("reduce-scatter", F32_8x16),
     ]
+
+
+def test_an_all_reduces_elements_read_narrowed_count_at_the_narrow_width():
+    """XLA's CPU backend reduces a BF16 gradient in f32 and casts it back after, and
+    its all-reduce combiner merges several such reductions into one tuple whose
+    reduction is not marked `_promoted` (a sequence-parallel step's layer norms' and
+    position table's gradients). An element whose every user converts it to BF16 first
+    is counted at 2 bytes, as the program's array a GPU reduces; an element read in f32
+    stays 4; a promoted all-reduce is halved once, not twice."""
+    hlo = """
+HloModule m
+
+%norm (p0: f32[8,16], p1: f32[16]) -> bf16[8,16] {
+  %p0 = f32[8,16]{1,0} parameter(0)
+  %p1 = f32[16]{0} parameter(1)
+  %b = bf16[8,16]{1,0} convert(%p0)
+  ROOT %r = bf16[8,16]{1,0} bitcast(%b)
+}
+
+ENTRY %e (x: f32[8,16], z: f32[16], w: f32[8,16]) -> (bf16[8,16], f32[16], bf16[8,16]) {
+  %x = f32[8,16]{1,0} parameter(0)
+  %z = f32[16]{0} parameter(1)
+  %w = f32[8,16]{1,0} parameter(2)
+  %ar = (f32[8,16], f32[16]) all-reduce(%x, %z), replica_groups=[2,2]<=[4], to_apply=%add
+  %g0 = f32[8,16]{1,0} get-tuple-element(%ar), index=0
+  %g1 = f32[16]{0} get-tuple-element(%ar), index=1
+  %t = f32[16,8]{1,0} transpose(%g0), dimensions={1,0}
+  %narrow = bf16[8,16]{1,0} fusion(%g0, %g1), kind=kLoop, calls=%norm
+  %c = bf16[16,8]{1,0} convert(%t)
+  %twice = f32[16]{0} add(%g1, %g1)
+  %ar2 = f32[8,16]{1,0} all-reduce(%w), replica_groups=[2,2]<=[4], to_apply=%add_promoted
+  %c2 = bf16[8,16]{1,0} convert(%ar2)
+  ROOT %out = (bf16[8,16], f32[16], bf16[8,16]) tuple(%narrow, %twice, %c2)
+}
+"""
+    found = sorted(c.buffer_bytes for c in collectives(hlo, MESH))
+    assert found == [F32_8x16 // 2, F32_8x16 // 2 + 16 * 4]

@@ -23,7 +23,12 @@ for the 131,072 the program's array holds), and so are a context-parallel layer'
 and values, its projections' f32 output (gpt-tiny in BF16 over context 2: 262,144 bytes
 a step for 131,072). An all-gather whose every user converts it to a narrower type
 first (through data movement, and into fusions) is counted at that width (`_narrowed`),
-as the program wrote the array a GPU gathers.
+as the program wrote the array a GPU gathers. So is each element of an all-reduce the
+backend did not mark `_promoted`: one that the all-reduce combiner merged into a tuple
+with others is reduced in f32 and each element cast back after (a BF16 sequence-parallel
+step's layer norms' and position embedding's parameter gradients, partial sums over the
+sequence's shards, all-reduced over `tensor` as one tuple: `f32[2048,256]` for the
+BF16 gradient of gpt-tiny's 2048 x 256 position table).
 """
 
 from __future__ import annotations
@@ -179,16 +184,32 @@ def _scattered(
 _MOVES = {"copy", "bitcast", "reshape", "transpose"}
 
 
-def _narrowed(computations: dict[str, list[Instr]]) -> dict[str, int]:
-    """All-gathers (by name) whose users all read them narrowed: the element width, in
-    bytes, of the widest narrowing convert their users apply first (module docstring)."""
+def _narrowed(computations: dict[str, list[Instr]]) -> dict[str, dict[int, int]]:
+    """All-gathers and all-reduces not `_promoted` (by name) some of whose elements (by
+    index in their tuple, 0 alone) all their users read narrowed: the element width, in
+    bytes, of the widest narrowing convert those users apply first (module docstring)."""
     out = {}
     for body in computations.values():
-        for name, shape, op, _ in body:
-            if op == "all-gather" and not shape.startswith("("):
-                width = _read_width(name, body, computations)
-                if width is not None and width < DTYPE_BYTES[ARRAY.search(shape)[1]]:  # type: ignore[index]
-                    out[name] = width
+        for name, shape, op, rest in body:
+            if op not in ("all-gather", "all-reduce") or _PROMOTED.search(rest):
+                continue
+            if shape.startswith("("):  # its elements are read through get-tuple-element
+                elements = {
+                    int(_INDEX.search(r)[1]): n  # type: ignore[index]
+                    for n, _, o, r in body
+                    if o == "get-tuple-element" and operands(r)[:1] == [name]
+                }
+            else:
+                elements = {0: name}
+            dtypes = [d for d, _ in ARRAY.findall(shape) if d in DTYPE_BYTES]
+            widths = {
+                i: width
+                for i, value in elements.items()
+                if (width := _read_width(value, body, computations)) is not None
+                and width < DTYPE_BYTES[dtypes[i]]
+            }
+            if widths:
+                out[name] = widths
     return out
 
 
@@ -274,9 +295,14 @@ def collectives(
         if _PROMOTED.search(rest):  # bfloat16 in the program, f32 on the CPU backend
             sizes = [size // 2 for size in sizes]
         name = _NAME.match(line)
-        if op == "all-gather" and name and name[1] in narrowed:  # gathered wide, read narrow
-            wide = DTYPE_BYTES[ARRAY.search(m.group("shape"))[1]]  # type: ignore[index]
-            sizes = [size * narrowed[name[1]] // wide for size in sizes]
+        if name and name[1] in narrowed:  # gathered or reduced wide, read narrow
+            widths = [
+                DTYPE_BYTES[d] for d, _ in ARRAY.findall(m.group("shape")) if d in DTYPE_BYTES
+            ]
+            read = narrowed[name[1]]
+            sizes = [
+                s * read.get(i, w) // w for i, (s, w) in enumerate(zip(sizes, widths, strict=True))
+            ]
         parts = scattered.get(name[1], frozenset()) if name and "-start(" not in line else ()
         if op == "all-reduce" and parts:  # the sliced elements' whole buffers are its input
             n, sliced = len(groups[0]), frozenset().union(*parts)
