@@ -506,7 +506,9 @@ class MemoryCase:
 # production ready LLM pre-training"), pytorch/torchtitan docs/performance.md: FSDP2 (ZeRO
 # stage 3) over every GPU, BF16 compute with FP32 parameters, gradients and AdamW state,
 # FlashAttention (SDPA), sequence 8192 (its llama3_8b.toml), "selective op" activation
-# checkpointing. Table 1 and 3: Llama 3.1 8B on 8 and 128 H100s (Grand Teton, 96 GB
+# checkpointing, gradients reduced in FP32 (TORCHTITAN_OVERLAP: FSDP2's reduce-scatter
+# input, a layer in FP32, held in the backward: `resident_memory._reduce_scatter`).
+# Table 1 and 3: Llama 3.1 8B on 8 and 128 H100s (Grand Teton, 96 GB
 # HBM2e), local batch 2: 82.4 and 67.0 GiB, the largest `torch.cuda.max_memory_reserved`
 # of any GPU (the caching allocator's reserve, its fragmentation included). Llama 2 70B
 # on 64 A100 80GB, sequence 4096, local batch 1 ran (50.8% MFU); "70B training with
@@ -534,7 +536,7 @@ def run_memory(case: MemoryCase) -> dict:
         hw = dataclasses.replace(hw, device_memory_gb=96.0)
     r = plan_resident(
         case.model, Parallelism(replica=case.replicas), train, case.microbatch_size, hw,
-        recompute=case.recompute, attention="fused",
+        recompute=case.recompute, attention="fused", overlap=TORCHTITAN_OVERLAP,
     ).report  # fmt: skip
     device = r["memory_per_device"]["device"]
     gib = device["bytes"] / 2**30

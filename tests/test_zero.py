@@ -21,6 +21,7 @@ from shardemu.config import ConfigError, Parallelism, PhasedConfig, TrainConfig
 from shardemu.models import Model, custom_model, get_preset
 from shardemu.parallel.mesh import make_mesh
 from shardemu.pipelined.trainer import PipelinedTrainer
+from shardemu.predict.overlap import Overlap
 from shardemu.resident.trainer import Trainer
 
 TINY = Model(get_preset("gpt-tiny"))
@@ -63,7 +64,12 @@ def test_a_plan_holds_rajbhandaris_memory(stage):
     two layers gathered whole (FSDP's computing and prefetched), and the shared weights
     (Psi_S) split too, 2 Psi_S / 4, with what the head reads (the tied token embedding
     and the final layer norm: Psi_H) gathered whole at the head, and its gradient, 2
-    Psi_H each. Collectives a device sends over replica: the gradients'
+    Psi_H each; beside the activations, the larger of the loss's working set and (stage 3)
+    a layer's reduce-scatter: its whole gradient, 2 Psi_L / L, and what FSDP2's
+    reduce-scatter input holds beyond the layer's gathered weights it frees first (in
+    FP32: 4 Psi_L / L less 2 Psi_L / L; `resident_memory._reduce_scatter`), less what the
+    layer kept for its backward, freed by then.
+    Collectives a device sends over replica: the gradients'
     reduce-scatter, (3/4) 2 Psi (Megatron-LM's distributed optimizer, at stage 1 too);
     the updated weights' all-gather (3/4) 2 Psi (stage 3: what the embedding reads, the
     token and position embeddings, and what the head reads, before the forward; each
@@ -78,14 +84,29 @@ def test_a_plan_holds_rajbhandaris_memory(stage):
     planned = shardemu.plan(model, Parallelism(replica=4), train, hw, recompute="full")
     r = planned.report
     activations = r["activation_bytes_per_layer"]["target"] * model.num_layers
-    # and the loss's working set at the head: 128 positions x 1024 logits in BF16, an
-    # FP32 copy, log-softmax and gradient (activations.loss_bytes)
-    held = r["memory_per_device"]["device"]["bytes"] - activations - 128 * 1024 * (2 + 12)
+    held = r["memory_per_device"]["device"]["bytes"] - activations
+    # the loss's working set at the head: 128 positions x 1024 logits in BF16, an FP32
+    # copy, log-softmax and gradient (activations.loss_bytes)
+    loss = 128 * 1024 * (2 + 12)
+    psi_layer = psi_l / model.num_layers
+
+    def reduce_scatter(width: int) -> float:  # a reduction `width` bytes an element,
+        # after the layer's backward has freed what it kept
+        scatter = 2 * psi_layer + max(0, (width - 2) * psi_layer) - activations / 4
+        return scatter if stage == 3 else 0
+
     psi_s, d = psi - psi_l, 256
     psi_e, psi_h = 1024 * d + 2048 * d, 1024 * d + 2 * d  # wte and wpe (2048 positions); wte, ln_f
     weights = 2 * psi if stage < 3 else 2 * psi_s / 4 + 2 * psi_h + 2 * psi_l / 4 + 4 * psi_l / 4
     grads = 2 * psi / (4 if stage >= 2 else 1) + (2 * psi_h if stage == 3 else 0)
-    assert held == pytest.approx(weights + grads + 12 * psi / 4, rel=0.01)
+    state = weights + grads + 12 * psi / 4
+    assert held == pytest.approx(state + max(loss, reduce_scatter(2)), rel=0.01)
+    if stage == 3:  # reduced in FP32 (TorchTitan's default): the input 4 bytes an element
+        fp32 = Overlap(grad_reduce_in_fp32=True)
+        wider = shardemu.plan(
+            model, Parallelism(replica=4), train, hw, recompute="full", overlap=fp32
+        ).report["memory_per_device"]["device"]["bytes"]
+        assert wider - activations == pytest.approx(state + max(loss, reduce_scatter(4)), rel=0.01)
     gathered = sum(e.bytes for e in planned.ledger.events if e.op == "all-gather")
     gathers = 2 * psi if stage < 3 else 2 * (psi_e + psi_h) + 2 * 2 * psi_l
     assert gathered == pytest.approx(gathers * 3 / 4 * 4, rel=0.01)

@@ -23,7 +23,8 @@ option of `plan` (and of `search`), with the default a modern system uses:
   all-reduces its gradients in FP32 (`--accumulate-allreduce-grads-in-fp32`, forced on
   with `--bf16`: `megatron/training/arguments.py`). Off (default), they carry the
   gradients' own dtype, as shardemu's engines reduce them. It changes the bytes
-  reduced, not the memory a plan holds for the gradients.
+  reduced, and under ZeRO stage 3 the reduce-scatter's input a plan holds in the
+  backward (`resident_memory._reduce_scatter`), not the gradients it keeps.
 - `pipe_sends`: whether a stage waits for its point-to-point send to finish before it
   computes again. `async` (default): the send overlaps the sender's next computation,
   and only the receiver waits for it (non-blocking isend/irecv, Megatron-Core's

@@ -69,12 +69,15 @@ def _stage_bytes(
     model: Model,
     keep: float,
     loss: float = 0.0,
+    reduce_itemsize: int | None = None,
 ) -> int:
     """Device bytes per device of a stage of `layers` layers (and the shared weights
     where it holds them): weights, gradients and optimizer state, what its layers
     keep (`keep` a layer) for the `held` microbatches in flight at its peak
     (`Schedule.peak_activations`), and on the last stage the head and loss's working
-    set (`loss`: `activations.loss_bytes`), held on top of them at the head. Gradients
+    set (`loss`: `activations.loss_bytes`), held on top of them at the head; under
+    ZeRO stage 3, the larger of that and a layer's reduce-scatter (`_reduce_scatter`),
+    held on top of them in the backward less what that layer kept. Gradients
     are the weights' dtype, summed over microbatches in FP32 (`numerics/precision.py`).
     Under ZeRO (`zero.py`) stage 2, a replica's share of them, but for an accumulation
     buffer, reduce-scattered once full (as the resident engine and Megatron-LM's
@@ -109,7 +112,29 @@ def _stage_bytes(
         if microbatches > 1:
             grads -= (mb.shared_bytes - share) * 4 // itemsize
         grads += used
-    return weights + grads + optimizer + round(held * layers * keep + loss)
+    # a layer's reduce-scatter comes after its backward, which freed what it kept
+    scatter = _reduce_scatter(mb, reduce_itemsize) - keep if mb.zero_stage == 3 and layers else 0
+    return weights + grads + optimizer + round(held * layers * keep + max(loss, scatter))
+
+
+def _reduce_scatter(mb: Microbatch, reduce_itemsize: int | None) -> int:
+    """Bytes per device that a layer's gradient reduce-scatter adds under ZeRO stage 3
+    (FSDP) over `mb.zero` > 1 replicas to the two layers held gathered
+    (`_stage_bytes`). PyTorch FSDP2 (torch/distributed/fsdp/_fully_shard/,
+    `FSDPParamGroup.post_backward` and `foreach_reduce`): at the end of a layer's
+    backward its whole gradient (the weights' dtype) exists beside both gathered
+    layers; then it frees that layer's gathered weights ("reshard"), releases the
+    previous layer's reduce-scatter input, and allocates this one's, a whole layer in
+    the reduction's dtype (`reduce_itemsize` bytes an element, 4 under
+    `Overlap.grad_reduce_in_fp32`; None: the gradients' own), before it frees the
+    gradient ("only after the copy-in finishes can we free the gradients"). So the
+    most it adds is the gradient and what the input holds beyond one layer's weights.
+    The loss's working set is freed by then: a stage holds the larger of the two."""
+    if mb.zero <= 1:
+        return 0
+    width = reduce_itemsize or mb.weight_itemsize
+    reduce_input = mb.layer_bytes * width // mb.weight_itemsize
+    return mb.layer_bytes + max(0, reduce_input - mb.layer_bytes)
 
 
 def resident_layout(
@@ -166,9 +191,11 @@ def device_bytes(
     par: Parallelism,
     lay: PipelineLayout,
     sched: Schedule,
+    reduce_itemsize: int | None = None,
 ) -> int:
     """Device bytes per device of the layout's fullest stage (`_stage_bytes`), its
-    layers keeping what the target keeps (`kept`)."""
+    layers keeping what the target keeps (`kept`); `reduce_itemsize`: the bytes of an
+    element the data-parallel reductions carry (None: the gradients' own)."""
     keep = kept(mb, key, recompute).target
     itemsize = jnp.dtype(key.model.cfg.param_dtype).itemsize
     loss = loss_bytes(key.model, key.microbatch_size, key.seq, itemsize, key.tensor, key.context)
@@ -182,6 +209,7 @@ def device_bytes(
             key.model,
             keep,
             loss if s == par.pipe - 1 else 0.0,
+            reduce_itemsize,
         )  # fmt: skip
         for s, n in enumerate(lay.stage_layers())
     )
