@@ -39,7 +39,9 @@ class TierUse:
 class Prediction:
     """The numbers a user asks of a step first: its time, the time's breakdown, the
     stage on the critical path, utilisation (model FLOPs / (devices * peak * step time),
-    as model FLOPs utilisation: Chowdhery et al. 2022, Appendix B), tokens per second,
+    as model FLOPs utilisation: Chowdhery et al. 2022, Appendix B; the peak of the plan's
+    precision, FP8's the 16-bit one, so an FP8 step's can pass the BF16 kernels'
+    efficiency: `Hardware.at_precision`), tokens per second,
     memory per device per tier (None when the caller gave none), which kernels the
     roofline timed (`Hardware.kernel_fusion`) and at what fraction of their peak
     (`Hardware.kernel_efficiencies`)."""
