@@ -184,10 +184,11 @@ def _scattered(
 _MOVES = {"copy", "bitcast", "reshape", "transpose"}
 
 
-def _narrowed(computations: dict[str, list[Instr]]) -> dict[str, dict[int, int]]:
+def _narrowed(computations: dict[str, list[Instr]]) -> dict[str, dict[int, tuple[int, int]]]:
     """All-gathers and all-reduces not `_promoted` (by name) some of whose elements (by
-    index in their tuple, 0 alone) all their users read narrowed: the element width, in
-    bytes, of the widest narrowing convert those users apply first (module docstring)."""
+    index in their tuple, 0 alone) all their users read narrowed: (the element width,
+    in bytes, of the widest narrowing convert those users apply first, the element's
+    own width) (module docstring)."""
     out = {}
     for body in computations.values():
         for name, shape, op, rest in body:
@@ -201,12 +202,11 @@ def _narrowed(computations: dict[str, list[Instr]]) -> dict[str, dict[int, int]]
                 }
             else:
                 elements = {0: name}
-            dtypes = [d for d, _ in ARRAY.findall(shape) if d in DTYPE_BYTES]
+            wide = [DTYPE_BYTES[d] for d, _ in ARRAY.findall(shape) if d in DTYPE_BYTES]
             widths = {
-                i: width
+                i: (width, wide[i])
                 for i, value in elements.items()
-                if (width := _read_width(value, body, computations)) is not None
-                and width < DTYPE_BYTES[dtypes[i]]
+                if (width := _read_width(value, body, computations)) is not None and width < wide[i]
             }
             if widths:
                 out[name] = widths
@@ -296,13 +296,8 @@ def collectives(
             sizes = [size // 2 for size in sizes]
         name = _NAME.match(line)
         if name and name[1] in narrowed:  # gathered or reduced wide, read narrow
-            widths = [
-                DTYPE_BYTES[d] for d, _ in ARRAY.findall(m.group("shape")) if d in DTYPE_BYTES
-            ]
             read = narrowed[name[1]]
-            sizes = [
-                s * read.get(i, w) // w for i, (s, w) in enumerate(zip(sizes, widths, strict=True))
-            ]
+            sizes = [s * read[i][0] // read[i][1] if i in read else s for i, s in enumerate(sizes)]
         parts = scattered.get(name[1], frozenset()) if name and "-start(" not in line else ()
         if op == "all-reduce" and parts:  # the sliced elements' whole buffers are its input
             n, sliced = len(groups[0]), frozenset().union(*parts)

@@ -96,12 +96,15 @@ def _stage_bytes(
     grads = weights if microbatches == 1 else weights * 4 // itemsize
     if mb.zero_stage >= 2 and microbatches == 1:
         grads = round(grads / mb.zero)
+    scatter = 0.0
     if mb.zero_stage == 3 and mb.zero > 1 and layers:
         split = 1 - 1 / mb.zero  # of the layers' weights, and of their accumulated gradients
         if microbatches > 1:
             grads -= round(mb.layer_bytes * layers * 4 // itemsize * split)
         per_part = -(-layers // min(layers, MAX_BUCKETS))  # layers gathered at a time
         weights += 2 * mb.layer_bytes * per_part - round(mb.layer_bytes * layers * split)
+        # a layer's reduce-scatter comes after its backward, which freed what it kept
+        scatter = _reduce_scatter(mb, reduce_itemsize) - keep
     if mb.zero_stage == 3 and mb.zero > 1 and shared:
         share = round(mb.shared_bytes / mb.zero)
         # gathered whole: what the head reads (the last stage, `loss`), or the embedding
@@ -112,14 +115,12 @@ def _stage_bytes(
         if microbatches > 1:
             grads -= (mb.shared_bytes - share) * 4 // itemsize
         grads += used
-    # a layer's reduce-scatter comes after its backward, which freed what it kept
-    scatter = _reduce_scatter(mb, reduce_itemsize) - keep if mb.zero_stage == 3 and layers else 0
     return weights + grads + optimizer + round(held * layers * keep + max(loss, scatter))
 
 
 def _reduce_scatter(mb: Microbatch, reduce_itemsize: int | None) -> int:
     """Bytes per device that a layer's gradient reduce-scatter adds under ZeRO stage 3
-    (FSDP) over `mb.zero` > 1 replicas to the two layers held gathered
+    (FSDP) to the two layers held gathered
     (`_stage_bytes`). PyTorch FSDP2 (torch/distributed/fsdp/_fully_shard/,
     `FSDPParamGroup.post_backward` and `foreach_reduce`): at the end of a layer's
     backward its whole gradient (the weights' dtype) exists beside both gathered
@@ -130,8 +131,6 @@ def _reduce_scatter(mb: Microbatch, reduce_itemsize: int | None) -> int:
     gradient ("only after the copy-in finishes can we free the gradients"). So the
     most it adds is the gradient and what the input holds beyond one layer's weights.
     The loss's working set is freed by then: a stage holds the larger of the two."""
-    if mb.zero <= 1:
-        return 0
     width = reduce_itemsize or mb.weight_itemsize
     reduce_input = mb.layer_bytes * width // mb.weight_itemsize
     return mb.layer_bytes + max(0, reduce_input - mb.layer_bytes)
