@@ -532,8 +532,10 @@ def run_memory(case: MemoryCase) -> dict:
         batch=case.replicas * case.microbatch_size, seq=case.seq, precision="bf16", zero=3
     )
     hw = PROFILES[case.hardware]
-    if case.hardware == "h100-sxm":  # Grand Teton's H100s hold 96 GB (TorchTitan's page)
-        hw = dataclasses.replace(hw, device_memory_gb=96.0)
+    if case.hardware == "h100-sxm":  # Grand Teton's H100s: 96 GB of HBM, of which PyTorch
+        # reports 95.0396 GiB (pytorch/torchtitan PR 165, "can convert against 95.0396 GiB
+        # GPU memory")
+        hw = dataclasses.replace(hw, device_memory_gb=95.0396 * 2**30 / 1e9)
     r = plan_resident(
         case.model, Parallelism(replica=case.replicas), train, case.microbatch_size, hw,
         recompute=case.recompute, attention="fused", overlap=TORCHTITAN_OVERLAP,

@@ -73,14 +73,14 @@ def test_a_memory_bound_kernel_spans_fused_to_emitted_bytes():
 
 
 def test_fits_are_judged_after_the_allocators_fragmentation():
-    """A GPU's caching allocator cannot hand out 15% of its memory (33% at worst): 70 GB
-    fits an 80 GB A100's memory but not what it hands out; the band says it would fit
-    with no fragmentation and not with the most."""
-    assert A100.device_memory_bytes == int(80 * GB * 0.85)
-    used = 70 * 10**9
+    """A GPU's caching allocator cannot hand out 15% of its memory (33% at worst): 75 GB
+    fits an "80 GB" A100's memory (80 GiB, 81,920 MiB as NVML reports it) but not what it
+    hands out; the band says it would fit with no fragmentation and not with the most."""
+    assert A100.device_memory_bytes == int(80 * 2**30 * 0.85)
+    used = 75 * 10**9
     _, p = predict([compute(FLOPS)], A100, ONE, FLOPS, 1, memory={"device": used, "host": 0})
     device = p.memory_per_device["device"]
-    assert (device.capacity, device.fits, device.fragmentation) == (68 * 10**9, False, 0.15)
+    assert (device.capacity, device.fits, device.fragmentation) == (73_014_444_032, False, 0.15)
     assert p.band.device_fits == (True, False)
     assert p.to_json()["band"]["memory_fragmentation"] == [0.0, 0.33]
     tpu = get_hardware("tpu-v5p")  # XLA assigns a TPU's buffers when it compiles

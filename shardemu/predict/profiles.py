@@ -18,6 +18,7 @@ from shardemu.errors import HardwareError
 from shardemu.predict.graphcore import IPU_PROFILES
 from shardemu.predict.hardware import (
     A100_ATTENTION,
+    GB,
     GPU_FRAGMENTATION,
     MEASURED_KERNELS_H100,
     MEASURED_ON_H100,
@@ -27,6 +28,18 @@ from shardemu.predict.hardware import (
 )
 
 log = logging.getLogger("shardemu")
+
+
+def _nvml(mib: int) -> float:
+    """GB of device memory from NVML's total (nvidia-smi's `memory.total`, in MiB).
+
+    NVIDIA's datasheets round HBM to decimal GB that are binary ones: an "80 GB" A100 has
+    81,920 MiB, 85.9 GB (Modal, "Why does an NVIDIA H100 80GB card offer 85.52 GB?",
+    thundergolfer.com/blog/nvidia-gpu-memory-capacity: NVML's totals of the A100 40GB and
+    80GB, H100 SXM and H200). A profile holds what the device has, not the datasheet's
+    round number. Not taken off: what CUDA and its context keep (PyTorch reports 79.15
+    GiB of an A100 80GB's 80 GiB), about 1-2%, inside the fragmentation band."""
+    return mib * 2**20 / GB
 
 
 def _gpu(
@@ -142,14 +155,14 @@ PROFILES: dict[str, Hardware] = {
         memory_gbps=20e6,  # 20 PB/s of on-wafer memory bandwidth (CS-2 datasheet)
     ),
     # NVIDIA A100 datasheet (2021): 312 TFLOP/s BF16 dense, 156 TF32; 40 GB HBM2 at
-    # 1555 GB/s / 80 GB HBM2e at 2039 GB/s;
+    # 1555 GB/s / 80 GB HBM2e at 2039 GB/s (NVML: 40,960 / 81,920 MiB, `_nvml`);
     # NVLink 3: 600 GB/s per GPU (300 per direction); PCIe Gen4 x16: 32 GB/s per direction.
     # DGX A100: 8 GPUs per node, 8 x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU.
     "a100-40gb": _gpu(
         "a100-40gb",
         312.0,
         156.0,
-        40.0,
+        _nvml(40960),
         1555.0,
         300.0,
         32.0,
@@ -161,7 +174,7 @@ PROFILES: dict[str, Hardware] = {
         "a100-80gb",
         312.0,
         156.0,
-        80.0,
+        _nvml(81920),
         2039.0,
         300.0,
         32.0,
@@ -170,14 +183,15 @@ PROFILES: dict[str, Hardware] = {
         attention_efficiency=A100_ATTENTION,
     ),
     # NVIDIA H100 datasheet: SXM5 989 TFLOP/s BF16 dense, 494.5 TF32 dense (989 with
-    # sparsity), 1979 FP8 dense (3958 with sparsity); 80 GB HBM3 at 3.35 TB/s; NVLink 4: 900 GB/s
+    # sparsity), 1979 FP8 dense (3958 with sparsity); 80 GB HBM3 (NVML: 81,559 MiB) at
+    # 3.35 TB/s; NVLink 4: 900 GB/s
     # per GPU (450 per direction); PCIe Gen5 x16: 64 GB/s per direction. DGX H100: 8 GPUs,
     # 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
     "h100-sxm": _gpu(
         "h100-sxm",
         989.0,
         494.5,
-        80.0,
+        _nvml(81559),
         3350.0,
         450.0,
         64.0,
@@ -188,7 +202,8 @@ PROFILES: dict[str, Hardware] = {
         **MEASURED_KERNELS_H100,
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (2024): the H100 SXM's compute (989 TFLOP/s
-    # BF16 dense, 494.5 TF32 dense, 1979 FP8 dense) with 141 GB of HBM3e at 4.8 TB/s;
+    # BF16 dense, 494.5 TF32 dense, 1979 FP8 dense) with 141 GB of HBM3e (NVML: 143,771
+    # MiB) at 4.8 TB/s;
     # NVLink 4 at 900 GB/s per GPU (450 per direction), PCIe Gen5 x16; DGX H200: 8 GPUs,
     # 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
     # Its FP8 and fused-attention rates are the H100's, which an H200 matched within 3%
@@ -197,7 +212,7 @@ PROFILES: dict[str, Hardware] = {
         "h200-sxm",
         989.0,
         494.5,
-        141.0,
+        _nvml(143771),
         4800.0,
         450.0,
         64.0,
@@ -209,7 +224,8 @@ PROFILES: dict[str, Hardware] = {
     # NVIDIA B200 in an HGX / DGX B200 at 1000 W (NVIDIA Blackwell architecture technical
     # brief, as tabulated at glennklockwood.com/garden/processors/B200): 2250 TFLOP/s
     # BF16 dense, 1100 TF32 dense, 4500 FP8 dense (twice each with 2:4 sparsity). DGX B200
-    # datasheet: 1,440 GB of HBM3e for 8 GPUs (180 GB each) at 8 TB/s per GPU; NVLink 5
+    # datasheet: 1,440 GB of HBM3e for 8 GPUs (180 GB each; NVML: 183,359 MiB, as
+    # nvidia-smi lists a DGX B200's GPUs with driver 570) at 8 TB/s per GPU; NVLink 5
     # at 1.8 TB/s per GPU (900 GB/s per direction); 8 x 400 Gb/s ConnectX-7 = 50 GB/s
     # per GPU; the host link is PCIe Gen5 x16 (64 GB/s per direction) as on DGX H100.
     # The roofline's efficiency, matmul latency, FP8 and attention rates: the H100's GEMM
@@ -218,7 +234,7 @@ PROFILES: dict[str, Hardware] = {
         "b200",
         2250.0,
         1100.0,
-        180.0,
+        _nvml(183359),
         8000.0,
         900.0,
         64.0,
@@ -230,7 +246,8 @@ PROFILES: dict[str, Hardware] = {
     # a rack, one NVLink domain of 130 TB/s, 13.4 TB of HBM3e at 576 TB/s; the Blackwell
     # architecture technical brief's GB200 figures at 1200 W, as tabulated at
     # glennklockwood.com/garden/processors/B200): 2500 TFLOP/s BF16 dense, 1250 TF32
-    # dense, 5000 FP8 dense a GPU; 186 GB of HBM3e at 8 TB/s a GPU; NVLink 5 at 1.8 TB/s a
+    # dense, 5000 FP8 dense a GPU; 186 GB of HBM3e (NVML: 189,471 MiB, as nvidia-smi lists
+    # a GB200 tray's GPUs) at 8 TB/s a GPU; NVLink 5 at 1.8 TB/s a
     # GPU (900 per direction) to all 72 GPUs of the rack (one node here); each Grace's
     # 480 GB of LPDDR5X serves its two GPUs over NVLink-C2C at 900 GB/s (450 per
     # direction); between racks 400 Gb/s InfiniBand a GPU (50 GB/s). The roofline's
@@ -240,7 +257,7 @@ PROFILES: dict[str, Hardware] = {
             "gb200-nvl72",
             2500.0,
             1250.0,
-            186.0,
+            _nvml(189471),
             8000.0,
             900.0,
             450.0,
