@@ -196,9 +196,15 @@ CASES = [
         "full",
         "mfu",
         0.462,
-        "no pipeline: 12-way tensor, 512-way data parallel over 2 pods",
+        "no pipeline: 12-way tensor, 512-way fully sharded data parallel over 2 pods",
         # the default Overlap(): XLA's step schedules the data-parallel all-reduce
         # asynchronously beside the backward (not a setting the paper states)
+        # Section 4: "12-way model parallelism and 256-way fully sharded data parallelism"
+        # within each pod, the two pods data-parallel: ZeRO 3 over all 512 replicas stands
+        # for it (a layer's gathers and its gradient's reduction move the same bytes a
+        # chip, (n - 1) / n of them, for n = 256 or 512; its master weights and optimizer
+        # state split 512 ways where PaLM split them 256)
+        zero=3,
     ),
     LLAMA3_405B_8K,
     # Table 4's other rows, planned as the 8,192-GPU row (126 layers, a chunk each and
