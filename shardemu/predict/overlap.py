@@ -125,6 +125,11 @@ class Overlap:
         require_choice(self, "tp_overlap", TpOverlap)
         require_finite("Overlap", True, bucket_mb=self.bucket_mb)
 
+    def reduce_itemsize(self, gradient_itemsize: int) -> int:
+        """Bytes an element of the data-parallel gradient reduction takes: FP32's 4
+        under `grad_reduce_in_fp32`, else the gradients' own `gradient_itemsize`."""
+        return 4 if self.grad_reduce_in_fp32 else gradient_itemsize
+
     def buckets(self, grad_bytes_per_device: float) -> int:
         """How many buckets a chunk's gradients of `grad_bytes_per_device` fill."""
         full = -(-grad_bytes_per_device // (self.bucket_mb * 2**20))

@@ -193,7 +193,7 @@ def counted_layout(
         least = device_bytes(bound, key, recompute, par, lay, sched)
         require_fit({"device": least}, hardware, layout, at_least=True)
     mb = _on_mesh(counted_microbatch(key), key, train, par, recompute)
-    reduce = 4 if overlap.grad_reduce_in_fp32 else None
+    reduce = overlap.reduce_itemsize(mb.weight_itemsize)
     held = device_bytes(mb, key, recompute, par, lay, sched, reduce)
     if must_fit:
         require_fit({"device": held}, hardware, layout)

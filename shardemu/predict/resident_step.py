@@ -136,8 +136,7 @@ class _StepEvents:
         `Overlap.grad_reduce_in_fp32`: 4 bytes for each of the weights' elements."""
         r, ep, c, t = self.par.replica, self.par.expert, self.par.context, self.par.tensor
         op, factor = ("reduce-scatter", 1) if self.mb.zero_stage >= 1 else ("all-reduce", 2)
-        if self.overlap.grad_reduce_in_fp32:
-            factor *= 4 / self.mb.weight_itemsize
+        factor *= self.overlap.reduce_itemsize(self.mb.weight_itemsize) / self.mb.weight_itemsize
         with_context = "+context" if c > 1 else ""
         parts = [
             (
