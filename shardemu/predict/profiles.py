@@ -33,8 +33,9 @@ log = logging.getLogger("shardemu")
 def _nvml(mib: int) -> float:
     """GB of device memory from NVML's total (nvidia-smi's `memory.total`, in MiB).
 
-    NVIDIA's datasheets round HBM to decimal GB that are binary ones: an "80 GB" A100 has
-    81,920 MiB, 85.9 GB (Modal, "Why does an NVIDIA H100 80GB card offer 85.52 GB?",
+    NVIDIA's datasheets give HBM as a round number of "GB" that NVML reports in binary
+    units, 6.8-7.4% more bytes than decimal GB: an "80 GB" A100 has 81,920 MiB, 85.9 GB
+    (Modal, "Why does an NVIDIA H100 80GB card offer 85.52 GB?",
     thundergolfer.com/blog/nvidia-gpu-memory-capacity: NVML's totals of the A100 40GB and
     80GB, H100 SXM and H200). A profile holds what the device has, not the datasheet's
     round number. Not taken off: what CUDA and its context keep (PyTorch reports 79.15
