@@ -40,7 +40,7 @@ from shardemu.config import ModelConfig, Parallelism, TrainConfig
 from shardemu.devices import use_virtual_devices
 from shardemu.models import custom_model, get_preset
 from shardemu.predict.graphcore import BULK_SYNCHRONOUS
-from shardemu.predict.hardware import FLASH_ATTENTION_2_H100
+from shardemu.predict.hardware import FLASH_ATTENTION_2_H100, GB
 from shardemu.predict.overlap import Overlap
 from shardemu.predict.plan_resident import plan_resident, plan_resident_auto
 from shardemu.predict.profiles import PROFILES
@@ -541,7 +541,7 @@ def run_memory(case: MemoryCase) -> dict:
     if case.hardware == "h100-sxm":  # Grand Teton's H100s: 96 GB of HBM, of which PyTorch
         # reports 95.0396 GiB (pytorch/torchtitan PR 165, "can convert against 95.0396 GiB
         # GPU memory")
-        hw = dataclasses.replace(hw, device_memory_gb=95.0396 * 2**30 / 1e9)
+        hw = dataclasses.replace(hw, device_memory_gb=95.0396 * 2**30 / GB)
     r = plan_resident(
         case.model, Parallelism(replica=case.replicas), train, case.microbatch_size, hw,
         recompute=case.recompute, attention="fused", overlap=TORCHTITAN_OVERLAP,
