@@ -40,7 +40,7 @@ from shardemu.config import ModelConfig, Parallelism, TrainConfig
 from shardemu.devices import use_virtual_devices
 from shardemu.models import custom_model, get_preset
 from shardemu.predict.graphcore import BULK_SYNCHRONOUS
-from shardemu.predict.hardware import FLASH_ATTENTION_2_H100, GB
+from shardemu.predict.hardware import FLASH_ATTENTION_2_H100, gib
 from shardemu.predict.overlap import Overlap
 from shardemu.predict.plan_resident import plan_resident, plan_resident_auto
 from shardemu.predict.profiles import PROFILES
@@ -541,17 +541,17 @@ def run_memory(case: MemoryCase) -> dict:
     if case.hardware == "h100-sxm":  # Grand Teton's H100s: 96 GB of HBM, of which PyTorch
         # reports 95.0396 GiB (pytorch/torchtitan PR 165, "can convert against 95.0396 GiB
         # GPU memory")
-        hw = dataclasses.replace(hw, device_memory_gb=95.0396 * 2**30 / GB)
+        hw = dataclasses.replace(hw, device_memory_gb=gib(95.0396))
     r = plan_resident(
         case.model, Parallelism(replica=case.replicas), train, case.microbatch_size, hw,
         recompute=case.recompute, attention="fused", overlap=TORCHTITAN_OVERLAP,
     ).report  # fmt: skip
     device = r["memory_per_device"]["device"]
-    gib = device["bytes"] / 2**30
+    predicted_gib = device["bytes"] / 2**30
     return {
-        "case": case.name, "hardware": case.hardware, "predicted_gib": gib,
+        "case": case.name, "hardware": case.hardware, "predicted_gib": predicted_gib,
         "published_gib": case.published_gib, "fits": device["fits"], "ran": case.ran,
-        "error": gib / case.published_gib - 1 if case.published_gib else None,
+        "error": predicted_gib / case.published_gib - 1 if case.published_gib else None,
         "outcome_right": device["fits"] == case.ran,
     }  # fmt: skip
 

@@ -25,6 +25,14 @@ from shardemu.config import BLOCK_SIZES, PRECISIONS
 from shardemu.errors import HardwareError
 
 GB = 1e9
+
+
+def gib(n: float) -> float:
+    """GB (the profiles' unit, 10^9 bytes) of `n` GiB (2^30 bytes): the unit NVML and
+    the TPU docs give device memory in."""
+    return n * 2**30 / GB
+
+
 # The roofline's GPU parameters, measured with XLA (JAX 0.11.2) on an H100 SXM
 # (benchmarks/gpu_calibration.py): 248 bfloat16 and float32 matmuls from 64^3 to 16384^3
 # fit a large-matmul efficiency of 0.73 and a fixed 13.5 us per matmul kernel (median

@@ -18,13 +18,13 @@ from shardemu.errors import HardwareError
 from shardemu.predict.graphcore import IPU_PROFILES
 from shardemu.predict.hardware import (
     A100_ATTENTION,
-    GB,
     GPU_FRAGMENTATION,
     MEASURED_KERNELS_H100,
     MEASURED_ON_H100,
     SPREAD_BORROWED,
     SPREAD_MEASURED,
     Hardware,
+    gib,
 )
 
 log = logging.getLogger("shardemu")
@@ -40,7 +40,7 @@ def _nvml(mib: int) -> float:
     80GB, H100 SXM and H200). A profile holds what the device has, not the datasheet's
     round number. Not taken off: what CUDA and its context keep (PyTorch reports 79.15
     GiB of an A100 80GB's 80 GiB), about 1-2%, inside the fragmentation band."""
-    return mib * 2**20 / GB
+    return gib(mib / 1024)
 
 
 def _gpu(
@@ -274,7 +274,7 @@ PROFILES: dict[str, Hardware] = {
     # per chip, our per-direction collective bandwidth. Host link (PCIe) and host memory
     # per chip are our estimates (4 chips per host); override them with a profile file.
     "tpu-v4": _tpu(
-        "tpu-v4", tflops=275.0, hbm_gb=32 * 1.073741824, hbm_gbps=1200.0, host_gb=100.0, ici=269.0
+        "tpu-v4", tflops=275.0, hbm_gb=gib(32), hbm_gbps=1200.0, host_gb=100.0, ici=269.0
     ),
     # Google Cloud TPU docs, "TPU v5p": 459 TFLOP/s BF16 per chip, 95 GB HBM2e at
     # 2765 GB/s, inter-chip interconnect 4800 Gbps per chip (1200 GB/s bidirectional:
@@ -287,15 +287,13 @@ PROFILES: dict[str, Hardware] = {
     # GB/s, 400 GB/s bidirectional ICI per chip (200 per direction), 8 chips and 512 GiB
     # of DRAM per host (64 GiB a chip), 256 chips per pod in a 2D torus.
     "tpu-v5e": _tpu(
-        "tpu-v5e", 197.0, 16.0, 819.0, 512 * 1.073741824 / 8, 200.0, chips_per_host=8, torus="2D"
+        "tpu-v5e", 197.0, 16.0, 819.0, gib(512 / 8), 200.0, chips_per_host=8, torus="2D"
     ),
     # Google Cloud TPU docs, "TPU v6e" (Trillium): 918 TFLOP/s BF16 per chip, 32 GiB of HBM
     # ("Trillium's 32GiB of HBM": maxtext, docs/guides/optimization/custom_model.md) at
     # 1638 GB/s, 800 GB/s bidirectional ICI per chip (400 per direction), 8 chips and 1536
     # GiB of DRAM per host (192 GiB a chip), 256 chips a pod in a 2D torus.
-    "tpu-v6e": _tpu(
-        "tpu-v6e", 918.0, 32 * 1.073741824, 1638.0, 1536 * 1.073741824 / 8, 400.0, 8, "2D"
-    ),
+    "tpu-v6e": _tpu("tpu-v6e", 918.0, gib(32), 1638.0, gib(1536 / 8), 400.0, 8, "2D"),
 }
 
 
