@@ -70,6 +70,12 @@ use_virtual_devices(8)
 _MADE_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _MADE_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardemu-xla-")
+# A worker ends with os._exit (`pytest_unconfigure`), which runs no finalizer, so the
+# temporary folders made in it were left behind (W&B makes two when imported: 36 in
+# /tmp after a day's suites): they go in a folder of its own, which it removes
+_WORKER_TMP = None
+if "PYTEST_XDIST_WORKER" in os.environ:
+    _WORKER_TMP = tempfile.tempdir = tempfile.mkdtemp(prefix="shardemu-test-worker-")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
@@ -130,8 +136,10 @@ def pytest_unconfigure(config) -> None:
     end of its channel for a normal one), and the controller waits for it to exit. An
     ordinary exit took 11 s of the suite's wall time between the last test and pytest's
     end (thread joins, JAX's `clean_up` clearing every cache, freeing the heap); nothing
-    is left to write but the standard streams."""
+    is left to write but the standard streams, and its temporary folder to remove."""
     if hasattr(config, "workerinput"):
+        if _WORKER_TMP is not None:
+            shutil.rmtree(_WORKER_TMP, ignore_errors=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
