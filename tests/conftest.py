@@ -82,28 +82,11 @@ jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
+from shardemu.cli.compile_cache import share_across_device_sets  # noqa: E402
 
-def _share_compiles_across_device_sets() -> None:
-    """A pipeline's stages run one program each on their own devices, and JAX's cache
-    key holds the device ids on the CPU, so each stage compiled it again. JAX leaves the
-    ids out of the key on GPUs (`cache_key.get`: `strip_device_assignment`, so that
-    processes share entries) and loads an entry onto the devices asked for
-    (`deserialize_executable(..., executable_devices, ...)`); the tests do so on the
-    CPU too (test_pipeline.py: 32 -> 106 of 293 compiles served by the cache). A
-    private function of JAX: where it is gone, the tests compile as before."""
-    from jax._src import cache_key
-
-    hash_options = getattr(cache_key, "_hash_serialized_compile_options", None)
-    if hash_options is None:
-        return
-
-    def stripped(hash_obj, options, strip_device_assignment=False):
-        return hash_options(hash_obj, options, strip_device_assignment=True)
-
-    cache_key._hash_serialized_compile_options = stripped
-
-
-_share_compiles_across_device_sets()
+# a pipeline's stages share each compile through the cache, as the command's do
+# (test_pipeline.py: 32 -> 106 of 293 compiles served by the cache)
+share_across_device_sets()
 assert len(jax.devices()) == 8  # start the backend now: no command can change the count
 
 import pytest  # noqa: E402

@@ -65,3 +65,37 @@ def test_a_folder_that_cannot_be_written_is_one_warning_and_nothing_is_set(tmp_p
     (record,) = caplog.records
     assert "cannot write the compilation cache" in record.getMessage()
     assert "SHARDEMU_CACHE" in record.getMessage()
+
+
+def test_one_program_on_another_set_of_devices_loads_the_firsts_compile():
+    """`share_across_device_sets` (turned on with the command's cache, and by this
+    suite's conftest): a program jitted on devices 0-1 and again, the same, on devices
+    2-3 (a pipeline's next stage) is compiled once; the second set loads the entry onto
+    its own devices and computes the same."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    hits = []
+
+    def listen(event: str, **_) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            hits.append(event)
+
+    def step(x):  # a program no other test compiles
+        return jnp.tanh(x @ x.T * 0.8125).sum(axis=0)
+
+    x = np.arange(32, dtype=np.float32).reshape(4, 8) / 32
+    outs = []
+    jax.monitoring.register_event_listener(listen)
+    try:
+        for devices in (jax.devices()[0:2], jax.devices()[2:4]):
+            mesh = jax.sharding.Mesh(np.array(devices), ("stage",))
+            arg = jax.device_put(x, NamedSharding(mesh, PartitionSpec("stage")))
+            outs.append(jax.jit(step)(arg))
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
+    assert len(hits) == 1  # the second set of devices, from the first's entry
+    assert {d.id for d in outs[1].devices()} == {2, 3}
+    np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
