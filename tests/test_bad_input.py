@@ -81,6 +81,9 @@ CLI_ROWS = [
         "must be a positive integer, got 0"),  # fmt: skip
     row("describe-unpadded", ["describe", "--model", "gpt2-small", "--mesh", "tensor=8"],
         "--pad-vocab"),  # fmt: skip
+    # describe takes no --stage-layers: named as what a run or a resident plan may give
+    row("describe-pipe-not-dividing", ["describe", "--model", "gpt-tiny", "--mesh", "pipe=3"],
+        "a run or a resident plan may instead give each stage its layers"),  # fmt: skip
     row("optimizer-unknown", [*GPT, "--optimizer", "sgd"], "invalid choice: 'sgd'"),
     row("flag-unknown", [*GPT, "--lerning-rate", "1"], "unrecognized arguments: --lerning-rate"),
     row("flag-abbreviated", [*GPT, "--ste", "2"], "unrecognized arguments: --ste"),

@@ -20,7 +20,10 @@ FIX_HINTS = {
     ),
     "mlp": "use a model whose MLP width the axis divides",
     "batch": "use a global TrainConfig.batch that is a multiple of the axis size",
-    "layers": "use a pipe size that divides the layer count (or TrainConfig.stage_layers)",
+    "layers": (
+        "use a pipe size that divides the layer count (a run or a resident plan may instead "
+        "give each stage its layers: TrainConfig.stage_layers)"
+    ),
 }
 
 
