@@ -85,7 +85,9 @@ def test_compute_bound_matmul_and_a_profile_without_a_roofline() -> None:
 
 def test_batched_matmul_flops_and_layout_copies_are_not_memory_traffic() -> None:
     """A batched dot (attention's) counts batch x 2 m k n; a transpose-only kernel moves
-    nothing an accelerator would not fold into its matmul."""
+    nothing an accelerator would not fold into its matmul, nor do the slices that split a
+    packed Q/K/V projection (views a GPU kernel reads by their strides), while a kernel
+    that computes on a slice moves its bytes."""
     b, s, d = 4, 32, 16
     q = jax.ShapeDtypeStruct((b, s, d), jnp.float32)
     compiled = (
@@ -96,6 +98,12 @@ def test_batched_matmul_flops_and_layout_copies_are_not_memory_traffic() -> None
     assert sum(m.flops for m in matmuls) == compiled.cost_analysis()["flops"]
     transpose = jax.jit(lambda x: x.T).lower(jax.ShapeDtypeStruct((64, 32), jnp.float32))
     assert kernels(transpose.compile(DEFAULT_FUSION).as_text())[1] == 0
+    packed = jax.ShapeDtypeStruct((64, 48), jnp.bfloat16)
+    widened = lambda x: x.astype(jnp.float32)  # noqa: E731  # as the CPU widens a dot's operands
+    split = jax.jit(lambda x: (widened(x[:, :16]), widened(x[:, 16:32]), widened(x[:, 32:])))
+    assert kernels(split.lower(packed).compile(DEFAULT_FUSION).as_text(), 2)[1] == 0
+    scaled = jax.jit(lambda x: x[:, :16] * 0.125).lower(packed).compile(DEFAULT_FUSION)
+    assert kernels(scaled.as_text(), 2)[1] == (64 * 48 + 64 * 16) * 2  # reads x, writes q
 
 
 def _attention(b: int, h: int, s: int, d: int) -> str:
