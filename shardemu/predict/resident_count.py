@@ -278,7 +278,7 @@ def count_key(
     """The count a layout's plan uses, sharded by `rules` (Megatron-LM's when None).
     `fp16-mixed` counts in bfloat16, its loss scaling and memory fp16's: XLA's CPU
     backend widens float16 elementwise work into kernels a GPU never runs (a BERT-Large
-    layer's forward at 256 x 128: 10.9 GB besides its matmuls, 6.6 in BF16)."""
+    layer's forward at 256 x 128: 10.9 GB besides its matmuls, 6.6 in BF16; test_roofline.py)."""
     computed = compute_model(padded_for(model, par), precision)
     if precision == "fp16-mixed":
         computed = computed.replace(param_dtype="bfloat16")
