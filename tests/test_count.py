@@ -1,6 +1,7 @@
 """The counter (`accounting/count.py`): each piece compiled once per signature, however
 many threads ask for it and whichever path (kept or recomputed layers) reaches it."""
 
+import dataclasses
 import threading
 import time
 
@@ -8,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardemu.accounting.count import COUNT_OPTIONS, Counter, abstract
+from shardemu.accounting.count import Counted, Counter, abstract
+from shardemu.accounting.optimized import optimized
 from shardemu.models import Model, get_preset
 from shardemu.parallel.mesh import make_mesh
 from shardemu.predict.resident_count import count_microbatch
@@ -86,8 +88,8 @@ class EmittingCounter(Counter):
         self.sketched: list[tuple] = []
 
     def _compile(self, key, fn, mesh, args) -> None:
-        options = {**COUNT_OPTIONS, "xla_cpu_use_fusion_emitters": True}
-        self._read(key, fn.lower(*abstract(args)).compile(compiler_options=options), mesh, args)
+        options = {"xla_cpu_use_fusion_emitters": True}
+        self._read(key, optimized(fn, abstract(args), mesh, options), mesh, args)
 
     def _sketch(self, key, fn, mesh, args) -> None:
         self.sketched.append((key[0], fn, mesh, args, key[1]))  # (key[1]: its context)
@@ -120,3 +122,53 @@ def test_a_sketch_has_the_counts_shardings_and_flops():
     backward = next(e for e in events if e.recompute_flops)
     recomputed = backward.run_flops - counted["bwd-keep"].flops_per_device
     assert sum(e.recompute_flops for e in events) == recomputed * backward.devices > 0
+
+
+def _flat(counted: Counted) -> Counted:
+    """`counted` with its outputs' shardings a list (a vjp's tree structure holds the
+    jaxpr of a trace, which compares by identity)."""
+    return dataclasses.replace(counted, out_shardings=jax.tree.leaves(counted.out_shardings))
+
+
+class RecordingCounter(Counter):
+    """Notes each piece it counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces: list[tuple] = []
+
+    def _compile(self, key, fn, mesh, args) -> None:
+        self.pieces.append((key[0], fn, mesh, args, key[1]))
+        super()._compile(key, fn, mesh, args)
+
+
+def test_a_count_stopped_after_the_hlo_passes_is_the_whole_compiles():
+    """Every field of a count made without machine code (`accounting/optimized.py`)
+    equals that of the whole compile (`count_compiled`): each piece of a
+    tensor-parallel microbatch, among them a forward that keeps residuals JAX lays out
+    itself (`Counter.outputs`) and the backward from them; and a piece whose outputs
+    are declared in pinned host memory, or not declared. The program still compiles
+    whole and runs after it (the hook stops only the counts' compiles)."""
+    counter = RecordingCounter()
+    count_microbatch(Model(get_preset("gpt-tiny")), 2, 2, 16, False, counter=counter)
+    mesh = make_mesh(tensor=2, replica=2, devices=jax.devices()[:4])
+    sharded = NamedSharding(mesh, PartitionSpec("replica", "tensor"))
+    host = NamedSharding(mesh, PartitionSpec("replica"), memory_kind="pinned_host")
+    fn = jax.jit(
+        lambda a, b: (jnp.tanh(a @ b), (a * 2).sum(0), a + 1),
+        out_shardings=(host, None, None),
+    )
+    x = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=sharded)
+    counter.count("host", fn, mesh, (x, x))
+    assert {"fwd-keep", "bwd-keep", "head", "update-layers-device"} < {p[0] for p in counter.pieces}
+    for name, piece, on, args, context in counter.pieces:
+        compiled = piece.lower(*abstract(args)).compile()
+        whole = _flat(Counter().count_compiled(name, compiled, on, args, context))
+        assert _flat(counter.count(name, piece, on, args, context)) == whole, name
+    fast = counter.count("host", fn, mesh, (x, x))
+    assert fast.collectives and fast.matmuls
+    shardings = fast.out_shardings
+    assert [s.memory_kind for s in shardings] == ["pinned_host", "device", "device"]
+    assert shardings[2] is x.sharding  # the argument's, as JAX writes it
+    ones = jnp.ones((8, 8), jnp.float32, device=sharded)
+    assert float(fn(ones, ones)[1].sum()) == 128.0

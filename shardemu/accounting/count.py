@@ -27,6 +27,7 @@ from shardemu.accounting.cached_casts import CachedWeights
 from shardemu.accounting.collectives import Collective, collectives
 from shardemu.accounting.ledger import Carries, Event, Matmul, Phase, Where
 from shardemu.accounting.matmuls import Kernels, compute_itemsize
+from shardemu.accounting.optimized import optimized
 
 
 @functools.lru_cache(maxsize=65536)
@@ -64,24 +65,24 @@ def signature(tree: Any) -> tuple:
     return (treedef, tuple(leaf(x) for x in leaves))
 
 
-# A counted piece is never run: only its optimized HLO is read, which XLA's HLO passes
-# produce whatever the LLVM settings. Skipping LLVM's expensive passes makes counting
-# about 30% faster (a GPT-3 175B microbatch: 7.4 s -> 5.2 s) with equal FLOPs, kernels,
-# bytes and collectives (checked piece by piece; tests compare counts with real runs).
-COUNT_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# A counted piece is never run, so it is compiled only to the end of XLA's HLO passes
+# (`optimized.py`): no machine code, none of the LLVM settings that shape it. Counts take
+# XLA's default options, as a user's process compiles (the tests turn XLA's newer kernel
+# fusion off for the whole suite, conftest.py, and back on here where they hold kernel
+# bytes to a hand count, test_roofline.py).
+COUNT_OPTIONS: dict[str, Any] = {}
 
 # A piece compiled only for its outputs' shardings, or for the FLOPs of a layer's
 # backward from kept residuals (the recomputation's share of a recomputing backward is
 # that backward's count less them: `phased/program.recompute_flops`), is sketched:
-# compiled with XLA's older CPU kernel emitters, three to four times sooner (a BERT-Base
-# layer's forward keeping its residuals 0.90 -> 0.16 s, its backward 0.53 -> 0.14 s, one
-# compile each on this 2-core machine). XLA's SPMD partitioner, which sets the
+# compiled with XLA's older CPU kernel emitters, whose HLO passes fuse less, and so
+# sooner. XLA's SPMD partitioner, which sets the
 # shardings, runs before the emitters. The fusions differ, and with them the kernels'
 # bytes, so a sketch is never read for bytes; and so may FLOPs that a fusion duplicates
 # (a head's by 1.6e-5, an embedding's backward's by 7%: gathers and scatters), which a
 # layer's backward has none of (tests/test_count.py holds its sketch's FLOPs to its
 # count's).
-SKETCH_OPTIONS = {**COUNT_OPTIONS, "xla_cpu_use_fusion_emitters": False}
+SKETCH_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 
 class Listed(NamedTuple):
@@ -189,7 +190,7 @@ class Counter:
         self, name: str, compiled: Any, mesh: Mesh, args: tuple, context: tuple = ()
     ) -> Counted:
         """`count` from a piece already compiled over `args` to run (its optimized HLO
-        is the one a count compiles: `COUNT_OPTIONS` change only LLVM's code)."""
+        is the one a count stops at: tests/test_count.py)."""
         key = _key(name, mesh, args, context)
         if key not in self._counted:
             with self._lock:
@@ -197,11 +198,10 @@ class Counter:
         return self._counted[key]
 
     def _compile(self, key: tuple, fn: Any, mesh: Mesh, args: tuple) -> None:
-        compiled = fn.lower(*abstract(args)).compile(compiler_options=COUNT_OPTIONS)
-        self._read(key, compiled, mesh, args)
+        self._read(key, optimized(fn, abstract(args), mesh, COUNT_OPTIONS), mesh, args)
 
     def _sketch(self, key: tuple, fn: Any, mesh: Mesh, args: tuple) -> None:
-        compiled = fn.lower(*abstract(args)).compile(compiler_options=SKETCH_OPTIONS)
+        compiled = optimized(fn, abstract(args), mesh, SKETCH_OPTIONS)
         flops = float(compiled.cost_analysis().get("flops", 0.0))
         self._sketched[key] = Sketch(flops, compiled.output_shardings)
 

@@ -1,13 +1,14 @@
 """Counting any jitted function: a user's own step, lowered on a shardemu mesh.
 
-`count(fn, *args, mesh=...)` compiles `fn` once over the abstract `args` (nothing is
-allocated or run) and returns the ledger of one call: XLA's FLOPs per device, its
-kernels' matmuls and memory traffic, and every collective in the compiled HLO with its
-bytes per mesh axis (`count.py`, `collectives.py`), as the engines count their own
-pieces. The mesh is the global mesh while `fn` is traced, so a bare `PartitionSpec`
-constraint resolves on it; with `rules`, the function's `constrain` calls (and Flax's
-logical constraints, `nn.with_logical_constraint`) resolve through that rules table.
-`predict/counted.py` times such a ledger on a hardware profile.
+`count(fn, *args, mesh=...)` compiles `fn` once over the abstract `args`, to the end of
+XLA's HLO passes (`optimized.py`; nothing is allocated or run), and returns the ledger
+of one call: XLA's FLOPs per device, its kernels' matmuls and memory traffic, and
+every collective in the compiled HLO with its bytes per mesh axis (`count.py`,
+`collectives.py`), as the engines count their own pieces. The mesh is the global mesh
+while `fn` is traced, so a bare `PartitionSpec` constraint resolves on it; with
+`rules`, the function's `constrain` calls (and Flax's logical constraints,
+`nn.with_logical_constraint`) resolve through that rules table. `predict/counted.py`
+times such a ledger on a hardware profile.
 
 Flax's `DenseGeneral` with multi-dimensional features and logically partitioned
 kernels cannot be traced under a global mesh (google/flax#3676: it constrains the
@@ -28,6 +29,7 @@ from jax.sharding import Mesh
 
 from shardemu.accounting.count import COUNT_OPTIONS, Counter, abstract, piece_events
 from shardemu.accounting.ledger import Ledger, Phase
+from shardemu.accounting.optimized import optimized
 from shardemu.errors import ConfigError
 from shardemu.parallel.mesh import parallelism_of
 from shardemu.parallel.rules import Rules, activation_rules
@@ -78,11 +80,10 @@ def count(
             context.enter_context(nn.logical_axis_rules(rules))
         context.enter_context(jax.set_mesh(mesh))
         try:
-            lowered = jitted.lower(*shapes)
+            compiled = optimized(jitted, shapes, mesh, COUNT_OPTIONS)
         except ValueError as err:
             _refuse_flax_3676(err)
             raise
-        compiled = lowered.compile(compiler_options=COUNT_OPTIONS)
     # a counter of its own: its keys are a piece's name and signature, and two user
     # functions may share both
     counted = Counter().count_compiled(getattr(fn, "__name__", "fn"), compiled, mesh, shapes)
