@@ -13,8 +13,11 @@ tests/test_count.py holds every field of a count and every output sharding made 
 way equal to those of the whole compile.
 
 The hook sees every CPU compile in the process; it acts only on modules whose name
-carries `_MARK` (a count's lowering is renamed, its trace reused), and leaves the rest
-(a run's programs) as they are.
+carries `_MARK` (a count's lowering is renamed, its trace reused, so no lowering JAX
+caches for a run is touched), and leaves the rest (a run's programs) as they are. It
+reads JAX internals (a `Traced`'s parameters, `pxla`'s reading of an executable's
+output shardings, `hlo_module_cost_analysis`), so pyproject.toml keeps JAX at 0.10;
+tests/test_count.py fails if they change.
 """
 
 from __future__ import annotations
