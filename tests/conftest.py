@@ -33,9 +33,9 @@ test_llama.py with test_moe.py took 42.3 s with the default thresholds, 38.9 s w
 these (one process). Nothing a test checks depends on when garbage is collected.
 
 A persistent compilation cache in a fresh temporary folder, shared by the pytest-xdist
-workers, lets identical programs compile once per session: a phased piece is compiled to
-be counted (over shapes) and again to run (over arrays), to the same HLO, and test files
-share the steps they both run.
+workers, lets identical programs compile once per session: test files share the steps
+they both run. (A piece compiled only to be counted stops at the end of XLA's HLO passes,
+`accounting/optimized.py`, and is not cached.)
 """
 
 import functools
