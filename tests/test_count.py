@@ -10,7 +10,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardemu.accounting.count import Counted, Counter, abstract
-from shardemu.accounting.optimized import optimized
 from shardemu.models import Model, get_preset
 from shardemu.parallel.mesh import make_mesh
 from shardemu.predict.resident_count import count_microbatch
@@ -79,51 +78,6 @@ def test_models_alike_in_shape_are_counted_apart():
     assert forward[0].memory_bytes != forward[1].memory_bytes
 
 
-class EmittingCounter(Counter):
-    """Counts as a user's process compiles (XLA's fusion emitters on: the tests' are
-    off, conftest.py), and notes what it sketches."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sketched: list[tuple] = []
-
-    def _compile(self, key, fn, mesh, args) -> None:
-        options = {"xla_cpu_use_fusion_emitters": True}
-        self._read(key, optimized(fn, abstract(args), mesh, options), mesh, args)
-
-    def _sketch(self, key, fn, mesh, args) -> None:
-        self.sketched.append((key[0], fn, mesh, args, key[1]))  # (key[1]: its context)
-        super()._sketch(key, fn, mesh, args)
-
-
-def test_a_sketch_has_the_counts_shardings_and_flops():
-    """Pieces compiled only for their outputs' shardings or their FLOPs are sketched
-    (`SKETCH_OPTIONS`: XLA's older kernel emitters). With full recomputation those are
-    the forward that keeps its residuals and the backward from them
-    (`recompute_flops`); counted as a user's process counts them, the forward lays its
-    residuals out as its sketch does, and the backward has its sketch's FLOPs, so the
-    recomputed FLOPs are the counted backward's less the counted backward from the
-    residuals. A sketch asked for once its piece is counted is read from the count."""
-    counter = EmittingCounter()
-    mb = count_microbatch(Model(get_preset("gpt-tiny")), 2, 2, 16, True, counter=counter)
-    assert sorted(name for name, *_ in counter.sketched) == ["bwd-keep", "fwd-keep"]
-    # the plan's own sketches, read before those pieces are counted (a sketch asked for
-    # after its piece is counted is read from the count: `Counter.sketch`)
-    sketches = {name: counter.sketch(name, *rest) for name, *rest in counter.sketched}
-    assert len(counter.sketched) == 2  # none sketched again
-    counted = {name: counter.count(name, *rest) for name, *rest in counter.sketched}
-    assert str(counted["fwd-keep"].out_shardings) == str(sketches["fwd-keep"].out_shardings)
-    assert counted["bwd-keep"].flops_per_device == sketches["bwd-keep"].flops_per_device
-    # asked for again now that they are counted, each is read from its count
-    again = {name: counter.sketch(name, *rest) for name, *rest in counter.sketched}
-    assert len(counter.sketched) == 2
-    assert all(again[n].out_shardings is counted[n].out_shardings for n in counted)
-    events = mb.pieces["backward"]
-    backward = next(e for e in events if e.recompute_flops)
-    recomputed = backward.run_flops - counted["bwd-keep"].flops_per_device
-    assert sum(e.recompute_flops for e in events) == recomputed * backward.devices > 0
-
-
 def _flat(counted: Counted) -> Counted:
     """`counted` with its outputs' shardings a list (a vjp's tree structure holds the
     jaxpr of a trace, which compares by identity)."""
@@ -172,3 +126,18 @@ def test_a_count_stopped_after_the_hlo_passes_is_the_whole_compiles():
     assert shardings[2] is x.sharding  # the argument's, as JAX writes it
     ones = jnp.ones((8, 8), jnp.float32, device=sharded)
     assert float(fn(ones, ones)[1].sum()) == 128.0
+
+
+def test_the_recomputation_is_the_backward_less_the_backward_from_residuals():
+    """With full recomputation a layer's recomputed FLOPs are its counted backward's less
+    those of its backward from kept residuals (`recompute_flops`), counted over the
+    residuals its forward lays out; each of those pieces compiled once."""
+    counter = RecordingCounter()
+    mb = count_microbatch(Model(get_preset("gpt-tiny")), 2, 2, 16, True, counter=counter)
+    names = [p[0] for p in counter.pieces]
+    assert names.count("fwd-keep") == names.count("bwd-keep") == 1
+    kept = counter.count(*next(p for p in counter.pieces if p[0] == "bwd-keep"))
+    events = mb.pieces["backward"]
+    backward = next(e for e in events if e.recompute_flops)
+    recomputed = backward.run_flops - kept.flops_per_device
+    assert sum(e.recompute_flops for e in events) == recomputed * backward.devices > 0

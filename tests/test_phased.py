@@ -214,9 +214,8 @@ def test_a_plan_for_memory_alone_equals_the_counted_plan(tiny_model, name):
     )
     memory = trainer.plan(counting=False)
     compiled = len(counter)
-    # the pieces it lists are what the counted plan counts (or sketches), but for the
-    # recomputation's kept backward (its vjp comes from a sketched forward:
-    # `recompute_flops`)
+    # the pieces it lists are what the counted plan counts, but for the recomputation's
+    # kept backward (its vjp comes from the counted forward: `recompute_flops`)
     counter.count_all(trainer.dry_runs[(trainer.slices, False)].pieces)
     listed = len(counter)
     counted = trainer.plan()

@@ -72,38 +72,15 @@ def signature(tree: Any) -> tuple:
 # bytes to a hand count, test_roofline.py).
 COUNT_OPTIONS: dict[str, Any] = {}
 
-# A piece compiled only for its outputs' shardings, or for the FLOPs of a layer's
-# backward from kept residuals (the recomputation's share of a recomputing backward is
-# that backward's count less them: `phased/program.recompute_flops`), is sketched:
-# compiled with XLA's older CPU kernel emitters, whose HLO passes fuse less, and so
-# sooner. XLA's SPMD partitioner, which sets the
-# shardings, runs before the emitters. The fusions differ, and with them the kernels'
-# bytes, so a sketch is never read for bytes; and so may FLOPs that a fusion duplicates
-# (a head's by 1.6e-5, an embedding's backward's by 7%: gathers and scatters), which a
-# layer's backward has none of (tests/test_count.py holds its sketch's FLOPs to its
-# count's).
-SKETCH_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
-
 
 class Listed(NamedTuple):
-    """A piece a step will count (`Executor.will_count`), for `Counter.count_ahead`:
-    counted, or `sketch`ed."""
+    """A piece a step will count (`Executor.will_count`), for `Counter.count_ahead`."""
 
     name: str
     fn: Any
     mesh: Mesh
     args: tuple
     context: tuple = ()
-    sketch: bool = False
-
-
-@dataclass(frozen=True)
-class Sketch:
-    """What a sketched piece (`SKETCH_OPTIONS`) tells: its FLOPs per device, as that
-    compile counts them, and its outputs' shardings."""
-
-    flops_per_device: float
-    out_shardings: Any
 
 
 @dataclass(frozen=True)
@@ -136,7 +113,6 @@ class Counter:
 
     def __init__(self, workers: int = 2) -> None:
         self._counted: dict[tuple, Counted] = {}
-        self._sketched: dict[tuple, Sketch] = {}
         self._shapes: dict[tuple, tuple] = {}
         self._placed: dict[tuple, tuple] = {}
         # by key: compiling, or compiled, in the pool or in a thread's `count`
@@ -154,17 +130,6 @@ class Counter:
         `CachedWeights` counts their casts apart (`cached_casts.py`)."""
         key = _key(name, mesh, args, context)
         return self._once(key, self._counted, lambda: self._compile(key, fn, mesh, args))
-
-    def sketch(self, name: str, fn: Any, mesh: Mesh, args: tuple, context: tuple = ()) -> Sketch:
-        """`fn`'s FLOPs per device and outputs' shardings over the abstract `args`,
-        sketched (`SKETCH_OPTIONS`), once per signature; where the piece is counted
-        already, from its count, which has both (a sketch is asked only of pieces whose
-        fusion duplicates no FLOPs: `recompute_flops`)."""
-        counted = self._counted.get(_key(name, mesh, args, context))
-        if counted is not None:
-            return Sketch(counted.flops_per_device, counted.out_shardings)
-        key = _key(name, mesh, args, context, sketch=True)
-        return self._once(key, self._sketched, lambda: self._sketch(key, fn, mesh, args))
 
     def _once(self, key: tuple, done: dict, make: Callable[[], None]) -> Any:
         """`done[key]`, made by `make()` unless it is there: a piece another thread is
@@ -200,11 +165,6 @@ class Counter:
     def _compile(self, key: tuple, fn: Any, mesh: Mesh, args: tuple) -> None:
         self._read(key, optimized(fn, abstract(args), mesh, COUNT_OPTIONS), mesh, args)
 
-    def _sketch(self, key: tuple, fn: Any, mesh: Mesh, args: tuple) -> None:
-        compiled = optimized(fn, abstract(args), mesh, SKETCH_OPTIONS)
-        flops = float(compiled.cost_analysis().get("flops", 0.0))
-        self._sketched[key] = Sketch(flops, compiled.output_shardings)
-
     def _read(self, key: tuple, compiled: Any, mesh: Mesh, args: tuple) -> None:
         """Keep the counts of `compiled` under `key`."""
         text = compiled.as_text()
@@ -225,35 +185,29 @@ class Counter:
         )
 
     def __len__(self) -> int:
-        """How many pieces it has compiled (counted or sketched)."""
-        return len(self._counted) + len(self._sketched)
+        """How many pieces it has counted."""
+        return len(self._counted)
 
     def count_ahead(self, pieces: Iterable[Listed]) -> list[Future]:
-        """Start compiling, in the background, each listed piece not counted (or
-        sketched) or compiling yet, and return the futures of all of them. (A dry run
-        for memory alone lists the pieces its counted run will count:
-        `Executor.pieces`.) `count` and `sketch` wait for a piece compiling here. A
-        sketch listed is for its outputs' shardings (`recompute_flops`), which a count
-        of the piece has (`outputs`): none is made where the count is; one asked for
-        after all is made then."""
+        """Start compiling, in the background, each listed piece not counted or
+        compiling yet, and return the futures of all of them. (A dry run for memory
+        alone lists the pieces its counted run will count: `Executor.pieces`.) `count`
+        waits for a piece compiling here."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="count")
         futures = {}
         for p in pieces:
-            key = _key(p.name, p.mesh, p.args, p.context, p.sketch)
-            if key in self._counted or key in self._sketched or key in futures:
-                continue
-            if p.sketch and _key(p.name, p.mesh, p.args, p.context) in self._counted:
+            key = _key(p.name, p.mesh, p.args, p.context)
+            if key in self._counted or key in futures:
                 continue
             with self._lock:
                 if key not in self._ahead:
-                    make = self._sketch if p.sketch else self._compile
-                    self._ahead[key] = self._pool.submit(make, key, p.fn, p.mesh, p.args)
+                    self._ahead[key] = self._pool.submit(self._compile, key, p.fn, p.mesh, p.args)
                 futures[key] = self._ahead[key]
         return list(futures.values())
 
     def count_all(self, pieces: Iterable[Listed]) -> None:
-        """Count (or sketch) each listed piece, those not done yet compiled `workers`
+        """Count each listed piece, those not done yet compiled `workers`
         at a time (`count_ahead`), and wait for all of them."""
         for future in self.count_ahead(pieces):
             future.result()
@@ -277,13 +231,11 @@ class Counter:
         args: tuple,
         context: tuple,
         count_args: tuple,
-        sketch: bool = False,
     ) -> tuple[list, Any]:
         """(output leaves, tree structure) of the jitted `fn` over the abstract `args`
         on `mesh`: each leaf a `ShapeDtypeStruct` with the sharding `fn` declares for
         it (`out_shardings`) or, where it declares none, that of the piece counted over
-        `count_args` (compiled: `count`; with `sketch`, for a piece counted for nothing
-        else, its sketch unless it is counted), moved onto `mesh`. Traced once per
+        `count_args` (`count`), moved onto `mesh`. Traced once per
         signature (an identical stage on other devices reuses the trace) and placed once
         per mesh. Kept here, not per trainer, so that every plan in a process gets the
         same objects: a vjp's tree structure holds its forward's jaxpr, which compares
@@ -295,8 +247,7 @@ class Counter:
             shapes, treedef = self.traced(name, fn, mesh, args, context)
             shardings = [x.sharding for x in shapes]
             if not all(isinstance(s, NamedSharding) for s in shardings):
-                compile_ = self.sketch if sketch else self.count  # a sketch: a count's, if any
-                out = compile_(name, fn, mesh, count_args, context).out_shardings
+                out = self.count(name, fn, mesh, count_args, context).out_shardings
                 shardings = [
                     s if isinstance(s, NamedSharding) else c
                     for s, c in zip(shardings, jax.tree.leaves(out), strict=True)
@@ -309,11 +260,11 @@ class Counter:
         return self._placed[placed]
 
 
-def _key(name: str, mesh: Mesh, args: tuple, context: tuple, sketch: bool = False) -> tuple:
-    """What a piece's count (or sketch) depends on. The mesh's axis sizes, not its
+def _key(name: str, mesh: Mesh, args: tuple, context: tuple) -> tuple:
+    """What a piece's count depends on. The mesh's axis sizes, not its
     devices: identical stages share counts, but the same specs on a mesh of other sizes
     are other shards."""
-    return (name, context, tuple(mesh.shape.items()), signature(args), sketch)
+    return (name, context, tuple(mesh.shape.items()), signature(args))
 
 
 def on_mesh(sharding: Any, mesh: Mesh) -> Any:

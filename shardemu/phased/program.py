@@ -186,15 +186,14 @@ def recompute_flops(ex: Executor, st: Stage, count: tuple, g_x: Any) -> float:
     input (counted: the piece the phase runs) minus its backward from kept residuals.
     (Not the forward's count: XLA drops the recomputed forward's last matmul, whose
     output the vjp never uses.) The latter, and the forward that lays out its
-    residuals, are sketched (`Counter.sketch`: compiled for FLOPs and shardings alone).
-    Zero in a dry run for memory alone (`Executor.counting`), which lists the forward's
-    sketch."""
+    residuals, are counted for that alone: nothing of them is recorded. Zero in a dry
+    run for memory alone (`Executor.counting`), which lists the forward."""
     if not ex.counting:
-        ex.will_count(Piece.FWD_KEEP, st, count, sketch=True)
+        ex.will_count(Piece.FWD_KEEP, st, count)
         return 0.0
-    _, vjp_one = ex.shape(Piece.FWD_KEEP, st, count, sketch=True)
+    _, vjp_one = ex.shape(Piece.FWD_KEEP, st, count)
     bwd = ex.count(Piece.BWD, st, (*count, g_x)).flops_per_device
-    return bwd - ex.sketch(Piece.BWD_KEEP, st, (vjp_one, g_x)).flops_per_device
+    return bwd - ex.count(Piece.BWD_KEEP, st, (vjp_one, g_x)).flops_per_device
 
 
 def backward_phase(

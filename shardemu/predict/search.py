@@ -291,7 +291,7 @@ class Searcher(Bounds):
                             group[key] = None
                         self._needs.setdefault(key, []).append(c)
                 if group:  # a recomputing count after one that keeps residuals, whose
-                    # counted forward lays them out for it (no sketch: `recompute_flops`)
+                    # counted forward lays them out for it (`recompute_flops`)
                     yield tuple(sorted(group, key=lambda k: k.full))
 
     def count_wanted(self, key: CountKey) -> bool:

@@ -46,7 +46,7 @@ def counted_casts(counter: Counter, pieces: Iterable[Listed], full_recompute: bo
     by_name = {
         p.name: counter.count(p.name, p.fn, p.mesh, p.args, p.context).cast_bytes
         for p in pieces
-        if p.name in (forward, backward) and not p.sketch
+        if p.name in (forward, backward)
     }
     return WeightCasts(by_name.get(forward, (0, 0)), by_name.get(backward, (0, 0)), full_recompute)
 

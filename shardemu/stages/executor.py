@@ -21,7 +21,6 @@ from shardemu.accounting.count import (
     Counted,
     Counter,
     Listed,
-    Sketch,
     piece_events,
     shaped,
     signature,
@@ -302,14 +301,12 @@ class Executor:
             return settled((run or stage.fn(piece))(*args))
         return self._shaped(piece, stage, args, count_args)
 
-    def shape(self, piece: Piece, stage: StageLike, args: tuple, sketch: bool = False) -> Any:
+    def shape(self, piece: Piece, stage: StageLike, args: tuple) -> Any:
         """The abstract outputs of `piece` on `args`, shardings included; nothing
-        recorded. `sketch`: a piece compiled for nothing else (`Counter.sketch`)."""
-        return self._shaped(piece, stage, args, args, sketch)
+        recorded."""
+        return self._shaped(piece, stage, args, args)
 
-    def _shaped(
-        self, piece: Piece, stage: StageLike, args: tuple, count_args: tuple, sketch: bool = False
-    ) -> Any:
+    def _shaped(self, piece: Piece, stage: StageLike, args: tuple, count_args: tuple) -> Any:
         """Shapes of `piece` on `args`, each with the sharding it declares for it or, where
         it declares none, that of the piece counted over `count_args`
         (`Counter.outputs`), matched leaf by leaf (a stack of k layers has the one-layer
@@ -317,18 +314,13 @@ class Executor:
         structures differ)."""
         fn = stage.fn(piece)
         leaves, treedef = self.counter.outputs(
-            piece, fn, stage.mesh, args, self.context, count_args, sketch
+            piece, fn, stage.mesh, args, self.context, count_args
         )
         return treedef.unflatten(leaves)
 
-    def will_count(self, piece: Piece, stage: StageLike, args: tuple, sketch: bool = False) -> None:
-        """Not counting: list a piece the counted step will count (or `sketch`)."""
-        self.pieces.append(Listed(piece, stage.fn(piece), stage.mesh, args, self.context, sketch))
-
-    def sketch(self, piece: Piece, stage: StageLike, args: tuple) -> Sketch:
-        """`stage`'s `piece` over the abstract `args` sketched (`Counter.sketch`): its
-        FLOPs per device, as a sketch counts them, and its outputs' shardings."""
-        return self.counter.sketch(piece, stage.fn(piece), stage.mesh, args, self.context)
+    def will_count(self, piece: Piece, stage: StageLike, args: tuple) -> None:
+        """Not counting: list a piece the counted step will count."""
+        self.pieces.append(Listed(piece, stage.fn(piece), stage.mesh, args, self.context))
 
     def count(self, piece: Piece, stage: StageLike, args: tuple) -> Counted:
         """Compile `stage`'s `piece` over the abstract `args` once per signature and count it."""
